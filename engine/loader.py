@@ -1,0 +1,169 @@
+"""Checkpoint -> ERNIE-Image model: one .safetensors file or a diffusers folder.
+
+The model is built on the meta device and each tensor is assigned as it is read, so a load never
+holds two copies of the weights. Every problem with the input is a ``CheckpointError`` whose
+message names the file and what is wrong.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .models.ernie_image import SIGNATURE_KEYS, ErnieImageConfig, ErnieImageTransformer
+from .safetensors_io import CheckpointError, SafetensorsFile, refuse_pickle
+
+PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")
+DTYPE_NAMES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32,
+}
+CONFIG_METADATA_KEY = "ernie_image_config"  # optional JSON config stored in a file's metadata
+
+__all__ = ["CheckpointError", "Checkpoint", "load_model", "parse_dtype"]
+
+
+def parse_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
+    """None / "default" / "auto" / "as stored" mean: keep the checkpoint's dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().replace("torch.", "")
+    if key in ("default", "auto", "as stored", "stored", "none"):
+        return None
+    if key not in DTYPE_NAMES:
+        raise ValueError(f"dtype '{dtype}' is not supported; choose one of bf16, fp16, fp32 or default (as stored)")
+    return DTYPE_NAMES[key]
+
+
+class Checkpoint:
+    """The tensors of one model, possibly spread over shards, with their prefix removed."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.files: List[SafetensorsFile] = []
+        self.config_overrides: dict = {}
+        if os.path.isdir(path):
+            self._open_folder(path)
+        else:
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path}: file not found")
+            self.files = [SafetensorsFile(path)]
+            meta = self.files[0].metadata.get(CONFIG_METADATA_KEY)
+            if meta:
+                self.config_overrides = json.loads(meta)
+        # key (without prefix) -> (file, key in file)
+        self.index: Dict[str, Tuple[SafetensorsFile, str]] = {}
+        all_keys = [(f, k) for f in self.files for k in f.keys()]
+        prefix = self._detect_prefix([k for _, k in all_keys])
+        for f, k in all_keys:
+            if k.startswith(prefix):
+                self.index[k[len(prefix):]] = (f, k)
+        self.prefix = prefix
+
+    def _open_folder(self, path: str) -> None:
+        folder = os.path.join(path, "transformer") if os.path.isdir(os.path.join(path, "transformer")) else path
+        cfg_path = os.path.join(folder, "config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                self.config_overrides = json.load(f)
+        index_files = glob.glob(os.path.join(folder, "*.safetensors.index.json"))
+        if index_files:
+            with open(index_files[0]) as f:
+                weight_map = json.load(f).get("weight_map", {})
+            shards = sorted(set(weight_map.values()))
+            missing = [s for s in shards if not os.path.exists(os.path.join(folder, s))]
+            if missing:
+                raise CheckpointError(f"{index_files[0]}: shard file '{missing[0]}' named by the index is missing")
+        else:
+            shards = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+        if not shards:
+            pickles = [p for p in os.listdir(folder) if p.lower().endswith((".bin", ".pt", ".ckpt", ".pth"))]
+            if pickles:
+                refuse_pickle(os.path.join(folder, pickles[0]))
+            raise CheckpointError(f"{path}: no .safetensors weights found in this folder")
+        self.files = [SafetensorsFile(os.path.join(folder, s)) for s in shards]
+
+    @staticmethod
+    def _detect_prefix(keys: List[str]) -> str:
+        for prefix in PREFIXES:
+            if any(k.startswith(prefix + SIGNATURE_KEYS[0]) for k in keys):
+                return prefix
+        return ""
+
+    def keys(self):
+        return self.index.keys()
+
+    def shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return {k: f.shape(fk) for k, (f, fk) in self.index.items()}
+
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype of most floating-point weights (the "as stored" choice)."""
+        counts: Dict[torch.dtype, int] = {}
+        for f, fk in self.index.values():
+            dt = f.dtype(fk)
+            if dt.is_floating_point and dt.itemsize >= 2:
+                counts[dt] = counts.get(dt, 0) + 1
+        return max(counts, key=counts.get) if counts else torch.float32
+
+    def tensors(self, dtype: Optional[torch.dtype] = None):
+        for f in self.files:
+            mine = {fk: k for k, (ff, fk) in self.index.items() if ff is f}
+            for fk, t in f.tensors(mine.keys(), dtype=dtype):
+                yield mine[fk], t
+
+    def describe(self) -> str:
+        return self.path if len(self.files) == 1 else f"{self.path} ({len(self.files)} shards)"
+
+
+def check_architecture(ckpt: Checkpoint) -> ErnieImageConfig:
+    keys = set(ckpt.keys())
+    missing_sig = [k for k in SIGNATURE_KEYS if k not in keys]
+    if missing_sig:
+        sample = ", ".join(sorted(keys)[:3]) or "(no tensors)"
+        raise CheckpointError(
+            f"{ckpt.describe()}: not an ERNIE-Image diffusion model: key '{missing_sig[0]}' is missing "
+            f"(the file has {len(keys)} tensors, e.g. {sample})"
+        )
+    try:
+        return ErnieImageConfig.from_shapes(ckpt.shapes(), ckpt.config_overrides)
+    except (KeyError, IndexError, ValueError, ZeroDivisionError) as e:
+        raise CheckpointError(f"{ckpt.describe()}: not a complete ERNIE-Image diffusion model (cannot read its shape: missing {e})") from None
+
+
+def build_model(cfg: ErnieImageConfig, device: Union[str, torch.device] = "meta") -> ErnieImageTransformer:
+    with torch.device(device):
+        return ErnieImageTransformer(cfg)
+
+
+def load_model(path: str, dtype: Union[None, str, torch.dtype] = None, device: Union[str, torch.device] = "cpu") -> ErnieImageTransformer:
+    """Load an ERNIE-Image DiT from a .safetensors file or a diffusers folder, in eval mode."""
+    path = os.fspath(path)
+    ckpt = Checkpoint(path)
+    cfg = check_architecture(ckpt)
+    target = parse_dtype(dtype) or ckpt.stored_dtype()
+    model = build_model(cfg, "meta")
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    have = set(ckpt.keys())
+    missing = [k for k in expected if k not in have]
+    unexpected = sorted(k for k in have if k not in expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (first: {', '.join(missing[:3])})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (first: {', '.join(unexpected[:3])})")
+        raise CheckpointError(f"{ckpt.describe()}: tensors do not match the ERNIE-Image architecture: " + "; ".join(parts))
+    for k, shape in ckpt.shapes().items():
+        if tuple(shape) != expected[k]:
+            raise CheckpointError(
+                f"{ckpt.describe()}: tensor '{k}' has shape {tuple(shape)}, but a model of this configuration needs {expected[k]}"
+            )
+    state = {}
+    for k, t in ckpt.tensors(dtype=target):
+        state[k] = t.to(device) if str(device) != "cpu" else t
+    model.load_state_dict(state, strict=True, assign=True)
+    model.eval().requires_grad_(False)
+    return model

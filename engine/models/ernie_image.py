@@ -1,0 +1,303 @@
+"""ERNIE-Image DiT (Baidu): single-stream transformer with one shared AdaLN modulation.
+
+Parameter names are those of the released checkpoints (diffusers layout), so the 8B files
+load unchanged. The configuration is read from tensor shapes (``ErnieImageConfig.from_shapes``),
+so tiny test checkpoints and the release take the same path.
+
+The forward is split into ``embed`` -> ``run_blocks`` -> ``unembed`` so that caching, offload and
+parallelism can wrap the block loop from outside (``model.block_runner``) without forking the model.
+Quirks reproduced on purpose (reference ernie_image.md §7.1): image tokens first, image RoPE axis 0
+equals the sample's text length, the non-orthogonal rotate-half RoPE, exact GELU in the GeGLU,
+no norm on text features, and a final AdaLN driven by the un-activated time embedding in
+(scale, shift) order.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, asdict
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import attention as attention_backends
+
+ARCHITECTURE = "ernie-image"
+# Keys that identify an ERNIE-Image DiT state dict (as ComfyUI and other tools detect it).
+SIGNATURE_KEYS = ("layers.0.mlp.linear_fc2.weight", "layers.0.adaLN_sa_ln.weight")
+
+
+@dataclass(frozen=True)
+class ErnieImageConfig:
+    hidden_size: int = 4096
+    num_layers: int = 36
+    num_attention_heads: int = 32
+    ffn_hidden_size: int = 12288
+    in_channels: int = 128
+    out_channels: int = 128
+    text_in_dim: int = 3072
+    patch_size: int = 1
+    rope_axes_dim: tuple = (32, 48, 48)
+    rope_theta: float = 256.0
+    eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["rope_axes_dim"] = list(self.rope_axes_dim)
+        return d
+
+    @staticmethod
+    def default_rope_axes(head_dim: int) -> tuple:
+        """The release splits its 128-dim head 32/48/48; smaller heads keep the 1/4, 3/8, 3/8 split."""
+        if head_dim == 128:
+            return (32, 48, 48)
+        a0 = 2 * round(head_dim / 8)
+        a1 = 2 * ((head_dim - a0) // 4)
+        return (a0, a1, head_dim - a0 - a1)
+
+    @classmethod
+    def from_shapes(cls, shapes: Mapping[str, Sequence[int]], overrides: Optional[dict] = None) -> "ErnieImageConfig":
+        """Derive the configuration from tensor shapes (keys without any prefix)."""
+        hidden, in_ch, patch, _ = shapes["x_embedder.proj.weight"]
+        num_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
+        head_dim = shapes["layers.0.self_attention.norm_q.weight"][0]
+        out_ch = shapes["final_linear.weight"][0] // (patch * patch)
+        kw = dict(
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_attention_heads=hidden // head_dim,
+            ffn_hidden_size=shapes["layers.0.mlp.gate_proj.weight"][0],
+            in_channels=in_ch,
+            out_channels=out_ch,
+            text_in_dim=shapes["text_proj.weight"][1] if "text_proj.weight" in shapes else hidden,
+            patch_size=patch,
+            rope_axes_dim=cls.default_rope_axes(head_dim),
+        )
+        for k, v in (overrides or {}).items():
+            if k in kw or k in ("rope_theta", "eps"):
+                kw[k] = tuple(v) if k == "rope_axes_dim" else v
+        return cls(**kw)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ErnieImageConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.heads = cfg.num_attention_heads
+        self.to_q = nn.Linear(h, h, bias=False)
+        self.to_k = nn.Linear(h, h, bias=False)
+        self.to_v = nn.Linear(h, h, bias=False)
+        self.norm_q = RMSNorm(cfg.head_dim, cfg.eps)
+        self.norm_k = RMSNorm(cfg.head_dim, cfg.eps)
+        self.to_out = nn.ModuleList([nn.Linear(h, h, bias=False)])
+
+    def forward(self, x: torch.Tensor, ctx: "BlockContext") -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.norm_q(self.to_q(x).view(b, s, self.heads, -1))
+        k = self.norm_k(self.to_k(x).view(b, s, self.heads, -1))
+        v = self.to_v(x).view(b, s, self.heads, -1)
+        q, k = apply_rope(q, ctx.rope), apply_rope(k, ctx.rope)
+        out = ctx.attention(q, k, v, ctx.key_mask)  # [B, S, heads, head_dim]
+        return self.to_out[0](out.reshape(b, s, -1))
+
+
+class GeGLU(nn.Module):
+    def __init__(self, cfg: ErnieImageConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.linear_fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.up_proj(x) * F.gelu(self.gate_proj(x)))
+
+
+class ErnieImageBlock(nn.Module):
+    def __init__(self, cfg: ErnieImageConfig):
+        super().__init__()
+        self.adaLN_sa_ln = RMSNorm(cfg.hidden_size, cfg.eps)
+        self.self_attention = Attention(cfg)
+        self.adaLN_mlp_ln = RMSNorm(cfg.hidden_size, cfg.eps)
+        self.mlp = GeGLU(cfg)
+
+    def forward(self, h: torch.Tensor, ctx: "BlockContext") -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ctx.modulation
+        h = h + gate_msa * self.self_attention(torch.addcmul(shift_msa, self.adaLN_sa_ln(h), scale_msa), ctx)
+        return h + gate_mlp * self.mlp(torch.addcmul(shift_mlp, self.adaLN_mlp_ln(h), scale_mlp))
+
+
+@dataclass
+class BlockContext:
+    """Everything a block needs besides the hidden states; computed once per forward."""
+
+    modulation: tuple  # six [B, 1, H] tensors; the scales already hold the "1 +"
+    rope: tuple  # (cos, sin_signed), each [B, S, 1, head_dim]
+    key_mask: Optional[torch.Tensor]  # bool [B, S] (True = attend) or None when nothing is padded
+    attention: Callable
+    num_image_tokens: int
+    grid: tuple  # (Hp, Wp) patch grid of the image
+    temb: torch.Tensor  # [B, H] time embedding (drives the final AdaLN)
+    extra: dict = field(default_factory=dict)  # scratch space for wrappers (cache, parallel)
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """diffusers ``Timesteps(dim, flip_sin_to_cos=False, downscale_freq_shift=0)``: [sin | cos]."""
+    half = dim // 2
+    exponent = -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device)
+    args = t.float()[:, None] * torch.exp(exponent / half)[None]
+    return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)
+
+
+def rope_angles(pos: torch.Tensor, axes_dim: Sequence[int], theta: float) -> torch.Tensor:
+    """pos [B, S, 3] -> per-dim angles [B, S, head_dim] laid out as diffusers' ErnieImageEmbedND3.
+
+    Computed in float32 like diffusers (ComfyUI uses float64; the difference is below 1e-6).
+    """
+    parts = []
+    for i, d in enumerate(axes_dim):
+        omega = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=pos.device) / d))
+        parts.append(pos[..., i : i + 1].float() * omega)
+    emb = torch.cat(parts, dim=-1)  # [B, S, head_dim/2]
+    return emb.repeat_interleave(2, dim=-1)  # [θ0, θ0, θ1, θ1, ...]
+
+
+def apply_rope(x: torch.Tensor, rope: tuple) -> torch.Tensor:
+    """Non-interleaved rotate-half with per-dim angles: not an orthogonal rotation (ERNIE quirk)."""
+    cos, sin_signed = rope
+    half = x.shape[-1] // 2
+    rotated = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin_signed
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, cfg: ErnieImageConfig):
+        super().__init__()
+        self.eps = cfg.eps
+        self.linear = nn.Linear(cfg.hidden_size, 2 * cfg.hidden_size)
+
+
+class TimeEmbedding(nn.Module):
+    def __init__(self, cfg: ErnieImageConfig):
+        super().__init__()
+        self.linear_1 = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.linear_2 = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: ErnieImageConfig):
+        super().__init__()
+        p = cfg.patch_size
+        self.proj = nn.Conv2d(cfg.in_channels, cfg.hidden_size, kernel_size=p, stride=p)
+
+
+class ErnieImageTransformer(nn.Module):
+    """The ERNIE-Image DiT. ``forward`` matches diffusers' ErnieImageTransformer2DModel inputs."""
+
+    def __init__(self, cfg: ErnieImageConfig):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.x_embedder = PatchEmbed(cfg)
+        # Like diffusers, a text dim equal to the hidden size means no projection at all.
+        self.text_proj = nn.Linear(cfg.text_in_dim, h, bias=False) if cfg.text_in_dim != h else None
+        self.time_embedding = TimeEmbedding(cfg)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(h, 6 * h))
+        self.layers = nn.ModuleList([ErnieImageBlock(cfg) for _ in range(cfg.num_layers)])
+        self.final_norm = FinalNorm(cfg)
+        self.final_linear = nn.Linear(h, cfg.patch_size * cfg.patch_size * cfg.out_channels)
+        self.attention = attention_backends.sdpa
+        # Replaceable by wrappers (cache, offload, parallel): (model, h, ctx) -> h.
+        self.block_runner: Callable = run_all_blocks
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.final_linear.weight.dtype
+
+    # -- forward, in three parts ------------------------------------------------------------
+    def embed(self, hidden_states, timestep, text_bth, text_lens):
+        cfg = self.config
+        dtype = self.dtype
+        b, _, height, width = hidden_states.shape
+        p = cfg.patch_size
+        gh, gw = height // p, width // p
+        n_img = gh * gw
+        img = self.x_embedder.proj(hidden_states.to(dtype)).flatten(2).transpose(1, 2)
+        txt = text_bth.to(dtype)
+        if self.text_proj is not None:
+            txt = self.text_proj(txt)
+        t_max = txt.shape[1]
+        h = torch.cat([img, txt], dim=1)
+
+        text_lens = torch.as_tensor(text_lens, device=h.device).reshape(-1).to(torch.long)
+        if text_lens.numel() == 1 and b > 1:
+            text_lens = text_lens.expand(b)
+        timestep = torch.as_tensor(timestep, device=h.device).reshape(-1)
+        if timestep.numel() == 1 and b > 1:
+            timestep = timestep.expand(b)
+
+        temb = self.time_embedding(timestep_sinusoid(timestep, cfg.hidden_size).to(dtype))
+        mod = self.adaLN_modulation(temb).unsqueeze(1).chunk(6, dim=-1)
+        modulation = (mod[0], 1 + mod[1], mod[2], mod[3], 1 + mod[4], mod[5])
+
+        rope = self.rope(text_lens, t_max, gh, gw, dtype, h.device)
+        key_mask = None
+        if bool((text_lens < t_max).any()):
+            key_mask = torch.ones(b, n_img + t_max, dtype=torch.bool, device=h.device)
+            key_mask[:, n_img:] = torch.arange(t_max, device=h.device)[None] < text_lens[:, None]
+        ctx = BlockContext(modulation, rope, key_mask, self.attention, n_img, (gh, gw), temb)
+        return h, ctx
+
+    def rope(self, text_lens: torch.Tensor, t_max: int, gh: int, gw: int, dtype, device) -> tuple:
+        """cos and signed sin [B, S, 1, head_dim], computed once per forward for all layers."""
+        b = text_lens.shape[0]
+        yy, xx = torch.meshgrid(torch.arange(gh, device=device), torch.arange(gw, device=device), indexing="ij")
+        img = torch.stack([torch.zeros_like(yy), yy, xx], dim=-1).reshape(1, -1, 3).repeat(b, 1, 1)
+        img[..., 0] = text_lens[:, None]
+        txt = torch.zeros(b, t_max, 3, dtype=torch.long, device=device)
+        txt[..., 0] = torch.arange(t_max, device=device)
+        pos = torch.cat([img, txt], dim=1)
+        angles = rope_angles(pos, self.config.rope_axes_dim, self.config.rope_theta)
+        half = angles.shape[-1] // 2
+        sin = torch.sin(angles)
+        sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return torch.cos(angles).to(dtype).unsqueeze(2), sin_signed.to(dtype).unsqueeze(2)
+
+    def unembed(self, h: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+        cfg = self.config
+        scale, shift = self.final_norm.linear(ctx.temb).unsqueeze(1).chunk(2, dim=-1)
+        h = F.layer_norm(h[:, : ctx.num_image_tokens], (h.shape[-1],), eps=self.final_norm.eps)
+        out = self.final_linear(torch.addcmul(shift, h, 1 + scale))
+        b = out.shape[0]
+        gh, gw = ctx.grid
+        p = cfg.patch_size
+        out = out.view(b, gh, gw, p, p, cfg.out_channels).permute(0, 5, 1, 3, 2, 4)
+        return out.reshape(b, cfg.out_channels, gh * p, gw * p)
+
+    def forward(self, hidden_states, timestep, text_bth, text_lens):
+        h, ctx = self.embed(hidden_states, timestep, text_bth, text_lens)
+        h = self.block_runner(self, h, ctx)
+        return self.unembed(h, ctx)
+
+
+def run_all_blocks(model: ErnieImageTransformer, h: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+    for block in model.layers:
+        h = block(h, ctx)
+    return h

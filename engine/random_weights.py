@@ -1,0 +1,60 @@
+"""Random ERNIE-Image models of named sizes, for tests and benchmarks (no weights to download)."""
+from __future__ import annotations
+
+import json
+from typing import Dict
+
+import torch
+
+from .models.ernie_image import ErnieImageConfig, ErnieImageTransformer
+
+SIZES: Dict[str, ErnieImageConfig] = {
+    # 2 layers, 4 heads of 16: the unit-test size.
+    "tiny": ErnieImageConfig(hidden_size=64, num_layers=2, num_attention_heads=4, ffn_hidden_size=192,
+                             in_channels=16, out_channels=16, text_in_dim=48, rope_axes_dim=(4, 6, 6)),
+    # ~30M parameters.
+    "small": ErnieImageConfig(hidden_size=384, num_layers=8, num_attention_heads=6, ffn_hidden_size=1152,
+                              in_channels=128, out_channels=128, text_in_dim=256, rope_axes_dim=(16, 24, 24)),
+    # ~120M parameters.
+    "medium": ErnieImageConfig(hidden_size=768, num_layers=8, num_attention_heads=12, ffn_hidden_size=2304,
+                               in_channels=128, out_channels=128, text_in_dim=512, rope_axes_dim=(16, 24, 24)),
+    # The released shape (8.03B parameters): for GPU machines.
+    "8b": ErnieImageConfig(),
+}
+
+
+def random_state_dict(cfg: ErnieImageConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """Deterministic weights scaled so activations stay O(1) through every layer."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in ErnieImageTransformer(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, shape in shapes.items():
+        if k.endswith("norm_q.weight") or k.endswith("norm_k.weight") or k.endswith("_ln.weight"):
+            t = 1 + 0.1 * torch.randn(shape, generator=g)
+        elif k.endswith(".bias"):
+            t = 0.02 * torch.randn(shape, generator=g)
+        else:
+            fan_in = 1
+            for d in shape[1:]:
+                fan_in *= d
+            t = torch.randn(shape, generator=g) / fan_in ** 0.5
+            if k.startswith("adaLN_modulation") or k.startswith("final_norm"):
+                t = t * 0.3
+        out[k] = t.to(dtype)
+    return out
+
+
+def random_model(cfg: ErnieImageConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> ErnieImageTransformer:
+    with torch.device("meta"):
+        model = ErnieImageTransformer(cfg)
+    model.load_state_dict(random_state_dict(cfg, seed, dtype), assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def save_random_checkpoint(path: str, cfg: ErnieImageConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                           prefix: str = "") -> None:
+    from safetensors.torch import save_file
+
+    sd = {prefix + k: v.contiguous() for k, v in random_state_dict(cfg, seed, dtype).items()}
+    save_file(sd, path, metadata={"ernie_image_config": json.dumps({"rope_axes_dim": list(cfg.rope_axes_dim)})})

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create .venv with everything the pack, its CLI and (with --dev) its tests need.
+# Idempotent: a second run only checks. Works from any folder name.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+dev=0
+[ "${1:-}" = "--dev" ] && dev=1
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+fi
+pip() { .venv/bin/pip install -q --disable-pip-version-check "$@"; }
+stamp=.venv/.sgld-setup
+want="base-$(sha1sum requirements.txt pyproject.toml | sha1sum | cut -c1-12)"
+if ! grep -qx "$want" "$stamp" 2>/dev/null; then
+  # torch 2.14.1 + torchvision 0.29.1 are the versions ComfyUI's requirements resolve to;
+  # one torch for the CLI and the ComfyUI tests keeps the two worlds identical.
+  pip torch==2.14.1 torchvision==0.29.1
+  pip -r requirements.txt
+  pip --no-deps -e .
+  echo "$want" >> "$stamp"
+fi
+if [ "$dev" = 1 ]; then
+  wantdev="dev-$(sha1sum requirements-dev.txt | cut -c1-12)"
+  if ! grep -qx "$wantdev" "$stamp" 2>/dev/null; then
+    pip -r requirements-dev.txt
+    echo "$wantdev" >> "$stamp"
+  fi
+fi
