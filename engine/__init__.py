@@ -1,1 +1,10 @@
-"""SGLDiffusion engine."""
+"""SGLDiffusion engine: ERNIE-Image DiT inference without ComfyUI.
+
+Public API: ``load_model``, ``Engine``, ``EngineConfig``. Importable as the top-level package
+``engine`` (from the repository root) and as a subpackage of the ComfyUI pack.
+"""
+from .config import EngineConfig
+from .loader import CheckpointError, load_model
+from .pipeline import Engine, InputError, RunStats
+
+__all__ = ["CheckpointError", "Engine", "EngineConfig", "InputError", "RunStats", "load_model"]

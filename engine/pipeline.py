@@ -1,0 +1,167 @@
+"""Engine: the one API that nodes, CLI and benchmarks call. It owns the sampling loop, so wrappers
+(cache, offload, parallel) see the step index, the step count and the CFG branch."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from .config import EngineConfig
+from .loader import load_model
+from .models.ernie_image import ErnieImageTransformer
+from .sampling import (DEFAULT_SHIFT, MULTIPLIER, SAMPLERS, SCHEDULERS, model_calls, noise_scaling,
+                       run_sampler, seeded_noise, sigma_schedule)
+
+
+class InputError(ValueError):
+    """Inputs that do not fit the model (latent shape, conditioning); the message says which and why."""
+
+
+@dataclass
+class RunStats:
+    """What one ``Engine.sample`` call did (read ``engine.last_run``)."""
+
+    steps: int = 0
+    model_calls: int = 0
+    sampling_seconds: float = 0.0
+    step_mask: List[bool] = field(default_factory=list)  # True = the DiT was computed at that call
+
+    @property
+    def steps_computed(self) -> int:
+        return sum(self.step_mask)
+
+    def to_dict(self) -> dict:
+        return {"steps_total": self.model_calls, "steps_computed": self.steps_computed,
+                "sampling_seconds": round(self.sampling_seconds, 4), "step_mask": "".join("x" if m else "." for m in self.step_mask)}
+
+
+def pad_text(features: Sequence[torch.Tensor], dtype: torch.dtype, device) -> tuple:
+    """Per-sample [T_i, C] text features -> zero-padded [B, Tmax, C] and lengths [B]."""
+    lens = [int(f.shape[0]) for f in features]
+    out = torch.zeros(len(features), max(lens), features[0].shape[-1], dtype=dtype, device=device)
+    for i, f in enumerate(features):
+        out[i, : lens[i]] = f.to(device=device, dtype=dtype)
+    return out, torch.tensor(lens, device=device)
+
+
+class Engine:
+    def __init__(self, model: ErnieImageTransformer, config: Optional[EngineConfig] = None, source: str = ""):
+        self.model = model
+        self.config = config or EngineConfig()
+        self.source = source
+        self.last_run = RunStats()
+
+    @classmethod
+    def from_file(cls, path: str, config: Optional[EngineConfig] = None) -> "Engine":
+        config = config or EngineConfig()
+        return cls(load_model(path, dtype=config.dtype, device=config.device), config, source=str(path))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.final_linear.weight.device
+
+    # -- input checks ----------------------------------------------------------------------------
+    def _check_conditioning(self, name: str, cond, batch: int) -> List[torch.Tensor]:
+        cfg = self.model.config
+        if cond is None or len(cond) == 0:
+            raise InputError(f"{name} conditioning is empty: connect a text encoder output")
+        feats = []
+        for i, c in enumerate(cond):
+            if not isinstance(c, torch.Tensor):
+                raise InputError(f"{name} conditioning #{i} is {type(c).__name__}, not a tensor of text features")
+            if c.dim() == 3 and c.shape[0] == 1:
+                c = c[0]
+            if c.dim() != 2 or c.shape[0] < 1:
+                raise InputError(f"{name} conditioning #{i} has shape {tuple(c.shape)}; expected [tokens, {cfg.text_in_dim}]")
+            if c.shape[1] != cfg.text_in_dim:
+                raise InputError(
+                    f"{name} conditioning #{i} has {c.shape[1]} features per token but this model takes {cfg.text_in_dim}: "
+                    "was it made by the right text encoder?"
+                )
+            feats.append(c)
+        if len(feats) == 1 and batch > 1:
+            feats = feats * batch
+        if len(feats) != batch:
+            raise InputError(f"{name} conditioning has {len(feats)} entries for a latent batch of {batch}")
+        return feats
+
+    def _check_latent(self, latent) -> None:
+        cfg = self.model.config
+        if not isinstance(latent, torch.Tensor) or latent.dim() != 4:
+            shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
+            raise InputError(f"latent has shape {shape}; expected [batch, {cfg.in_channels}, height, width]")
+        if latent.shape[1] != cfg.in_channels:
+            raise InputError(
+                f"latent has {latent.shape[1]} channels but this model takes {cfg.in_channels} "
+                f"(ERNIE-Image uses the Flux2 latent: 128 channels at 1/16 of the image size; use EmptyFlux2LatentImage)"
+            )
+        p = cfg.patch_size
+        if latent.shape[2] < p or latent.shape[3] < p or latent.shape[2] % p or latent.shape[3] % p:
+            raise InputError(f"latent size {tuple(latent.shape[2:])} is not a multiple of the patch size {p}")
+
+    # -- sampling --------------------------------------------------------------------------------
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, text: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """One DiT forward: flow velocity in float32."""
+        timestep = (sigma * MULTIPLIER).float().to(self.device)
+        return self.model(x.to(self.device), timestep, text, lens).float().to(x.device)
+
+    def make_denoiser(self, cond: List[torch.Tensor], uncond: Optional[List[torch.Tensor]], cfg: float):
+        """denoised(x, sigma) with CFG as ComfyUI computes it: uncond + (cond - uncond) * cfg on x0."""
+        use_cfg = uncond is not None and cfg != 1.0
+        features = cond + uncond if use_cfg else cond
+        text, lens = pad_text(features, self.model.dtype, self.device)
+        stats = self.last_run
+
+        def denoiser(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+            b = x.shape[0]
+            xs = torch.cat([x, x]) if use_cfg else x
+            sig = torch.cat([sigma, sigma]) if use_cfg else sigma
+            v = self.velocity(xs, sig, text, lens)
+            stats.step_mask.append(True)
+            denoised = xs - v * sig.view(-1, 1, 1, 1)
+            if not use_cfg:
+                return denoised
+            cond_pred, uncond_pred = denoised[:b], denoised[b:]
+            return uncond_pred + (cond_pred - uncond_pred) * cfg
+
+        return denoiser
+
+    @torch.no_grad()
+    def sample(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
+               sampler: str = "euler", scheduler: str = "simple", denoise: float = 1.0,
+               shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None) -> torch.Tensor:
+        """Sample from ``latent`` (zeros for text-to-image) and return the denoised latent (float32, CPU).
+
+        ``cond``/``uncond`` are lists of per-sample text features [T_i, C] of any lengths (one entry
+        is broadcast over the batch). ``callback(step, total, x, denoised)`` runs after every step's
+        model call and may raise to interrupt.
+        """
+        if sampler not in SAMPLERS:
+            raise InputError(f"sampler '{sampler}' is not supported; choose one of {', '.join(SAMPLERS)}")
+        if scheduler not in SCHEDULERS:
+            raise InputError(f"scheduler '{scheduler}' is not supported; choose one of {', '.join(SCHEDULERS)}")
+        if int(steps) < 1:
+            raise InputError(f"steps must be at least 1 (got {steps})")
+        self._check_latent(latent)
+        b = latent.shape[0]
+        cond = self._check_conditioning("positive", cond, b)
+        uncond = self._check_conditioning("negative", uncond, b) if uncond is not None and cfg != 1.0 else None
+        latent = latent.detach().to("cpu", torch.float32)
+        sigmas = sigma_schedule(int(steps), scheduler, denoise, shift)
+        self.last_run = RunStats(steps=len(sigmas) - 1, model_calls=model_calls(sampler, len(sigmas) - 1))
+        if len(sigmas) < 2:
+            return latent.clone()
+        noise = seeded_noise(latent.shape, seed)
+        x = noise_scaling(sigmas[0], noise, latent)
+        total = len(sigmas) - 1
+        step_cb = None
+        if callback is not None:
+            def step_cb(i, x_i, denoised):
+                callback(i, total, x_i, denoised)
+        start = time.perf_counter()
+        denoiser = self.make_denoiser(cond, uncond, cfg)
+        out = run_sampler(sampler, denoiser, x, sigmas, callback=step_cb, seed=seed)
+        self.last_run.sampling_seconds = time.perf_counter() - start
+        return out
