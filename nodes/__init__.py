@@ -1,0 +1,44 @@
+"""ComfyUI nodes of the SGLDiffusion pack: thin adapters between ComfyUI types and ``engine``.
+
+Imported only inside ComfyUI (the pack's ``__init__.py`` checks), as a subpackage of the pack,
+so the engine is imported relatively (``from ..engine import ...``).
+"""
+import logging
+
+from .ksampler import SGLDiffusionKSampler
+from .loader import SGLDiffusionModelLoader
+from .model_cache import install_memory_hooks, loaded
+
+NODE_CLASS_MAPPINGS = {
+    "SGLDiffusionModelLoader": SGLDiffusionModelLoader,
+    "SGLDiffusionKSampler": SGLDiffusionKSampler,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "SGLDiffusionModelLoader": "SGLDiffusion Model Loader",
+    "SGLDiffusionKSampler": "SGLDiffusion KSampler",
+}
+
+install_memory_hooks()
+
+
+def _add_routes() -> None:
+    """GET /sgldiffusion/models: the engines held in memory now (for the web extension and tests)."""
+    try:
+        from aiohttp import web
+        from server import PromptServer
+    except ImportError:
+        return
+    server = getattr(PromptServer, "instance", None)
+    if server is None:
+        return
+    try:
+        @server.routes.get("/sgldiffusion/models")
+        async def sgld_models(request):
+            return web.json_response({"loaded": loaded()})
+    except Exception:  # e.g. the router is already frozen: the nodes still work
+        logging.getLogger("sgldiffusion").warning("SGLDiffusion: could not add the /sgldiffusion/models route", exc_info=True)
+
+
+_add_routes()
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

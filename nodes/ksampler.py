@@ -1,0 +1,128 @@
+"""SGLDiffusion KSampler: ComfyUI's KSampler widgets, sampling done by ``engine.Engine.sample``.
+
+Only type adaptation happens here: CONDITIONING -> lists of text features, LATENT dict <-> tensor,
+the engine's step callback -> ComfyUI's progress bar, preview and interrupt check.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+
+import comfy.latent_formats
+import comfy.model_management
+import comfy.utils
+
+from ..engine import CheckpointError, InputError
+from ..engine.sampling import SAMPLERS, SCHEDULERS
+
+log = logging.getLogger("sgldiffusion")
+NODE = "SGLDiffusion KSampler"
+FLUX2_CHANNELS = 128  # ComfyUI's Flux2 latent format, the one ERNIE-Image uses
+
+
+def conditioning_features(name: str, conditioning) -> list:
+    """ComfyUI CONDITIONING ([[tensor [1, T, C], {...}], ...]) -> one text-feature tensor per entry."""
+    if conditioning is None:
+        return None
+    if not isinstance(conditioning, (list, tuple)):
+        raise ValueError(f"{NODE}: {name} is a {type(conditioning).__name__}, not a CONDITIONING list; connect a CLIPTextEncode output")
+    feats = []
+    for i, entry in enumerate(conditioning):
+        if isinstance(entry, (list, tuple)) and len(entry) >= 1:
+            feats.append(entry[0])
+        else:
+            raise ValueError(f"{NODE}: {name} conditioning #{i} is not a [tensor, options] pair")
+    return feats
+
+
+def latent_samples(latent):
+    if not isinstance(latent, dict) or "samples" not in latent:
+        raise ValueError(f"{NODE}: latent_image is not a LATENT (a dict with 'samples'); connect e.g. EmptyFlux2LatentImage")
+    if latent.get("noise_mask") is not None:
+        raise ValueError(f"{NODE}: latents with a noise mask (inpainting) are not supported yet; use ComfyUI's KSampler for inpainting")
+    return latent["samples"]
+
+
+class StepReporter:
+    """Engine step callback -> interrupt check, ComfyUI progress bar and (if enabled) a preview."""
+
+    def __init__(self, steps: int, channels: int, device):
+        self.pbar = comfy.utils.ProgressBar(steps)
+        self.previewer = None
+        if channels == FLUX2_CHANNELS:
+            try:
+                import latent_preview
+
+                self.previewer = latent_preview.get_previewer(device, comfy.latent_formats.Flux2())
+            except Exception as e:  # no preview is better than no image
+                log.warning("SGLDiffusion: step previews disabled (%s)", e)
+
+    def __call__(self, step, total, x, denoised):
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        preview = None
+        if self.previewer is not None:
+            try:
+                preview = self.previewer.decode_latent_to_preview_image("JPEG", denoised)
+            except Exception as e:
+                log.warning("SGLDiffusion: step previews disabled (%s)", e)
+                self.previewer = None
+        self.pbar.update_absolute(step + 1, total, preview)
+
+
+class SGLDiffusionKSampler:
+    DESCRIPTION = ("Denoises a latent with an SGLDiffusion model: the same inputs and results as ComfyUI's KSampler "
+                   "for ERNIE-Image, run by the SGLDiffusion engine (optional Cache-DiT step caching).")
+    CATEGORY = "SGLDiffusion"
+    RETURN_TYPES = ("LATENT",)
+    OUTPUT_TOOLTIPS = ("The denoised latent.",)
+    FUNCTION = "sample"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("SGLD_MODEL", {"tooltip": "From SGLDiffusion Model Loader."}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": 0xffffffffffffffff, "control_after_generate": True,
+                                 "tooltip": "The random seed used for creating the noise."}),
+                "steps": ("INT", {"default": 20, "min": 1, "max": 10000, "tooltip": "The number of denoising steps (ERNIE-Image Turbo: 8, Base: 50)."}),
+                "cfg": ("FLOAT", {"default": 4.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
+                                  "tooltip": "Classifier-free guidance scale (Turbo: 1.0, which skips the negative prompt; Base: 4.0)."}),
+                "sampler_name": (list(SAMPLERS), {"tooltip": "The sampling algorithm."}),
+                "scheduler": (list(SCHEDULERS), {"tooltip": "The sigma schedule."}),
+                "positive": ("CONDITIONING", {"tooltip": "What the image should show."}),
+                "negative": ("CONDITIONING", {"tooltip": "What the image should not show (unused at cfg 1)."}),
+                "latent_image": ("LATENT", {"tooltip": "The latent to denoise (EmptyFlux2LatentImage for text-to-image)."}),
+                "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01,
+                                      "tooltip": "How much of the latent to replace; below 1 keeps the input's structure."}),
+            },
+            "optional": {
+                "cache": ("SGLD_CACHE", {"tooltip": "Cache-DiT step caching options (SGLDiffusion Cache-DiT node)."}),
+            },
+        }
+
+    def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
+               denoise=1.0, cache=None):
+        if not hasattr(model, "engine"):
+            raise ValueError(f"{NODE}: 'model' must come from SGLDiffusion Model Loader (got {type(model).__name__})")
+        samples = latent_samples(latent_image)
+        cond = conditioning_features("positive", positive)
+        uncond = conditioning_features("negative", negative)
+        try:
+            engine = model.engine()
+        except CheckpointError as e:
+            raise ValueError(f"{NODE}: {e}") from None
+        kwargs = {}
+        if cache is not None:
+            if "cache" not in inspect.signature(engine.sample).parameters:
+                raise ValueError(f"{NODE}: this version of the SGLDiffusion engine does not support the cache input")
+            kwargs["cache"] = cache
+        channels = samples.shape[1] if getattr(samples, "dim", lambda: 0)() >= 2 else 0
+        reporter = StepReporter(int(steps), channels, engine.device)
+        try:
+            out = engine.sample(samples, cond, uncond, seed=seed, steps=steps, cfg=cfg, sampler=sampler_name,
+                                scheduler=scheduler, denoise=denoise, callback=reporter, **kwargs)
+        except InputError as e:
+            raise ValueError(f"{NODE}: {e}") from None
+        result = dict(latent_image)
+        result["samples"] = out.to(comfy.model_management.intermediate_device())
+        return {"ui": {"sgld_stats": [engine.last_run.to_dict()]}, "result": (result,)}

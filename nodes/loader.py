@@ -1,0 +1,95 @@
+"""SGLDiffusion Model Loader: a diffusion-model file + engine options -> SGLD_MODEL."""
+from __future__ import annotations
+
+import os
+
+import folder_paths
+
+from ..engine import CheckpointError, EngineConfig
+from .model_cache import SGLDModel, get_engine
+
+FOLDER = "diffusion_models"  # ComfyUI maps the legacy "unet" folder into this one
+WEIGHT_DTYPES = ["default", "bf16", "fp16", "fp32"]
+
+
+def model_folders() -> list:
+    names = [FOLDER] + (["unet"] if "unet" in folder_paths.folder_names_and_paths and "unet" != FOLDER else [])
+    out = []
+    for name in names:
+        for p in folder_paths.get_folder_paths(name):
+            if p not in out:
+                out.append(p)
+    return out
+
+
+def model_files() -> list:
+    files = list(folder_paths.get_filename_list(FOLDER))
+    if "unet" in folder_paths.folder_names_and_paths:
+        files += [f for f in folder_paths.get_filename_list("unet") if f not in files]
+    return sorted(files)
+
+
+def resolve(name: str) -> str:
+    path = folder_paths.get_full_path(FOLDER, name)
+    if path is None and "unet" in folder_paths.folder_names_and_paths:
+        path = folder_paths.get_full_path("unet", name)
+    if path is None or not os.path.exists(path):
+        raise ValueError(
+            f"SGLDiffusion Model Loader: model file '{name}' was not found in {', '.join(model_folders())}. "
+            "Put the ERNIE-Image diffusion model (e.g. ernie-image-turbo.safetensors) in ComfyUI/models/diffusion_models "
+            "and press R in the UI to refresh the list."
+        )
+    return path
+
+
+def torch_device() -> str:
+    import comfy.model_management as mm
+
+    return str(mm.get_torch_device())
+
+
+class SGLDiffusionModelLoader:
+    DESCRIPTION = ("Loads an ERNIE-Image diffusion model (.safetensors from models/diffusion_models) into the "
+                   "SGLDiffusion engine. The model stays loaded between runs until the inputs change or ComfyUI frees memory.")
+    CATEGORY = "SGLDiffusion"
+    RETURN_TYPES = ("SGLD_MODEL",)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("The loaded model, for SGLDiffusion KSampler.",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "unet_name": (model_files(), {"tooltip": "The diffusion model file (models/diffusion_models or models/unet)."}),
+                "weight_dtype": (WEIGHT_DTYPES, {"default": "default",
+                                                 "tooltip": "Weight dtype in memory; 'default' keeps the file's dtype."}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, unet_name):
+        # A name that is not (yet) in the folder is reported by load() with a message that says where
+        # to put the file, instead of ComfyUI's generic "value not in list".
+        return True
+
+    @classmethod
+    def IS_CHANGED(cls, unet_name, weight_dtype="default", **kwargs):
+        try:
+            st = os.stat(resolve(unet_name))
+            return f"{st.st_mtime_ns}:{st.st_size}"
+        except Exception:
+            return float("nan")  # never equal: run load() and let it report the problem
+
+    def load(self, unet_name, weight_dtype="default", unique_id=None):
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"SGLDiffusion Model Loader: weight_dtype '{weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
+        path = resolve(unet_name)
+        config = EngineConfig(dtype=None if weight_dtype == "default" else weight_dtype, device=torch_device())
+        handle = SGLDModel(path, config, name=unet_name, owner=str(unique_id) if unique_id is not None else None)
+        try:
+            get_engine(handle)  # load now, so a bad file is reported on this node
+        except CheckpointError as e:
+            raise ValueError(f"SGLDiffusion Model Loader: {e}") from None
+        return (handle,)

@@ -1,0 +1,232 @@
+"""A real ComfyUI server for tests and benchmarks, with this pack and tests/comfy_test_pack loaded.
+
+ComfyUI 0.3.75 comes from ``scripts/comfyui.sh`` (cached in ``.cache/ComfyUI``). Each server gets
+its own ``--base-directory`` (custom_nodes with symlinks to this repository and the test pack,
+models/, input/, output/, temp/, user/), a free port on 127.0.0.1 and its own process group, so
+nothing outside the temporary folder changes and teardown kills everything it started.
+Every wait is bounded. Standard library + ``requests`` + ``websocket-client`` only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from typing import Optional
+
+import requests
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMFY_DIR = os.environ.get("SGLD_COMFYUI_DIR", os.path.join(ROOT, ".cache", "ComfyUI"))
+TEST_PACK = os.path.join(ROOT, "tests", "comfy_test_pack")
+PACK_NAME = "ComfyUI-SGLDiffusion-under-test"  # any folder name must work
+TEST_PACK_NAME = "sgld_comfy_test_pack"
+
+
+def python() -> str:
+    venv = os.path.join(ROOT, ".venv", "bin", "python")
+    return venv if os.path.exists(venv) else sys.executable
+
+
+def ensure_comfyui(timeout: float = 1200) -> str:
+    """Install ComfyUI 0.3.75 into COMFY_DIR unless it is there already; returns COMFY_DIR."""
+    if not os.path.exists(os.path.join(COMFY_DIR, ".sgld-ready")):
+        subprocess.run(["bash", os.path.join(ROOT, "scripts", "comfyui.sh")], check=True, timeout=timeout)
+    return COMFY_DIR
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_base_dir(base: str) -> str:
+    """base/custom_nodes/{this pack, test pack} (symlinks) and the model folders."""
+    cn = os.path.join(base, "custom_nodes")
+    os.makedirs(cn, exist_ok=True)
+    for name, target in ((PACK_NAME, ROOT), (TEST_PACK_NAME, TEST_PACK)):
+        link = os.path.join(cn, name)
+        if not os.path.lexists(link):
+            os.symlink(target, link, target_is_directory=True)
+    for sub in ("models/diffusion_models", "models/unet", "models/text_encoders", "models/vae", "input", "output", "temp", "user"):
+        os.makedirs(os.path.join(base, sub), exist_ok=True)
+    return base
+
+
+class ComfyServer:
+    def __init__(self, base: str, port: int, proc: subprocess.Popen, log_path: str):
+        self.base, self.port, self.proc, self.log_path = base, port, proc, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.client_id = uuid.uuid4().hex
+
+    # -- process ---------------------------------------------------------------------------------
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def rss(self) -> int:
+        import psutil
+
+        return psutil.Process(self.proc.pid).memory_info().rss
+
+    def stop(self, timeout: float = 15) -> None:
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def get(self, path: str, timeout: float = 30, **kw) -> requests.Response:
+        return requests.get(self.url + path, timeout=timeout, **kw)
+
+    def post(self, path: str, payload=None, timeout: float = 30) -> requests.Response:
+        return requests.post(self.url + path, json=payload if payload is not None else {}, timeout=timeout)
+
+    def queue(self, prompt: dict) -> str:
+        r = self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})
+        if r.status_code != 200:
+            raise AssertionError(f"POST /prompt -> {r.status_code}: {r.text[:2000]}")
+        return r.json()["prompt_id"]
+
+    def wait(self, prompt_id: str, timeout: float = 120) -> dict:
+        """The /history entry of ``prompt_id`` once it is finished (success or error)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise AssertionError(f"ComfyUI exited (rc={self.proc.returncode}); log tail:\n{self.log()[-4000:]}")
+            r = self.get(f"/history/{prompt_id}")
+            if r.status_code == 200:
+                entry = r.json().get(prompt_id)
+                if entry and entry.get("status", {}).get("status_str") in ("success", "error"):
+                    return entry
+            time.sleep(0.05)
+        raise AssertionError(f"prompt {prompt_id} did not finish within {timeout} s; log tail:\n{self.log()[-4000:]}")
+
+    def run(self, prompt: dict, timeout: float = 120) -> dict:
+        return self.wait(self.queue(prompt), timeout)
+
+    def output_path(self, item: dict) -> str:
+        return os.path.join(self.base, item.get("type", "output"), item.get("subfolder", ""), item["filename"])
+
+    def websocket(self, timeout: float = 10):
+        import websocket
+
+        ws = websocket.WebSocket()
+        ws.connect(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}", timeout=timeout)
+        return ws
+
+
+def error_message(entry: dict) -> Optional[dict]:
+    """The ``execution_error`` / ``execution_interrupted`` payload of a history entry, if any."""
+    for kind, data in entry.get("status", {}).get("messages", []):
+        if kind in ("execution_error", "execution_interrupted"):
+            return dict(data, kind=kind)
+    return None
+
+
+def start_server(base: str, extra_args=(), boot_timeout: float = 120) -> ComfyServer:
+    ensure_comfyui()
+    make_base_dir(base)
+    port = free_port()
+    log_path = os.path.join(base, "comfyui.log")
+    cmd = [python(), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+           "--base-directory", base, "--disable-auto-launch", *extra_args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DO_NOT_TRACK="1")
+    env.pop("PYTHONPATH", None)
+    logf = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=COMFY_DIR, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, start_new_session=True)
+    logf.close()
+    server = ComfyServer(base, port, proc, log_path)
+    deadline = time.monotonic() + boot_timeout
+    try:
+        while True:
+            if not server.alive():
+                raise RuntimeError(f"ComfyUI exited during start-up (rc={proc.returncode}):\n{server.log()[-4000:]}")
+            try:
+                if server.get("/system_stats", timeout=2).status_code == 200:
+                    return server
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ComfyUI did not answer within {boot_timeout} s:\n{server.log()[-4000:]}")
+            time.sleep(0.2)
+    except BaseException:
+        server.stop()
+        raise
+
+
+# -- graphs ----------------------------------------------------------------------------------------
+
+def tiny_graph(model: str, *, seed: int = 0, steps: int = 4, cfg: float = 1.0, sampler: str = "euler",
+               scheduler: str = "simple", denoise: float = 1.0, width: int = 128, height: int = 128,
+               pos=(1, 7, 48), neg=(2, 5, 48), weight_dtype: str = "default", latent_node: Optional[dict] = None,
+               prefix: str = "sgld/tiny") -> dict:
+    """API-format graph: test text features + EmptyFlux2LatentImage -> our loader + KSampler -> SaveLatent."""
+    return {
+        "1": {"class_type": "SGLDiffusionModelLoader", "inputs": {"unet_name": model, "weight_dtype": weight_dtype}},
+        "2": {"class_type": "SGLDTestTextFeatures", "inputs": {"seed": pos[0], "tokens": pos[1], "dim": pos[2]}},
+        "3": {"class_type": "SGLDTestTextFeatures", "inputs": {"seed": neg[0], "tokens": neg[1], "dim": neg[2]}},
+        "4": latent_node or {"class_type": "EmptyFlux2LatentImage", "inputs": {"width": width, "height": height, "batch_size": 1}},
+        "5": {"class_type": "SGLDiffusionKSampler", "inputs": {
+            "model": ["1", 0], "seed": seed, "steps": steps, "cfg": cfg, "sampler_name": sampler, "scheduler": scheduler,
+            "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": denoise}},
+        "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": prefix}},
+    }
+
+
+def saved_latent(server: ComfyServer, entry: dict, node: str = "6"):
+    from safetensors.torch import load_file
+
+    item = entry["outputs"][node]["latents"][0]
+    return load_file(server.output_path(item))["latent_tensor"]
+
+
+def tiny_config():
+    """The engine's tiny test size, with ERNIE-Image's 128 latent channels (ComfyUI's Flux2 latent)."""
+    import dataclasses
+
+    from engine.random_weights import SIZES
+
+    return dataclasses.replace(SIZES["tiny"], in_channels=128, out_channels=128)
+
+
+def write_tiny_checkpoint(path: str, seed: int = 0) -> str:
+    from engine.random_weights import save_random_checkpoint
+
+    save_random_checkpoint(path, tiny_config(), seed=seed)
+    return path
+
+
+if __name__ == "__main__":  # manual use: start a server with a tiny model and wait
+    import tempfile
+
+    sys.path.insert(0, ROOT)
+    base = tempfile.mkdtemp(prefix="sgld-comfy-")
+    make_base_dir(base)
+    write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", "tiny-ernie.safetensors"))
+    srv = start_server(base, ["--preview-method", "auto"])
+    print(json.dumps({"url": srv.url, "base": base, "pid": srv.proc.pid}))
+    try:
+        srv.proc.wait()
+    except KeyboardInterrupt:
+        srv.stop()
