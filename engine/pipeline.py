@@ -27,14 +27,28 @@ class RunStats:
     model_calls: int = 0
     sampling_seconds: float = 0.0
     step_mask: List[bool] = field(default_factory=list)  # True = the DiT was computed at that call
+    call_seconds: List[float] = field(default_factory=list)  # wall time of each model call
+    cache: dict = field(default_factory=dict)  # Cache-DiT summary (engine.cache); empty when off
 
     @property
     def steps_computed(self) -> int:
         return sum(self.step_mask)
 
+    @property
+    def speedup(self) -> Optional[float]:
+        """Measured model-call speedup of the cache against computing every call (1.0 when off)."""
+        if not self.cache:
+            return 1.0
+        from .cache import measured_speedup
+        return measured_speedup(self.call_seconds, self.step_mask)
+
     def to_dict(self) -> dict:
-        return {"steps_total": self.model_calls, "steps_computed": self.steps_computed,
-                "sampling_seconds": round(self.sampling_seconds, 4), "step_mask": "".join("x" if m else "." for m in self.step_mask)}
+        d = {"steps_total": self.model_calls, "steps_computed": self.steps_computed,
+             "sampling_seconds": round(self.sampling_seconds, 4), "step_mask": "".join("x" if m else "." for m in self.step_mask)}
+        if self.cache:
+            d["cache"] = {k: v for k, v in self.cache.items() if k != "diffs"}
+            d["speedup"] = self.speedup
+        return d
 
 
 def pad_text(features: Sequence[torch.Tensor], dtype: torch.dtype, device) -> tuple:
@@ -107,8 +121,9 @@ class Engine:
         timestep = (sigma * MULTIPLIER).float().to(self.device)
         return self.model(x.to(self.device), timestep, text, lens).float().to(x.device)
 
-    def make_denoiser(self, cond: List[torch.Tensor], uncond: Optional[List[torch.Tensor]], cfg: float):
-        """denoised(x, sigma) with CFG as ComfyUI computes it: uncond + (cond - uncond) * cfg on x0."""
+    def make_denoiser(self, cond: List[torch.Tensor], uncond: Optional[List[torch.Tensor]], cfg: float, runner=None):
+        """denoised(x, sigma) with CFG as ComfyUI computes it: uncond + (cond - uncond) * cfg on x0.
+        ``runner``: the cache's block runner installed for this run (its last decision fills step_mask)."""
         use_cfg = uncond is not None and cfg != 1.0
         features = cond + uncond if use_cfg else cond
         text, lens = pad_text(features, self.model.dtype, self.device)
@@ -118,8 +133,10 @@ class Engine:
             b = x.shape[0]
             xs = torch.cat([x, x]) if use_cfg else x
             sig = torch.cat([sigma, sigma]) if use_cfg else sigma
+            t0 = time.perf_counter()
             v = self.velocity(xs, sig, text, lens)
-            stats.step_mask.append(True)
+            stats.call_seconds.append(time.perf_counter() - t0)
+            stats.step_mask.append(bool(runner.computed[-1]) if runner is not None and runner.computed else True)
             denoised = xs - v * sig.view(-1, 1, 1, 1)
             if not use_cfg:
                 return denoised
@@ -131,12 +148,13 @@ class Engine:
     @torch.no_grad()
     def sample(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
                sampler: str = "euler", scheduler: str = "simple", denoise: float = 1.0,
-               shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None) -> torch.Tensor:
+               shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None, cache=None) -> torch.Tensor:
         """Sample from ``latent`` (zeros for text-to-image) and return the denoised latent (float32, CPU).
 
         ``cond``/``uncond`` are lists of per-sample text features [T_i, C] of any lengths (one entry
         is broadcast over the batch). ``callback(step, total, x, denoised)`` runs after every step's
-        model call and may raise to interrupt.
+        model call and may raise to interrupt. ``cache``: an ``engine.cache.CacheConfig``; None = the
+        engine config's, else the environment's (SGLANG_CACHE_DIT_*); ``CacheConfig(enabled=False)`` = off.
         """
         if sampler not in SAMPLERS:
             raise InputError(f"sampler '{sampler}' is not supported; choose one of {', '.join(SAMPLERS)}")
@@ -160,8 +178,19 @@ class Engine:
         if callback is not None:
             def step_cb(i, x_i, denoised):
                 callback(i, total, x_i, denoised)
+        from .cache import make_runner
+        runner = make_runner(cache if cache is not None else getattr(self.config, "cache", None), self.model,
+                             self.last_run.model_calls, branches=2 if uncond is not None else 1)
         start = time.perf_counter()
-        denoiser = self.make_denoiser(cond, uncond, cfg)
-        out = run_sampler(sampler, denoiser, x, sigmas, callback=step_cb, seed=seed)
+        denoiser = self.make_denoiser(cond, uncond, cfg, runner=runner)
+        default_runner = self.model.block_runner
+        if runner is not None:
+            self.model.block_runner = runner
+        try:
+            out = run_sampler(sampler, denoiser, x, sigmas, callback=step_cb, seed=seed)
+        finally:
+            self.model.block_runner = default_runner
+            if runner is not None:
+                self.last_run.cache = runner.summary()
         self.last_run.sampling_seconds = time.perf_counter() - start
         return out

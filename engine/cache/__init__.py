@@ -1,0 +1,54 @@
+"""Cache-DiT for the engine: DBCache block runner, TaylorSeer, step computation masks, presets.
+
+Switch on with ``Engine.sample(..., cache=CacheConfig(preset="balanced"))``, ``EngineConfig(cache=...)``
+or the environment (``SGLANG_CACHE_DIT_ENABLED=true SGLANG_CACHE_DIT_SCM_PRESET=balanced``).
+``Engine.sample`` installs a ``DBCacheRunner`` as ``model.block_runner`` for the run and puts the
+model's own runner back afterwards (also on an exception), so with the cache off nothing changes.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from .config import (DEFAULTS, ENV_NAMES, ENV_PREFIX, PRESET_KNOBS, CacheConfig, CacheConfigError, ResolvedCache,
+                     config_from_dict, from_env, resolve_config)
+from .dbcache import DBCacheRunner
+from .masks import (ALIASES, ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask,
+                    preset_mask)
+from .taylorseer import TaylorSeer
+
+
+def make_runner(cache: Optional[CacheConfig], model, calls: int, branches: int = 1) -> Optional[DBCacheRunner]:
+    """A fresh runner for one run, or None when the cache is off (``cache=None``: the environment)."""
+    cfg = resolve_config(cache)
+    if not cfg.enabled:
+        return None
+    return DBCacheRunner(cfg.resolve(calls, len(model.layers)), branches=branches)
+
+
+def measured_speedup(call_seconds: List[float], computed: List[bool]) -> Optional[float]:
+    """Speedup of the model calls against the same run with every call computed, from per-call wall
+    times: (time of the computed calls + cached calls priced as computed ones) / actual time. The first
+    call (allocations, warm-up) is left out of the per-call price when there are others."""
+    if not call_seconds or len(call_seconds) != len(computed):
+        return None
+    comp = [t for t, c in zip(call_seconds, computed) if c]
+    if not comp:
+        return None
+    price_pool = comp[1:] if len(comp) > 2 else comp
+    price = sorted(price_pool)[len(price_pool) // 2]  # median: robust to a slow outlier
+    actual = sum(call_seconds)
+    full = sum(t if c else price for t, c in zip(call_seconds, computed))
+    return round(full / actual, 3) if actual > 0 else None
+
+
+def estimated_speedup(mask: List[bool], fn: int, bn: int, num_layers: int) -> float:
+    """Block-compute bound: calls / (computed + cached * (fn + bn) / layers)."""
+    c = sum(mask)
+    s = len(mask) - c
+    return len(mask) / (c + s * (fn + bn) / num_layers) if mask else 1.0
+
+
+__all__ = ["CacheConfig", "CacheConfigError", "ResolvedCache", "DBCacheRunner", "TaylorSeer", "from_env",
+           "resolve_config", "config_from_dict", "make_runner", "measured_speedup", "estimated_speedup",
+           "preset_mask", "mask_note", "mask_str", "parse_mask", "longest_cached_run", "PRESETS", "ALIASES",
+           "ALL_PRESETS", "USER_PRESETS", "ENV_NAMES", "ENV_PREFIX", "DEFAULTS", "PRESET_KNOBS"]

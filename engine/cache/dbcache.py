@@ -1,0 +1,157 @@
+"""DBCache as a block runner: ``model.block_runner = DBCacheRunner(...)`` for one sampling run.
+
+Per model call (= one "step" of the mask; heun makes two per step):
+
+1. the first ``fn`` blocks always run; ``fn_res = h_after_fn - h_in``;
+2. decide: compute or reuse (first / last call, mask, warm-up, max cached, max consecutive, threshold);
+3. compute: run the middle blocks, save their residual (and feed TaylorSeer), keep ``fn_res`` as the
+   reference; reuse: ``h = h_after_fn + saved residual`` (or TaylorSeer's prediction);
+4. the last ``bn`` blocks always run.
+
+The threshold test is the relative L1 change of ``fn_res`` against the reference saved at the last
+*computed* call, measured separately for every CFG branch (the batch is ``[cond..., uncond...]``,
+each half against its own reference); the call is cached only if every branch is below ``rdt``:
+one decision for the batch, one host sync (``bool(...)``) at most per call, none at all with a
+static mask. All state lives in the runner, so a new run (new resolution, batch, step count)
+starts clean. Blocks are called one by one from ``model.layers``, so per-layer hooks (offload) and
+per-block torch.compile keep working; the skipped calls change no shapes, so nothing recompiles.
+
+Differences from cache-dit, on purpose: the max-consecutive counter resets on every computed step
+(cache-dit only resets it when the limit fires); the first and last calls are always computed.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import List, Optional
+
+import torch
+
+from .config import ResolvedCache
+from .masks import mask_str
+from .taylorseer import TaylorSeer
+
+
+class DBCacheRunner:
+    def __init__(self, rc: ResolvedCache, branches: int = 1):
+        self.rc = rc
+        self.branches = max(1, int(branches))
+        self.calibrator = TaylorSeer(rc.ts_order) if rc.taylorseer else None
+        self.need_reference = rc.mask is None or rc.scm_policy == "dynamic"
+        self.reset()
+
+    def reset(self) -> None:
+        self.call = 0
+        self.reference: Optional[torch.Tensor] = None  # fn residual at the last computed call
+        self.residual: Optional[torch.Tensor] = None  # middle-block residual at the last computed call
+        self.shape = None
+        self.last_computed = -1
+        self.cached = 0
+        self.consecutive = 0
+        self.computed: List[bool] = []
+        self.reasons: List[str] = []
+        self.diffs: List[Optional[torch.Tensor]] = []  # per-branch diff tensors (read once, after the run)
+        if self.calibrator is not None:
+            self.calibrator.reset()
+
+    # -- decision ----------------------------------------------------------------------------------
+    def relative_l1(self, cur: torch.Tensor) -> torch.Tensor:
+        """Per-branch mean|ref - cur| / mean|ref| as a [branches] float32 tensor (no host sync)."""
+        ref = self.reference
+        br = self.branches if ref.shape[0] % self.branches == 0 else 1
+        num = (ref - cur).abs().reshape(br, -1).float().mean(1)
+        den = ref.abs().reshape(br, -1).float().mean(1).clamp_min(1e-12)
+        return num / den
+
+    def decide(self, i: int, fn_res: Optional[torch.Tensor]) -> tuple:
+        """(compute?, reason, diff tensor or None)."""
+        rc = self.rc
+        if self.residual is None and (self.calibrator is None or not self.calibrator.ready):
+            return True, "first", None
+        if i == 0 or i >= rc.calls - 1:
+            return True, "first/last", None
+        if rc.mask is not None:
+            if i >= len(rc.mask) or rc.mask[i]:
+                return True, "mask", None
+            if rc.scm_policy == "static":
+                return False, "mask", None
+        elif i < rc.warmup:
+            return True, "warmup", None
+        if rc.max_cached_steps >= 0 and self.cached >= rc.max_cached_steps:
+            return True, "max_cached", None
+        if rc.mc >= 0 and self.consecutive >= rc.mc:
+            return True, "mc", None
+        if rc.rdt <= 0:
+            return True, "rdt", None
+        if rc.rdt >= 1.0:
+            return False, "rdt>=1", None
+        if self.reference is None or fn_res is None or self.reference.shape != fn_res.shape:
+            return True, "no reference", None
+        d = self.relative_l1(fn_res)
+        ok = bool((d < rc.rdt).all())  # the one host sync of this call
+        return (not ok), ("rdt" if not ok else "similar"), d
+
+    # -- the block runner ---------------------------------------------------------------------------
+    def __call__(self, model, h: torch.Tensor, ctx) -> torch.Tensor:
+        layers = model.layers
+        n = len(layers)
+        fn, bn = self.rc.fn, self.rc.bn
+        i = self.call
+        self.call += 1
+        if self.shape is not None and tuple(h.shape) != self.shape:  # cannot reuse across shapes
+            calls = self.call
+            self.reset()
+            self.call = calls
+        self.shape = tuple(h.shape)
+
+        h_in = h
+        for block in layers[:fn]:
+            h = block(h, ctx)
+        fn_res = h - h_in if self.need_reference else None
+        compute, reason, diff = self.decide(i, fn_res)
+        if compute:
+            h_mid = h
+            for block in layers[fn:n - bn]:
+                h = block(h, ctx)
+            res = h - h_mid
+            if self.calibrator is not None:
+                self.calibrator.update(res, i)
+                self.residual = None
+            else:
+                self.residual = res
+            if self.need_reference:
+                self.reference = fn_res
+            self.last_computed = i
+            self.consecutive = 0
+        else:
+            if self.calibrator is not None:
+                h = h + self.calibrator.predict(i, dtype=h.dtype)
+            else:
+                h = h + self.residual
+            self.cached += 1
+            self.consecutive += 1
+        for block in layers[n - bn:]:
+            h = block(h, ctx)
+        self.computed.append(bool(compute))
+        self.reasons.append(reason)
+        self.diffs.append(diff)
+        return h
+
+    # -- statistics ----------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        """What happened in the run (reads the recorded diffs: call after the run)."""
+        diffs = []
+        for d in self.diffs:
+            diffs.append(None if d is None else [round(float(v), 5) for v in d.detach().cpu().tolist()])
+        computed = sum(self.computed)
+        return {
+            "config": self.rc.tag(),
+            "preset": self.rc.preset,
+            "note": self.rc.note,
+            "mask_planned": None if self.rc.mask is None else mask_str(self.rc.mask),
+            "mask": mask_str(self.computed),
+            "calls": len(self.computed),
+            "computed": computed,
+            "cached": len(self.computed) - computed,
+            "reasons": dict(Counter(self.reasons)),
+            "diffs": diffs,
+        }
