@@ -1,0 +1,389 @@
+"""The pack in a real ComfyUI (0.3.75, from scripts/comfyui.sh): nodes, workflows, runs, interrupt,
+errors, model cache. One server for the whole module (see tests/comfy_server.py)."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import time
+
+import pytest
+import torch
+
+import comfy_server as cs
+
+ROOT = cs.ROOT
+WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
+OUR_NODES = {"SGLDiffusionModelLoader": "SGLDiffusion Model Loader", "SGLDiffusionKSampler": "SGLDiffusion KSampler"}
+# Core node types our workflows may use: present in ComfyUI >= 0.19 (and, checked below, in 0.3.75).
+CORE_NODES = {"CLIPLoader", "CLIPTextEncode", "EmptyFlux2LatentImage", "VAELoader", "VAEDecode", "SaveImage",
+              "ConditioningZeroOut", "SaveLatent", "PreviewImage"}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+TINY = "tiny-ernie.safetensors"
+
+
+def _load_test_pack():
+    spec = importlib.util.spec_from_file_location("sgld_comfy_test_pack_local", os.path.join(cs.TEST_PACK, "__init__.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+test_pack = _load_test_pack()
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("comfy-base"))
+    cs.make_base_dir(base)
+    models = os.path.join(base, "models")
+    cs.write_tiny_checkpoint(os.path.join(models, "diffusion_models", TINY))
+    cs.write_tiny_checkpoint(os.path.join(models, "unet", "tiny-ernie-in-unet.safetensors"), seed=1)
+    from safetensors.torch import save_file
+
+    # another architecture's diffusion model (SD-style keys)
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(8, 4, 3, 3),
+               "model.diffusion_model.out.2.weight": torch.zeros(4, 8, 3, 3)},
+              os.path.join(models, "diffusion_models", "not-ernie.safetensors"))
+    for name in ("pickled.ckpt", "pickled.pt"):  # pickles must be refused without being unpickled
+        torch.save({"x_embedder.proj.weight": torch.zeros(2)}, os.path.join(models, "diffusion_models", name))
+    server = cs.start_server(base, ["--preview-method", "auto"])
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def object_info(comfy):
+    r = comfy.get("/object_info", timeout=60)
+    assert r.status_code == 200
+    return r.json()
+
+
+def graph(**kw):
+    return cs.tiny_graph(TINY, **kw)
+
+
+def direct_sample(ckpt: str, *, seed=0, steps=4, cfg=1.0, sampler="euler", scheduler="simple", denoise=1.0,
+                  width=128, height=128, pos=(1, 7, 48), neg=(2, 5, 48), dtype=None):
+    from engine import Engine, EngineConfig
+
+    engine = Engine.from_file(ckpt, EngineConfig(dtype=dtype))
+    latent = torch.zeros(1, 128, height // 16, width // 16)
+    cond = [test_pack.text_features(*pos)[0]]
+    uncond = [test_pack.text_features(*neg)[0]]
+    return engine.sample(latent, cond, uncond, seed=seed, steps=steps, cfg=cfg, sampler=sampler,
+                         scheduler=scheduler, denoise=denoise)
+
+
+def assert_error(entry: dict, node_type: str, *fragments: str) -> str:
+    assert entry["status"]["status_str"] == "error", entry["status"]
+    err = cs.error_message(entry)
+    assert err is not None and err["kind"] == "execution_error", entry["status"]
+    assert err["node_type"] == node_type, err
+    msg = err["exception_message"]
+    for f in fragments:
+        assert f in msg, f"{f!r} not in {msg!r}"
+    assert "Traceback" not in msg
+    return msg
+
+
+# -- registration --------------------------------------------------------------------------------
+
+def test_pack_imported_without_errors(comfy):
+    log = comfy.log()
+    assert "IMPORT FAILED" not in log, log[-4000:]
+    assert f"custom_nodes/{cs.PACK_NAME}" in log
+
+
+def test_nodes_in_object_info(object_info):
+    from engine.sampling import SAMPLERS, SCHEDULERS
+
+    for node_id, display in OUR_NODES.items():
+        assert node_id in object_info, f"{node_id} missing from /object_info"
+        assert object_info[node_id]["display_name"] == display
+        assert object_info[node_id]["category"] == "SGLDiffusion"
+
+    loader = object_info["SGLDiffusionModelLoader"]
+    req = loader["input"]["required"]
+    assert loader["input_order"]["required"] == ["unet_name", "weight_dtype"]
+    assert TINY in req["unet_name"][0] and "tiny-ernie-in-unet.safetensors" in req["unet_name"][0]
+    assert req["weight_dtype"][0] == ["default", "bf16", "fp16", "fp32"]
+    assert loader["output"] == ["SGLD_MODEL"]
+
+    ks = object_info["SGLDiffusionKSampler"]
+    core = object_info["KSampler"]
+    assert ks["input_order"]["required"] == core["input_order"]["required"]  # same widgets as KSampler
+    req = ks["input"]["required"]
+    assert req["model"][0] == "SGLD_MODEL"
+    assert req["seed"][1]["control_after_generate"] is True
+    for name in ("seed", "steps", "cfg", "denoise"):
+        assert req[name][0] == core["input"]["required"][name][0]
+        for k in ("min", "max"):
+            assert req[name][1][k] == core["input"]["required"][name][1][k], (name, k)
+    assert req["sampler_name"][0] == list(SAMPLERS)
+    assert req["scheduler"][0] == list(SCHEDULERS)
+    assert set(req["sampler_name"][0]) <= set(core["input"]["required"]["sampler_name"][0])
+    assert set(req["scheduler"][0]) <= set(core["input"]["required"]["scheduler"][0])
+    for name in ("positive", "negative", "latent_image"):
+        assert req[name][0] == core["input"]["required"][name][0]
+    assert ks["input"]["optional"]["cache"][0] == "SGLD_CACHE"
+    assert ks["output"] == ["LATENT"]
+
+
+# -- workflows -----------------------------------------------------------------------------------
+
+def ui_to_api(wf: dict, object_info: dict) -> dict:
+    """A UI-format workflow -> an API prompt (as the frontend's graphToPrompt does for simple graphs)."""
+    links = {l[0]: l for l in wf["links"]}
+    api = {}
+    for n in wf["nodes"]:
+        info = object_info[n["type"]]
+        spec = {**info["input"]["required"], **info["input"].get("optional", {})}
+        order = info["input_order"]["required"] + info["input_order"].get("optional", [])
+        linked = {i["name"]: links[i["link"]] for i in n.get("inputs", []) if i.get("link") is not None}
+        inputs = {name: [str(l[1]), l[2]] for name, l in linked.items()}
+        values = list(n.get("widgets_values", []))
+        for name in order:
+            t = spec[name][0]
+            if not (isinstance(t, list) or t in WIDGET_TYPES):
+                continue
+            assert values, f"{n['type']} #{n['id']}: no widget value for '{name}'"
+            v = values.pop(0)
+            if name not in linked:
+                inputs[name] = v
+            if len(spec[name]) > 1 and spec[name][1].get("control_after_generate"):
+                assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
+        assert not values, f"{n['type']} #{n['id']}: extra widget values {values}"
+        api[str(n["id"])] = {"class_type": n["type"], "inputs": inputs}
+    return api
+
+
+def test_workflow_files_present():
+    names = sorted(os.path.basename(p) for p in WORKFLOWS)
+    assert names == ["ernie_image_base.json", "ernie_image_turbo.json"]
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
+def test_workflow_nodes_and_links(path, object_info):
+    with open(path) as f:
+        wf = json.load(f)
+    types = {n["type"] for n in wf["nodes"]}
+    unknown = types - CORE_NODES - set(OUR_NODES)
+    assert not unknown, f"{os.path.basename(path)} uses node types outside ComfyUI core and this pack: {unknown}"
+    missing = {t for t in types if t not in object_info}
+    assert not missing, f"not in this ComfyUI's /object_info: {missing}"
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    for lid, src, sslot, dst, dslot, typ in wf["links"]:
+        out_type = object_info[nodes[src]["type"]]["output"][sslot]
+        dst_input = nodes[dst]["inputs"][dslot]
+        assert dst_input["link"] == lid
+        spec = {**object_info[nodes[dst]["type"]]["input"]["required"], **object_info[nodes[dst]["type"]]["input"].get("optional", {})}
+        assert out_type == typ == spec[dst_input["name"]][0], (lid, out_type, typ, dst_input)
+    api = ui_to_api(wf, object_info)
+    by_type = {v["class_type"]: v["inputs"] for v in api.values()}
+    turbo = "turbo" in os.path.basename(path)
+    ks = by_type["SGLDiffusionKSampler"]
+    assert (ks["steps"], ks["cfg"]) == ((8, 1.0) if turbo else (50, 4.0))
+    assert (ks["sampler_name"], ks["scheduler"], ks["denoise"]) == ("euler", "simple", 1.0)
+    assert by_type["SGLDiffusionModelLoader"]["unet_name"] == ("ernie-image-turbo.safetensors" if turbo else "ernie-image.safetensors")
+    assert by_type["CLIPLoader"]["clip_name"] == "ministral-3-3b.safetensors"
+    assert by_type["CLIPLoader"]["type"] == "flux2"
+    assert by_type["VAELoader"]["vae_name"] == "flux2-vae.safetensors"
+    assert (by_type["EmptyFlux2LatentImage"]["width"], by_type["EmptyFlux2LatentImage"]["height"]) == (1024, 1024)
+    assert sum(v["class_type"] == "CLIPTextEncode" for v in api.values()) == 2
+    assert "SaveImage" in by_type and "VAEDecode" in by_type
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
+def test_workflow_validates_in_comfyui(path, comfy, object_info):
+    """Queued as a prompt, the only complaints are the absent text-encoder and VAE files."""
+    with open(path) as f:
+        api = ui_to_api(json.load(f), object_info)
+    r = comfy.post("/prompt", {"prompt": api, "client_id": comfy.client_id})
+    assert r.status_code == 400, r.text[:2000]
+    errors = r.json()["node_errors"]
+    flagged = {api[k]["class_type"] for k in errors}
+    assert flagged <= {"CLIPLoader", "VAELoader"}, errors
+    for node_err in errors.values():
+        for e in node_err["errors"]:
+            assert e["type"] == "value_not_in_list", e
+
+
+def test_workflow_templates_listed(comfy):
+    r = comfy.get("/workflow_templates")
+    assert r.status_code == 200
+    assert sorted(r.json().get(cs.PACK_NAME, [])) == ["ernie_image_base", "ernie_image_turbo"], r.json()
+    for path in WORKFLOWS:
+        r = comfy.get(f"/api/workflow_templates/{cs.PACK_NAME}/{os.path.basename(path)}")
+        assert r.status_code == 200
+        with open(path) as f:
+            assert r.json() == json.load(f)
+
+
+# -- runs ----------------------------------------------------------------------------------------
+
+RUNS = [
+    dict(seed=11, steps=4, cfg=1.0, sampler="euler", scheduler="simple"),
+    dict(seed=12, steps=3, cfg=3.5, sampler="dpmpp_2m", scheduler="beta", width=96, height=160),
+    dict(seed=13, steps=3, cfg=2.0, sampler="euler_ancestral", scheduler="normal", denoise=0.75),
+]
+
+
+@pytest.mark.parametrize("kw", RUNS, ids=lambda kw: f"{kw['sampler']}-{kw['scheduler']}-cfg{kw['cfg']}")
+def test_tiny_graph_bit_equal_to_engine(comfy, kw):
+    entry = comfy.run(graph(**kw), timeout=120)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    got = cs.saved_latent(comfy, entry)
+    want = direct_sample(os.path.join(comfy.base, "models", "diffusion_models", TINY), **kw)
+    assert got.shape == want.shape == (1, 128, kw.get("height", 128) // 16, kw.get("width", 128) // 16)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want), f"max abs diff {(got - want).abs().max().item()}"
+    stats = entry["outputs"]["5"]["sgld_stats"][0]
+    assert stats["steps_total"] >= 1
+
+
+def _ws_events(ws, prompt_id, until_type, timeout, on_event=None):
+    """Read websocket events for ``prompt_id`` until one of type ``until_type``; returns (events, previews)."""
+    events, previews = [], 0
+    deadline = time.monotonic() + timeout
+    ws.settimeout(1.0)
+    import websocket
+
+    while time.monotonic() < deadline:
+        try:
+            msg = ws.recv()
+        except websocket.WebSocketTimeoutException:
+            continue
+        if isinstance(msg, bytes):
+            previews += 1
+            continue
+        ev = json.loads(msg)
+        data = ev.get("data", {})
+        if data.get("prompt_id") not in (None, prompt_id):
+            continue
+        events.append(ev)
+        if on_event is not None:
+            on_event(ev)
+        if ev["type"] in until_type and data.get("prompt_id") == prompt_id:
+            return events, previews
+    raise AssertionError(f"no {until_type} event within {timeout} s; got {[e['type'] for e in events][-20:]}")
+
+
+def test_progress_bar_and_previews(comfy):
+    ws = comfy.websocket()
+    try:
+        pid = comfy.queue(graph(seed=21, steps=5))
+        events, previews = _ws_events(ws, pid, ("execution_success", "execution_error"), 120)
+    finally:
+        ws.close()
+    assert events[-1]["type"] == "execution_success"
+    progress = [e["data"] for e in events if e["type"] == "progress" and e["data"].get("node") == "5"]
+    assert [p["value"] for p in progress] == [1, 2, 3, 4, 5]
+    assert all(p["max"] == 5 for p in progress)
+    assert previews >= 1  # --preview-method auto: Latent2RGB previews of the Flux2 latent
+
+
+def test_interrupt_stops_run_and_next_run_works(comfy):
+    steps = 10000
+    ws = comfy.websocket()
+    seen = {"value": 0, "at_interrupt": None}
+
+    def on_event(ev):
+        if ev["type"] == "progress" and ev["data"].get("node") == "5":
+            seen["value"] = ev["data"]["value"]
+            if seen["at_interrupt"] is None and ev["data"]["value"] >= 3:
+                seen["at_interrupt"] = ev["data"]["value"]
+                assert comfy.post("/interrupt").status_code == 200
+
+    try:
+        t0 = time.monotonic()
+        pid = comfy.queue(graph(seed=31, steps=steps, width=256, height=256))
+        events, _ = _ws_events(ws, pid, ("execution_interrupted", "execution_success", "execution_error"), 120, on_event)
+    finally:
+        ws.close()
+    assert events[-1]["type"] == "execution_interrupted", events[-1]
+    assert events[-1]["data"]["node_type"] == "SGLDiffusionKSampler"
+    assert seen["at_interrupt"] is not None and seen["value"] < steps
+    entry = comfy.wait(pid, 30)
+    assert entry["status"]["status_str"] == "error"
+    assert cs.error_message(entry)["kind"] == "execution_interrupted"
+    assert time.monotonic() - t0 < 100
+    # the next prompt is unaffected
+    entry = comfy.run(graph(seed=32), timeout=120)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    want = direct_sample(os.path.join(comfy.base, "models", "diffusion_models", TINY), seed=32)
+    assert torch.equal(cs.saved_latent(comfy, entry), want)
+
+
+# -- bad inputs ------------------------------------------------------------------------------------
+
+BAD = {
+    "missing-file": (dict(model="no-such-model.safetensors"), "SGLDiffusionModelLoader",
+                     ["no-such-model.safetensors", "was not found", "diffusion_models"]),
+    "other-architecture": (dict(model="not-ernie.safetensors"), "SGLDiffusionModelLoader",
+                           ["not-ernie.safetensors", "not an ERNIE-Image diffusion model"]),
+    "pickle-ckpt": (dict(model="pickled.ckpt"), "SGLDiffusionModelLoader", ["pickled.ckpt", "pickle"]),
+    "pickle-pt": (dict(model="pickled.pt"), "SGLDiffusionModelLoader", ["pickled.pt", "pickle"]),
+    "latent-4-channels": (dict(latent_node={"class_type": "EmptyLatentImage", "inputs": {"width": 128, "height": 128, "batch_size": 1}}),
+                          "SGLDiffusionKSampler", ["latent has 4 channels", "takes 128", "EmptyFlux2LatentImage"]),
+    "empty-conditioning": (dict(pos=(1, 0, 48)), "SGLDiffusionKSampler", ["positive conditioning"]),
+    "wrong-text-dim": (dict(pos=(1, 7, 32), cfg=2.0), "SGLDiffusionKSampler", ["32 features per token", "takes 48"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_gives_clear_error(comfy, case):
+    kw, node_type, fragments = BAD[case]
+    kw = dict(kw)
+    model = kw.pop("model", TINY)
+    entry = comfy.run(cs.tiny_graph(model, seed=41, **kw), timeout=60)
+    assert_error(entry, node_type, *fragments)
+    assert comfy.alive()
+
+
+def test_server_serves_after_errors(comfy):
+    entry = comfy.run(graph(seed=51), timeout=120)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    assert comfy.alive()
+
+
+# -- model cache -----------------------------------------------------------------------------------
+
+def _loaded(comfy):
+    r = comfy.get("/sgldiffusion/models")
+    assert r.status_code == 200
+    return r.json()["loaded"]
+
+
+def test_model_cache_replaced_and_freed(comfy):
+    entry = comfy.run(graph(seed=61), timeout=120)
+    assert entry["status"]["status_str"] == "success"
+    loaded = _loaded(comfy)
+    assert [(m["name"], m["options"]["dtype"]) for m in loaded] == [(TINY, None)]
+
+    # the same loader inputs: no reload (the loader's output is reused; the engine stays)
+    loads = comfy.log().count("SGLDiffusion: loading")
+    entry = comfy.run(graph(seed=62), timeout=120)
+    assert entry["status"]["status_str"] == "success"
+    assert comfy.log().count("SGLDiffusion: loading") == loads
+    assert [(m["name"], m["options"]["dtype"]) for m in _loaded(comfy)] == [(TINY, None)]
+
+    # new loader inputs replace the old engine
+    entry = comfy.run(graph(seed=63, weight_dtype="fp32"), timeout=120)
+    assert entry["status"]["status_str"] == "success"
+    assert [(m["name"], m["options"]["dtype"]) for m in _loaded(comfy)] == [(TINY, "fp32")]
+
+    # POST /free unloads it; the next run loads it again
+    assert comfy.post("/free", {"unload_models": True}).status_code == 200
+    deadline = time.monotonic() + 15
+    while _loaded(comfy) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _loaded(comfy) == []
+    entry = comfy.run(graph(seed=64, weight_dtype="fp32"), timeout=120)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    assert len(_loaded(comfy)) == 1
+    want = direct_sample(os.path.join(comfy.base, "models", "diffusion_models", TINY), seed=64, dtype="fp32")
+    assert torch.equal(cs.saved_latent(comfy, entry), want)
