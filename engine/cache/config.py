@@ -74,7 +74,9 @@ class CacheConfig:
         names = names or {}
 
         def bad(f: str, value, allowed: str):
-            raise CacheConfigError(f"{names.get(f, 'cache option ' + repr(f))} = {value!r} is not valid; allowed: {allowed}")
+            if f in names:  # an environment variable: show the text as it was set
+                raise CacheConfigError(f"{names[f]}={str(value)!r} is not valid; allowed: {allowed}")
+            raise CacheConfigError(f"cache option {f!r} = {value!r} is not valid; allowed: {allowed}")
 
         if self.preset is not None:
             p = str(self.preset).strip().lower()
