@@ -13,10 +13,10 @@ SIZES: Dict[str, ErnieImageConfig] = {
     "tiny": ErnieImageConfig(hidden_size=64, num_layers=2, num_attention_heads=4, ffn_hidden_size=192,
                              in_channels=16, out_channels=16, text_in_dim=48, rope_axes_dim=(4, 6, 6)),
     # ~30M parameters.
-    "small": ErnieImageConfig(hidden_size=384, num_layers=8, num_attention_heads=6, ffn_hidden_size=1152,
+    "small": ErnieImageConfig(hidden_size=512, num_layers=8, num_attention_heads=8, ffn_hidden_size=1536,
                               in_channels=128, out_channels=128, text_in_dim=256, rope_axes_dim=(16, 24, 24)),
     # ~120M parameters.
-    "medium": ErnieImageConfig(hidden_size=768, num_layers=8, num_attention_heads=12, ffn_hidden_size=2304,
+    "medium": ErnieImageConfig(hidden_size=768, num_layers=16, num_attention_heads=12, ffn_hidden_size=2304,
                                in_channels=128, out_channels=128, text_in_dim=512, rope_axes_dim=(16, 24, 24)),
     # The released shape (8.03B parameters): for GPU machines.
     "8b": ErnieImageConfig(),

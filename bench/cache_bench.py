@@ -1,0 +1,391 @@
+"""Cache-DiT benchmark: our presets and settings against the cache-dit library on the same model.
+
+    pip install -r bench/requirements.txt        # cache-dit (the peer) and matplotlib
+    python bench/cache_bench.py --model demo --steps 50 8 --pairs 64
+    python bench/cache_bench.py --model random --steps 50 8 --pairs 16
+
+For every caption/seed pair the uncached run and every cached configuration run side by side
+(interleaved, the uncached one before and after), so CPU contention hits them alike. Reported per
+configuration: wall-clock speedup of sampling (sum of uncached times / sum of cached times), the
+model calls computed, PSNR and SSIM against the uncached image of the same pair, and on the demo
+model the judge's pass rate. cache-dit is attached to the same DiT through a transformer-only
+``BlockAdapter`` (our block list wrapped as ``transformer_blocks`` with ForwardPattern.Pattern_3),
+batched CFG (``enable_separate_cfg=False``), ``num_inference_steps`` = model calls.
+
+Outputs: a markdown table (``--out``), raw numbers (``--json``), the pareto plot (``--plot``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from engine.cache import CacheConfig, mask_str, preset_mask  # noqa: E402
+from engine.pipeline import Engine  # noqa: E402
+from engine.random_weights import SIZES, random_model  # noqa: E402
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+
+def psnr(ref: np.ndarray, x: np.ndarray, data_range: float) -> float:
+    mse = float(np.mean((ref.astype(np.float64) - x.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * math.log10(data_range ** 2 / mse)
+
+
+def ssim(ref: np.ndarray, x: np.ndarray, data_range: float) -> float:
+    """Mean SSIM (Gaussian window sigma 1.5, as Wang et al.) over [H, W, C] images, channels averaged."""
+    from scipy.ndimage import gaussian_filter
+
+    a, b = ref.astype(np.float64), x.astype(np.float64)
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    out = []
+    for ch in range(a.shape[-1]):
+        p, q = a[..., ch], b[..., ch]
+        f = lambda z: gaussian_filter(z, 1.5, truncate=3.5)  # noqa: E731
+        mp, mq = f(p), f(q)
+        spp, sqq, spq = f(p * p) - mp * mp, f(q * q) - mq * mq, f(p * q) - mp * mq
+        s = ((2 * mp * mq + c1) * (2 * spq + c2)) / ((mp * mp + mq * mq + c1) * (spp + sqq + c2))
+        out.append(s.mean())
+    return float(np.mean(out))
+
+
+# -- cache-dit attached to our DiT ------------------------------------------------------------------
+
+class _BlockWrap(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden_states, ctx):
+        return self.block(hidden_states, ctx)
+
+
+class CacheDitAdapter(torch.nn.Module):
+    """A diffusers-like 'transformer' whose forward is our block loop: (hidden_states, ctx) -> hidden_states."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.transformer_blocks = torch.nn.ModuleList([_BlockWrap(b) for b in model.layers])
+
+    def forward(self, hidden_states, ctx):
+        for block in self.transformer_blocks:
+            hidden_states = block(hidden_states, ctx)
+        return hidden_states
+
+
+def cachedit_runner(model, calls: int, fn=1, bn=0, warmup=4, rdt=0.24, mc=3, mask_policy=None, policy="dynamic",
+                    taylorseer=False, order=1):
+    import cache_dit
+    from cache_dit import BlockAdapter, DBCacheConfig, ForwardPattern, TaylorSeerCalibratorConfig
+
+    adapter = CacheDitAdapter(model)
+    mask = cache_dit.steps_mask(total_steps=calls, mask_policy=mask_policy) if mask_policy else None
+    cfg = DBCacheConfig(Fn_compute_blocks=fn, Bn_compute_blocks=bn, max_warmup_steps=warmup, residual_diff_threshold=rdt,
+                        max_continuous_cached_steps=mc, num_inference_steps=calls, enable_separate_cfg=False,
+                        steps_computation_mask=mask, steps_computation_policy=policy)
+    cal = TaylorSeerCalibratorConfig(taylorseer_order=order) if taylorseer else None
+    cache_dit.enable_cache(BlockAdapter(transformer=adapter, blocks=adapter.transformer_blocks,
+                                        forward_pattern=ForwardPattern.Pattern_3, check_forward_pattern=False),
+                           cache_config=cfg, calibrator_config=cal)
+
+    def runner(m, h, ctx):
+        return adapter(h, ctx)
+
+    def cached_steps() -> Optional[int]:
+        try:
+            stats = cache_dit.summary(adapter, logging=False)
+            return len(stats[0].cached_steps)
+        except Exception:
+            return None
+
+    runner.cached_steps = cached_steps
+    runner.mask = mask
+    return runner
+
+
+# -- configurations ---------------------------------------------------------------------------------
+
+@dataclass
+class Config:
+    name: str
+    family: str  # "ours" | "cache-dit"
+    make: Callable  # (model, calls) -> dict(cache=CacheConfig) or dict(runner=callable)
+    note: str = ""
+
+
+def our_configs() -> List[Config]:
+    c = []
+    for p in ("quality", "balanced", "fast", "slow", "ultra"):
+        c.append(Config(p, "ours", (lambda p: lambda m, n: {"cache": CacheConfig(preset=p)})(p), "preset (static mask, TaylorSeer O1)"))
+    c.append(Config("balanced, no TaylorSeer", "ours", lambda m, n: {"cache": CacheConfig(preset="balanced", taylorseer=False)}))
+    c.append(Config("fast, TaylorSeer O2", "ours", lambda m, n: {"cache": CacheConfig(preset="fast", ts_order=2)}))
+    c.append(Config("fast, dynamic R0.24", "ours", lambda m, n: {"cache": CacheConfig(preset="fast", scm_policy="dynamic", rdt=0.24, mc=-1)}))
+    c.append(Config("DBCache F1B0 W4 MC3 R0.24", "ours", lambda m, n: {"cache": CacheConfig()}, "SGLang defaults, no mask"))
+    c.append(Config("DBCache F1B0 W4 MC3 R0.6 +TS", "ours", lambda m, n: {"cache": CacheConfig(rdt=0.6, taylorseer=True)}))
+    return c
+
+
+def cachedit_configs() -> List[Config]:
+    c = []
+    for p in ("slow", "medium", "fast", "ultra"):
+        c.append(Config(f"cache-dit SCM {p} static +TS", "cache-dit",
+                        (lambda p: lambda m, n: {"runner": cachedit_runner(m, n, mask_policy=p, policy="static", taylorseer=True)})(p)))
+    c.append(Config("cache-dit SCM fast dynamic R0.24", "cache-dit",
+                    lambda m, n: {"runner": cachedit_runner(m, n, mask_policy="fast", policy="dynamic", rdt=0.24)},
+                    "what SGLANG_CACHE_DIT_SCM_PRESET=fast does"))
+    c.append(Config("cache-dit F1B0 W4 MC3 R0.24", "cache-dit", lambda m, n: {"runner": cachedit_runner(m, n)}, "SGLang defaults"))
+    c.append(Config("cache-dit F1B0 W4 MC3 R0.6 +TS", "cache-dit",
+                    lambda m, n: {"runner": cachedit_runner(m, n, rdt=0.6, taylorseer=True)}))
+    return c
+
+
+# -- models -----------------------------------------------------------------------------------------
+
+@dataclass
+class Bench:
+    name: str
+    engine: Engine
+    pairs: list  # (cond features, uncond features, seed, caption or None)
+    latent: torch.Tensor
+    cfg: float
+    sampler: str = "euler"
+    to_image: Callable = None  # latent -> (image [H, W, C] array, data range)
+    judge: Optional[Callable] = None
+
+
+def random_bench(n_pairs: int, layers: int = 36) -> Bench:
+    base = SIZES["tiny"]
+    cfg = replace(base, hidden_size=128, num_attention_heads=4, ffn_hidden_size=384, num_layers=layers,
+                  rope_axes_dim=(8, 12, 12))
+    model = random_model(cfg, seed=0)
+    g = torch.Generator().manual_seed(1234)
+    pairs = [([torch.randn(8 + i % 5, cfg.text_in_dim, generator=g)], [torch.randn(4, cfg.text_in_dim, generator=g)], i, None)
+             for i in range(n_pairs)]
+
+    def to_image(lat):
+        a = lat[0].permute(1, 2, 0).numpy()
+        return a, None
+
+    return Bench(f"random (hidden 128, {layers} blocks, 16x16 latent, CFG 4)", Engine(model), pairs,
+                 torch.zeros(1, cfg.in_channels, 16, 16), 4.0, to_image=to_image)
+
+
+def demo_bench(n_pairs: int) -> Bench:
+    from engine.models.demo import load_demo
+    from engine.models.demo import data as demo_data
+    from engine.models.demo.judge import passes
+
+    demo = load_demo()
+    uncond = demo.encode([""])
+    pairs = []
+    for i in range(n_pairs):
+        _, caption = demo_data.sample(demo_data.HELD_OUT_SEED_START + i)
+        pairs.append((demo.encode([caption]), uncond, i, caption))
+
+    def to_image(lat):
+        return demo.decode(lat)[0], 255.0
+
+    return Bench(f"demo ({demo.dit.config.num_layers} blocks, hidden {demo.dit.config.hidden_size}, 64x64, CFG {demo.default_cfg})",
+                 demo.engine, pairs, demo.empty_latent(1), demo.default_cfg, demo.default_sampler, to_image, passes)
+
+
+# -- running ----------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    name: str
+    family: str
+    note: str = ""
+    times: List[float] = field(default_factory=list)
+    base_times: List[float] = field(default_factory=list)
+    psnr: List[float] = field(default_factory=list)
+    ssim: List[float] = field(default_factory=list)
+    passes: List[bool] = field(default_factory=list)
+    computed: List[int] = field(default_factory=list)
+    mask: str = ""
+
+    def summary(self) -> dict:
+        finite = [p for p in self.psnr if math.isfinite(p)]
+        return {
+            "name": self.name, "family": self.family, "note": self.note,
+            "speedup": sum(self.base_times) / sum(self.times) if self.times else None,
+            "psnr": float(np.mean(finite)) if finite else float("inf"),
+            "psnr_min": float(min(self.psnr)) if self.psnr else None,
+            "ssim": float(np.mean(self.ssim)) if self.ssim else None,
+            "pass_rate": 100.0 * float(np.mean(self.passes)) if self.passes else None,
+            "computed": float(np.mean(self.computed)) if self.computed else None,
+            "mask": self.mask,
+        }
+
+
+def sample(bench: Bench, pair, steps: int, cache=None, runner=None):
+    cond, uncond, seed, _ = pair
+    model = bench.engine.model
+    default = model.block_runner
+    if runner is not None:
+        model.block_runner = runner
+    try:
+        t0 = time.perf_counter()
+        out = bench.engine.sample(bench.latent, cond, uncond, seed=seed, steps=steps, cfg=bench.cfg, sampler=bench.sampler,
+                                  cache=cache if cache is not None else CacheConfig(enabled=False))
+        dt = time.perf_counter() - t0
+    finally:
+        model.block_runner = default
+    return out, dt
+
+
+def run_bench(bench: Bench, steps: int, configs: List[Config], log=print) -> List[Result]:
+    from engine.sampling import model_calls
+
+    calls = model_calls(bench.sampler, steps)
+    model = bench.engine.model
+    made = {c.name: c.make(model, calls) for c in configs}
+    results = {c.name: Result(c.name, c.family, c.note) for c in configs}
+    base = Result("uncached", "base", "every step computed")
+    sample(bench, bench.pairs[0], steps)  # warm-up
+    for k, pair in enumerate(bench.pairs):
+        ref, t_a = sample(bench, pair, steps)
+        ref_img, rng = bench.to_image(ref)
+        if rng is None:  # latents: the uncached latent's range
+            rng = float(ref_img.max() - ref_img.min())
+        base.times.append(t_a)
+        if bench.judge is not None:
+            base.passes.append(bool(bench.judge(ref_img, pair[3])))
+        cur = []
+        for c in configs:
+            kw = made[c.name]
+            out, dt = sample(bench, pair, steps, cache=kw.get("cache"), runner=kw.get("runner"))
+            cur.append((c, out, dt))
+            r = results[c.name]
+            if "runner" in kw:
+                n_cached = kw["runner"].cached_steps()
+                r.computed.append(calls - n_cached if n_cached is not None else -1)
+                if kw["runner"].mask is not None:
+                    r.mask = mask_str(kw["runner"].mask)
+            else:
+                r.computed.append(bench.engine.last_run.steps_computed)
+                r.mask = bench.engine.last_run.cache.get("mask", "")
+        ref2, t_b = sample(bench, pair, steps)
+        assert torch.equal(ref, ref2), "uncached runs differ: not deterministic"
+        t_base = 0.5 * (t_a + t_b)
+        base.base_times.append(t_base)
+        for c, out, dt in cur:
+            r = results[c.name]
+            img, _ = bench.to_image(out)
+            r.times.append(dt)
+            r.base_times.append(t_base)
+            r.psnr.append(psnr(ref_img, img, rng))
+            r.ssim.append(ssim(ref_img, img, rng))
+            if bench.judge is not None:
+                r.passes.append(bool(bench.judge(img, pair[3])))
+        log(f"  {steps} steps pair {k + 1}/{len(bench.pairs)}: uncached {t_base:.2f}s")
+    base.times = list(base.base_times)
+    base.psnr = [float("inf")] * len(base.times)
+    base.ssim = [1.0] * len(base.times)
+    base.computed = [calls] * len(base.times)
+    return [base] + [results[c.name] for c in configs]
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+def table(rows: List[dict], steps: int, judge: bool) -> str:
+    head = "| configuration | family | computed calls | mask | speedup (wall) | PSNR dB | min PSNR | SSIM |" + (" judge pass % |" if judge else "")
+    sep = "|---|---|---|---|---|---|---|---|" + ("---|" if judge else "")
+    lines = [head, sep]
+    for r in rows:
+        ps = "inf" if not math.isfinite(r["psnr"]) else f"{r['psnr']:.2f}"
+        pm = "inf" if r["psnr_min"] is None or not math.isfinite(r["psnr_min"]) else f"{r['psnr_min']:.2f}"
+        mask = f"`{r['mask']}`" if r["mask"] and steps <= 28 else (f"{r['mask'].count('1')}/{len(r['mask'])}" if r["mask"] else "")
+        line = (f"| {r['name']} | {r['family']} | {r['computed']:.1f} | {mask} | {r['speedup']:.2f}x | {ps} | {pm} | "
+                f"{r['ssim']:.4f} |")
+        if judge:
+            line += f" {r['pass_rate']:.1f} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot(all_rows: Dict[str, List[dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(all_rows)
+    fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 5), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for fam, colour in (("ours", "tab:blue"), ("cache-dit", "tab:orange")):
+            pts = [r for r in all_rows[key] if r["family"] == fam and math.isfinite(r["psnr"])]
+            ax.scatter([r["speedup"] for r in pts], [r["psnr"] for r in pts], c=colour, label=fam, s=36)
+            for r in pts:
+                ax.annotate(r["name"].replace("cache-dit ", ""), (r["speedup"], r["psnr"]), fontsize=6,
+                            xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("wall-clock speedup of sampling (x)")
+        ax.set_ylabel("PSNR vs uncached (dB)")
+        ax.set_title(key, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", nargs="+", default=["demo", "random"], choices=["demo", "random"])
+    ap.add_argument("--steps", nargs="+", type=int, default=[50, 8])
+    ap.add_argument("--pairs", type=int, default=64, help="caption/seed pairs (demo)")
+    ap.add_argument("--random-pairs", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-cachedit", action="store_true")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "cache_results.md"))
+    ap.add_argument("--json", default=os.path.join(ROOT, "bench", "cache_results.json"))
+    ap.add_argument("--plot", default=os.path.join(ROOT, "bench", "cache_pareto.png"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "error")
+    configs = our_configs() + ([] if args.no_cachedit else cachedit_configs())
+    all_rows, md = {}, ["# Cache-DiT benchmark", "",
+                        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU, {args.threads} threads "
+                        f"(shared machine); `python bench/cache_bench.py {' '.join(argv or sys.argv[1:])}`.", "",
+                        "Speedup = wall-clock of sampling, uncached / cached, each pair run side by side. PSNR/SSIM against "
+                        "the uncached image of the same caption and seed (demo: decoded 64x64 RGB; random model: final latent).",
+                        ""]
+    for name in args.model:
+        if name == "demo":
+            try:
+                bench = demo_bench(args.pairs)
+            except Exception as e:  # weights not there yet
+                print(f"demo model not available: {e}", file=sys.stderr)
+                md += [f"Demo model: not available ({type(e).__name__}: {e}).", ""]
+                continue
+        else:
+            bench = random_bench(args.random_pairs)
+        for steps in args.steps:
+            print(f"{bench.name}: {steps} steps, {len(bench.pairs)} pairs", flush=True)
+            rows = [r.summary() for r in run_bench(bench, steps, configs)]
+            key = f"{bench.name}, {steps} steps, {len(bench.pairs)} pairs"
+            all_rows[key] = rows
+            md += [f"## {key}", "", table(rows, steps, bench.judge is not None), ""]
+            with open(args.json, "w") as f:
+                json.dump(all_rows, f, indent=1, default=str)
+            with open(args.out, "w") as f:
+                f.write("\n".join(md) + "\n")
+            print(table(rows, steps, bench.judge is not None), flush=True)
+    if all_rows and args.plot:
+        plot(all_rows, args.plot)
+    return all_rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""`sgld` command line: generate images and benchmark the engine."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default=None, help="weight dtype: bf16, fp16, fp32 (default: as stored; fp32 for random models)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sgld", description="SGLDiffusion: fast ERNIE-Image inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bench", help="time the DiT forward and a whole sampling run",
+                       description="Time one DiT forward and a whole sampling run, for a model file or a random model of a named size.")
+    src = b.add_mutually_exclusive_group()
+    src.add_argument("--model", help="ERNIE-Image .safetensors file or diffusers folder")
+    src.add_argument("--size", default="tiny", help="random model of a named size: tiny, small, medium, 8b (the release shape; for GPUs)")
+    b.add_argument("--width", type=int, default=None, help="image width in pixels (latent = width/16; default 1024 for 8b, 256 otherwise)")
+    b.add_argument("--height", type=int, default=None, help="image height in pixels")
+    b.add_argument("--text-tokens", type=int, default=64, help="prompt length in tokens")
+    b.add_argument("--steps", type=int, default=8, help="sampling steps for the whole-run timing (0: skip it)")
+    b.add_argument("--cfg", type=float, default=1.0, help="guidance scale of the whole run (>1 adds the negative branch)")
+    b.add_argument("--repeat", type=int, default=3, help="timed forwards (after one warm-up)")
+    b.add_argument("--json", action="store_true", help="print one line of JSON")
+    _add_common(b)
+
+    g = sub.add_parser("generate", help="make an image from a prompt",
+                       description="Make an image from a prompt (the embedded demo model by default).")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--negative", default="")
+    g.add_argument("--out", default="out.png", help="PNG file to write")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--steps", type=int, default=None)
+    g.add_argument("--cfg", type=float, default=None)
+    g.add_argument("--sampler", default="euler")
+    g.add_argument("--scheduler", default="simple")
+    g.add_argument("--json", action="store_true", help="print one line of JSON with settings and timings")
+    _add_common(g)
+    return parser
+
+
+def _random_engine(size: str, dtype, device):
+    from .pipeline import Engine
+    from .random_weights import SIZES, random_model
+
+    if size not in SIZES:
+        raise SystemExit(f"sgld bench: --size '{size}' is unknown; choose one of {', '.join(SIZES)}")
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: torch.float32}.get(dtype)
+    if dt is None:
+        raise SystemExit(f"sgld bench: --dtype '{dtype}' is not supported; choose one of bf16, fp16, fp32")
+    if size == "8b":
+        from .loader import build_model
+        model = build_model(SIZES[size], device).to(dt).eval().requires_grad_(False)  # random init, on device
+    else:
+        model = random_model(SIZES[size], seed=0, dtype=dt).to(device)
+    return Engine(model, source=f"random:{size}")
+
+
+def cmd_bench(args) -> dict:
+    from .config import EngineConfig
+    from .pipeline import Engine
+
+    t0 = time.perf_counter()
+    if args.model:
+        eng = Engine.from_file(args.model, EngineConfig(dtype=args.dtype, device=args.device))
+    else:
+        eng = _random_engine(args.size, args.dtype, args.device)
+    load_s = time.perf_counter() - t0
+    cfg = eng.model.config
+    default_px = 1024 if args.size == "8b" else 256
+    h, w = (args.height or default_px) // 16, (args.width or default_px) // 16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, cfg.in_channels, h, w, generator=g)
+    text = torch.randn(args.text_tokens, cfg.text_in_dim, generator=g)
+    dev = eng.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        xt, tb, ln = x.to(dev), torch.tensor([500.0], device=dev), torch.tensor([args.text_tokens], device=dev)
+        tt = text[None].to(dev, eng.model.dtype)
+        eng.model(xt, tb, tt, ln)
+        sync()
+        times = []
+        for _ in range(max(1, args.repeat)):
+            s = time.perf_counter()
+            eng.model(xt, tb, tt, ln)
+            sync()
+            times.append(time.perf_counter() - s)
+    result = {"model": eng.source, "params": sum(p.numel() for p in eng.model.parameters()),
+              "dtype": str(eng.model.dtype).replace("torch.", ""), "device": str(dev), "latent": [cfg.in_channels, h, w],
+              "image_tokens": h * w // cfg.patch_size ** 2, "text_tokens": args.text_tokens, "load_seconds": round(load_s, 3),
+              "forward_ms_median": round(1000 * sorted(times)[len(times) // 2], 2), "forward_ms_min": round(1000 * min(times), 2)}
+    if args.steps > 0:
+        s = time.perf_counter()
+        eng.sample(torch.zeros(1, cfg.in_channels, h, w), [text], [text[:1]] if args.cfg != 1.0 else None,
+                   seed=0, steps=args.steps, cfg=args.cfg)
+        sync()
+        result.update({"steps": args.steps, "cfg": args.cfg, "sampling_seconds": round(time.perf_counter() - s, 3),
+                       **{k: v for k, v in eng.last_run.to_dict().items() if k in ("steps_total", "steps_computed")}})
+    if dev.type == "cuda":
+        result["peak_vram_gb"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:>18}: {v}")
+    return result
+
+
+def cmd_generate(args) -> None:
+    try:
+        from .models.demo import cli as demo_cli
+    except ImportError:
+        raise SystemExit("sgld generate: the demo model is not available in this build") from None
+    demo_cli.generate(args)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
+    from .loader import CheckpointError
+    from .pipeline import InputError
+
+    try:
+        if args.command == "bench":
+            cmd_bench(args)
+        elif args.command == "generate":
+            cmd_generate(args)
+    except (CheckpointError, InputError, ValueError) as e:
+        print(f"sgld {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

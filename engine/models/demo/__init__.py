@@ -1,0 +1,138 @@
+"""The embedded demo model: a small ERNIE-Image DiT trained here on procedural scenes.
+
+    from engine.models.demo import load_demo
+    demo = load_demo()                                   # shipped weights, float32, CPU
+    latent = demo.engine.sample(demo.empty_latent(1), demo.encode(["a large red circle on the left, on a blue background"]),
+                                demo.encode([""]), seed=0, steps=demo.default_steps, cfg=demo.default_cfg,
+                                sampler=demo.default_sampler)
+    images = demo.decode(latent)                         # uint8 [B, 64, 64, 3]
+    demo.generate("a small green square at the top, on a white background", seed=0)   # the same, in one call
+
+The DiT is a plain ``ErnieImageTransformer`` read by ``engine.load_model`` from the same file
+(``DEMO_WEIGHTS``; keys ``diffusion_model.*``), so ``engine.Engine`` samples it unchanged. Latents
+are the lossless 4x4 space-to-depth of the image (``codec``): [B, 48, 16, 16] for 64x64 pixels.
+Retrain with ``python -m engine.models.demo.train`` (under an hour on 2 CPU cores).
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from . import codec
+from .text_encoder import DemoTextEncoder, TextEncoderConfig, WordTokenizer
+
+DEMO_WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "demo.safetensors")
+DEFAULT_STEPS = 30
+DEFAULT_CFG = 3.0
+DEFAULT_SAMPLER = "euler"
+DEFAULT_SCHEDULER = "simple"
+IMAGE_SIZE = 64
+LATENT_CHANNELS = codec.LATENT_CHANNELS  # 48
+LATENT_SIZE = IMAGE_SIZE // codec.FACTOR  # 16
+EXAMPLE_PROMPT = "a large red circle on the left and a small blue square on the right, on a yellow background"
+
+__all__ = ["DEMO_WEIGHTS", "DEFAULT_STEPS", "DEFAULT_CFG", "DEFAULT_SAMPLER", "DEFAULT_SCHEDULER", "EXAMPLE_PROMPT",
+           "DemoModel", "load_demo", "is_demo_file"]
+
+
+class DemoModel:
+    """Text encoder + DiT + pixel codec of the demo model."""
+
+    default_steps = DEFAULT_STEPS
+    default_cfg = DEFAULT_CFG
+    default_sampler = DEFAULT_SAMPLER
+    default_scheduler = DEFAULT_SCHEDULER
+
+    def __init__(self, path: str, dit, text_encoder: DemoTextEncoder, tokenizer: WordTokenizer, info: dict):
+        self.path = path
+        self.dit = dit
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.info = info
+        self._engine = None
+
+    @property
+    def engine(self):
+        """An ``engine.Engine`` on this model's DiT (created on first use)."""
+        if self._engine is None:
+            from ...pipeline import Engine
+
+            self._engine = Engine(self.dit, source=self.path)
+        return self._engine
+
+    @torch.no_grad()
+    def encode(self, prompts: Union[str, Sequence[str]]) -> List[torch.Tensor]:
+        """Prompts -> list of text features [T_i, text_dim] (float32); "" is the unconditional prompt."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        out = []
+        for p in prompts:
+            ids, lens = self.tokenizer.batch([p], self.text_encoder.config.max_len)
+            out.append(self.text_encoder(ids, lens)[0].float())
+        return out
+
+    @staticmethod
+    def empty_latent(batch: int = 1) -> torch.Tensor:
+        return torch.zeros(batch, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE)
+
+    @staticmethod
+    def decode(latent: torch.Tensor) -> np.ndarray:
+        """latent [B, 48, 16, 16] -> uint8 images [B, 64, 64, 3]."""
+        return codec.decode(latent)
+
+    @staticmethod
+    def decode_float(latent: torch.Tensor) -> torch.Tensor:
+        """latent [B, 48, 16, 16] -> float images [B, 64, 64, 3] in 0..1 (ComfyUI's IMAGE layout)."""
+        return codec.decode_float(latent)
+
+    @staticmethod
+    def encode_image(images) -> torch.Tensor:
+        """uint8 [B, 64, 64, 3] (or float 0..1) -> latent [B, 48, 16, 16]."""
+        return codec.encode(images)
+
+    def generate(self, prompts: Union[str, Sequence[str]], seed: int = 0, steps: int = DEFAULT_STEPS,
+                 cfg: float = DEFAULT_CFG, sampler: str = DEFAULT_SAMPLER, scheduler: str = DEFAULT_SCHEDULER,
+                 negative: str = "", callback=None) -> np.ndarray:
+        """Prompts -> uint8 images [B, 64, 64, 3] through ``engine.Engine.sample``."""
+        cond = self.encode(prompts)
+        latent = self.engine.sample(self.empty_latent(len(cond)), cond, self.encode([negative]), seed=seed, steps=steps,
+                                    cfg=cfg, sampler=sampler, scheduler=scheduler, callback=callback)
+        return self.decode(latent)
+
+
+def is_demo_file(path: str) -> bool:
+    """True if ``path`` is a safetensors file carrying the demo model's text encoder and vocabulary."""
+    try:
+        from ...safetensors_io import SafetensorsFile
+        from .weights_io import DEMO_METADATA_KEY
+
+        return DEMO_METADATA_KEY in SafetensorsFile(path).metadata
+    except Exception:
+        return False
+
+
+_CACHE = {}
+
+
+def load_demo(path: Optional[str] = None, dtype: Union[str, torch.dtype] = torch.float32, cached: bool = True) -> DemoModel:
+    """Load the demo model (the shipped weights by default) on the CPU; cached per (path, dtype)."""
+    from ...loader import load_model
+    from .weights_io import read_demo_parts
+
+    path = os.fspath(path or DEMO_WEIGHTS)
+    key = (os.path.abspath(path), str(dtype))
+    if cached and key in _CACHE:
+        return _CACHE[key]
+    meta, te_state = read_demo_parts(path)
+    tok = WordTokenizer(meta["vocab"])
+    te = DemoTextEncoder(TextEncoderConfig(**meta["text_encoder"]))
+    te.load_state_dict(te_state, strict=True)
+    te.eval().requires_grad_(False)
+    dit = load_model(path, dtype=dtype)
+    demo = DemoModel(path, dit, te, tok, meta.get("train", {}))
+    if cached:
+        _CACHE[key] = demo
+    return demo

@@ -1,0 +1,162 @@
+"""Train the demo model: ``python -m engine.models.demo.train [--steps N] [--out PATH]``.
+
+Rectified flow in ERNIE-Image's convention: sigma ~ logit-normal, shifted by ComfyUI's shift 3
+(sigma' = 3s / (1 + 2s)); x = sigma * noise + (1 - sigma) * x0; the DiT predicts v = noise - x0 at
+timestep sigma * 1000. The caption is replaced by the empty prompt 10% of the time (for CFG).
+The text encoder is trained jointly. AdamW with warmup and cosine decay; an EMA of the weights is
+what gets saved (fp16 safetensors with the vocabulary and configs in the metadata).
+
+Deterministic for a seed on a given machine and thread count (2 threads by default). Sized to
+finish in well under an hour on 2 CPU cores; ``--time-limit`` stops early (and says so) if the
+machine is much slower.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ...models.ernie_image import ErnieImageConfig, ErnieImageTransformer
+from . import codec, data
+from .text_encoder import DemoTextEncoder, TextEncoderConfig, WordTokenizer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(HERE, "weights", "demo.safetensors")
+
+HIDDEN = 256
+LAYERS = 6
+HEAD_DIM = 64
+FFN = 768
+PATCH = 2
+TEXT_DIM = 128
+
+
+def dit_config() -> ErnieImageConfig:
+    return ErnieImageConfig(hidden_size=HIDDEN, num_layers=LAYERS, num_attention_heads=HIDDEN // HEAD_DIM,
+                            ffn_hidden_size=FFN, in_channels=codec.LATENT_CHANNELS, out_channels=codec.LATENT_CHANNELS,
+                            text_in_dim=TEXT_DIM, patch_size=PATCH,
+                            rope_axes_dim=ErnieImageConfig.default_rope_axes(HEAD_DIM))
+
+
+def init_dit(model: ErnieImageTransformer) -> None:
+    """DiT-style init: xavier linears, adaLN-Zero (every gate starts at 0), zero output layer."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                torch.nn.init.zeros_(m.bias)
+    w = model.x_embedder.proj.weight
+    torch.nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+    torch.nn.init.zeros_(model.x_embedder.proj.bias)
+    torch.nn.init.normal_(model.time_embedding.linear_1.weight, std=0.02)
+    torch.nn.init.normal_(model.time_embedding.linear_2.weight, std=0.02)
+    for lin in (model.adaLN_modulation[1], model.final_norm.linear, model.final_linear):
+        torch.nn.init.zeros_(lin.weight)
+        torch.nn.init.zeros_(lin.bias)
+
+
+def sample_sigma(n: int, gen: torch.Generator, shift: float = 3.0) -> torch.Tensor:
+    s = torch.sigmoid(torch.randn(n, generator=gen))
+    return shift * s / (1 + (shift - 1) * s)
+
+
+def write_weights(path: str, dit, te, tok: WordTokenizer, te_cfg: TextEncoderConfig, info: dict) -> None:
+    from .weights_io import save_demo
+
+    save_demo(path, dit, te, tok, te_cfg, info)
+
+
+def lr_at(step: int, steps: int, base: float, warmup: int) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    p = (step - warmup) / max(1, steps - warmup)
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--ema", type=float, default=0.998)
+    ap.add_argument("--drop", type=float, default=0.1, help="probability of training on the empty prompt")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--time-limit", type=float, default=55.0, help="minutes; stop early past this")
+    ap.add_argument("--save-every", type=int, default=250)
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    tok = WordTokenizer.from_words(data.vocabulary())
+    te_cfg = TextEncoderConfig(vocab_size=len(tok.vocab), dim=TEXT_DIM)
+    dit = ErnieImageTransformer(dit_config())
+    init_dit(dit)
+    te = DemoTextEncoder(te_cfg)
+    params = list(dit.parameters()) + list(te.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.99))
+    ema_dit, ema_te = copy.deepcopy(dit).requires_grad_(False), copy.deepcopy(te).requires_grad_(False)
+    ema_params = list(ema_dit.parameters()) + list(ema_te.parameters())
+    n_params = sum(p.numel() for p in dit.parameters())
+    print(f"demo model: DiT {n_params / 1e6:.2f}M params {dit_config().to_dict()}, text encoder "
+          f"{sum(p.numel() for p in te.parameters()) / 1e6:.2f}M, vocab {len(tok.vocab)}", flush=True)
+
+    start = time.time()
+    losses = []
+    rng = np.random.default_rng(args.seed)
+    info = {}
+    for step in range(args.steps):
+        seeds = rng.integers(0, data.HELD_OUT_SEED_START, size=args.batch)
+        imgs, caps = data.batch(seeds)
+        x0 = codec.encode(imgs)
+        drop = torch.rand(args.batch, generator=gen) < args.drop
+        caps = ["" if d else c for c, d in zip(caps, drop.tolist())]
+        ids, lens = tok.batch(caps, te_cfg.max_len)
+        sigma = sample_sigma(args.batch, gen)
+        noise = torch.randn(x0.shape, generator=gen)
+        s = sigma.view(-1, 1, 1, 1)
+        xt = s * noise + (1 - s) * x0
+        text = te(ids, lens)
+        v = dit(xt, sigma * 1000.0, text, lens)
+        loss = F.mse_loss(v, noise - x0)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        d = min(args.ema, (1 + step) / (10 + step))
+        with torch.no_grad():
+            torch._foreach_lerp_(ema_params, params, 1 - d)
+        losses.append(loss.item())
+        elapsed = time.time() - start
+        if step % 25 == 0 or step == args.steps - 1:
+            print(f"step {step:5d} loss {np.mean(losses[-25:]):.4f} lr {opt.param_groups[0]['lr']:.2e} "
+                  f"{elapsed / 60:.1f} min ({(step + 1) / elapsed:.2f} steps/s)", flush=True)
+        info = {"steps": step + 1, "planned_steps": args.steps, "batch": args.batch, "seed": args.seed,
+                "final_loss": float(np.mean(losses[-100:])), "train_minutes": round(elapsed / 60, 2),
+                "threads": args.threads}
+        last = step == args.steps - 1 or elapsed > args.time_limit * 60
+        if (step + 1) % args.save_every == 0 or last:
+            write_weights(args.out, ema_dit, ema_te, tok, te_cfg, info)
+        if elapsed > args.time_limit * 60 and step != args.steps - 1:
+            print(f"time limit reached after {step + 1} of {args.steps} steps: stopping early", flush=True)
+            break
+    print(f"saved {args.out}: {json.dumps(info)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
