@@ -179,9 +179,12 @@ def start_server(base: str, extra_args=(), boot_timeout: float = 120) -> ComfySe
 
 def tiny_graph(model: str, *, seed: int = 0, steps: int = 4, cfg: float = 1.0, sampler: str = "euler",
                scheduler: str = "simple", denoise: float = 1.0, width: int = 128, height: int = 128,
-               pos=(1, 7, 48), neg=(2, 5, 48), weight_dtype: str = "default", latent_node: Optional[dict] = None,
+               pos=None, neg=None, weight_dtype: str = "default", latent_node: Optional[dict] = None,
                prefix: str = "sgld/tiny") -> dict:
-    """API-format graph: test text features + EmptyFlux2LatentImage -> our loader + KSampler -> SaveLatent."""
+    """API-format graph: test text features + EmptyFlux2LatentImage -> our loader + KSampler -> SaveLatent.
+    ``pos``/``neg`` = (seed, tokens, dim) of the test text features; dim defaults to the tiny model's."""
+    pos = pos or (1, 7, text_dim())
+    neg = neg or (2, 5, text_dim())
     return {
         "1": {"class_type": "SGLDiffusionModelLoader", "inputs": {"unet_name": model, "weight_dtype": weight_dtype}},
         "2": {"class_type": "SGLDTestTextFeatures", "inputs": {"seed": pos[0], "tokens": pos[1], "dim": pos[2]}},
@@ -208,6 +211,10 @@ def tiny_config():
     from engine.random_weights import SIZES
 
     return dataclasses.replace(SIZES["tiny"], in_channels=128, out_channels=128)
+
+
+def text_dim() -> int:
+    return tiny_config().text_in_dim
 
 
 def write_tiny_checkpoint(path: str, seed: int = 0) -> str:

@@ -21,6 +21,7 @@ CORE_NODES = {"CLIPLoader", "CLIPTextEncode", "EmptyFlux2LatentImage", "VAELoade
               "ConditioningZeroOut", "SaveLatent", "PreviewImage"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 TINY = "tiny-ernie.safetensors"
+DIM = cs.text_dim()  # text features per token of the tiny model
 
 
 def _load_test_pack():
@@ -67,7 +68,7 @@ def graph(**kw):
 
 
 def direct_sample(ckpt: str, *, seed=0, steps=4, cfg=1.0, sampler="euler", scheduler="simple", denoise=1.0,
-                  width=128, height=128, pos=(1, 7, 48), neg=(2, 5, 48), dtype=None):
+                  width=128, height=128, pos=(1, 7, DIM), neg=(2, 5, DIM), dtype=None):
     from engine import Engine, EngineConfig
 
     engine = Engine.from_file(ckpt, EngineConfig(dtype=dtype))
@@ -334,8 +335,9 @@ BAD = {
     "pickle-pt": (dict(model="pickled.pt"), "SGLDiffusionModelLoader", ["pickled.pt", "pickle"]),
     "latent-4-channels": (dict(latent_node={"class_type": "EmptyLatentImage", "inputs": {"width": 128, "height": 128, "batch_size": 1}}),
                           "SGLDiffusionKSampler", ["latent has 4 channels", "takes 128", "EmptyFlux2LatentImage"]),
-    "empty-conditioning": (dict(pos=(1, 0, 48)), "SGLDiffusionKSampler", ["positive conditioning"]),
-    "wrong-text-dim": (dict(pos=(1, 7, 32), cfg=2.0), "SGLDiffusionKSampler", ["32 features per token", "takes 48"]),
+    "empty-conditioning": (dict(pos=(1, 0, DIM)), "SGLDiffusionKSampler", ["positive conditioning"]),
+    "wrong-text-dim": (dict(pos=(1, 7, DIM + 16), cfg=2.0), "SGLDiffusionKSampler",
+                       [f"{DIM + 16} features per token", f"takes {DIM}"]),
 }
 
 
