@@ -34,3 +34,43 @@ def test_engine_importable_from_repo_root():
 
 def test_web_directory_exists():
     assert os.path.isdir(os.path.join(ROOT, "web"))
+
+
+def test_registry_metadata_as_comfyui_reads_it():
+    """pyproject.toml through ComfyUI's own parser (comfy_config, the same rules as comfy-cli)."""
+    import comfy_server as cs
+
+    comfy_dir = cs.ensure_comfyui()
+    code = ("import json, sys; from comfy_config import config_parser; "
+            "c = config_parser.extract_node_configuration(sys.argv[1]); "
+            "print(json.dumps({'name': c.project.name, 'version': c.project.version, 'repo': c.project.urls.repository, "
+            "'publisher': c.tool_comfy.publisher_id, 'display': c.tool_comfy.display_name, 'icon': c.tool_comfy.icon, "
+            "'comfyui': c.project.supported_comfyui_version, 'deps': c.project.dependencies}))")
+    r = subprocess.run([cs.python(), "-c", code, ROOT], cwd=comfy_dir, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    meta = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("name", "version", "repo", "publisher", "display", "icon", "comfyui"):
+        assert meta[key], f"pyproject.toml: {key} is empty ({meta})"
+    assert not any(d.split("=")[0].split(">")[0].split("<")[0].strip().lower() in ("torch", "torchvision", "torchaudio")
+                   for d in meta["deps"]), meta["deps"]
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        reqs = [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+    assert not any(r.lower().startswith(("torch", "-r", "-e", "-c", "--")) for r in reqs), reqs
+
+
+def test_comfy_cli_node_validate():
+    """`comfy node validate` (comfy-cli) if it is installed (.cache/venv-cli or PATH)."""
+    import shutil
+
+    import pytest
+
+    cli = os.path.join(ROOT, ".cache", "venv-cli", "bin", "comfy")
+    cli = cli if os.path.exists(cli) else shutil.which("comfy")
+    if not cli:
+        pytest.skip("comfy-cli not installed (python -m venv .cache/venv-cli && .cache/venv-cli/bin/pip install comfy-cli)")
+    env = dict(os.environ, DO_NOT_TRACK="1")
+    r = subprocess.run([cli, "--skip-prompt", "--no-enable-telemetry", "node", "validate"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
