@@ -5,6 +5,7 @@ so the engine is imported relatively (``from ..engine import ...``).
 """
 import logging
 
+from . import cache_dit
 from .ksampler import SGLDiffusionKSampler
 from .loader import SGLDiffusionModelLoader
 from .model_cache import install_memory_hooks, loaded
@@ -17,6 +18,8 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "SGLDiffusionModelLoader": "SGLDiffusion Model Loader",
     "SGLDiffusionKSampler": "SGLDiffusion KSampler",
 }
+NODE_CLASS_MAPPINGS.update(cache_dit.NODE_CLASS_MAPPINGS)
+NODE_DISPLAY_NAME_MAPPINGS.update(cache_dit.NODE_DISPLAY_NAME_MAPPINGS)
 
 install_memory_hooks()
 

@@ -5,7 +5,6 @@ the engine's step callback -> ComfyUI's progress bar, preview and interrupt chec
 """
 from __future__ import annotations
 
-import inspect
 import logging
 
 import comfy.latent_formats
@@ -13,6 +12,7 @@ import comfy.model_management
 import comfy.utils
 
 from ..engine import CheckpointError, InputError
+from ..engine.cache import CacheConfigError
 from ..engine.sampling import SAMPLERS, SCHEDULERS
 
 log = logging.getLogger("sgldiffusion")
@@ -111,17 +111,13 @@ class SGLDiffusionKSampler:
             engine = model.engine()
         except CheckpointError as e:
             raise ValueError(f"{NODE}: {e}") from None
-        kwargs = {}
-        if cache is not None:
-            if "cache" not in inspect.signature(engine.sample).parameters:
-                raise ValueError(f"{NODE}: this version of the SGLDiffusion engine does not support the cache input")
-            kwargs["cache"] = cache
+        kwargs = {"cache": cache} if cache is not None else {}
         channels = samples.shape[1] if getattr(samples, "dim", lambda: 0)() >= 2 else 0
         reporter = StepReporter(int(steps), channels, engine.device)
         try:
             out = engine.sample(samples, cond, uncond, seed=seed, steps=steps, cfg=cfg, sampler=sampler_name,
                                 scheduler=scheduler, denoise=denoise, callback=reporter, **kwargs)
-        except InputError as e:
+        except (InputError, CacheConfigError) as e:
             raise ValueError(f"{NODE}: {e}") from None
         result = dict(latent_image)
         result["samples"] = out.to(comfy.model_management.intermediate_device())

@@ -15,7 +15,8 @@ import comfy_server as cs
 
 ROOT = cs.ROOT
 WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
-OUR_NODES = {"SGLDiffusionModelLoader": "SGLDiffusion Model Loader", "SGLDiffusionKSampler": "SGLDiffusion KSampler"}
+OUR_NODES = {"SGLDiffusionModelLoader": "SGLDiffusion Model Loader", "SGLDiffusionKSampler": "SGLDiffusion KSampler",
+             "SGLDiffusionCacheDiT": "SGLDiffusion Cache-DiT"}
 # Core node types our workflows may use: present in ComfyUI >= 0.19 (and, checked below, in 0.3.75).
 CORE_NODES = {"CLIPLoader", "CLIPTextEncode", "EmptyFlux2LatentImage", "VAELoader", "VAEDecode", "SaveImage",
               "ConditioningZeroOut", "SaveLatent", "PreviewImage"}
@@ -68,15 +69,18 @@ def graph(**kw):
 
 
 def direct_sample(ckpt: str, *, seed=0, steps=4, cfg=1.0, sampler="euler", scheduler="simple", denoise=1.0,
-                  width=128, height=128, pos=(1, 7, DIM), neg=(2, 5, DIM), dtype=None):
+                  width=128, height=128, pos=(1, 7, DIM), neg=(2, 5, DIM), dtype=None, cache=None):
     from engine import Engine, EngineConfig
 
     engine = Engine.from_file(ckpt, EngineConfig(dtype=dtype))
     latent = torch.zeros(1, 128, height // 16, width // 16)
     cond = [test_pack.text_features(*pos)[0]]
     uncond = [test_pack.text_features(*neg)[0]]
-    return engine.sample(latent, cond, uncond, seed=seed, steps=steps, cfg=cfg, sampler=sampler,
-                         scheduler=scheduler, denoise=denoise)
+    kw = {"cache": cache} if cache is not None else {}
+    out = engine.sample(latent, cond, uncond, seed=seed, steps=steps, cfg=cfg, sampler=sampler,
+                        scheduler=scheduler, denoise=denoise, **kw)
+    direct_sample.last_run = engine.last_run.to_dict()
+    return out
 
 
 def assert_error(entry: dict, node_type: str, *fragments: str) -> str:
@@ -132,6 +136,10 @@ def test_nodes_in_object_info(object_info):
         assert req[name][0] == core["input"]["required"][name][0]
     assert ks["input"]["optional"]["cache"][0] == "SGLD_CACHE"
     assert ks["output"] == ["LATENT"]
+
+    cache = object_info["SGLDiffusionCacheDiT"]
+    assert cache["output"] == ["SGLD_CACHE"]
+    assert {"enabled", "preset", "advanced"} <= set(cache["input"]["required"])
 
 
 # -- workflows -----------------------------------------------------------------------------------
@@ -324,6 +332,35 @@ def test_interrupt_stops_run_and_next_run_works(comfy):
     assert torch.equal(cs.saved_latent(comfy, entry), want)
 
 
+CACHE_RUNS = {
+    "cache-off": dict(enabled=False, preset="fast", advanced=False),
+    "cache-fast": dict(enabled=True, preset="fast", advanced=False),
+}
+
+
+@pytest.mark.parametrize("case", list(CACHE_RUNS))
+def test_cache_node_passes_through(comfy, case):
+    """SGLDiffusion Cache-DiT -> KSampler's cache input: same latent as Engine.sample(cache=...) directly."""
+    from engine.cache import CacheConfig
+
+    node_inputs = CACHE_RUNS[case]
+    g = graph(seed=71, steps=8)
+    g["7"] = {"class_type": "SGLDiffusionCacheDiT", "inputs": dict(node_inputs)}
+    g["5"]["inputs"]["cache"] = ["7", 0]
+    entry = comfy.run(g, timeout=120)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    cfg = CacheConfig(enabled=node_inputs["enabled"], preset=node_inputs["preset"])
+    want = direct_sample(os.path.join(comfy.base, "models", "diffusion_models", TINY), seed=71, steps=8, cache=cfg)
+    assert torch.equal(cs.saved_latent(comfy, entry), want)
+    stats = entry["outputs"]["5"]["sgld_stats"][0]
+    assert stats["step_mask"] == direct_sample.last_run["step_mask"]
+    if node_inputs["enabled"]:
+        assert stats["steps_computed"] < stats["steps_total"], stats
+    else:
+        assert stats["steps_computed"] == stats["steps_total"] == 8, stats
+        assert torch.equal(want, direct_sample(os.path.join(comfy.base, "models", "diffusion_models", TINY), seed=71, steps=8))
+
+
 # -- bad inputs ------------------------------------------------------------------------------------
 
 BAD = {
@@ -338,6 +375,8 @@ BAD = {
     "empty-conditioning": (dict(pos=(1, 0, DIM)), "SGLDiffusionKSampler", ["positive conditioning"]),
     "wrong-text-dim": (dict(pos=(1, 7, DIM + 16), cfg=2.0), "SGLDiffusionKSampler",
                        [f"{DIM + 16} features per token", f"takes {DIM}"]),
+    "cache-too-many-fixed-blocks": (dict(cache={"enabled": True, "preset": "fast", "advanced": True, "Fn": 2, "Bn": 0}),
+                                    "SGLDiffusionKSampler", ["SGLDiffusion KSampler:", "leaves no middle blocks to cache"]),
 }
 
 
@@ -346,7 +385,12 @@ def test_bad_input_gives_clear_error(comfy, case):
     kw, node_type, fragments = BAD[case]
     kw = dict(kw)
     model = kw.pop("model", TINY)
-    entry = comfy.run(cs.tiny_graph(model, seed=41, **kw), timeout=60)
+    cache = kw.pop("cache", None)
+    g = cs.tiny_graph(model, seed=41, **kw)
+    if cache is not None:
+        g["7"] = {"class_type": "SGLDiffusionCacheDiT", "inputs": cache}
+        g["5"]["inputs"]["cache"] = ["7", 0]
+    entry = comfy.run(g, timeout=60)
     assert_error(entry, node_type, *fragments)
     assert comfy.alive()
 
