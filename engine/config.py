@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cache import CacheConfig
@@ -14,6 +14,39 @@ class EngineConfig:
     device: str = "cpu"
     # Cache-DiT (engine.cache.CacheConfig); None = the SGLANG_CACHE_DIT_* environment decides per run.
     cache: Optional["CacheConfig"] = None
+    # Attention backend (engine/attention.py): "auto" = sage, then flash, then sdpa (what can run here).
+    attention: str = "auto"
+    # Regional torch.compile of the repeated block (engine/compile.py): False | True (= "static") |
+    # "static" (one graph per resolution) | "dynamic" (one extra, dynamic-shape graph for all new resolutions).
+    compile: Union[bool, str] = False
+    # Weight-only quantization of the blocks' linear layers (engine/quant.py): None | "fp8" | "int4" (groups of
+    # 128) | "int4-g64". Pre-quantized files (sgld quantize, ComfyUI fp8) load quantized whatever this says.
+    quant: Optional[str] = None
+
+    ATTENTION_CHOICES = ("auto", "sdpa", "sage", "flash", "math")
+    COMPILE_CHOICES = (False, True, "static", "dynamic")
+    QUANT_CHOICES = (None, "fp8", "int4", "int4-g64")
+
+    def __post_init__(self):
+        if not isinstance(self.attention, str) or self.attention.lower() not in self.ATTENTION_CHOICES:
+            raise ValueError(f"EngineConfig.attention '{self.attention}' is not supported; "
+                             f"choose one of {', '.join(self.ATTENTION_CHOICES)}")
+        self.attention = self.attention.lower()
+        if isinstance(self.compile, str) and self.compile.lower() in ("off", "false", "none", ""):
+            self.compile = False
+        if isinstance(self.compile, str) and self.compile.lower() in ("on", "true"):
+            self.compile = True
+        if isinstance(self.compile, str):
+            self.compile = self.compile.lower()
+        if not any(self.compile is c or (isinstance(c, str) and self.compile == c) for c in self.COMPILE_CHOICES):
+            raise ValueError(f"EngineConfig.compile '{self.compile}' is not supported; "
+                             "choose one of False, True, 'static', 'dynamic'")
+        if isinstance(self.quant, str) and self.quant.lower() in ("none", "off", ""):
+            self.quant = None
+        if self.quant is not None and (not isinstance(self.quant, str) or self.quant.lower() not in self.QUANT_CHOICES[1:]):
+            raise ValueError(f"EngineConfig.quant '{self.quant}' is not supported; choose one of None, fp8, int4, int4-g64")
+        if self.quant is not None:
+            self.quant = self.quant.lower()
 
     def key(self) -> tuple:
         """A hashable identity, used to cache loaded engines per (file, options)."""
