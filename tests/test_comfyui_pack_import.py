@@ -38,7 +38,10 @@ def test_web_directory_exists():
 
 def test_registry_metadata_as_comfyui_reads_it():
     """pyproject.toml through ComfyUI's own parser (comfy_config, the same rules as comfy-cli)."""
-    import comfy_server as cs
+    try:  # tests/ may or may not be a package
+        from . import comfy_server as cs
+    except ImportError:
+        import comfy_server as cs
 
     comfy_dir = cs.ensure_comfyui()
     code = ("import json, sys; from comfy_config import config_parser; "

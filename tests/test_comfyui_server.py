@@ -11,7 +11,10 @@ import time
 import pytest
 import torch
 
-import comfy_server as cs
+try:  # tests/ may or may not be a package
+    from . import comfy_server as cs
+except ImportError:
+    import comfy_server as cs
 
 ROOT = cs.ROOT
 WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
