@@ -1,7 +1,8 @@
 """Word tokenizer over the demo grammar's vocabulary and a small transformer text encoder.
 
-Tokens: <pad>=0, <bos>=1, <unk>=2, "," and the grammar's words. A prompt becomes [<bos>, words...];
-the empty prompt is just [<bos>] (the unconditional input used for CFG). The encoder output
+Tokens: <pad>=0, <bos>=1, <unk>=2, "," and the grammar's words. A prompt becomes [<bos>, words...]
+without the filler words ("a", "the", "on", "at", "in": they carry nothing the grammar needs, and
+dropping them keeps the joint sequence short); the empty prompt is just [<bos>] (the unconditional input used for CFG). The encoder output
 [T, text_dim] per prompt is what the ERNIE-Image DiT takes as text features.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 PAD, BOS, UNK = "<pad>", "<bos>", "<unk>"
+FILLER = frozenset({"a", "an", "the", "on", "at", "in", "of"})
 
 
 class WordTokenizer:
@@ -24,11 +26,11 @@ class WordTokenizer:
 
     @classmethod
     def from_words(cls, words: Sequence[str]) -> "WordTokenizer":
-        return cls([PAD, BOS, UNK, ","] + [w for w in words if w not in (PAD, BOS, UNK, ",")])
+        return cls([PAD, BOS, UNK, ","] + [w for w in words if w not in (PAD, BOS, UNK, ",") and w not in FILLER])
 
     @staticmethod
     def split(prompt: str) -> List[str]:
-        return re.findall(r"[a-z]+|,", prompt.lower())
+        return [w for w in re.findall(r"[a-z]+|,", prompt.lower()) if w not in FILLER]
 
     def __call__(self, prompt: str) -> List[int]:
         unk = self.index[UNK]

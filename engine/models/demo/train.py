@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import time
 
@@ -31,9 +30,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "weights", "demo.safetensors")
 
 HIDDEN = 256
-LAYERS = 6
+LAYERS = 4
 HEAD_DIM = 64
-FFN = 768
+FFN = 512
 PATCH = 2
 TEXT_DIM = 128
 
@@ -74,24 +73,30 @@ def write_weights(path: str, dit, te, tok: WordTokenizer, te_cfg: TextEncoderCon
 
 
 def lr_at(step: int, steps: int, base: float, warmup: int) -> float:
+    """Linear warmup, constant, then a linear decay to 30% over the last 15% of the steps.
+
+    Constant for most of the run so that a run stopped early by --time-limit is still a good
+    model (the EMA does the averaging)."""
     if step < warmup:
         return base * (step + 1) / warmup
-    p = (step - warmup) / max(1, steps - warmup)
-    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+    decay_start = int(steps * 0.85)
+    if step < decay_start:
+        return base
+    return base * (1.0 - 0.7 * (step - decay_start) / max(1, steps - decay_start))
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=6e-4)
-    ap.add_argument("--warmup", type=int, default=150)
-    ap.add_argument("--ema", type=float, default=0.998)
+    ap.add_argument("--lr", type=float, default=8e-4)
+    ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--ema", type=float, default=0.995)
     ap.add_argument("--drop", type=float, default=0.1, help="probability of training on the empty prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--time-limit", type=float, default=55.0, help="minutes; stop early past this")
-    ap.add_argument("--save-every", type=int, default=250)
+    ap.add_argument("--time-limit", type=float, default=50.0, help="minutes; stop early past this")
+    ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
 
