@@ -138,11 +138,19 @@ def build_model(cfg: ErnieImageConfig, device: Union[str, torch.device] = "meta"
         return ErnieImageTransformer(cfg)
 
 
-def load_model(path: str, dtype: Union[None, str, torch.dtype] = None, device: Union[str, torch.device] = "cpu") -> ErnieImageTransformer:
-    """Load an ERNIE-Image DiT from a .safetensors file or a diffusers folder, in eval mode."""
+def load_model(path: str, dtype: Union[None, str, torch.dtype] = None, device: Union[str, torch.device] = "cpu",
+               quant: Optional[str] = None) -> ErnieImageTransformer:
+    """Load an ERNIE-Image DiT from a .safetensors file or a diffusers folder, in eval mode.
+
+    ``quant`` ("fp8" | "int4" | "int4-g64"): quantize the blocks' linear layers while loading.
+    Pre-quantized files (``sgld quantize``, ComfyUI fp8) always load quantized (engine/quant.py)."""
     path = os.fspath(path)
     ckpt = Checkpoint(path)
     cfg = check_architecture(ckpt)
+    from . import quant as quantization
+
+    if quant is not None or quantization.is_quantized_checkpoint(ckpt):
+        return quantization.load_quantized(ckpt, cfg, dtype=parse_dtype(dtype), device=device, quant=quant)
     target = parse_dtype(dtype) or ckpt.stored_dtype()
     model = build_model(cfg, "meta")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -66,11 +66,32 @@ class Engine:
         self.config = config or EngineConfig()
         self.source = source
         self.last_run = RunStats()
+        # Options applied once at load: quantization, attention backend, regional compile.
+        # ``warnings``: what was requested but could not be done here (shown by the node and CLI);
+        # ``notes``: what was chosen and why.
+        from . import attention as attention_backends
+        from . import quant
+
+        self.warnings: List[str] = []
+        self.notes: List[str] = []
+        if self.config.quant:
+            self.warnings += quant.quantize_model(model, self.config.quant)
+        self.notes += quant.prepare_fast_paths(model)
+        choice = attention_backends.select_backend(self.config.attention, self.device, model.dtype, model.config.head_dim)
+        model.attention = choice.fn
+        self.attention_backend = choice.name
+        self.notes.append(choice.describe())
+        self.warnings += choice.warnings
+        if self.config.compile:
+            from .compile import compile_blocks
+
+            self.warnings += compile_blocks(model, self.config.compile)
 
     @classmethod
     def from_file(cls, path: str, config: Optional[EngineConfig] = None) -> "Engine":
         config = config or EngineConfig()
-        return cls(load_model(path, dtype=config.dtype, device=config.device), config, source=str(path))
+        model = load_model(path, dtype=config.dtype, device=config.device, quant=config.quant)
+        return cls(model, config, source=str(path))
 
     @property
     def device(self) -> torch.device:
