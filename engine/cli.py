@@ -13,6 +13,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="weight dtype: bf16, fp16, fp32 (default: as stored; fp32 for random models)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "sage", "flash", "math"],
+                   help="attention backend (default auto: sage, then flash, then sdpa; unavailable ones fall back to sdpa with a warning)")
+    p.add_argument("--compile", nargs="?", const="static", default="off", choices=["off", "static", "dynamic"],
+                   help="regional torch.compile of the DiT block (--compile = static: one graph per resolution; "
+                        "dynamic: one extra graph covers all new resolutions)")
+    p.add_argument("--quant", default=None, choices=["fp8", "int4", "int4-g64"],
+                   help="weight-only quantization of the block linears at load (pre-quantized files load quantized anyway)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,10 +52,47 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scheduler", default="simple")
     g.add_argument("--json", action="store_true", help="print one line of JSON with settings and timings")
     _add_common(g)
+
+    q = sub.add_parser("quantize", help="write an FP8 / INT4 copy of a model file",
+                       description="Quantize the DiT blocks' linear layers of an ERNIE-Image checkpoint (bf16/fp16/fp32, "
+                                   "or already quantized) and write a .safetensors file that the loader (and the "
+                                   "SGLDiffusion Model Loader node) reads back quantized. One tensor in memory at a time.")
+    q.add_argument("input", help="ERNIE-Image .safetensors file or diffusers folder")
+    q.add_argument("output", help="the .safetensors file to write")
+    q.add_argument("--format", required=True, choices=["fp8", "int4", "int4-g64"],
+                   help="fp8: e4m3, one scale per output channel; int4: groups of 128 (int4-g64: groups of 64)")
+    q.add_argument("--dtype", default=None, help="dtype of the tensors left unquantized: bf16, fp16, fp32 (default: as stored)")
+    q.add_argument("--json", action="store_true", help="print one line of JSON")
     return parser
 
 
-def _random_engine(size: str, dtype, device):
+def engine_config(args, **kw):
+    from .config import EngineConfig
+
+    return EngineConfig(dtype=args.dtype, device=args.device, attention=args.attention,
+                        compile=False if args.compile == "off" else args.compile, quant=args.quant, **kw)
+
+
+def _setup_logging() -> None:
+    """The engine's choices (attention backend, fp8 matmul, compile) and its fallback warnings go to
+    stderr as one line each: ``sgld: attention: sdpa (...)``, ``sgld: warning: ...``."""
+    import logging
+
+    logger = logging.getLogger("sgld")
+    if not logger.handlers:
+        class Format(logging.Formatter):
+            def format(self, record):
+                kind = "warning: " if record.levelno >= logging.WARNING else ""
+                return f"sgld: {kind}{record.getMessage()}"
+
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(Format())
+        logger.addHandler(h)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _random_engine(size: str, dtype, device, config=None):
     from .pipeline import Engine
     from .random_weights import SIZES, random_model
 
@@ -62,18 +106,18 @@ def _random_engine(size: str, dtype, device):
         model = build_model(SIZES[size], device).to(dt).eval().requires_grad_(False)  # random init, on device
     else:
         model = random_model(SIZES[size], seed=0, dtype=dt).to(device)
-    return Engine(model, source=f"random:{size}")
+    return Engine(model, config, source=f"random:{size}")
 
 
 def cmd_bench(args) -> dict:
-    from .config import EngineConfig
     from .pipeline import Engine
 
     t0 = time.perf_counter()
+    config = engine_config(args)
     if args.model:
-        eng = Engine.from_file(args.model, EngineConfig(dtype=args.dtype, device=args.device))
+        eng = Engine.from_file(args.model, config)
     else:
-        eng = _random_engine(args.size, args.dtype, args.device)
+        eng = _random_engine(args.size, args.dtype, args.device, config)
     load_s = time.perf_counter() - t0
     cfg = eng.model.config
     default_px = 1024 if args.size == "8b" else 256
@@ -96,6 +140,7 @@ def cmd_bench(args) -> dict:
             times.append(time.perf_counter() - s)
     result = {"model": eng.source, "params": sum(p.numel() for p in eng.model.parameters()),
               "dtype": str(eng.model.dtype).replace("torch.", ""), "device": str(dev), "latent": [cfg.in_channels, h, w],
+              "attention": getattr(eng, "attention_backend", "sdpa"), "compile": config.compile, "quant": config.quant,
               "image_tokens": h * w // cfg.patch_size ** 2, "text_tokens": args.text_tokens, "load_seconds": round(load_s, 3),
               "forward_ms_median": round(1000 * sorted(times)[len(times) // 2], 2), "forward_ms_min": round(1000 * min(times), 2)}
     if args.steps > 0:
@@ -105,6 +150,8 @@ def cmd_bench(args) -> dict:
         sync()
         result.update({"steps": args.steps, "cfg": args.cfg, "sampling_seconds": round(time.perf_counter() - s, 3),
                        **{k: v for k, v in eng.last_run.to_dict().items() if k in ("steps_total", "steps_computed")}})
+    if getattr(eng, "warnings", None):
+        result["warnings"] = list(eng.warnings)
     if dev.type == "cuda":
         result["peak_vram_gb"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
     if args.json:
@@ -123,8 +170,24 @@ def cmd_generate(args) -> None:
     demo_cli.generate(args)
 
 
+def cmd_quantize(args) -> dict:
+    from .quant import quantize_file
+
+    t0 = time.perf_counter()
+    summary = quantize_file(args.input, args.output, args.format, dtype=args.dtype)
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        ratio = f" ({summary['output_bytes'] / summary['input_bytes']:.2f}x)" if summary.get("input_bytes") else ""
+        print(f"wrote {args.output}: {summary['layers']} linear layers as {args.format}, "
+              f"{summary['output_bytes'] / 2 ** 20:.1f} MiB{ratio}")
+    return summary
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _setup_logging()
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
     from .loader import CheckpointError
@@ -135,6 +198,8 @@ def main(argv=None) -> int:
             cmd_bench(args)
         elif args.command == "generate":
             cmd_generate(args)
+        elif args.command == "quantize":
+            cmd_quantize(args)
     except (CheckpointError, InputError, ValueError) as e:
         print(f"sgld {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -448,6 +448,9 @@ def is_quantized_checkpoint(ckpt) -> bool:
 def _compute_dtype(ckpt, plan: QuantPlan, dtype: Optional[torch.dtype]) -> torch.dtype:
     if dtype is not None:
         return dtype
+    stored = (plan.sgld_meta or {}).get("compute_dtype")
+    if stored in ("bfloat16", "float16", "float32"):
+        return getattr(torch, stored)
     skip = set(plan.ignored)
     for info in plan.layers.values():
         skip.update(v for k, v in info.items() if k.endswith("_key") and v)
@@ -458,8 +461,7 @@ def _compute_dtype(ckpt, plan: QuantPlan, dtype: Optional[torch.dtype]) -> torch
             counts[dt] = counts.get(dt, 0) + 1
     if not counts:
         return torch.bfloat16
-    dt = max(counts, key=counts.get)
-    return torch.bfloat16 if dt == torch.float32 and plan.layers else dt
+    return max(counts, key=counts.get)
 
 
 def load_quantized(ckpt, cfg, dtype: Optional[torch.dtype] = None, device="cpu", quant: Optional[str] = None) -> nn.Module:
@@ -630,9 +632,9 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
 
     kind, group = parse_format(fmt)
     if kind is None:
-        raise ValueError("sgld quantize: --format must be fp8, int4 or int4-g64")
+        raise ValueError("--format must be fp8, int4 or int4-g64")
     if os.path.abspath(src) == os.path.abspath(dst):
-        raise ValueError("sgld quantize: the output file must differ from the input")
+        raise ValueError("the output file must differ from the input")
     ckpt = Checkpoint(src)
     cfg = check_architecture(ckpt)
     plan = QuantPlan(ckpt)
