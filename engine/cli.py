@@ -85,11 +85,13 @@ def _setup_logging() -> None:
                 kind = "warning: " if record.levelno >= logging.WARNING else ""
                 return f"sgld: {kind}{record.getMessage()}"
 
-        h = logging.StreamHandler(sys.stderr)
+        class Stderr(logging.StreamHandler):  # the current sys.stderr at each record
+            stream = property(lambda self: sys.stderr, lambda self, value: None)
+
+        h = Stderr()
         h.setFormatter(Format())
         logger.addHandler(h)
         logger.setLevel(logging.INFO)
-        logger.propagate = False
 
 
 def _random_engine(size: str, dtype, device, config=None):

@@ -1,0 +1,170 @@
+"""Attention backends: parity with SDPA for every backend that runs on this machine, the unpadded
+per-sample path used by mask-less kernels, selection (auto order, one log line) and fallbacks."""
+import json
+import logging
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import attention as A
+from engine.config import EngineConfig
+from engine.pipeline import Engine
+from engine.random_weights import SIZES, random_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def qkv(b=2, s=24, h=4, d=16, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=g).to(device, dtype) for _ in range(3)]
+
+
+def prefix_mask(b, s, lens, device="cpu"):
+    return torch.arange(s, device=device)[None] < torch.tensor(lens, device=device)[:, None]
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("name", A.available_backends(DEVICE, torch.bfloat16, 64))
+@pytest.mark.parametrize("masked", [False, True])
+def test_every_available_backend_matches_sdpa(name, masked):
+    dtypes = [torch.bfloat16] if name in ("sage", "flash") else [torch.float32, torch.bfloat16]
+    for dtype in dtypes:
+        q, k, v = qkv(dtype=dtype, device=DEVICE, d=64)
+        mask = prefix_mask(2, 24, [24, 15], DEVICE) if masked else None
+        out = A.FUNCTIONS[name](q, k, v, mask)
+        ref = A.sdpa(q, k, v, mask)
+        assert out.shape == ref.shape == q.shape
+        tol = {"sage": 0.05, "flash": 0.01}.get(name, 1e-5 if dtype == torch.float32 else 1e-2)
+        assert rel(out, ref) < tol, (name, dtype, rel(out, ref))
+
+
+def test_sdpa_mask_excludes_padded_keys():
+    q, k, v = qkv()
+    mask = prefix_mask(2, 24, [24, 10])
+    k2, v2 = k.clone(), v.clone()
+    k2[1, 10:] += 100.0  # garbage in the padding must not matter
+    v2[1, 10:] -= 50.0
+    assert torch.allclose(A.sdpa(q, k, v, mask), A.sdpa(q, k2, v2, mask), atol=1e-5)
+    assert not torch.allclose(A.sdpa(q, k, v, None), A.sdpa(q, k2, v2, None), atol=1e-2)
+
+
+def _maskless(q, k, v):
+    """A kernel without a mask argument, like sageattn / flash_attn_func (NHD layout)."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def test_unpadded_per_sample_equals_masked_sdpa():
+    q, k, v = qkv(b=3, s=20)
+    mask = prefix_mask(3, 20, [20, 13, 6])
+    out = A._per_sample(_maskless, q, k, v, mask)
+    assert rel(out, A.sdpa(q, k, v, mask)) < 1e-5
+    # all rows full: one call, no mask needed
+    full = torch.ones(3, 20, dtype=torch.bool)
+    assert rel(A._per_sample(_maskless, q, k, v, full), A.sdpa(q, k, v)) < 1e-6
+    # a mask that is not a prefix cannot be unpadded: it must go to sdpa, not be mis-handled
+    holes = full.clone()
+    holes[1, 3] = False
+    assert A.prefix_lengths(holes) is None
+    assert rel(A._per_sample(_maskless, q, k, v, holes), A.sdpa(q, k, v, holes)) < 1e-6
+
+
+def test_sage_op_with_a_fake_kernel_unpads_per_sample(monkeypatch):
+    """The registered custom op runs the kernel per sample on its valid keys (the real sageattn is GPU only)."""
+    calls = []
+
+    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, **kw):
+        assert tensor_layout == "NHD" and not is_causal
+        calls.append((q.shape[1], k.shape[1]))
+        return _maskless(q, k, v)
+
+    monkeypatch.setitem(sys.modules, "sageattention", types.SimpleNamespace(sageattn=sageattn, __version__="fake"))
+    q, k, v = qkv(s=30)
+    mask = prefix_mask(2, 30, [30, 21])
+    out = torch.ops.sgld.sage_attention(q, k, v, mask)
+    assert rel(out, A.sdpa(q, k, v, mask)) < 1e-5
+    assert calls == [(30, 30), (30, 21)]
+
+
+def test_selection_on_this_machine_and_fallback_warnings(caplog):
+    caplog.set_level(logging.INFO, logger="sgld.attention")
+    choice = A.select_backend("auto", "cpu", torch.float32, 16)
+    assert choice.name == "sdpa" and choice.fn is A.sdpa and choice.warnings == []
+    assert "sage" in choice.reason and "flash" in choice.reason
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "attention: sdpa" in infos[0].getMessage()
+    caplog.clear()
+    for name in ("sage", "flash"):
+        ch = A.select_backend(name, "cpu", torch.bfloat16, 128)
+        assert ch.name == "sdpa" and ch.fn is A.sdpa
+        assert len(ch.warnings) == 1 and f"'{name}' cannot run here" in ch.warnings[0] and "using sdpa" in ch.warnings[0]
+    assert sum(r.levelno == logging.WARNING for r in caplog.records) == 2
+    assert A.select_backend("math", "cpu").fn is A.math_attention
+    with pytest.raises(ValueError, match="auto, sdpa, sage, flash, math"):
+        A.select_backend("xformers")
+
+
+def test_auto_prefers_sage_then_flash(monkeypatch):
+    """Selection order on a (simulated) GPU machine: sage if it imports and the arch is supported, then flash."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cap = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["value"])
+    monkeypatch.setitem(sys.modules, "sageattention", types.SimpleNamespace(sageattn=None, __version__="2.2.0"))
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=None, __version__="2.8.3"))
+    ch = A.select_backend("auto", "cuda", torch.bfloat16, 128)
+    assert ch.name == "sage" and "sm90" in ch.reason
+    assert A.select_backend("auto", "cuda", torch.bfloat16, 256).name == "flash"  # sage: head_dim > 128
+    assert A.select_backend("auto", "cuda", torch.float32, 128).name == "sdpa"  # fp32 weights
+    cap["value"] = (10, 0)  # B200: sageattn has no kernel
+    assert A.select_backend("auto", "cuda", torch.bfloat16, 128).name == "flash"
+    ch = A.select_backend("sage", "cuda", torch.bfloat16, 128)
+    assert ch.name == "sdpa" and "sm100" in ch.warnings[0]
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
+    ch = A.select_backend("flash", "cuda", torch.bfloat16, 128)
+    assert ch.name == "sdpa" and "flash_attn" in ch.warnings[0]
+
+
+def test_guarded_kernel_falls_back_at_call_time(caplog):
+    """A selected GPU kernel that gets inputs it cannot take (CPU / fp32 here) computes sdpa, logging once."""
+    caplog.set_level(logging.WARNING, logger="sgld.attention")
+    A._warned.clear()
+    q, k, v = qkv()
+    mask = prefix_mask(2, 24, [24, 9])
+    for _ in range(3):
+        assert torch.equal(A.sage(q, k, v, mask), A.sdpa(q, k, v, mask))
+    assert sum("'sage' cannot take float32" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_engine_records_fallback_and_math_backend_matches():
+    model = random_model(SIZES["tiny"], seed=0)
+    eng = Engine(model, EngineConfig(attention="sage"))
+    assert eng.attention_backend == "sdpa" and model.attention is A.sdpa
+    assert any("'sage' cannot run here" in w for w in eng.warnings)
+    assert any(n.startswith("attention: sdpa") for n in eng.notes)
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(2, 16, 6, 6, generator=g), torch.tensor([300.0, 300.0])
+    text, lens = torch.randn(2, 9, 48, generator=g), torch.tensor([9, 5])
+    with torch.no_grad():
+        ref = model(x, t, text, lens)
+        m2 = random_model(SIZES["tiny"], seed=0)
+        eng2 = Engine(m2, EngineConfig(attention="math"))
+        assert eng2.warnings == [] and eng2.attention_backend == "math"
+        out = m2(x, t, text, lens)
+    assert rel(out, ref) < 1e-5
+
+
+def test_cli_shows_the_fallback_warning(capsys):
+    from engine.cli import main
+
+    assert main(["bench", "--size", "tiny", "--steps", "0", "--repeat", "1", "--attention", "flash", "--json"]) == 0
+    out, err = capsys.readouterr()
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["attention"] == "sdpa"
+    assert any("'flash' cannot run here" in w for w in res["warnings"])
+    assert "sgld: warning: attention 'flash' cannot run here" in err
+    assert "sgld: attention: sdpa (requested flash" in err
