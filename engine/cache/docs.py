@@ -1,0 +1,103 @@
+"""Writes docs/cache_dit.md (the README section) from the code: ``python -m engine.cache.docs [out.md]``."""
+from __future__ import annotations
+
+import sys
+
+from .config import DEFAULTS, PRESET_KNOBS
+from .masks import ALIASES, PRESETS, mask_note, mask_str, preset_mask
+
+STEP_COUNTS = (8, 20, 28, 50)
+ORDER = ("quality", "balanced", "fast", "slow", "ultra")
+
+
+def mask_table() -> str:
+    lines = ["| preset | " + " | ".join(f"{n} steps" for n in STEP_COUNTS) + " |",
+             "|---|" + "---|" * len(STEP_COUNTS)]
+    for p in ORDER:
+        cells = []
+        for n in STEP_COUNTS:
+            m = preset_mask(p, n)
+            cells.append(f"`{mask_str(m)}` ({sum(m)}/{n})")
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render() -> str:
+    notes = [mask_note(p, 8) for p in ORDER if mask_note(p, 8)]
+    knobs = PRESET_KNOBS["balanced"]
+    return f"""## Cache-DiT (step caching)
+
+Cache-DiT reuses work between sampling steps: on a *cached* step the first `Fn` transformer blocks
+run, the saved residual of the middle blocks (predicted by TaylorSeer) is added, and the last `Bn`
+blocks run; every other step computes all blocks (DBCache). Which steps are cached is decided by a
+**step computation mask** (the presets) or by a threshold on how much the first blocks' output
+changed since the last computed step. It needs no training and works with CFG, batches, denoise < 1,
+every sampler (heun: the mask counts model calls) and any resolution; with the cache off the output
+is bit-identical to the uncached engine.
+
+### Switching it on
+
+Two environment variables (the same names SGLang uses):
+
+```bash
+SGLANG_CACHE_DIT_ENABLED=true SGLANG_CACHE_DIT_SCM_PRESET=balanced python main.py   # ComfyUI
+SGLANG_CACHE_DIT_ENABLED=true SGLANG_CACHE_DIT_SCM_PRESET=fast sgld generate ...
+```
+
+or the **SGLDiffusion Cache-DiT** node (preset, or `advanced` fields) connected to the `cache` input of
+**SGLDiffusion KSampler**; the node wins over the environment (`enabled` off there = no cache). From
+Python: `engine.sample(..., cache=CacheConfig(preset="balanced"))` or `EngineConfig(cache=...)`;
+`engine.last_run` then holds the step mask that happened, `steps_computed` and the measured speedup.
+
+| variable | values | default | meaning |
+|---|---|---|---|
+| `SGLANG_CACHE_DIT_ENABLED` | true / false | false | master switch |
+| `SGLANG_CACHE_DIT_SCM_PRESET` | none, quality, balanced, fast, slow, medium, ultra | none | step mask preset |
+| `SGLANG_CACHE_DIT_FN` | integer >= 1 | {DEFAULTS['fn']} (presets: {knobs['fn']}) | first blocks always computed |
+| `SGLANG_CACHE_DIT_BN` | integer >= 0 | {DEFAULTS['bn']} | last blocks always computed |
+| `SGLANG_CACHE_DIT_WARMUP` | integer >= 0 | {DEFAULTS['warmup']} | leading steps always computed (no preset) |
+| `SGLANG_CACHE_DIT_RDT` | number >= 0 | {DEFAULTS['rdt']} | residual-diff threshold: reuse when the first blocks' residual changed less (relative L1); 0 = never |
+| `SGLANG_CACHE_DIT_MC` | integer >= -1 | {DEFAULTS['mc']} | most cached steps in a row (-1 = unlimited) |
+| `SGLANG_CACHE_DIT_MAX_CACHED_STEPS` | integer >= -1 | -1 | most cached steps per run |
+| `SGLANG_CACHE_DIT_TAYLORSEER` | true / false | false (presets: true) | predict the reused residual (TaylorSeer) |
+| `SGLANG_CACHE_DIT_TS_ORDER` | 1, 2 | 1 | TaylorSeer order |
+| `SGLANG_CACHE_DIT_SCM_POLICY` | static, dynamic | presets: static | static: the mask alone decides (fixed speed, no GPU sync); dynamic: a masked step is reused only if the threshold and limits allow |
+| `SGLANG_CACHE_DIT_SCM_MASK` | 0/1 string | - | custom mask, one digit per model call (1 = compute) |
+
+An invalid value stops the run with an error naming the variable and the allowed values.
+Explicitly set knobs override the preset's. Without a preset the threshold decides (SGLang's
+defaults: F1B0, warm-up 4, rdt 0.24, MC 3); the threshold's scale depends on the model, so the
+presets use static masks by default.
+
+### Presets
+
+`quality`, `balanced` and `fast` are the names to use; cache-dit's `medium` is an alias of
+`quality`{' (' + ', '.join(f'{a} = {b}' for a, b in ALIASES.items() if a != 'medium') + ')' if len(ALIASES) > 1 else ''},
+cache-dit's `fast` means the same as ours, `slow` and `ultra` are the gentlest and the most aggressive.
+All masks keep the first and last steps computed, have no long runs of cached steps, and are
+made for every step count by one rule (warm-up run, then the compute budget spread evenly).
+Masks (1 = compute, 0 = cached; computed/total):
+
+{mask_table()}
+
+{' '.join(notes)}
+At 8 steps (ERNIE-Image Turbo) every step is a large part of the trajectory, so the presets cache
+at most two steps there, in the second half.
+
+Targets at 50 steps (wall clock of sampling): quality 1.67x, balanced 2.0x, fast 2.69x; measured
+figures are in `bench/RESULTS.md` (`python bench/cache_bench.py`).
+"""
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    text = render()
+    if argv:
+        with open(argv[0], "w") as f:
+            f.write(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
