@@ -178,7 +178,7 @@ def start_server(base: str, extra_args=(), boot_timeout: float = 120) -> ComfySe
 # -- graphs ----------------------------------------------------------------------------------------
 
 def tiny_graph(model: str, *, seed: int = 0, steps: int = 4, cfg: float = 1.0, sampler: str = "euler",
-               scheduler: str = "simple", denoise: float = 1.0, width: int = 128, height: int = 128,
+               scheduler: str = "simple", denoise: float = 1.0, width: int = 128, height: int = 128, batch: int = 1,
                pos=None, neg=None, weight_dtype: str = "default", latent_node: Optional[dict] = None,
                prefix: str = "sgld/tiny") -> dict:
     """API-format graph: test text features + EmptyFlux2LatentImage -> our loader + KSampler -> SaveLatent.
@@ -189,7 +189,7 @@ def tiny_graph(model: str, *, seed: int = 0, steps: int = 4, cfg: float = 1.0, s
         "1": {"class_type": "SGLDiffusionModelLoader", "inputs": {"unet_name": model, "weight_dtype": weight_dtype}},
         "2": {"class_type": "SGLDTestTextFeatures", "inputs": {"seed": pos[0], "tokens": pos[1], "dim": pos[2]}},
         "3": {"class_type": "SGLDTestTextFeatures", "inputs": {"seed": neg[0], "tokens": neg[1], "dim": neg[2]}},
-        "4": latent_node or {"class_type": "EmptyFlux2LatentImage", "inputs": {"width": width, "height": height, "batch_size": 1}},
+        "4": latent_node or {"class_type": "EmptyFlux2LatentImage", "inputs": {"width": width, "height": height, "batch_size": batch}},
         "5": {"class_type": "SGLDiffusionKSampler", "inputs": {
             "model": ["1", 0], "seed": seed, "steps": steps, "cfg": cfg, "sampler_name": sampler, "scheduler": scheduler,
             "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": denoise}},

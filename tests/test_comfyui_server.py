@@ -72,11 +72,11 @@ def graph(**kw):
 
 
 def direct_sample(ckpt: str, *, seed=0, steps=4, cfg=1.0, sampler="euler", scheduler="simple", denoise=1.0,
-                  width=128, height=128, pos=(1, 7, DIM), neg=(2, 5, DIM), dtype=None, cache=None):
+                  width=128, height=128, batch=1, pos=(1, 7, DIM), neg=(2, 5, DIM), dtype=None, cache=None):
     from engine import Engine, EngineConfig
 
     engine = Engine.from_file(ckpt, EngineConfig(dtype=dtype))
-    latent = torch.zeros(1, 128, height // 16, width // 16)
+    latent = torch.zeros(batch, 128, height // 16, width // 16)
     cond = [test_pack.text_features(*pos)[0]]
     uncond = [test_pack.text_features(*neg)[0]]
     kw = {"cache": cache} if cache is not None else {}
@@ -241,6 +241,7 @@ RUNS = [
     dict(seed=11, steps=4, cfg=1.0, sampler="euler", scheduler="simple"),
     dict(seed=12, steps=3, cfg=3.5, sampler="dpmpp_2m", scheduler="beta", width=96, height=160),
     dict(seed=13, steps=3, cfg=2.0, sampler="euler_ancestral", scheduler="normal", denoise=0.75),
+    dict(seed=14, steps=2, cfg=2.5, sampler="heun", scheduler="simple", batch=2),
 ]
 
 
@@ -250,11 +251,18 @@ def test_tiny_graph_bit_equal_to_engine(comfy, kw):
     assert entry["status"]["status_str"] == "success", entry["status"]
     got = cs.saved_latent(comfy, entry)
     want = direct_sample(os.path.join(comfy.base, "models", "diffusion_models", TINY), **kw)
-    assert got.shape == want.shape == (1, 128, kw.get("height", 128) // 16, kw.get("width", 128) // 16)
+    assert got.shape == want.shape == (kw.get("batch", 1), 128, kw.get("height", 128) // 16, kw.get("width", 128) // 16)
     assert got.dtype == torch.float32
     assert torch.equal(got, want), f"max abs diff {(got - want).abs().max().item()}"
     stats = entry["outputs"]["5"]["sgld_stats"][0]
     assert stats["steps_total"] >= 1
+
+
+def test_model_from_unet_folder(comfy):
+    entry = comfy.run(cs.tiny_graph("tiny-ernie-in-unet.safetensors", seed=15), timeout=120)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    want = direct_sample(os.path.join(comfy.base, "models", "unet", "tiny-ernie-in-unet.safetensors"), seed=15)
+    assert torch.equal(cs.saved_latent(comfy, entry), want)
 
 
 def _ws_events(ws, prompt_id, until_type, timeout, on_event=None):
