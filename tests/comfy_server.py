@@ -143,6 +143,16 @@ def error_message(entry: dict) -> Optional[dict]:
     return None
 
 
+def _die_with_parent() -> None:
+    """In the child (Linux): get SIGKILL if the test process dies without tearing down."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def start_server(base: str, extra_args=(), boot_timeout: float = 120) -> ComfyServer:
     ensure_comfyui()
     make_base_dir(base)
@@ -154,7 +164,8 @@ def start_server(base: str, extra_args=(), boot_timeout: float = 120) -> ComfySe
     env.pop("PYTHONPATH", None)
     logf = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=COMFY_DIR, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=env, start_new_session=True)
+                            env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     logf.close()
     server = ComfyServer(base, port, proc, log_path)
     deadline = time.monotonic() + boot_timeout
