@@ -77,3 +77,15 @@ def test_comfy_cli_node_validate():
     r = subprocess.run([cli, "--skip-prompt", "--no-enable-telemetry", "node", "validate"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_registry_icon_is_in_the_repository():
+    import re
+
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        m = re.search(r'^Icon\s*=\s*"([^"]+)"', f.read(), re.M)
+    assert m, "[tool.comfy] Icon missing"
+    url = m.group(1)
+    hit = re.match(r"https://raw\.githubusercontent\.com/[^/]+/[^/]+/[^/]+/(.+)$", url)
+    if hit:  # served from this repository: the file must exist here
+        assert os.path.isfile(os.path.join(ROOT, hit.group(1))), url
