@@ -22,7 +22,7 @@ import os
 import threading
 from typing import Dict, Optional
 
-from ..engine import Engine, EngineConfig
+from ..engine import CheckpointError, Engine, EngineConfig
 
 log = logging.getLogger("sgldiffusion")
 
@@ -49,7 +49,10 @@ class SGLDModel:
 
 
 def cache_key(path: str, config: EngineConfig) -> tuple:
-    st = os.stat(path)  # FileNotFoundError: the caller reports it
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the model file ({e.strerror}); was it moved or deleted?") from None
     return (os.path.realpath(path), st.st_mtime_ns, st.st_size, config.key())
 
 

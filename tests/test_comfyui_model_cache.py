@@ -124,3 +124,11 @@ def test_hook_errors_never_break_comfyui(mc):
     mc.mm.get_free_memory = boom
     assert mc.mm.free_memory(10**6, "cpu") == []  # ComfyUI's result, no exception
     assert len(mc.loaded()) == 1
+
+
+def test_deleted_file_is_a_checkpoint_error(mc):
+    h = handle(mc)
+    mc.get_engine(h)
+    os.remove(mc.path)
+    with pytest.raises(sys.modules[PACK + ".engine"].CheckpointError, match="moved or deleted"):
+        mc.get_engine(h)
