@@ -121,4 +121,7 @@ class SGLDiffusionKSampler:
             raise ValueError(f"{NODE}: {e}") from None
         result = dict(latent_image)
         result["samples"] = out.to(comfy.model_management.intermediate_device())
-        return {"ui": {"sgld_stats": [engine.last_run.to_dict()]}, "result": (result,)}
+        stats = engine.last_run.to_dict()
+        stats["attention"] = getattr(engine, "attention_backend", None)
+        stats["warnings"] = list(getattr(engine, "warnings", []))
+        return {"ui": {"sgld_stats": [stats]}, "result": (result,)}

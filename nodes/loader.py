@@ -1,6 +1,7 @@
 """SGLDiffusion Model Loader: a diffusion-model file + engine options -> SGLD_MODEL."""
 from __future__ import annotations
 
+import logging
 import os
 
 import folder_paths
@@ -9,7 +10,10 @@ from ..engine import CheckpointError, EngineConfig
 from .model_cache import SGLDModel, get_engine
 
 FOLDER = "diffusion_models"  # ComfyUI maps the legacy "unet" folder into this one
+log = logging.getLogger("sgldiffusion")
 WEIGHT_DTYPES = ["default", "bf16", "fp16", "fp32"]
+COMPILE = ["off", "static", "dynamic"]
+QUANT = ["none", "fp8", "int4", "int4-g64"]
 
 
 def model_folders() -> list:
@@ -48,6 +52,16 @@ def torch_device() -> str:
     return str(mm.get_torch_device())
 
 
+def attention_choices() -> list:
+    """'auto' and the backends that can run on ComfyUI's device (others would fall back to sdpa)."""
+    try:
+        from ..engine.attention import available_backends
+
+        return ["auto"] + [b for b in available_backends(torch_device()) if b != "auto"]
+    except Exception:
+        return ["auto", "sdpa"]
+
+
 class SGLDiffusionModelLoader:
     DESCRIPTION = ("Loads an ERNIE-Image diffusion model (.safetensors from models/diffusion_models) into the "
                    "SGLDiffusion engine. The model stays loaded between runs until the inputs change or ComfyUI frees memory.")
@@ -65,31 +79,54 @@ class SGLDiffusionModelLoader:
                 "weight_dtype": (WEIGHT_DTYPES, {"default": "default",
                                                  "tooltip": "Weight dtype in memory; 'default' keeps the file's dtype."}),
             },
+            "optional": {
+                "attention": (attention_choices(), {"default": "auto", "tooltip": (
+                    "Attention backend. auto: SageAttention, then FlashAttention, then PyTorch SDPA, whichever runs "
+                    "here. Only backends that work on this machine are listed.")}),
+                "compile": (COMPILE, {"default": "off", "tooltip": (
+                    "torch.compile of the transformer block. static: one graph per resolution; dynamic: one extra "
+                    "graph for all new resolutions. The first run at a size is slower.")}),
+                "quant": (QUANT, {"default": "none", "tooltip": (
+                    "Weight-only quantization of the transformer blocks' linear layers (fp8, or int4 in groups of "
+                    "128 / 64). Pre-quantized files load quantized whatever this says.")}),
+            },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, unet_name):
+    def VALIDATE_INPUTS(cls, unet_name, attention="auto"):
         # A name that is not (yet) in the folder is reported by load() with a message that says where
-        # to put the file, instead of ComfyUI's generic "value not in list".
+        # to put the file, instead of ComfyUI's generic "value not in list". An attention backend that
+        # this machine lacks (a workflow made elsewhere) falls back to sdpa with a warning.
+        from ..engine.attention import BACKENDS
+
+        if attention not in BACKENDS:
+            return f"attention '{attention}' is not one of {', '.join(BACKENDS)}"
         return True
 
     @classmethod
-    def IS_CHANGED(cls, unet_name, weight_dtype="default", **kwargs):
+    def IS_CHANGED(cls, unet_name, **kwargs):
         try:
             st = os.stat(resolve(unet_name))
             return f"{st.st_mtime_ns}:{st.st_size}"
         except Exception:
             return float("nan")  # never equal: run load() and let it report the problem
 
-    def load(self, unet_name, weight_dtype="default", unique_id=None):
+    def load(self, unet_name, weight_dtype="default", attention="auto", compile="off", quant="none", unique_id=None):
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"SGLDiffusion Model Loader: weight_dtype '{weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
         path = resolve(unet_name)
-        config = EngineConfig(dtype=None if weight_dtype == "default" else weight_dtype, device=torch_device())
+        try:
+            config = EngineConfig(dtype=None if weight_dtype == "default" else weight_dtype, device=torch_device(),
+                                  attention=attention, compile=False if compile == "off" else compile,
+                                  quant=None if quant == "none" else quant)
+        except ValueError as e:
+            raise ValueError(f"SGLDiffusion Model Loader: {e}") from None
         handle = SGLDModel(path, config, name=unet_name, owner=str(unique_id) if unique_id is not None else None)
         try:
-            get_engine(handle)  # load now, so a bad file is reported on this node
+            engine = get_engine(handle)  # load now, so a bad file is reported on this node
         except CheckpointError as e:
             raise ValueError(f"SGLDiffusion Model Loader: {e}") from None
+        for w in getattr(engine, "warnings", []):
+            log.warning("SGLDiffusion Model Loader: %s", w)
         return (handle,)

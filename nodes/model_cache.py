@@ -99,8 +99,13 @@ def _make_room(handle: SGLDModel) -> None:
 def loaded() -> list:
     """What is in memory now (for the status route and the tests)."""
     with _lock:
-        return [{"file": k[0], "name": os.path.basename(k[0]), "options": dict(k[3]), "device": str(e.device)}
+        return [{"file": k[0], "name": os.path.basename(k[0]), "options": {n: _plain(v) for n, v in k[3]},
+                 "device": str(e.device), "attention": getattr(e, "attention_backend", None)}
                 for k, e in _engines.items()]
+
+
+def _plain(v):
+    return v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
 
 
 def release_all(reason: str = "released", device=None) -> int:

@@ -191,13 +191,14 @@ def start_server(base: str, extra_args=(), boot_timeout: float = 120) -> ComfySe
 def tiny_graph(model: str, *, seed: int = 0, steps: int = 4, cfg: float = 1.0, sampler: str = "euler",
                scheduler: str = "simple", denoise: float = 1.0, width: int = 128, height: int = 128, batch: int = 1,
                pos=None, neg=None, weight_dtype: str = "default", latent_node: Optional[dict] = None,
-               prefix: str = "sgld/tiny") -> dict:
+               prefix: str = "sgld/tiny", loader_options: Optional[dict] = None) -> dict:
     """API-format graph: test text features + EmptyFlux2LatentImage -> our loader + KSampler -> SaveLatent.
     ``pos``/``neg`` = (seed, tokens, dim) of the test text features; dim defaults to the tiny model's."""
     pos = pos or (1, 7, text_dim())
     neg = neg or (2, 5, text_dim())
     return {
-        "1": {"class_type": "SGLDiffusionModelLoader", "inputs": {"unet_name": model, "weight_dtype": weight_dtype}},
+        "1": {"class_type": "SGLDiffusionModelLoader",
+              "inputs": {"unet_name": model, "weight_dtype": weight_dtype, **(loader_options or {})}},
         "2": {"class_type": "SGLDTestTextFeatures", "inputs": {"seed": pos[0], "tokens": pos[1], "dim": pos[2]}},
         "3": {"class_type": "SGLDTestTextFeatures", "inputs": {"seed": neg[0], "tokens": neg[1], "dim": neg[2]}},
         "4": latent_node or {"class_type": "EmptyFlux2LatentImage", "inputs": {"width": width, "height": height, "batch_size": batch}},

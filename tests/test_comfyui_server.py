@@ -72,10 +72,10 @@ def graph(**kw):
 
 
 def direct_sample(ckpt: str, *, seed=0, steps=4, cfg=1.0, sampler="euler", scheduler="simple", denoise=1.0,
-                  width=128, height=128, batch=1, pos=(1, 7, DIM), neg=(2, 5, DIM), dtype=None, cache=None):
+                  width=128, height=128, batch=1, pos=(1, 7, DIM), neg=(2, 5, DIM), dtype=None, cache=None, **options):
     from engine import Engine, EngineConfig
 
-    engine = Engine.from_file(ckpt, EngineConfig(dtype=dtype))
+    engine = Engine.from_file(ckpt, EngineConfig(dtype=dtype, **options))
     latent = torch.zeros(batch, 128, height // 16, width // 16)
     cond = [test_pack.text_features(*pos)[0]]
     uncond = [test_pack.text_features(*neg)[0]]
@@ -119,6 +119,12 @@ def test_nodes_in_object_info(object_info):
     assert loader["input_order"]["required"] == ["unet_name", "weight_dtype"]
     assert TINY in req["unet_name"][0] and "tiny-ernie-in-unet.safetensors" in req["unet_name"][0]
     assert req["weight_dtype"][0] == ["default", "bf16", "fp16", "fp32"]
+    opt = loader["input"]["optional"]
+    assert loader["input_order"]["optional"] == ["attention", "compile", "quant"]
+    assert opt["attention"][0][:2] == ["auto", "sdpa"] and "math" in opt["attention"][0]
+    assert "sage" not in opt["attention"][0] and "flash" not in opt["attention"][0]  # CPU: only what runs here
+    assert opt["compile"][0] == ["off", "static", "dynamic"]
+    assert opt["quant"][0] == ["none", "fp8", "int4", "int4-g64"]
     assert loader["output"] == ["SGLD_MODEL"]
 
     ks = object_info["SGLDiffusionKSampler"]
@@ -256,6 +262,25 @@ def test_tiny_graph_bit_equal_to_engine(comfy, kw):
     assert torch.equal(got, want), f"max abs diff {(got - want).abs().max().item()}"
     stats = entry["outputs"]["5"]["sgld_stats"][0]
     assert stats["steps_total"] >= 1
+
+
+@pytest.mark.parametrize("options", [dict(quant="fp8", attention="math"), dict(quant="int4")],
+                         ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_loader_options_reach_the_engine(comfy, options):
+    entry = comfy.run(graph(seed=16, cfg=2.0, loader_options=options), timeout=120)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    want = direct_sample(os.path.join(comfy.base, "models", "diffusion_models", TINY), seed=16, cfg=2.0, **options)
+    assert torch.equal(cs.saved_latent(comfy, entry), want)
+    stats = entry["outputs"]["5"]["sgld_stats"][0]
+    assert stats["attention"] == options.get("attention", "sdpa") and stats["warnings"] == []
+
+
+def test_attention_backend_missing_here_falls_back(comfy):
+    """A workflow saved on a GPU machine (attention 'sage') still runs here, with sdpa and a warning."""
+    entry = comfy.run(graph(seed=17, loader_options={"attention": "sage"}), timeout=120)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    stats = entry["outputs"]["5"]["sgld_stats"][0]
+    assert stats["attention"] == "sdpa" and any("sage" in w for w in stats["warnings"]), stats
 
 
 def test_model_from_unet_folder(comfy):
