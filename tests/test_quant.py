@@ -148,6 +148,26 @@ def test_requantize_and_cpu_has_no_fp8_matmul():
     assert Q.model_quant_format(m) == "int4"
 
 
+def test_scaled_mm_path_matches_dequantize():
+    """The GPU fast path (activations quantized per row to e4m3, torch._scaled_mm with row-wise scales);
+    torch also implements _scaled_mm on CPU, so its numerics and plumbing are checked here."""
+    x = torch.randn(3, 5, 256).to(torch.bfloat16)
+    w = weight(128, 256)
+    q, s = Q.quantize_fp8(w)
+    ref = torch.nn.functional.linear(x.float(), Q.dequantize_fp8(q, s))
+    assert Q.relative_error(Q.fp8_scaled_mm_linear(x, q, s, None), ref) < 0.05
+    s_t = s.max()  # per-tensor scale (ComfyUI files)
+    ref_t = torch.nn.functional.linear(x.float(), Q.dequantize_fp8(q, s_t))
+    assert Q.relative_error(Q.fp8_scaled_mm_linear(x, q, s_t, None), ref_t) < 0.05
+    m = random_model(CFG, seed=0, dtype=torch.bfloat16)
+    Q.quantize_model(m, "fp8")
+    dequant = forward(m)
+    for mod in m.modules():
+        if isinstance(mod, Q.FP8Linear):
+            mod.use_scaled_mm = True
+    assert Q.relative_error(forward(m), dequant) < 0.05
+
+
 # -- files ----------------------------------------------------------------------------------------------------
 @pytest.fixture
 def bf16_file(tmp_path):
