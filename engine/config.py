@@ -22,6 +22,14 @@ class EngineConfig:
     # Weight-only quantization of the blocks' linear layers (engine/quant.py): None | "fp8" | "int4" (groups of
     # 128) | "int4-g64". Pre-quantized files (sgld quantize, ComfyUI fp8) load quantized whatever this says.
     quant: Optional[str] = None
+    # Parallelism (engine/parallel, docs/parallel.md): ranks = tp x ulysses_degree x ring_degree x (2 if cfg_parallel).
+    # More than one rank runs the DiT in worker processes (one per GPU; gloo processes on CPU). num_gpus: None =
+    # the product of the degrees; a count with all degrees 1 = Ulysses over that many ranks.
+    tp: int = 1
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    cfg_parallel: bool = False
+    num_gpus: Optional[int] = None
 
     ATTENTION_CHOICES = ("auto", "sdpa", "sage", "flash", "math")
     COMPILE_CHOICES = (False, True, "static", "dynamic")
@@ -47,6 +55,16 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.quant '{self.quant}' is not supported; choose one of None, fp8, int4, int4-g64")
         if self.quant is not None:
             self.quant = self.quant.lower()
+        from .parallel.plan import make_plan  # degrees: integers that multiply to num_gpus (ParallelConfigError)
+
+        make_plan(self.tp, self.ulysses_degree, self.ring_degree, self.cfg_parallel, self.num_gpus)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the parallel fields ask for (1 = the single-process engine)."""
+        from .parallel.plan import make_plan
+
+        return make_plan(self.tp, self.ulysses_degree, self.ring_degree, self.cfg_parallel, self.num_gpus).world_size
 
     def key(self) -> tuple:
         """A hashable identity, used to cache loaded engines per (file, options)."""

@@ -90,6 +90,10 @@ class Engine:
     @classmethod
     def from_file(cls, path: str, config: Optional[EngineConfig] = None) -> "Engine":
         config = config or EngineConfig()
+        if getattr(config, "world_size", 1) > 1:  # several ranks: the DiT runs in worker processes (engine/parallel)
+            from .parallel import ParallelEngine
+
+            return ParallelEngine.from_file(path, config)
         model = load_model(path, dtype=config.dtype, device=config.device, quant=config.quant)
         return cls(model, config, source=str(path))
 

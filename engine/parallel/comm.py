@@ -1,0 +1,150 @@
+"""Collectives for sequence parallelism: Ulysses all-to-all, Ring attention with the log-sum-exp
+merge, and the process groups of a plan.
+
+Layouts follow the engine's attention contract: q, k, v are [B, S, heads, head_dim].
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .plan import ParallelPlan
+
+
+@dataclass
+class Groups:
+    """This rank's groups. ``*_ranks`` are global ranks in group order."""
+
+    plan: ParallelPlan
+    rank: int
+    world: int
+    tp: Optional[object] = None
+    ulysses: Optional[object] = None
+    ring: Optional[object] = None
+    sp: Optional[object] = None
+    cfg: Optional[object] = None
+    ranks: dict = field(default_factory=dict)
+
+    @property
+    def coords(self):
+        return self.plan.coords(self.rank)
+
+
+def build_groups(plan: ParallelPlan, rank: int) -> Groups:
+    """Create every group of the plan (collective: all ranks call this with the same plan)."""
+    g = Groups(plan, rank, plan.world_size)
+    for kind, lists in plan.groups().items():
+        for ranks in lists:
+            pg = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                setattr(g, kind, pg)
+                g.ranks[kind] = ranks
+    return g
+
+
+def destroy_groups(g: Optional[Groups]) -> None:
+    if g is None:
+        return
+    seen = set()
+    for kind in ("tp", "ulysses", "ring", "sp", "cfg"):
+        pg = getattr(g, kind)
+        if pg is not None and id(pg) not in seen:
+            seen.add(id(pg))
+            try:
+                dist.destroy_process_group(pg)
+            except Exception:  # pragma: no cover - best effort
+                pass
+
+
+# -- Ulysses -----------------------------------------------------------------------------------
+def ulysses_scatter_heads(qkv: torch.Tensor, group, degree: int) -> torch.Tensor:
+    """[N, B, s, H, D] (sequence chunk, all heads) -> [N, B, degree*s, H/degree, D] (whole
+    sequence of the group, this rank's heads). One all-to-all for q, k and v together."""
+    n, b, s, h, d = qkv.shape
+    x = qkv.reshape(n, b, s, degree, h // degree, d).permute(3, 0, 1, 2, 4, 5).contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)  # out[j]: rank j's sequence chunk, my heads
+    return out.permute(1, 2, 0, 3, 4, 5).reshape(n, b, degree * s, h // degree, d)
+
+
+def ulysses_gather_heads(x: torch.Tensor, group, degree: int) -> torch.Tensor:
+    """Inverse: [B, degree*s, h, D] (whole sequence, my heads) -> [B, s, degree*h, D]."""
+    b, S, h, d = x.shape
+    s = S // degree
+    x = x.reshape(b, degree, s, h, d).permute(1, 0, 2, 3, 4).contiguous()  # chunk j goes to rank j
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)  # out[j]: rank j's heads of my sequence chunk
+    return out.permute(1, 2, 0, 3, 4).reshape(b, s, degree * h, d)
+
+
+# -- attention with log-sum-exp ------------------------------------------------------------------
+def attention_with_lse(q, k, v, key_mask: Optional[torch.Tensor], max_scores: int = 1 << 26):
+    """Softmax attention of q [B, Sq, H, D] over one block k, v [B, Sk, H, D] in float32.
+
+    Returns (out [B, Sq, H, D] float32, lse [B, Sq, H] float32). A query whose block keys are all
+    masked gets out = 0 and lse = -inf (no NaN), so it merges away. Queries are processed in
+    chunks so the score matrix stays below ``max_scores`` elements."""
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    scale = 1.0 / math.sqrt(d)
+    kf = k.float().permute(0, 2, 3, 1)  # [B, H, D, Sk]
+    vf = v.float().transpose(1, 2)  # [B, H, Sk, D]
+    mask = None if key_mask is None else ~key_mask[:, None, None, :]
+    step = max(1, max_scores // max(1, b * h * sk))
+    outs, lses = [], []
+    for i in range(0, sq, step):
+        qf = q[:, i:i + step].float().transpose(1, 2)  # [B, H, sq', D]
+        s = torch.matmul(qf, kf) * scale
+        if mask is not None:
+            s = s.masked_fill(mask, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # [B, H, sq']
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        p = torch.exp(s - safe.unsqueeze(-1))
+        outs.append(torch.matmul(p, vf).transpose(1, 2))  # [B, sq', H, D]
+        lses.append(lse.transpose(1, 2))  # [B, sq', H]
+    return torch.cat(outs, 1), torch.cat(lses, 1)
+
+
+def merge_lse(out, lse, block_out, block_lse):
+    """Merge two partial softmax results by their log-sum-exp (exact; -inf safe).
+
+    new_lse = log(exp(lse) + exp(block_lse)); out = exp(lse - new) * out + exp(block_lse - new) * block_out."""
+    if out is None:
+        return block_out, block_lse
+    new = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    a = torch.exp(lse - safe).unsqueeze(-1)
+    c = torch.exp(block_lse - safe).unsqueeze(-1)
+    return a * out + c * block_out, new
+
+
+def ring_attention(q, k, v, masks: List[Optional[torch.Tensor]], group, ranks: List[int], my_index: int):
+    """Ring attention: this rank's queries against every rank's K/V block.
+
+    K/V (and nothing else) travel around the ring: at step i this rank holds the block of ring
+    position (my_index - i) mod R and sends it on to the next position while it computes. Every
+    block's partial output is merged by log-sum-exp. ``masks[j]``: key mask of ring position j's
+    block ([B, Sk] bool, or None = all valid); masks are known on every rank, so they are not sent.
+    """
+    R = len(ranks)
+    nxt, prv = ranks[(my_index + 1) % R], ranks[(my_index - 1) % R]
+    kv = torch.stack([k, v]).contiguous()
+    out = lse = None
+    for i in range(R):
+        reqs = None
+        if i < R - 1:
+            recv = torch.empty_like(kv)
+            ops = [dist.P2POp(dist.isend, kv, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+            reqs = dist.batch_isend_irecv(ops)
+        src = (my_index - i) % R
+        bo, bl = attention_with_lse(q, kv[0], kv[1], masks[src])
+        out, lse = merge_lse(out, lse, bo, bl)
+        if reqs is not None:
+            for r in reqs:
+                r.wait()
+            kv = recv
+    return out.to(q.dtype)

@@ -1,0 +1,230 @@
+"""``ParallelEngine``: the ``Engine`` API with the DiT running on a pool of rank processes.
+
+``Engine.from_file(path, EngineConfig(ulysses_degree=2, ...))`` returns one when the degrees ask
+for more than one rank. The parent (ComfyUI, the CLI) keeps the sampling loop, exactly as
+``Engine.sample`` runs it (same sigmas, noise, sampler arithmetic and CFG combination, through
+``Engine.make_denoiser``); only the model call goes to the workers. The parent holds no weights:
+it reads the checkpoint's header for the shapes, and validates everything before a worker starts.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+
+from ..config import EngineConfig
+from ..pipeline import Engine, InputError, RunStats
+from ..sampling import DEFAULT_SHIFT, SAMPLERS, SCHEDULERS, model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule
+from .plan import ParallelPlan, check_devices, check_model, make_plan
+from .worker import pack, unpack
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class ModelInfo:
+    """What the parent needs of the model: its configuration and compute dtype (no weights)."""
+
+    config: object
+    dtype: torch.dtype
+    block_runner: Optional[Callable] = None
+
+
+class _Computed:
+    """Stands in for the cache runner in ``make_denoiser``: the workers' per-call decisions."""
+
+    def __init__(self):
+        self.computed: List[bool] = []
+
+
+def plan_from_config(config: EngineConfig) -> ParallelPlan:
+    return make_plan(getattr(config, "tp", 1), getattr(config, "ulysses_degree", 1), getattr(config, "ring_degree", 1),
+                     getattr(config, "cfg_parallel", False), getattr(config, "num_gpus", None))
+
+
+def validate(config: EngineConfig, num_heads: int, ffn_hidden_size: int, available_gpus: Optional[int] = None):
+    """All checks that need no worker: degrees, heads, GPUs. Returns (plan, backend)."""
+    plan = plan_from_config(config)
+    check_model(plan, num_heads, ffn_hidden_size)
+    backend = check_devices(plan, config.device, available_gpus)
+    return plan, backend
+
+
+class PoolTransport:
+    """Requests go to rank 0 of a spawned pool (the default)."""
+
+    def __init__(self, plan: ParallelPlan, backend: str):
+        self.plan, self.backend = plan, backend
+        self.pool = None
+
+    def ensure(self, key, spec) -> Optional[dict]:
+        from .pool import get_pool
+
+        self.pool = get_pool(self.plan.world_size, self.backend)
+        if self.pool.loaded != key:
+            info = self.pool.request(("load", spec))
+            self.pool.loaded = key
+            return info
+        return None
+
+    def request(self, msg):
+        return self.pool.request(msg)
+
+    @property
+    def pids(self) -> List[int]:
+        return list(self.pool.pids) if self.pool is not None else []
+
+
+class LocalTransport:
+    """Every rank runs the same loop (torchrun): requests are handled in this process, collectively."""
+
+    def __init__(self, state):
+        self.state = state
+        self.loaded = None
+
+    def ensure(self, key, spec):
+        if self.loaded != key:
+            info = self.state.handle(("load", spec))
+            self.loaded = key
+            return info
+        return None
+
+    def request(self, msg):
+        return self.state.handle(msg)
+
+
+class ParallelEngine(Engine):
+    def __init__(self, path: str, config: EngineConfig, model_config, dtype: torch.dtype, plan: ParallelPlan,
+                 backend: str, transport=None):
+        # No Engine.__init__: the parent holds no model.
+        self.config = config
+        self.source = str(path)
+        self.path = str(path)
+        self.plan = plan
+        self.backend = backend
+        self.model = ModelInfo(model_config, dtype)
+        self.last_run = RunStats()
+        self.warnings: List[str] = []
+        self.notes: List[str] = [f"parallel: {plan.describe()} over {backend}"]
+        self.attention_backend = "parallel"
+        self.info: dict = {}
+        self.transport = transport or PoolTransport(plan, backend)
+        self._key = (next(_ids), self.path)
+        self._sent_text = None
+        self._computed: Optional[_Computed] = None
+        self._finalizer = weakref.finalize(self, _release, self.transport, self._key)
+        self._ensure()
+
+    @classmethod
+    def from_file(cls, path: str, config: EngineConfig, transport=None, available_gpus: Optional[int] = None) -> "ParallelEngine":
+        from ..loader import Checkpoint, check_architecture, parse_dtype
+
+        ckpt = Checkpoint(str(path))
+        mcfg = check_architecture(ckpt)
+        plan, backend = validate(config, mcfg.num_attention_heads, mcfg.ffn_hidden_size, available_gpus)
+        dtype = parse_dtype(config.dtype) or ckpt.stored_dtype()
+        return cls(path, config, mcfg, dtype, plan, backend, transport)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # where the parent's loop and its tensors live
+
+    @property
+    def pids(self) -> List[int]:
+        return getattr(self.transport, "pids", [])
+
+    def _ensure(self) -> None:
+        spec = {"path": self.path, "config": self.config, "plan": self.plan}
+        info = self.transport.ensure(self._key, spec)
+        if info:
+            self.info = info
+            self.attention_backend = f"{info['attention']} (parallel)"
+            self.warnings = list(dict.fromkeys(self.warnings + info.get("warnings", [])))
+            self.notes = [self.notes[0]] + info.get("notes", [])
+
+    def close(self) -> None:
+        """Unload this engine's weights from the workers (the processes stay for the next engine)."""
+        self._finalizer()
+
+    # -- the model call --------------------------------------------------------------------------------
+    def velocity(self, x, sigma, text, lens):
+        send_text = text is not self._sent_text
+        msg = ("call", pack(x), pack(sigma.reshape(-1)))
+        if send_text:
+            msg += (pack(text), lens.detach().cpu().numpy())
+            self._sent_text = text
+        out, computed = self.transport.request(msg)
+        if self._computed is not None:
+            self._computed.computed.append(computed)
+        return unpack(out).to(x.device)
+
+    @torch.no_grad()
+    def sample(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
+               sampler: str = "euler", scheduler: str = "simple", denoise: float = 1.0,
+               shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None, cache=None) -> torch.Tensor:
+        """Same contract as ``Engine.sample``; the model calls run on the workers."""
+        if sampler not in SAMPLERS:
+            raise InputError(f"sampler '{sampler}' is not supported; choose one of {', '.join(SAMPLERS)}")
+        if scheduler not in SCHEDULERS:
+            raise InputError(f"scheduler '{scheduler}' is not supported; choose one of {', '.join(SCHEDULERS)}")
+        if int(steps) < 1:
+            raise InputError(f"steps must be at least 1 (got {steps})")
+        self._check_latent(latent)
+        b = latent.shape[0]
+        cond = self._check_conditioning("positive", cond, b)
+        uncond = self._check_conditioning("negative", uncond, b) if uncond is not None and cfg != 1.0 else None
+        latent = latent.detach().to("cpu", torch.float32)
+        sigmas = sigma_schedule(int(steps), scheduler, denoise, shift)
+        self.last_run = RunStats(steps=len(sigmas) - 1, model_calls=model_calls(sampler, len(sigmas) - 1))
+        if len(sigmas) < 2:
+            return latent.clone()
+        from ..cache import resolve_config
+
+        cc = resolve_config(cache if cache is not None else getattr(self.config, "cache", None))
+        rc = cc.resolve(self.last_run.model_calls, self.model.config.num_layers) if cc.enabled else None
+        cfg_batched = uncond is not None
+        branches = 2 if cfg_batched and self.plan.cfg == 1 else 1
+        noise = seeded_noise(latent.shape, seed)
+        x = noise_scaling(sigmas[0], noise, latent)
+        total = len(sigmas) - 1
+        step_cb = None
+        if callback is not None:
+            def step_cb(i, x_i, denoised):
+                callback(i, total, x_i, denoised)
+        self._ensure()
+        self._computed = _Computed() if rc is not None else None
+        self._sent_text = None
+        self.transport.request(("begin", None, None, cfg_batched, rc, branches))
+        start = time.perf_counter()
+        denoiser = self.make_denoiser(cond, uncond, cfg, runner=self._computed)
+        ok = False
+        try:
+            out = run_sampler(sampler, denoiser, x, sigmas, callback=step_cb, seed=seed)
+            ok = True
+        finally:
+            self._sent_text = None
+            self._computed = None
+            if ok or self._transport_alive():
+                summary = self.transport.request(("end",))
+                if summary is not None:
+                    self.last_run.cache = summary
+        self.last_run.sampling_seconds = time.perf_counter() - start
+        return out
+
+    def _transport_alive(self) -> bool:
+        pool = getattr(self.transport, "pool", None)
+        return pool is None or pool.alive
+
+
+def _release(transport, key) -> None:
+    pool = getattr(transport, "pool", None)
+    try:
+        if pool is not None and pool.alive and pool.loaded == key:
+            pool.request(("unload",))
+            pool.loaded = None
+    except Exception:
+        pass

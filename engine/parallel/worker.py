@@ -1,0 +1,198 @@
+"""Worker processes: one per rank, a torch.distributed process group, a command loop.
+
+Rank 0 reads commands from the parent over a ``multiprocessing`` pipe and broadcasts each one to
+the other ranks over a gloo group (a separate one when the main group is NCCL); every rank runs
+the command (``WorkerState.handle``) and rank 0 sends the answer back. Tensors cross the pipe as
+float32 numpy arrays (plain bytes: no shared-memory file descriptors to leak).
+
+Any exception in a worker is fatal for that worker: it puts its traceback on the error queue and
+exits, the parent sees the dead process, stops the others and raises ``ParallelWorkerError`` with
+that traceback; the next run starts a fresh pool. (A rank that fails on its own would otherwise
+leave its peers blocked in a collective.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import sys
+import traceback
+from datetime import timedelta
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .plan import ParallelPlan
+
+
+def pack(t: Optional[torch.Tensor]):
+    return None if t is None else t.detach().to("cpu", torch.float32).contiguous().numpy()
+
+
+def unpack(a, dtype=None, device="cpu"):
+    if a is None:
+        return None
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.to(device=device, dtype=dtype or t.dtype)
+
+
+def worker_config(config, device: str):
+    """The engine options a rank applies to its own model: the same, minus parallelism and cache."""
+    kw = dict(device=device, cache=None)
+    for f, v in (("tp", 1), ("ulysses_degree", 1), ("ring_degree", 1), ("cfg_parallel", False), ("num_gpus", None)):
+        if hasattr(config, f):
+            kw[f] = v
+    return dataclasses.replace(config, **kw)
+
+
+class WorkerState:
+    """Everything one rank holds between commands."""
+
+    def __init__(self, rank: int, world: int, device: str):
+        self.rank, self.world, self.device = rank, world, device
+        self.groups = None
+        self.pm = None  # ParallelModel
+        self.engine = None
+        self.run = None  # per-run state: text, lens, runner, cfg_batched
+
+    # -- commands ------------------------------------------------------------------------------------
+    def handle(self, msg):
+        kind = msg[0]
+        return getattr(self, "cmd_" + kind)(*msg[1:])
+
+    def cmd_ping(self):
+        return {"rank": self.rank, "pid": os.getpid()}
+
+    def cmd_pids(self):
+        pids = [None] * self.world
+        dist.all_gather_object(pids, os.getpid(), group=self._ctrl)
+        return pids
+
+    def cmd_load(self, spec: dict):
+        """spec: path, config (EngineConfig), plan (ParallelPlan)."""
+        from ..pipeline import Engine
+        from .comm import build_groups, destroy_groups
+        from .runtime import ParallelModel, load_tp_shard
+
+        self.cmd_unload()
+        destroy_groups(self.groups)
+        plan: ParallelPlan = spec["plan"]
+        self.groups = build_groups(plan, self.rank)
+        cfg = worker_config(spec["config"], self.device)
+        if plan.tp > 1:
+            t = self.groups.coords[3]
+            model = load_tp_shard(spec["path"], plan.tp, t, dtype=cfg.dtype, device=self.device)
+            self.engine = Engine(model, cfg, source=spec["path"])
+        else:
+            self.engine = Engine.from_file(spec["path"], cfg)
+        self.pm = ParallelModel(self.engine.model, self.groups)
+        params = sum(p.numel() for p in self.engine.model.parameters())
+        return {"attention": self.engine.attention_backend, "warnings": list(self.engine.warnings),
+                "notes": list(self.engine.notes), "params_per_rank": params}
+
+    def cmd_unload(self):
+        if self.pm is not None:
+            self.pm.close()
+        self.pm = self.engine = self.run = None
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        return True
+
+    def cmd_begin(self, text, lens, cfg_batched: bool, rc, branches: int):
+        from .runtime import make_parallel_cache_runner
+
+        model = self.engine.model
+        runner = make_parallel_cache_runner(rc, branches, self.groups) if rc is not None else None
+        self.run = {"text": unpack(text, model.dtype, self.device), "lens": unpack(lens, torch.long, self.device),
+                    "cfg_batched": bool(cfg_batched), "runner": runner, "default_runner": model.block_runner}
+        if runner is not None:
+            model.block_runner = runner
+        return True
+
+    @torch.no_grad()
+    def cmd_call(self, x, sigma, text=None, lens=None):
+        from ..sampling import MULTIPLIER
+
+        run = self.run
+        model = self.engine.model
+        if text is not None:
+            run["text"] = unpack(text, model.dtype, self.device)
+            run["lens"] = unpack(lens, torch.long, self.device)
+        x = unpack(x, None, self.device)
+        timestep = (unpack(sigma, None, self.device) * MULTIPLIER).float()
+        out = self.pm.forward(x, timestep, run["text"], run["lens"], cfg_batched=run["cfg_batched"]).float()
+        runner = run["runner"]
+        computed = bool(runner.computed[-1]) if runner is not None and runner.computed else True
+        return (pack(out) if self.rank == 0 else None), computed
+
+    def cmd_end(self):
+        run, self.run = self.run, None
+        if run is None:
+            return None
+        self.engine.model.block_runner = run["default_runner"]
+        return run["runner"].summary() if run["runner"] is not None else None
+
+    def cmd_crash(self, rank: int):  # for tests: a worker that dies mid-run
+        if self.rank == rank:
+            os._exit(13)
+        return True
+
+    def cmd_exit(self):
+        return True
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent dies, so no worker outlives ComfyUI."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def worker_main(rank: int, world: int, init_method: str, backend: str, conn, errors, threads: int,
+                timeout_s: float) -> None:
+    """Entry point of one spawned worker process."""
+    _die_with_parent()
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        device = "cpu"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = f"cuda:{rank}"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        ctrl = dist.new_group(backend="gloo") if backend != "gloo" else None
+        state = WorkerState(rank, world, device)
+        state._ctrl = ctrl
+        if rank == 0:
+            conn.send(("ready", {"pid": os.getpid()}))
+        while True:
+            box = [None]
+            if rank == 0:
+                try:
+                    box[0] = conn.recv()
+                except EOFError:  # the parent is gone
+                    box[0] = ("exit",)
+            dist.broadcast_object_list(box, src=0, group=ctrl)
+            msg = box[0]
+            result = state.handle(msg)
+            if rank == 0:
+                conn.send(("ok", result))
+            if msg[0] == "exit":
+                break
+        state.cmd_unload()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - report everything, then die
+        try:
+            errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        except Exception:
+            pass
+        sys.stderr.flush()
+        os._exit(1)
