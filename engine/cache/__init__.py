@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from .config import (DEFAULTS, ENV_NAMES, ENV_PREFIX, PRESET_KNOBS, CacheConfig, CacheConfigError, ResolvedCache,
-                     config_from_dict, from_env, resolve_config)
+                     add_cli_arguments, config_from_dict, from_cli_args, from_env, resolve_config)
 from .dbcache import DBCacheRunner
 from .masks import (ALIASES, ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask,
                     preset_mask)
@@ -49,6 +49,6 @@ def estimated_speedup(mask: List[bool], fn: int, bn: int, num_layers: int) -> fl
 
 
 __all__ = ["CacheConfig", "CacheConfigError", "ResolvedCache", "DBCacheRunner", "TaylorSeer", "from_env",
-           "resolve_config", "config_from_dict", "make_runner", "measured_speedup", "estimated_speedup",
+           "resolve_config", "config_from_dict", "add_cli_arguments", "from_cli_args", "make_runner", "measured_speedup", "estimated_speedup",
            "preset_mask", "mask_note", "mask_str", "parse_mask", "longest_cached_run", "PRESETS", "ALIASES",
            "ALL_PRESETS", "USER_PRESETS", "ENV_NAMES", "ENV_PREFIX", "DEFAULTS", "PRESET_KNOBS"]

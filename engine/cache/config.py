@@ -271,3 +271,48 @@ def config_from_dict(d: Mapping) -> CacheConfig:
 
 __all__ = ["CacheConfig", "CacheConfigError", "ResolvedCache", "from_env", "resolve_config", "config_from_dict",
            "ENV_NAMES", "ENV_PREFIX", "DEFAULTS", "PRESET_KNOBS"]
+
+
+# -- command-line flags (for `sgld generate` / `sgld bench`) ------------------------------------------
+
+def add_cli_arguments(parser) -> None:
+    """Add --cache-* flags to an argparse parser; ``from_cli_args`` turns them into a CacheConfig."""
+    g = parser.add_argument_group("Cache-DiT (default: the SGLANG_CACHE_DIT_* environment)")
+    g.add_argument("--cache", choices=["on", "off"], default=None, help="switch the cache on or off (overrides the environment)")
+    g.add_argument("--cache-preset", default=None, help="none | quality | balanced | fast | slow | medium | ultra (implies --cache on)")
+    g.add_argument("--cache-fn", type=int, default=None, help="first blocks always computed")
+    g.add_argument("--cache-bn", type=int, default=None, help="last blocks always computed")
+    g.add_argument("--cache-warmup", type=int, default=None, help="leading steps always computed")
+    g.add_argument("--cache-rdt", type=float, default=None, help="residual-diff threshold")
+    g.add_argument("--cache-mc", type=int, default=None, help="max consecutive cached steps (-1 = unlimited)")
+    g.add_argument("--cache-max-cached", type=int, default=None, help="max cached steps per run (-1 = unlimited)")
+    g.add_argument("--cache-taylorseer", choices=["on", "off"], default=None, help="TaylorSeer prediction of the reused residual")
+    g.add_argument("--cache-ts-order", type=int, default=None, help="TaylorSeer order: 1 or 2")
+    g.add_argument("--cache-policy", default=None, help="static | dynamic (how a preset's mask is applied)")
+    g.add_argument("--cache-mask", default=None, help="custom step mask, e.g. 1111010101 (1 = compute)")
+
+
+CLI_NAMES = {"preset": "--cache-preset", "fn": "--cache-fn", "bn": "--cache-bn", "warmup": "--cache-warmup",
+             "rdt": "--cache-rdt", "mc": "--cache-mc", "max_cached_steps": "--cache-max-cached",
+             "taylorseer": "--cache-taylorseer", "ts_order": "--cache-ts-order", "scm_policy": "--cache-policy",
+             "steps_mask": "--cache-mask"}
+
+
+def from_cli_args(args) -> Optional[CacheConfig]:
+    """None when no --cache* flag was given (the environment decides), else an explicit CacheConfig."""
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    kw = {"preset": get("cache_preset"), "fn": get("cache_fn"), "bn": get("cache_bn"), "warmup": get("cache_warmup"),
+          "rdt": get("cache_rdt"), "mc": get("cache_mc"), "max_cached_steps": get("cache_max_cached"),
+          "ts_order": get("cache_ts_order"), "scm_policy": get("cache_policy"), "steps_mask": get("cache_mask")}
+    if get("cache_taylorseer") is not None:
+        kw["taylorseer"] = get("cache_taylorseer") == "on"
+    switch = get("cache")
+    if switch is None and all(v is None for v in kw.values()):
+        return None
+    if switch == "off":
+        return CacheConfig(enabled=False)
+    if isinstance(kw["preset"], str):
+        kw["preset"] = kw["preset"].strip().lower()
+    if isinstance(kw["scm_policy"], str):
+        kw["scm_policy"] = kw["scm_policy"].strip().lower()
+    return CacheConfig(enabled=True, **kw).validate(names=CLI_NAMES)

@@ -1,0 +1,47 @@
+"""Cache-DiT: CLI flags, speedup statistics, generated docs."""
+import argparse
+import os
+
+import pytest
+
+from engine.cache import (CacheConfig, CacheConfigError, add_cli_arguments, estimated_speedup, from_cli_args,
+                          measured_speedup)
+from engine.cache.docs import render
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse(*argv):
+    p = argparse.ArgumentParser()
+    add_cli_arguments(p)
+    return from_cli_args(p.parse_args(list(argv)))
+
+
+def test_cli_flags():
+    assert parse() is None  # no flag: the environment decides
+    assert parse("--cache", "off") == CacheConfig(enabled=False)
+    c = parse("--cache-preset", "Fast", "--cache-taylorseer", "off", "--cache-mc", "2")
+    assert c.enabled and c.preset_name == "fast" and c.taylorseer is False and c.mc == 2
+    assert parse("--cache", "on") == CacheConfig()
+    with pytest.raises(CacheConfigError) as err:
+        parse("--cache-preset", "turbo")
+    assert "--cache-preset='turbo'" in str(err.value) and "balanced" in str(err.value)
+    with pytest.raises(CacheConfigError) as err:
+        parse("--cache-policy", "never")
+    assert "--cache-policy" in str(err.value) and "static, dynamic" in str(err.value)
+
+
+def test_speedups():
+    assert measured_speedup([1.0, 1.0, 1.0, 0.25, 1.0], [True, True, True, False, True]) == pytest.approx(5 / 4.25, abs=1e-3)
+    assert measured_speedup([], []) is None
+    assert measured_speedup([1.0], [True]) == 1.0
+    assert estimated_speedup([True, False], 1, 0, 4) == pytest.approx(2 / 1.25)
+
+
+def test_docs_are_generated_from_the_code():
+    with open(os.path.join(ROOT, "docs", "cache_dit.md")) as f:
+        assert f.read() == render(), "docs/cache_dit.md is stale: run python -m engine.cache.docs docs/cache_dit.md"
+    text = render()
+    for n in (8, 20, 28, 50):
+        assert f"{n} steps" in text
+    assert "SGLANG_CACHE_DIT_SCM_PRESET" in text and "computes every step at 8 steps" in text
