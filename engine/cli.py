@@ -20,6 +20,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "dynamic: one extra graph covers all new resolutions)")
     p.add_argument("--quant", default=None, choices=["fp8", "int4", "int4-g64"],
                    help="weight-only quantization of the block linears at load (pre-quantized files load quantized anyway)")
+    p.add_argument("--offload", default="none", choices=["none", "layerwise", "auto"],
+                   help="layer-wise offload: block weights in pinned CPU memory, streamed through --resident-layers "
+                        "device buffers (auto: only when the GPU's free memory is below the model + working memory)")
+    p.add_argument("--resident-layers", type=int, default=2,
+                   help="device buffers for layer-wise offload (default 2: one computing, one loading)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +75,8 @@ def engine_config(args, **kw):
     from .config import EngineConfig
 
     return EngineConfig(dtype=args.dtype, device=args.device, attention=args.attention,
-                        compile=False if args.compile == "off" else args.compile, quant=args.quant, **kw)
+                        compile=False if args.compile == "off" else args.compile, quant=args.quant,
+                        offload=getattr(args, "offload", "none"), resident_layers=getattr(args, "resident_layers", 2), **kw)
 
 
 def _setup_logging() -> None:
@@ -152,6 +158,8 @@ def cmd_bench(args) -> dict:
         sync()
         result.update({"steps": args.steps, "cfg": args.cfg, "sampling_seconds": round(time.perf_counter() - s, 3),
                        **{k: v for k, v in eng.last_run.to_dict().items() if k in ("steps_total", "steps_computed")}})
+    if getattr(eng, "offload", None) is not None:
+        result["offload"] = eng.offload.stats()
     if getattr(eng, "warnings", None):
         result["warnings"] = list(eng.warnings)
     if dev.type == "cuda":

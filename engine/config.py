@@ -22,6 +22,11 @@ class EngineConfig:
     # Weight-only quantization of the blocks' linear layers (engine/quant.py): None | "fp8" | "int4" (groups of
     # 128) | "int4-g64". Pre-quantized files (sgld quantize, ComfyUI fp8) load quantized whatever this says.
     quant: Optional[str] = None
+    # Layer-wise offload (engine/offload.py): "none" | "layerwise" (block weights in pinned CPU memory, streamed
+    # through ``resident_layers`` device buffers) | "auto" (layer-wise when the GPU's free memory is below the
+    # model plus working memory).
+    offload: str = "none"
+    resident_layers: int = 2
     # Parallelism (engine/parallel, docs/parallel.md): ranks = tp x ulysses_degree x ring_degree x (2 if cfg_parallel).
     # More than one rank runs the DiT in worker processes (one per GPU; gloo processes on CPU). num_gpus: None =
     # the product of the degrees; a count with all degrees 1 = Ulysses over that many ranks.
@@ -34,6 +39,7 @@ class EngineConfig:
     ATTENTION_CHOICES = ("auto", "sdpa", "sage", "flash", "math")
     COMPILE_CHOICES = (False, True, "static", "dynamic")
     QUANT_CHOICES = (None, "fp8", "int4", "int4-g64")
+    OFFLOAD_CHOICES = ("none", "layerwise", "auto")
 
     def __post_init__(self):
         if not isinstance(self.attention, str) or self.attention.lower() not in self.ATTENTION_CHOICES:
@@ -55,6 +61,15 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.quant '{self.quant}' is not supported; choose one of None, fp8, int4, int4-g64")
         if self.quant is not None:
             self.quant = self.quant.lower()
+        if self.offload is None or self.offload is False or (isinstance(self.offload, str) and self.offload.lower() in ("off", "")):
+            self.offload = "none"
+        if not isinstance(self.offload, str) or self.offload.lower() not in self.OFFLOAD_CHOICES:
+            raise ValueError(f"EngineConfig.offload '{self.offload}' is not supported; "
+                             f"choose one of {', '.join(self.OFFLOAD_CHOICES)}")
+        self.offload = self.offload.lower()
+        if isinstance(self.resident_layers, bool) or not isinstance(self.resident_layers, int) or self.resident_layers < 1:
+            raise ValueError(f"EngineConfig.resident_layers '{self.resident_layers}' is not supported; "
+                             "choose an integer >= 1 (device buffers for layer-wise offload, default 2)")
         from .parallel.plan import make_plan  # degrees: integers that multiply to num_gpus (ParallelConfigError)
 
         make_plan(self.tp, self.ulysses_degree, self.ring_degree, self.cfg_parallel, self.num_gpus)

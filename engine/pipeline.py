@@ -2,6 +2,7 @@
 (cache, offload, parallel) see the step index, the step count and the CFG branch."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
@@ -61,7 +62,8 @@ def pad_text(features: Sequence[torch.Tensor], dtype: torch.dtype, device) -> tu
 
 
 class Engine:
-    def __init__(self, model: ErnieImageTransformer, config: Optional[EngineConfig] = None, source: str = ""):
+    def __init__(self, model: ErnieImageTransformer, config: Optional[EngineConfig] = None, source: str = "",
+                 offload_decision: Optional[tuple] = None):
         self.model = model
         self.config = config or EngineConfig()
         self.source = source
@@ -76,7 +78,12 @@ class Engine:
         self.notes: List[str] = []
         if self.config.quant:
             self.warnings += quant.quantize_model(model, self.config.quant)
-        self.notes += quant.prepare_fast_paths(model)
+        # Layer-wise offload (after quantization: the quantized bytes are what is offloaded; before the
+        # fast-path probe and the attention choice, which look at the compute device).
+        self.offload = None
+        self._apply_offload(offload_decision)
+        with self.offload.hold(0) if self.offload is not None else contextlib.nullcontext():
+            self.notes += quant.prepare_fast_paths(model)  # probes on block 0's weights on the device
         choice = attention_backends.select_backend(self.config.attention, self.device, model.dtype, model.config.head_dim)
         model.attention = choice.fn
         self.attention_backend = choice.name
@@ -87,6 +94,36 @@ class Engine:
 
             self.warnings += compile_blocks(model, self.config.compile)
 
+    def _apply_offload(self, decision: Optional[tuple]) -> None:
+        """``config.offload``: "none" | "layerwise" | "auto" (decided here unless from_file decided)."""
+        from . import offload
+
+        mode = getattr(self.config, "offload", "none")
+        if mode == "none":
+            return
+        model = self.model
+        if decision is None:
+            dev = torch.device(self.config.device)
+            on_dev = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
+                         if t.device == dev or (dev.type == "cuda" and t.is_cuda and dev.index is None))
+            from .quant import weight_bytes
+            decision = offload.choose_offload(mode, dev, weight_bytes(model), resident_bytes=on_dev)
+        choice, why = decision
+        if why and mode == "auto":
+            self.notes.append(why)
+        if choice == "layerwise":
+            self.offload = offload.apply_layerwise_offload(model, self.config.device, self.config.resident_layers)
+            self.notes.append(self.offload.describe())
+
+    def release(self) -> int:
+        """Give back the device memory this engine can free without unloading the model: the layer
+        buffers of layer-wise offload (allocated again at the next run). Returns the bytes freed.
+        Call before dropping an engine when the host (ComfyUI) asks for memory."""
+        freed = self.offload.release_buffers() if self.offload is not None else 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
     @classmethod
     def from_file(cls, path: str, config: Optional[EngineConfig] = None) -> "Engine":
         config = config or EngineConfig()
@@ -94,8 +131,18 @@ class Engine:
             from .parallel import ParallelEngine
 
             return ParallelEngine.from_file(path, config)
-        model = load_model(path, dtype=config.dtype, device=config.device, quant=config.quant)
-        return cls(model, config, source=str(path))
+        decision = None
+        device = config.device
+        if getattr(config, "offload", "none") != "none":
+            # decide before loading: an offloaded model is loaded into CPU memory, never whole on the GPU
+            from . import offload
+
+            decision = offload.choose_offload(config.offload, config.device,
+                                              offload.estimate_checkpoint_bytes(path, config.dtype, config.quant))
+            if decision[0] == "layerwise":
+                device = "cpu"
+        model = load_model(path, dtype=config.dtype, device=device, quant=config.quant)
+        return cls(model, config, source=str(path), offload_decision=decision)
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,529 @@
+"""Layer-wise offload: the DiT blocks' weights live in (pinned) CPU memory and stream through a few
+device buffers, one block ahead of compute. The 8B model (16 GB in bf16) fits an 8 GB GPU.
+
+Layout
+  * Non-block weights (embedders, modulation, final layer: ~2% of the 8B model) move to the device
+    and stay there.
+  * Every block ``model.layers[i]`` gets one flat byte buffer in CPU memory (the *master*; pinned
+    when CUDA is available and the compute device is a GPU) holding all its parameters back to back
+    (256-byte aligned). The block's parameters become views into it, so the model keeps its class,
+    names and state_dict; quantized layers (engine/quant.py) are stored and transferred as their
+    quantized bytes (fp8 / packed int4 + scales), nothing is dequantized for the transfer.
+  * ``resident_layers`` device buffers (*slots*, default 2) of the largest block's size are allocated
+    once. Loading block i into a slot is ONE host-to-device copy of its master buffer on a separate
+    copy stream; "offloading" is only pointing the parameters back at the master (no copy back).
+
+Order (CUDA streams and events; on the CPU the same code runs and these are no-ops)
+  * load(i -> slot): the copy stream waits for the slot's ``free`` event (the last compute that read
+    the slot), copies, and records the slot's ``ready`` event.
+  * acquire(i) (just before block i runs): the compute stream waits for ``ready``; the parameters are
+    pointed at the slot; then the next planned blocks are prefetched into the other slots.
+  * release(i) (just after block i's call returned, i.e. its kernels are queued): ``free`` is
+    recorded on the compute stream and the parameters point back at the master.
+  So compute never reads a slot still being written, and a slot is never overwritten while a queued
+  kernel may still read it. Slots are allocated once (stable addresses; no caching-allocator reuse
+  across streams, so no ``record_stream`` is needed).
+
+Which blocks, in which order (the block runner and the offloader cooperate without either knowing
+the other):
+  * Each offloaded block's class is swapped for a subclass whose ``__call__`` does
+    acquire -> ``nn.Module.__call__`` -> release. Whoever calls a block (the default runner, the
+    Cache-DiT runner, a test calling ``model.layers[0]`` directly) gets correct weights; a block
+    that was not prefetched is loaded on demand. ``__call__`` sits outside ``nn.Module.compile``'s
+    compiled ``_call_impl``, so regional torch.compile (engine/compile.py) traces the block
+    computation only, never the transfers (acquire/release are also ``torch.compiler.disable``).
+  * ``model.layers`` becomes a ``ModuleList`` subclass whose iteration *announces a plan*: iterating
+    ``model.layers`` or a slice of it (``for block in layers[fn:n - bn]``) tells the offloader the
+    blocks that are about to run, in order. Prefetch follows only announced blocks, so with
+    Cache-DiT a skipped middle (the runner never iterates that slice) is never transferred.
+    A runner that indexes blocks one by one can announce with ``plan_blocks(model, indices)``.
+  * ``prefetch_first`` (default on): when the last block of the model is acquired, block 0 is
+    prefetched for the next forward. Every runner runs block 0 first (DBCache requires Fn >= 1), so
+    this transfers nothing that will not run, and it hides the first block's load behind the
+    unembed / sampler step / embed in between.
+
+Between blocks (and between model calls) every block's parameters point at the CPU master: LoRA
+merging, ``state_dict`` and saving see the master. After changing block weights in place, call
+``invalidate()`` so slots holding old copies are refilled. ``release_buffers()`` frees the device
+slots (re-allocated at the next forward); ``remove()`` undoes the offload (blocks stay on the CPU).
+Do not call ``model.to(device)`` on an offloaded model (it would move the masters).
+
+``choose_offload`` implements ``EngineConfig(offload="auto")``: layer-wise when the free memory of
+the CUDA device is below the model's bytes plus the working memory (activations, other models).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections import deque
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+log = logging.getLogger("sgld.offload")
+
+MODES = ("none", "layerwise", "auto")
+ALIGN = 256  # bytes: every parameter view starts on a 256-byte boundary (kernels, inductor alignment)
+GiB = 2 ** 30
+# Working memory that "auto" keeps free besides the weights: activations of a 1024^2 CFG batch of the
+# 8B model (~1-2 GiB with memory-efficient attention), the CUDA context and the allocator's slack.
+# Override with SGLD_OFFLOAD_WORKING_GB.
+MIN_WORKING_BYTES = 2 * GiB
+WORKING_FRACTION = 0.15
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def parse_mode(mode) -> str:
+    """None / False / "off" -> "none"; True -> "layerwise"; else one of MODES (case-insensitive)."""
+    if mode is None or mode is False:
+        return "none"
+    if mode is True:
+        return "layerwise"
+    m = str(mode).strip().lower()
+    if m in ("off", "false", "no", ""):
+        return "none"
+    if m in ("on", "true", "layer", "layer-wise", "layers"):
+        return "layerwise"
+    if m not in MODES:
+        raise ValueError(f"offload '{mode}' is not supported; choose one of {', '.join(MODES)}")
+    return m
+
+
+# -- auto ---------------------------------------------------------------------------------------------------
+def working_bytes(model_bytes: int) -> int:
+    env = os.environ.get("SGLD_OFFLOAD_WORKING_GB")
+    if env:
+        return int(float(env) * GiB)
+    return max(MIN_WORKING_BYTES, int(WORKING_FRACTION * model_bytes))
+
+
+def choose_offload(mode, device, model_bytes: int, free_bytes: Optional[int] = None,
+                   resident_bytes: int = 0) -> Tuple[str, str]:
+    """("none" | "layerwise", why). ``auto``: layer-wise when the device's free memory (plus what the
+    model already holds there, ``resident_bytes``) is below ``model_bytes`` + working memory.
+    ``free_bytes`` defaults to ``torch.cuda.mem_get_info``; CPU devices never offload on ``auto``."""
+    mode = parse_mode(mode)
+    if mode != "auto":
+        return mode, ("requested" if mode == "layerwise" else "")
+    dev = torch.device(device)
+    if free_bytes is None:
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            return "none", f"auto: {dev} is not a CUDA GPU, nothing to offload"
+        free_bytes, _ = torch.cuda.mem_get_info(dev)
+    available = int(free_bytes) + int(resident_bytes)
+    need = int(model_bytes) + working_bytes(model_bytes)
+    gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
+    if available < need:
+        return "layerwise", f"auto: {gib(available)} free on {dev} < model {gib(model_bytes)} + working {gib(need - model_bytes)}"
+    return "none", f"auto: {gib(available)} free on {dev} >= model {gib(model_bytes)} + working {gib(need - model_bytes)}"
+
+
+def estimate_checkpoint_bytes(path: str, dtype=None, quant: Optional[str] = None) -> int:
+    """Bytes the model will take at rest once loaded (headers only, nothing is read)."""
+    from .loader import Checkpoint, parse_dtype
+    from . import quant as Q
+
+    ckpt = Checkpoint(path)
+    target = parse_dtype(dtype) or ckpt.stored_dtype()
+    kind, group = Q.parse_format(quant)
+    total = 0
+    for k, (f, fk) in ckpt.index.items():
+        src = f.dtype(fk)
+        numel = 1
+        for d in f.shape(fk):
+            numel *= d
+        layer = k.rsplit(".", 1)[0]
+        if kind and k.endswith(".weight") and Q.is_block_linear(layer):
+            total += numel if kind == "fp8" else numel // 2 + numel * 4 // max(1, group)
+        elif src.is_floating_point and src.itemsize >= 2:
+            total += numel * target.itemsize
+        else:  # quantized storage (fp8 / packed int4) stays as stored
+            total += numel * src.itemsize
+    return total
+
+
+# -- stream / event helpers: no-ops off CUDA ------------------------------------------------------------------
+class _Streams:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.copy = torch.cuda.Stream(device) if self.cuda else None
+
+    def event(self):
+        return torch.cuda.Event() if self.cuda else None
+
+    def compute(self):
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            self.copy.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+class _Slot:
+    __slots__ = ("index", "buf", "block", "ready", "free", "free_recorded", "busy", "used")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.buf: Optional[torch.Tensor] = None
+        self.block: Optional[int] = None  # the block whose bytes it holds (or is receiving)
+        self.ready = None  # event: copy done (copy stream)
+        self.free = None  # event: last compute reading it done (compute stream)
+        self.free_recorded = False
+        self.busy = False  # a block bound to it is between acquire and release
+        self.used = 0  # acquire counter, for least-recently-used eviction
+
+
+class _BlockStore:
+    """One block's parameters packed into a flat CPU byte buffer, and their views."""
+
+    def __init__(self, index: int, block: nn.Module, pin: bool):
+        self.index = index
+        self.params: List[Tuple[nn.Parameter, torch.dtype, torch.Size, int, int]] = []
+        offset = 0
+        tensors = []
+        seen = set()
+        for _, p in block.named_parameters(recurse=True):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n = _nbytes(p)
+            self.params.append((p, p.dtype, p.shape, offset, n))
+            tensors.append(p)
+            offset = _align(offset + n)
+        self.nbytes = max(offset, ALIGN)
+        self.master = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        for (p, dtype, shape, off, n), t in zip(self.params, tensors):
+            if n:
+                self.master[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        self.master_views = [self._views(self.master)]  # kept: pointing back costs no allocation
+        self.layout = tuple((dtype, tuple(shape), off) for _, dtype, shape, off, _ in self.params)
+        self.bind(self.master_views[0])
+
+    def _views(self, buf: torch.Tensor) -> List[torch.Tensor]:
+        out = []
+        for _, dtype, shape, off, n in self.params:
+            out.append(buf[off:off + n].view(dtype).view(shape))
+        return out
+
+    def bind(self, views: Sequence[torch.Tensor]) -> None:
+        for (p, *_), v in zip(self.params, views):
+            p.data = v
+
+    def bind_master(self) -> None:
+        self.bind(self.master_views[0])
+
+
+class _PlannedLayers(nn.ModuleList):
+    """``model.layers`` under offload: iterating it (or a slice of it) announces the blocks that are
+    about to run, so the offloader prefetches exactly those."""
+
+    def __iter__(self):
+        blocks = list(self._modules.values())
+        off = getattr(blocks[0], "_sgld_offload", None) if blocks else None
+        if off is None:
+            return iter(blocks)
+        return off._iterate(blocks)
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _offloaded_class(base: type) -> type:
+    cls = _CLASSES.get(base)
+    if cls is None:
+        def __call__(self, *args, **kwargs):
+            off = self._sgld_offload
+            i = self._sgld_offload_index
+            off.acquire(i)
+            try:
+                return nn.Module.__call__(self, *args, **kwargs)
+            finally:
+                off.release(i)
+
+        cls = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
+                                             "__qualname__": base.__qualname__, "_sgld_offloaded_class": True})
+        _CLASSES[base] = cls
+    return cls
+
+
+class LayerwiseOffload:
+    """Offload of ``model.layers`` (see the module docstring). Made by ``apply_layerwise_offload``."""
+
+    def __init__(self, model: nn.Module, device, resident_layers: int = 2, pin: Optional[bool] = None,
+                 prefetch_first: bool = True):
+        if isinstance(resident_layers, bool) or not isinstance(resident_layers, int) or resident_layers < 1:
+            raise ValueError(f"resident_layers '{resident_layers}' is not supported; choose an integer >= 1")
+        if getattr(model, "_sgld_offload", None) is not None:
+            raise ValueError("this model is already offloaded")
+        self.model = model
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.num_slots = min(resident_layers, len(model.layers))
+        self.prefetch_first = prefetch_first
+        self.pin = (self.device.type == "cuda" and torch.cuda.is_available()) if pin is None else bool(pin)
+        self.streams = _Streams(self.device)
+        self.record = deque(maxlen=100_000)  # block indices in transfer order (tests, stats)
+        self.reset_stats()
+        self._plan: List[int] = []
+        self._cursor = 0
+        self._token = 0
+        self._tick = 0
+
+        # non-block weights to the device, for good
+        for name, child in model.named_children():
+            if name != "layers":
+                child.to(self.device)
+        for name, p in list(model.named_parameters(recurse=False)) + list(model.named_buffers(recurse=False)):
+            p.data = p.data.to(self.device)
+        # blocks to (pinned) CPU masters, one block at a time (peak: the model + one block)
+        self.stores: List[_BlockStore] = []
+        for i, block in enumerate(model.layers):
+            if list(block.buffers()):
+                raise ValueError(f"block {i} has buffers; layer-wise offload handles parameters only")
+            self.stores.append(_BlockStore(i, block, self.pin))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the blocks' old device copies (if the model was on the GPU)
+        self.slot_bytes = max(s.nbytes for s in self.stores)
+        self.slots = [_Slot(k) for k in range(self.num_slots)]
+        self._slot_views: Dict[Tuple[int, tuple], List[torch.Tensor]] = {}
+        for i, block in enumerate(model.layers):
+            block._sgld_offload = self
+            block._sgld_offload_index = i
+            block.__class__ = _offloaded_class(type(block))
+        self._layers_class = type(model.layers)
+        model.layers.__class__ = _PlannedLayers
+        model._sgld_offload = self
+        log.info("offload: layer-wise, %d blocks of %.1f MiB in %s CPU memory, %d resident on %s (%.1f MiB), "
+                 "non-block weights %.1f MiB on the device", len(self.stores), self.slot_bytes / 2 ** 20,
+                 "pinned" if self.pin else "pageable", self.num_slots, self.device,
+                 self.num_slots * self.slot_bytes / 2 ** 20, self.nonblock_bytes() / 2 ** 20)
+
+    # -- accounting ------------------------------------------------------------------------------------------
+    def nonblock_bytes(self) -> int:
+        seen, total = set(), 0
+        block_ids = {id(p) for s in self.stores for p, *_ in s.params}
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            if id(t) not in seen and id(t) not in block_ids:
+                seen.add(id(t))
+                total += _nbytes(t)
+        return total
+
+    def block_bytes(self) -> int:
+        return sum(s.nbytes for s in self.stores)
+
+    def resident_bytes(self) -> int:
+        """Bytes this model holds on the compute device now: non-block weights + allocated slots."""
+        return self.nonblock_bytes() + sum(_nbytes(s.buf) for s in self.slots if s.buf is not None)
+
+    def reset_stats(self) -> None:
+        self.transfers = 0
+        self.bytes_transferred = 0
+        self.stalls = 0  # acquires that had to start the load themselves (nothing prefetched)
+        self.record.clear()
+
+    def stats(self) -> dict:
+        return {"mode": "layerwise", "device": str(self.device), "resident_layers": self.num_slots,
+                "blocks": len(self.stores), "block_mib": round(self.slot_bytes / 2 ** 20, 2),
+                "pinned": self.pin, "nonblock_mib": round(self.nonblock_bytes() / 2 ** 20, 2),
+                "resident_mib": round(self.resident_bytes() / 2 ** 20, 2), "transfers": self.transfers,
+                "transferred_gib": round(self.bytes_transferred / GiB, 3), "stalls": self.stalls}
+
+    def describe(self) -> str:
+        return (f"offload: layer-wise, {self.num_slots} of {len(self.stores)} blocks resident on {self.device} "
+                f"({self.num_slots * self.slot_bytes / GiB:.2f} GiB + {self.nonblock_bytes() / GiB:.2f} GiB non-block), "
+                f"{self.block_bytes() / GiB:.2f} GiB of blocks in {'pinned' if self.pin else 'pageable'} CPU memory")
+
+    # -- plan ---------------------------------------------------------------------------------------------------
+    def plan(self, indices: Iterable[int]) -> int:
+        """Announce the blocks about to run, in order (replaces the previous plan). Returns a token."""
+        self._plan = [int(i) for i in indices]
+        self._cursor = 0
+        self._token += 1
+        return self._token
+
+    def end_plan(self, token: int) -> None:
+        if token == self._token:
+            self._plan, self._cursor = [], 0
+
+    def _iterate(self, blocks):
+        token = self.plan(b._sgld_offload_index for b in blocks)
+        try:
+            yield from blocks
+        finally:
+            self.end_plan(token)
+
+    def _upcoming(self) -> List[int]:
+        nxt = self._plan[self._cursor:self._cursor + self.num_slots - 1]
+        if self.prefetch_first and len(nxt) < self.num_slots - 1 and self._plan and self._cursor >= len(self._plan) \
+                and self._plan[-1] == len(self.stores) - 1 and 0 not in nxt:
+            nxt.append(0)
+        return nxt
+
+    # -- slots --------------------------------------------------------------------------------------------------
+    def _slot_of(self, i: int) -> Optional[_Slot]:
+        for s in self.slots:
+            if s.block == i:
+                return s
+        return None
+
+    def _victim(self, keep: Sequence[int]) -> Optional[_Slot]:
+        cands = [s for s in self.slots if not s.busy and s.block not in keep]
+        if not cands:
+            return None
+        empty = [s for s in cands if s.block is None]
+        return empty[0] if empty else min(cands, key=lambda s: s.used)
+
+    def _load(self, i: int, slot: _Slot) -> None:
+        st = self.streams
+        if slot.buf is None:
+            slot.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+            slot.ready, slot.free, slot.free_recorded = st.event(), st.event(), False
+        src = self.stores[i]
+        slot.block = i
+        if st.cuda:
+            with torch.cuda.stream(st.copy):
+                if slot.free_recorded:
+                    st.copy.wait_event(slot.free)
+                slot.buf[:src.nbytes].copy_(src.master, non_blocking=self.pin)
+                slot.ready.record(st.copy)
+        else:
+            slot.buf[:src.nbytes].copy_(src.master)
+        self.transfers += 1
+        self.bytes_transferred += src.nbytes
+        self.record.append(i)
+
+    def _views(self, slot: _Slot, store: _BlockStore) -> List[torch.Tensor]:
+        key = (slot.index, store.layout)
+        v = self._slot_views.get(key)
+        if v is None:
+            v = self._slot_views[key] = store._views(slot.buf)
+        return v
+
+    def _prefetch(self) -> None:
+        upcoming = self._upcoming()
+        for k in upcoming:
+            if self._slot_of(k) is not None:
+                continue
+            slot = self._victim(upcoming)
+            if slot is None:
+                break
+            self._load(k, slot)
+
+    @torch.compiler.disable
+    def acquire(self, i: int) -> None:
+        """Block ``i`` is about to run: make its weights resident and point its parameters at them."""
+        if self._cursor < len(self._plan):
+            if self._plan[self._cursor] == i:
+                self._cursor += 1
+            elif i in self._plan[self._cursor:]:
+                self._cursor = self._plan.index(i, self._cursor) + 1
+        slot = self._slot_of(i)
+        if slot is None:
+            self.stalls += 1
+            slot = self._victim(self._upcoming())
+            if slot is None:  # every slot busy (nested calls): take a non-busy one or fail clearly
+                slot = self._victim(())
+            if slot is None:
+                raise RuntimeError(f"offload: no free layer buffer for block {i} "
+                                   f"({self.num_slots} resident layers, all in use)")
+            self._load(i, slot)
+        if self.streams.cuda:
+            self.streams.compute().wait_event(slot.ready)
+        self.stores[i].bind(self._views(slot, self.stores[i]))
+        slot.busy = True
+        self._tick += 1
+        slot.used = self._tick
+        self._prefetch()
+
+    @torch.compiler.disable
+    def release(self, i: int) -> None:
+        """Block ``i``'s call returned (its kernels are queued): free the slot after them."""
+        slot = self._slot_of(i)
+        if slot is not None:
+            if self.streams.cuda:
+                slot.free.record(self.streams.compute())
+                slot.free_recorded = True
+            slot.busy = False
+        self.stores[i].bind_master()
+        self._prefetch()
+
+    @contextlib.contextmanager
+    def hold(self, *indices: int):
+        """Keep blocks resident for the ``with`` body (e.g. to probe kernels on the block weights)."""
+        got = []
+        try:
+            for i in indices:
+                self.acquire(i)
+                got.append(i)
+            yield
+        finally:
+            for i in reversed(got):
+                self.release(i)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """Block weights changed in place (LoRA merge): forget the slots' copies."""
+        self.streams.synchronize()
+        for s in self.slots:
+            if not s.busy:
+                s.block = None
+
+    def release_buffers(self) -> int:
+        """Free the device slots (they are allocated again at the next forward). Returns bytes freed."""
+        self.streams.synchronize()
+        freed = 0
+        for s in self.slots:
+            if s.busy:
+                continue
+            if s.buf is not None:
+                freed += _nbytes(s.buf)
+            s.buf, s.block, s.ready, s.free, s.free_recorded = None, None, None, None, False
+        self._slot_views.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def remove(self) -> None:
+        """Undo: blocks become plain modules again with their weights in CPU memory (the masters)."""
+        self.release_buffers()
+        model = self.model
+        for i, block in enumerate(model.layers._modules.values()):
+            self.stores[i].bind_master()
+            block.__class__ = type(block).__mro__[1]
+            del block._sgld_offload, block._sgld_offload_index
+        model.layers.__class__ = self._layers_class
+        model.__dict__.pop("_sgld_offload", None)
+
+
+def apply_layerwise_offload(model: nn.Module, device, resident_layers: int = 2, pin: Optional[bool] = None,
+                            prefetch_first: bool = True) -> LayerwiseOffload:
+    """Offload ``model.layers`` to CPU memory with ``resident_layers`` device buffers (see module doc)."""
+    return LayerwiseOffload(model, device, resident_layers, pin=pin, prefetch_first=prefetch_first)
+
+
+def get_offload(model: nn.Module) -> Optional[LayerwiseOffload]:
+    return getattr(model, "_sgld_offload", None)
+
+
+def plan_blocks(model: nn.Module, indices: Iterable[int]) -> None:
+    """For block runners that call ``model.layers[i]`` one by one: announce the blocks about to run
+    (no-op without offload). Iterating ``model.layers`` or a slice of it announces by itself."""
+    off = get_offload(model)
+    if off is not None:
+        off.plan(indices)
+
+
+__all__ = ["MODES", "LayerwiseOffload", "apply_layerwise_offload", "get_offload", "plan_blocks", "choose_offload",
+           "estimate_checkpoint_bytes", "parse_mode", "working_bytes"]

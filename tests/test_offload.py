@@ -1,0 +1,248 @@
+"""Layer-wise offload on the CPU (engine/offload.py): the CPU is both the storage and the compute
+device, so the same code path runs with the stream / event operations as no-ops. Checked: output
+bit-equal to the model without offload (plain, Cache-DiT, fp8, compiled), the bytes resident on the
+"device" at every block step (peak <= non-block weights + resident_layers x one block), only the
+blocks that run are transferred (Cache-DiT skips), the auto choice, config validation, the Engine /
+from_file / CLI wiring, and release / invalidate / remove. Tiny models: the whole file runs in seconds."""
+import dataclasses
+
+import pytest
+import torch
+
+from engine import offload as O
+from engine.cache import CacheConfig
+from engine.config import EngineConfig
+from engine.pipeline import Engine
+from engine.random_weights import SIZES, random_model
+
+CFG = dataclasses.replace(SIZES["tiny"], num_layers=6)  # more blocks than buffers
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, CFG.in_channels, 6, 6, generator=g)
+    text = torch.randn(2, 7, CFG.text_in_dim, generator=g)
+    return x, torch.tensor([600.0, 600.0]), text, torch.tensor([7, 4])  # padded text -> key mask
+
+
+def storage_key(t):
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def resident_probe(model, off):
+    """Forward pre-hooks on every block (they run inside the block call, after the offloader made it
+    resident) that count, independently of the offloader's own accounting, the bytes held outside the
+    CPU masters: every storage that a model parameter points at, plus the allocated slot buffers."""
+    masters = {storage_key(s.master) for s in off.stores}
+    steps = []
+
+    def hook(block, args):
+        storages = {}
+        for p in model.parameters():
+            storages[storage_key(p)] = p.untyped_storage().nbytes()
+        for s in off.slots:
+            if s.buf is not None:
+                storages[storage_key(s.buf)] = s.buf.untyped_storage().nbytes()
+        resident = sum(n for k, n in storages.items() if k not in masters)
+        running = block._sgld_offload_index
+        bound = [i for i, b in enumerate(model.layers._modules.values())
+                 if any(storage_key(p) not in masters for p in b.parameters())]
+        steps.append((running, resident, bound))
+
+    handles = [b.register_forward_pre_hook(hook) for b in model.layers._modules.values()]
+    return steps, handles
+
+
+@pytest.mark.parametrize("resident_layers", [1, 2, 3])
+def test_bit_equal_and_resident_bytes_at_every_block(resident_layers):
+    ref = random_model(CFG, seed=0)
+    model = random_model(CFG, seed=0)
+    block_dense = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+    off = O.apply_layerwise_offload(model, "cpu", resident_layers)
+    steps, handles = resident_probe(model, off)
+    x = inputs()
+    with torch.no_grad():
+        want = ref(*x)
+        for _ in range(2):
+            assert torch.equal(model(*x), want)
+    for h in handles:
+        h.remove()
+    assert len(steps) == 2 * CFG.num_layers
+    one_layer = off.slot_bytes
+    assert one_layer <= block_dense + O.ALIGN * 16  # the slot is one block (plus alignment padding)
+    bound_limit = off.nonblock_bytes() + resident_layers * one_layer
+    assert max(r for _, r, _ in steps) <= bound_limit
+    assert max(r for _, r, _ in steps) < off.nonblock_bytes() + off.block_bytes()  # really offloaded
+    for running, _, bound in steps:
+        assert bound == [running]  # the running block reads device buffers; all others point at the masters
+    assert off.resident_bytes() <= bound_limit
+    # in order, each block once per forward (+ block 0 prefetched for the next forward when a buffer is free)
+    order = list(range(CFG.num_layers))
+    assert list(off.record) == (order + [0] + order[1:] + [0] if resident_layers > 1 else order * 2)
+    # between forwards every parameter points at the CPU master: state_dict sees the master weights
+    assert torch.equal(model.state_dict()["layers.3.mlp.up_proj.weight"], ref.state_dict()["layers.3.mlp.up_proj.weight"])
+    assert list(model.state_dict()) == list(ref.state_dict())
+
+
+def test_direct_block_calls_load_on_demand():
+    """A runner that calls blocks by index (no plan) still gets the right weights, one stall each."""
+    ref = random_model(CFG, seed=0)
+    model = random_model(CFG, seed=0)
+    off = O.apply_layerwise_offload(model, "cpu", 2, prefetch_first=False)
+
+    def backwards(m, h, ctx):
+        for i in reversed(range(len(m.layers))):
+            h = m.layers[i](h, ctx)
+        return h
+
+    def planned_backwards(m, h, ctx):
+        O.plan_blocks(m, reversed(range(len(m.layers))))
+        return backwards(m, h, ctx)
+
+    x = inputs()
+    with torch.no_grad():
+        ref.block_runner = backwards
+        want = ref(*x)
+        model.block_runner = backwards
+        assert torch.equal(model(*x), want)
+        assert off.stalls == CFG.num_layers and list(off.record) == list(reversed(range(CFG.num_layers)))
+        off.reset_stats()
+        model.block_runner = planned_backwards  # announced: prefetched, one stall (the first block)
+        assert torch.equal(model(*x), want)
+        assert off.stalls == 1 and list(off.record) == list(reversed(range(CFG.num_layers)))
+
+
+def test_cache_dit_skipped_blocks_are_not_transferred():
+    """Cache-DiT (F1B1, dynamic threshold): the middle blocks are transferred exactly on the computed
+    calls; the output is bit-equal to the same cached run without offload."""
+    cache = CacheConfig(fn=1, bn=1, rdt=0.9, warmup=1, mc=2, max_cached_steps=-1, taylorseer=False)
+    g = torch.Generator().manual_seed(3)
+    cond = [torch.randn(7, CFG.text_in_dim, generator=g)]
+    lat = torch.zeros(1, CFG.in_channels, 6, 6)
+    outs, engines = [], []
+    for offload in ("none", "layerwise"):
+        eng = Engine(random_model(CFG, seed=0), EngineConfig(offload=offload))
+        outs.append(eng.sample(lat, cond, None, seed=1, steps=8, cfg=1.0, cache=cache))
+        engines.append(eng)
+    assert torch.equal(outs[0], outs[1])
+    eng = engines[1]
+    mask = eng.last_run.step_mask
+    assert engines[0].last_run.step_mask == mask
+    computed, calls = sum(mask), len(mask)
+    assert 0 < computed < calls  # some calls were cached
+    rec = list(eng.offload.record)
+    n = CFG.num_layers
+    for k in range(1, n - 1):
+        assert rec.count(k) == computed  # middle blocks: only when computed
+    assert rec.count(n - 1) <= calls and rec.count(0) <= calls
+    assert len(rec) <= computed * n + (calls - computed) * 2 + 1
+
+
+def test_fp8_blocks_are_offloaded_as_quantized_bytes():
+    x = inputs()
+    ref = Engine(random_model(CFG, seed=0), EngineConfig(quant="fp8"))
+    eng = Engine(random_model(CFG, seed=0), EngineConfig(quant="fp8", offload="layerwise", resident_layers=2))
+    off = eng.offload
+    assert off is not None and any("offload: layer-wise" in n for n in eng.notes)
+    dense_block = 4 * sum(p.numel() for p in random_model(CFG).layers[0].parameters())  # fp32
+    assert off.slot_bytes < dense_block / 2  # the transfer is the fp8 weights + scales
+    dtypes = {p.dtype for p in eng.model.layers[0].parameters()}
+    assert torch.float8_e4m3fn in dtypes
+    with torch.no_grad():
+        assert torch.equal(eng.model(*x), ref.model(*x))
+    assert off.bytes_transferred == sum(off.stores[i].nbytes for i in off.record)
+
+
+def test_compiled_blocks_trace_the_computation_not_the_transfers():
+    """Regional compile on an offloaded model: one graph for all blocks, no graph break, no recompile
+    when blocks are skipped; equal to eager (aot_eager backend: cheap, and bit-exact on CPU)."""
+    from engine import compile as C
+
+    torch._dynamo.reset()
+    ref = random_model(CFG, seed=0)
+    model = random_model(CFG, seed=0)
+    off = O.apply_layerwise_offload(model, "cpu", 2)
+    C.compile_blocks(model, "static", mode=None, backend="aot_eager")
+    C.reset_counters()
+    x = inputs()
+    with torch.no_grad():
+        want = ref(*x)
+        assert torch.equal(model(*x), want)
+        assert torch.equal(model(*x), want)
+        model.block_runner = lambda m, h, ctx: m.layers[-1](m.layers[0](h, ctx), ctx)
+        model(*x)
+    assert C.graph_count() == 1 and C.graph_breaks() == {}
+    assert off.transfers > 0
+    C.uncompile_blocks(model)
+
+
+def test_auto_choice():
+    gib = O.GiB
+    assert O.choose_offload("none", "cuda", 16 * gib, free_bytes=1)[0] == "none"
+    assert O.choose_offload("layerwise", "cpu", 1)[0] == "layerwise"
+    choice, why = O.choose_offload("auto", "cuda:0", 16 * gib, free_bytes=7 * gib)
+    assert choice == "layerwise" and "7.0 GiB free" in why
+    assert O.choose_offload("auto", "cuda:0", 16 * gib, free_bytes=40 * gib)[0] == "none"
+    # working memory counts: 16 GiB of weights do not run resident in 17 GiB
+    assert O.choose_offload("auto", "cuda:0", 16 * gib, free_bytes=17 * gib)[0] == "layerwise"
+    # weights already on the device count as available
+    assert O.choose_offload("auto", "cuda:0", 16 * gib, free_bytes=4 * gib, resident_bytes=16 * gib)[0] == "none"
+    assert O.choose_offload("auto", "cpu", 16 * gib)[0] == "none"  # no GPU: nothing to save
+    eng = Engine(random_model(SIZES["tiny"]), EngineConfig(offload="auto"))
+    assert eng.offload is None and any("auto:" in n for n in eng.notes)
+
+
+def test_config_validation():
+    c = EngineConfig()
+    assert c.offload == "none" and c.resident_layers == 2
+    assert EngineConfig(offload="LayerWise").offload == "layerwise"
+    assert EngineConfig(offload=None).offload == "none"
+    with pytest.raises(ValueError, match=r"EngineConfig.offload 'gpu' is not supported; choose one of none, layerwise, auto"):
+        EngineConfig(offload="gpu")
+    for bad in (0, -1, True, "2", 1.5):
+        with pytest.raises(ValueError, match=r"EngineConfig.resident_layers"):
+            EngineConfig(resident_layers=bad)
+    assert EngineConfig(offload="layerwise", resident_layers=3).key() != EngineConfig(offload="layerwise").key()
+    with pytest.raises(ValueError, match="resident_layers"):
+        O.apply_layerwise_offload(random_model(SIZES["tiny"]), "cpu", 0)
+
+
+def test_from_file_release_invalidate_remove(tiny_checkpoint):
+    path = str(tiny_checkpoint)
+    x = (torch.randn(1, 16, 4, 4), torch.tensor([500.0]), torch.randn(1, 5, 48), torch.tensor([5]))
+    plain = Engine.from_file(path)
+    eng = Engine.from_file(path, EngineConfig(offload="layerwise", resident_layers=1))
+    off = eng.offload
+    from engine.quant import weight_bytes
+
+    assert O.estimate_checkpoint_bytes(path) == weight_bytes(plain.model)
+    assert O.estimate_checkpoint_bytes(path, quant="fp8") < weight_bytes(plain.model)
+    with torch.no_grad():
+        want = plain.model(*x)
+        assert torch.equal(eng.model(*x), want)
+        assert eng.release() > 0 and all(s.buf is None for s in off.slots)
+        assert torch.equal(eng.model(*x), want)  # buffers come back at the next forward
+        # weights changed in place (as a LoRA merge does): the masters change, invalidate() refills
+        for m in (plain.model, eng.model):
+            m.layers[1].mlp.linear_fc2.weight.mul_(1.5)
+        off.invalidate()
+        want2 = plain.model(*x)
+        assert not torch.equal(want2, want)
+        assert torch.equal(eng.model(*x), want2)
+    off.remove()
+    assert O.get_offload(eng.model) is None and type(eng.model.layers[0]).__name__ == "ErnieImageBlock"
+    assert type(eng.model.layers) is torch.nn.ModuleList
+    with torch.no_grad():
+        assert torch.equal(eng.model(*x), want2)
+
+
+def test_cli_bench_offload_flags(capsys):
+    import json
+
+    from engine.cli import main
+
+    assert main(["bench", "--size", "tiny", "--offload", "layerwise", "--resident-layers", "1", "--steps", "1",
+                 "--repeat", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["offload"]["resident_layers"] == 1 and out["offload"]["transfers"] > 0
