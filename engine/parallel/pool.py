@@ -52,7 +52,8 @@ class WorkerPool:
         self.pids: List[int] = []
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    def start(self, timeout: float = START_TIMEOUT_S) -> "WorkerPool":
+    def start(self, timeout: Optional[float] = None) -> "WorkerPool":
+        timeout = START_TIMEOUT_S if timeout is None else timeout
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         self.conn, self.errors = parent, ctx.SimpleQueue()
@@ -98,7 +99,8 @@ class WorkerPool:
                 pass
 
     # -- requests ------------------------------------------------------------------------------------
-    def request(self, msg: tuple, timeout: float = CALL_TIMEOUT_S):
+    def request(self, msg: tuple, timeout: Optional[float] = None):
+        timeout = CALL_TIMEOUT_S if timeout is None else timeout
         with self.lock:
             if not self.alive:
                 raise ParallelWorkerError("the parallel workers are not running (a previous run failed); run again to restart them")

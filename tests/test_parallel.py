@@ -1,0 +1,156 @@
+"""Parallel engine on CPU with 2 gloo worker processes (engine/parallel).
+
+One pool of 2 processes serves every test of the module (the modes only reload weights); the
+kill test restarts it. Each mode must equal the single-process engine: fp32 max abs error
+<= 1e-4 x max|reference|, with and without Cache-DiT. Everything is bounded by timeouts.
+"""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig
+from engine.cache import CacheConfig
+from engine.parallel import ParallelConfigError, ParallelWorkerError, make_plan, shutdown_pools, validate
+from engine.random_weights import SIZES, save_random_checkpoint
+
+MODES = {"ulysses2": dict(ulysses_degree=2), "ring2": dict(ring_degree=2), "tp2": dict(tp=2), "cfg2": dict(cfg_parallel=True)}
+STEPS = 8
+# Data-dependent cache decisions (threshold path; margins to 0.95 are >= 0.017 on this model): the
+# decision must be all-reduced across ranks (under CFG parallel the two branches disagree at some calls).
+DYNAMIC_CACHE = CacheConfig(warmup=1, rdt=0.95, mc=2)
+PRESET_CACHE = CacheConfig(preset="fast")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    import engine.parallel.pool as pool_mod
+
+    # bounded: a hang becomes an error (start 120 s, a request 60 s, a collective 60 s)
+    pool_mod.START_TIMEOUT_S, pool_mod.CALL_TIMEOUT_S, pool_mod.PG_TIMEOUT_S = 120.0, 60.0, 60.0
+    path = str(tmp_path_factory.mktemp("par") / "tiny.safetensors")
+    cfg = SIZES["tiny"]
+    save_random_checkpoint(path, cfg, seed=0)
+    g = torch.Generator().manual_seed(1)
+    # 6x5 image tokens + text of 7 and 3 tokens: the unified sequence (37) is odd (padding for sp=2)
+    # and the text is padded (key mask).
+    inputs = dict(latent=torch.zeros(1, cfg.in_channels, 6, 5), cond=[torch.randn(7, cfg.text_in_dim, generator=g)],
+                  uncond=[torch.randn(3, cfg.text_in_dim, generator=g)])
+    single = Engine.from_file(path, EngineConfig())
+    refs = {}
+    for name, cache in (("off", CacheConfig(enabled=False)), ("dynamic", DYNAMIC_CACHE), ("preset", PRESET_CACHE)):
+        out = single.sample(inputs["latent"], inputs["cond"], inputs["uncond"], seed=3, steps=STEPS, cfg=3.0, cache=cache)
+        refs[name] = (out, single.last_run.to_dict()["step_mask"])
+    yield path, inputs, refs
+    shutdown_pools()
+
+
+def _run(eng, inputs, cache, **kw):
+    return eng.sample(inputs["latent"], inputs["cond"], inputs["uncond"], seed=3, steps=STEPS, cfg=3.0, cache=cache, **kw)
+
+
+def _close(out, ref):
+    return (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_mode_equals_single_process(setup, mode):
+    path, inputs, refs = setup
+    eng = Engine.from_file(path, EngineConfig(**MODES[mode]))
+    try:
+        assert eng.plan.world_size == 2
+        for name, cache in (("off", CacheConfig(enabled=False)), ("dynamic", DYNAMIC_CACHE), ("preset", PRESET_CACHE)):
+            out = _run(eng, inputs, cache)
+            ref, mask = refs[name]
+            err = (out - ref).abs().max().item()
+            assert _close(out, ref), f"{mode} cache={name}: max abs err {err:.3g} vs max|ref| {ref.abs().max().item():.3g}"
+            # every rank took the same decisions, and the same as one process
+            assert eng.last_run.to_dict()["step_mask"] == mask, (mode, name)
+            if name != "off":
+                assert eng.last_run.cache["cached"] > 0
+    finally:
+        eng.close()
+
+
+def test_worker_killed_mid_run_fails_fast_and_next_run_works(setup):
+    path, inputs, refs = setup
+    eng = Engine.from_file(path, EngineConfig(ulysses_degree=2))
+    pids = eng.pids
+    assert len(pids) == 2
+
+    def kill_rank1(step, total, x, denoised):
+        if step == 1:
+            os.kill(pids[1], signal.SIGKILL)
+
+    t0 = time.monotonic()
+    with pytest.raises(ParallelWorkerError, match="rank 1"):
+        _run(eng, inputs, CacheConfig(enabled=False), callback=kill_rank1)
+    assert time.monotonic() - t0 < 30
+    out = _run(eng, inputs, CacheConfig(enabled=False))  # a fresh pool
+    assert eng.pids and eng.pids[1] != pids[1]
+    assert _close(out, refs["off"][0])
+    eng.close()
+
+
+def test_invalid_degrees_refused_before_any_worker(setup, monkeypatch):
+    path, _, _ = setup
+    import engine.parallel.pool as pool_mod
+
+    def no_start(*a, **k):
+        raise AssertionError("a worker pool was started for an invalid configuration")
+
+    monkeypatch.setattr(pool_mod.WorkerPool, "start", no_start)
+    with pytest.raises(ValueError, match="do not multiply"):
+        EngineConfig(tp=2, ulysses_degree=2, num_gpus=2)
+    with pytest.raises(ValueError, match="tp"):
+        EngineConfig(tp=0)
+    with pytest.raises(ValueError, match="cfg_parallel"):
+        EngineConfig(cfg_parallel=3)
+    # tiny has 4 heads: ulysses 8 (8 ranks) and tp 3 do not divide them
+    with pytest.raises(ParallelConfigError, match="ulysses_degree = 8 does not divide"):
+        Engine.from_file(path, EngineConfig(ulysses_degree=8))
+    with pytest.raises(ParallelConfigError, match="tp = 3 does not divide"):
+        Engine.from_file(path, EngineConfig(tp=3))
+    with pytest.raises(ParallelConfigError, match="TP rank holds"):
+        Engine.from_file(path, EngineConfig(tp=2, ulysses_degree=4))
+    # more ranks than GPUs
+    with pytest.raises(ParallelConfigError, match="needs 4 GPUs but 1 are visible"):
+        validate(EngineConfig(device="cuda", ulysses_degree=4), 32, 12288, available_gpus=1)
+    with pytest.raises(ParallelConfigError, match="cpu"):
+        validate(EngineConfig(device="mps", ulysses_degree=2), 32, 12288)
+
+
+def test_plan_layout_and_degrees():
+    p = make_plan(tp=2, ulysses_degree=2, ring_degree=2, cfg_parallel=True)
+    assert p.world_size == 16
+    groups = p.groups()
+    assert groups["tp"][0] == [0, 1] and groups["ulysses"][0] == [0, 2] and groups["ring"][0] == [0, 4]
+    assert groups["cfg"][0] == [0, 8] and groups["sp"][0] == [0, 2, 4, 6]
+    for kind in groups:  # every rank in exactly one group of each kind
+        flat = sorted(r for g in groups[kind] for r in g)
+        assert flat == list(range(16))
+    for rank in range(16):
+        assert p.rank_of(*p.coords(rank)) == rank
+    assert make_plan(num_gpus=4).ulysses == 4  # a GPU count alone: Ulysses over all ranks
+    assert EngineConfig().world_size == 1 and EngineConfig(ring_degree=2, cfg_parallel=True).world_size == 4
+
+
+def test_attention_primitives_in_process():
+    """LSE merge of key blocks equals full masked attention (no process group needed)."""
+    from engine.attention import sdpa
+    from engine.parallel.comm import attention_with_lse, merge_lse
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 9, 4, 16, generator=g) for _ in range(3))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0, 6:] = False
+    mask[1, 3:] = False  # the second block of sample 1 is fully masked
+    ref = sdpa(q, k, v, mask)
+    out = lse = None
+    for sl in (slice(0, 4), slice(4, 9)):
+        bo, bl = attention_with_lse(q, k[:, sl], v[:, sl], mask[:, sl])
+        out, lse = merge_lse(out, lse, bo, bl)
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max() < 1e-5
