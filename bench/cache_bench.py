@@ -349,6 +349,24 @@ def plot(all_rows: Dict[str, List[dict]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def merge(paths: List[str], out: str, plot_path: str) -> dict:
+    all_rows = {}
+    for p in paths:
+        with open(p) as f:
+            all_rows.update(json.load(f))
+    md = []
+    for key, rows in all_rows.items():
+        for r in rows:
+            r["psnr"] = float(r["psnr"])
+        steps = int(key.split(" steps")[0].split(", ")[-1])
+        md += [f"## {key}", "", table(rows, steps, rows[0].get("pass_rate") is not None), ""]
+    with open(out, "w") as f:
+        f.write("\n".join(md) + "\n")
+    if plot_path:
+        plot(all_rows, plot_path)
+    return all_rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", nargs="+", default=["demo", "random"], choices=["demo", "random"])
@@ -364,7 +382,10 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "cache_results.md"))
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "cache_results.json"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "bench", "cache_pareto.png"))
+    ap.add_argument("--merge", nargs="+", default=None, help="only merge earlier --json outputs into --out / --plot")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out, args.plot)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "error")
     configs = our_configs() + ([] if args.no_cachedit else cachedit_configs())
