@@ -25,6 +25,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "device buffers (auto: only when the GPU's free memory is below the model + working memory)")
     p.add_argument("--resident-layers", type=int, default=2,
                    help="device buffers for layer-wise offload (default 2: one computing, one loading)")
+    par = p.add_argument_group("parallel (docs/parallel.md): ranks = tp x ulysses x ring x (2 with --cfg-parallel)")
+    par.add_argument("--tp", type=int, default=1, help="tensor parallel degree (heads and MLP split across ranks)")
+    par.add_argument("--ulysses-degree", type=int, default=1, help="Ulysses sequence parallel degree (all-to-all over heads)")
+    par.add_argument("--ring-degree", type=int, default=1, help="Ring sequence parallel degree (KV passed around, LSE merge)")
+    par.add_argument("--cfg-parallel", action="store_true", help="cond and uncond on different ranks (needs --cfg > 1)")
+    par.add_argument("--num-gpus", type=int, default=None,
+                     help="ranks in all (GPUs; on a CPU machine the number of gloo processes); must equal the product of "
+                          "the degrees; alone it means Ulysses over that many ranks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +84,10 @@ def engine_config(args, **kw):
 
     return EngineConfig(dtype=args.dtype, device=args.device, attention=args.attention,
                         compile=False if args.compile == "off" else args.compile, quant=args.quant,
-                        offload=getattr(args, "offload", "none"), resident_layers=getattr(args, "resident_layers", 2), **kw)
+                        offload=getattr(args, "offload", "none"), resident_layers=getattr(args, "resident_layers", 2),
+                        tp=getattr(args, "tp", 1), ulysses_degree=getattr(args, "ulysses_degree", 1),
+                        ring_degree=getattr(args, "ring_degree", 1), cfg_parallel=getattr(args, "cfg_parallel", False),
+                        num_gpus=getattr(args, "num_gpus", None), **kw)
 
 
 def _setup_logging() -> None:
@@ -124,6 +135,10 @@ def cmd_bench(args) -> dict:
     config = engine_config(args)
     if args.model:
         eng = Engine.from_file(args.model, config)
+    elif config.world_size > 1:  # workers load from a file: write the random model to a temporary one
+        from .parallel.launch import random_checkpoint
+
+        eng = Engine.from_file(random_checkpoint(args.size, args.dtype), config)
     else:
         eng = _random_engine(args.size, args.dtype, args.device, config)
     load_s = time.perf_counter() - t0
@@ -138,12 +153,13 @@ def cmd_bench(args) -> dict:
     with torch.no_grad():
         xt, tb, ln = x.to(dev), torch.tensor([500.0], device=dev), torch.tensor([args.text_tokens], device=dev)
         tt = text[None].to(dev, eng.model.dtype)
-        eng.model(xt, tb, tt, ln)
+        forward = getattr(eng, "model_forward", eng.model)  # parallel: one call through the workers
+        forward(xt, tb, tt, ln)
         sync()
         times = []
         for _ in range(max(1, args.repeat)):
             s = time.perf_counter()
-            eng.model(xt, tb, tt, ln)
+            forward(xt, tb, tt, ln)
             sync()
             times.append(time.perf_counter() - s)
     result = {"model": eng.source, "params": sum(p.numel() for p in eng.model.parameters()),
@@ -160,6 +176,8 @@ def cmd_bench(args) -> dict:
                        **{k: v for k, v in eng.last_run.to_dict().items() if k in ("steps_total", "steps_computed")}})
     if getattr(eng, "offload", None) is not None:
         result["offload"] = eng.offload.stats()
+    if getattr(eng, "plan", None) is not None:
+        result["parallel"] = eng.plan.describe()
     if getattr(eng, "warnings", None):
         result["warnings"] = list(eng.warnings)
     if dev.type == "cuda":
@@ -201,6 +219,7 @@ def main(argv=None) -> int:
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
     from .loader import CheckpointError
+    from .parallel.pool import ParallelWorkerError
     from .pipeline import InputError
 
     try:
@@ -210,7 +229,7 @@ def main(argv=None) -> int:
             cmd_generate(args)
         elif args.command == "quantize":
             cmd_quantize(args)
-    except (CheckpointError, InputError, ValueError) as e:
+    except (CheckpointError, InputError, ValueError, ParallelWorkerError) as e:
         print(f"sgld {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

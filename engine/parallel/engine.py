@@ -32,6 +32,11 @@ class ModelInfo:
     config: object
     dtype: torch.dtype
     block_runner: Optional[Callable] = None
+    num_params: int = 0
+
+    def parameters(self):
+        """One meta tensor with the model's parameter count (so ``sum(p.numel() ...)`` works)."""
+        return iter([torch.empty(self.num_params, device="meta")])
 
 
 class _Computed:
@@ -99,14 +104,14 @@ class LocalTransport:
 
 class ParallelEngine(Engine):
     def __init__(self, path: str, config: EngineConfig, model_config, dtype: torch.dtype, plan: ParallelPlan,
-                 backend: str, transport=None):
+                 backend: str, transport=None, num_params: int = 0):
         # No Engine.__init__: the parent holds no model.
         self.config = config
         self.source = str(path)
         self.path = str(path)
         self.plan = plan
         self.backend = backend
-        self.model = ModelInfo(model_config, dtype)
+        self.model = ModelInfo(model_config, dtype, num_params=num_params)
         self.last_run = RunStats()
         self.warnings: List[str] = []
         self.notes: List[str] = [f"parallel: {plan.describe()} over {backend}"]
@@ -127,7 +132,8 @@ class ParallelEngine(Engine):
         mcfg = check_architecture(ckpt)
         plan, backend = validate(config, mcfg.num_attention_heads, mcfg.ffn_hidden_size, available_gpus)
         dtype = parse_dtype(config.dtype) or ckpt.stored_dtype()
-        return cls(path, config, mcfg, dtype, plan, backend, transport)
+        eng = cls(path, config, mcfg, dtype, plan, backend, transport, num_params=_count(ckpt))
+        return eng
 
     @property
     def device(self) -> torch.device:
@@ -155,12 +161,28 @@ class ParallelEngine(Engine):
         send_text = text is not self._sent_text
         msg = ("call", pack(x), pack(sigma.reshape(-1)))
         if send_text:
-            msg += (pack(text), lens.detach().cpu().numpy())
+            msg += (pack(text), lens.detach().cpu().contiguous().numpy())
             self._sent_text = text
         out, computed = self.transport.request(msg)
         if self._computed is not None:
             self._computed.computed.append(computed)
         return unpack(out).to(x.device)
+
+    @torch.no_grad()
+    def model_forward(self, x, timestep, text, lens) -> torch.Tensor:
+        """One DiT forward through the workers, like ``model(x, timestep, text, lens)`` (no cache)."""
+        from ..sampling import MULTIPLIER
+
+        self._ensure()
+        self.transport.request(("begin", None, None, False, None, 1))
+        self._sent_text = None
+        try:
+            sigma = torch.as_tensor(timestep, dtype=torch.float32).reshape(-1).expand(x.shape[0]) / MULTIPLIER
+            return self.velocity(x.float(), sigma, text, torch.as_tensor(lens).reshape(-1).expand(x.shape[0]))
+        finally:
+            self._sent_text = None
+            if self._transport_alive():
+                self.transport.request(("end",))
 
     @torch.no_grad()
     def sample(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
@@ -218,6 +240,16 @@ class ParallelEngine(Engine):
     def _transport_alive(self) -> bool:
         pool = getattr(self.transport, "pool", None)
         return pool is None or pool.alive
+
+
+def _count(ckpt) -> int:
+    n = 0
+    for shape in ckpt.shapes().values():
+        k = 1
+        for d in shape:
+            k *= int(d)
+        n += k
+    return n
 
 
 def _release(transport, key) -> None:

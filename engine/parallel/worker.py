@@ -56,6 +56,8 @@ class WorkerState:
         self.pm = None  # ParallelModel
         self.engine = None
         self.run = None  # per-run state: text, lens, runner, cfg_batched
+        self.return_all = False  # torchrun: every rank runs the loop and needs the output
+        self._ctrl = None
 
     # -- commands ------------------------------------------------------------------------------------
     def handle(self, msg):
@@ -126,7 +128,7 @@ class WorkerState:
         out = self.pm.forward(x, timestep, run["text"], run["lens"], cfg_batched=run["cfg_batched"]).float()
         runner = run["runner"]
         computed = bool(runner.computed[-1]) if runner is not None and runner.computed else True
-        return (pack(out) if self.rank == 0 else None), computed
+        return (pack(out) if self.rank == 0 or self.return_all else None), computed
 
     def cmd_end(self):
         run, self.run = self.run, None
