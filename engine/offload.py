@@ -12,6 +12,10 @@ Layout
   * ``resident_layers`` device buffers (*slots*, default 2) of the largest block's size are allocated
     once. Loading block i into a slot is ONE host-to-device copy of its master buffer on a separate
     copy stream; "offloading" is only pointing the parameters back at the master (no copy back).
+    With more than two buffers, blocks ``0 .. resident_layers - 3`` stay in theirs once loaded and two
+    buffers stream the rest (blocks run cyclically, so anything evicted would be reloaded every
+    forward); with ``resident_layers >= len(model.layers)`` nothing streams after the first forward.
+    The first blocks are the right ones to keep: Cache-DiT always computes them.
 
 Order (CUDA streams and events; on the CPU the same code runs and these are no-ops)
   * load(i -> slot): the copy stream waits for the slot's ``free`` event (the last compute that read
@@ -270,7 +274,11 @@ class LayerwiseOffload:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.num_slots = min(resident_layers, len(model.layers))
+        n = len(model.layers)
+        self.num_slots = min(resident_layers, n)
+        # With more than 2 buffers, all but two hold blocks 0..fixed-1 for good (loaded once: cyclic access
+        # would make any eviction policy reload every block), the other two stream the rest. All fit: no streaming.
+        self.fixed = n if self.num_slots >= n else max(0, self.num_slots - 2)
         self.prefetch_first = prefetch_first
         self.pin = (self.device.type == "cuda" and torch.cuda.is_available()) if pin is None else bool(pin)
         self.streams = _Streams(self.device)
@@ -334,7 +342,7 @@ class LayerwiseOffload:
         self.record.clear()
 
     def stats(self) -> dict:
-        return {"mode": "layerwise", "device": str(self.device), "resident_layers": self.num_slots,
+        return {"mode": "layerwise", "device": str(self.device), "resident_layers": self.num_slots, "fixed_blocks": self.fixed,
                 "blocks": len(self.stores), "block_mib": round(self.slot_bytes / 2 ** 20, 2),
                 "pinned": self.pin, "nonblock_mib": round(self.nonblock_bytes() / 2 ** 20, 2),
                 "resident_mib": round(self.resident_bytes() / 2 ** 20, 2), "transfers": self.transfers,
@@ -379,7 +387,8 @@ class LayerwiseOffload:
         return None
 
     def _victim(self, keep: Sequence[int]) -> Optional[_Slot]:
-        cands = [s for s in self.slots if not s.busy and s.block not in keep]
+        cands = [s for s in self.slots if not s.busy and s.block not in keep
+                 and (s.block is None or s.block >= self.fixed)]
         if not cands:
             return None
         empty = [s for s in cands if s.block is None]
@@ -390,6 +399,9 @@ class LayerwiseOffload:
         if slot.buf is None:
             slot.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
             slot.ready, slot.free, slot.free_recorded = st.event(), st.event(), False
+            if st.cuda:  # fresh memory may have been freed by compute-stream work still queued: order after it
+                slot.free.record(st.compute())
+                slot.free_recorded = True
         src = self.stores[i]
         slot.block = i
         if st.cuda:
@@ -433,8 +445,11 @@ class LayerwiseOffload:
         if slot is None:
             self.stalls += 1
             slot = self._victim(self._upcoming())
-            if slot is None:  # every slot busy (nested calls): take a non-busy one or fail clearly
+            if slot is None:  # every other slot is busy or planned: take any non-busy one
                 slot = self._victim(())
+            if slot is None:
+                cands = [s for s in self.slots if not s.busy]
+                slot = min(cands, key=lambda s: s.used) if cands else None
             if slot is None:
                 raise RuntimeError(f"offload: no free layer buffer for block {i} "
                                    f"({self.num_slots} resident layers, all in use)")
