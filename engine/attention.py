@@ -98,7 +98,7 @@ def _sage_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Option
 
 @_sage_op.register_fake
 def _(q, k, v, key_mask):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, like the real op
 
 
 # -- FlashAttention 2 ---------------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optio
 
 @_flash_op.register_fake
 def _(q, k, v, key_mask):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 _warned: set = set()

@@ -85,10 +85,14 @@ class Engine:
         with self.offload.hold(0) if self.offload is not None else contextlib.nullcontext():
             self.notes += quant.prepare_fast_paths(model)  # probes on block 0's weights on the device
         choice = attention_backends.select_backend(self.config.attention, self.device, model.dtype, model.config.head_dim)
-        model.attention = choice.fn
-        self.attention_backend = choice.name
-        self.notes.append(choice.describe())
         self.warnings += choice.warnings
+        if model.attention in attention_backends.FUNCTIONS.values():
+            model.attention = choice.fn
+            self.attention_backend = choice.name
+            self.notes.append(choice.describe())
+        else:  # a wrapper (e.g. sequence parallel) installed its own attention: leave it
+            self.attention_backend = getattr(model.attention, "__name__", "custom")
+            self.notes.append(f"attention: {self.attention_backend} (installed on the model; '{choice.name}' not applied)")
         if self.config.compile:
             from .compile import compile_blocks
 
