@@ -11,7 +11,11 @@ markdown table (also written to $OUT/gpu_check.md when $OUT is set).
 
     bash bench/gpu_check.sh                      # GPU: 8b, 1024x1024, budget 450 s
     bash bench/gpu_check.sh --size tiny          # CPU (or GPU) smoke run: tiny model, 256x256
-Options: --budget S, --width/--height, --text-tokens, --repeat, --compile-mode, --skip a,b.
+    bash bench/gpu_check.sh --offload            # only the offload section (bench/gpu_check_offload.py)
+Options: --budget S, --width/--height, --text-tokens, --repeat, --compile-mode, --skip a,b, --offload.
+Offload section (last; runs if budget is left, or alone with --offload): resident vs layer-wise offload
+(2 and 8 buffers) for bf16 and fp8 at batch 1 and 2, bit-equality vs resident, and an Engine Base run
+with offload + Cache-DiT.
 """
 import argparse
 import json
@@ -178,8 +182,12 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
     ap.add_argument("--compile-mode", default="auto", help="auto = the engine default (max-autotune-no-cudagraphs on GPU)")
-    ap.add_argument("--skip", default="", help="comma-separated rows to skip: eager,sage,flash,turbo,base,fp8,int4,compiled")
+    ap.add_argument("--skip", default="", help="comma-separated rows to skip: eager,sage,flash,turbo,base,fp8,int4,compiled,"
+                                               "offload (the whole offload section) or off-bf16,off-bf16-8buf,off-fp8,off-engine")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--offload", action="store_true",
+                    help="run only the offload section (bench/gpu_check_offload.py: resident vs layer-wise offload, "
+                         "bf16 and fp8, Turbo and Base steps); without it the section runs last if budget is left")
     args = ap.parse_args()
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -301,15 +309,21 @@ def main():
         row("bf16 compiled", "sdpa", "bf16", s, pk,
             f"mode {m._sgld_compile['mode']}, compile + first call {first:.0f} s, {graph_count()} graph(s){sp}{err_vs(state)}" + ("" if fin else "; NON-FINITE output"))
 
-    guarded("eager", args, 5, eager)
-    guarded("sage", args, 5, kernel("sage"))
-    guarded("flash", args, 5, kernel("flash"))
-    est = state.get("eager_s", 0.2)
-    guarded("turbo", args, 8 * est * 1.5 + 5, whole("Turbo", 8, 1.0))
-    guarded("base", args, 50 * 2 * est * 1.3 + 5, whole("Base", 50, 4.0))
-    guarded("fp8", args, 20, quantized("fp8"))
-    guarded("int4", args, 30, quantized("int4"))
-    guarded("compiled", args, 40, compiled)
+    if not args.offload:
+        guarded("eager", args, 5, eager)
+        guarded("sage", args, 5, kernel("sage"))
+        guarded("flash", args, 5, kernel("flash"))
+        est = state.get("eager_s", 0.2)
+        guarded("turbo", args, 8 * est * 1.5 + 5, whole("Turbo", 8, 1.0))
+        guarded("base", args, 50 * 2 * est * 1.3 + 5, whole("Base", 50, 4.0))
+        guarded("fp8", args, 20, quantized("fp8"))
+        guarded("int4", args, 30, quantized("int4"))
+        guarded("compiled", args, 40, compiled)
+
+    # -- offload section (bench/gpu_check_offload.py; --offload runs only this, --skip offload leaves it out) --
+    from gpu_check_offload import run_offload_section
+
+    run_offload_section(sys.modules[__name__], args, dev, cfg, dtype, state)
 
     lines = ["# gpu_check", "", *[f"- {h}" for h in head], "",
              "| what | attention | weights | s/step | peak GiB | notes |", "|---|---|---|---|---|---|"]

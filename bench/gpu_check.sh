@@ -5,6 +5,8 @@
 #
 #   bash bench/gpu_check.sh                 # on a GPU machine, from a fresh checkout
 #   bash bench/gpu_check.sh --size tiny     # anywhere (CPU smoke run)
+#   bash bench/gpu_check.sh --offload       # only the layer-wise offload figures (resident vs offload,
+#                                           # bf16/fp8, Turbo/Base step, peak VRAM; ~2-3 min on an H200)
 #
 # Set-up needs no network: it uses the first Python that imports torch ($PYTHON, .venv, python3,
 # python); when none does, it tries pip with --no-index from local wheel folders ($WHEELS,
