@@ -154,3 +154,25 @@ def test_attention_primitives_in_process():
         out, lse = merge_lse(out, lse, bo, bl)
     assert torch.isfinite(out).all()
     assert (out - ref).abs().max() < 1e-5
+
+
+def test_comm_table_bench():
+    """bench/parallel_comm.py: hand-checked Ulysses-2 figure, the expected orderings, every mode tabled."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("parallel_comm", os.path.join(root, "bench", "parallel_comm.py"))
+    pc = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules["parallel_comm"] = pc  # dataclasses look their module up
+    spec.loader.exec_module(pc)
+    img, txt = 4096, 256
+    local = 2 * (img + txt) / 2 * 4096 * 2  # one of q/k/v/out on a rank, bf16, batch 2
+    expect = 36 * 4 * local / 2 + 2 * (img + txt) * 4096 * 2 / 2
+    assert abs(pc.per_gpu_bytes(pc.Mode("u", ulysses=2), img, txt) - expect) < 1
+    u8, r8, t8 = (pc.per_gpu_bytes(pc.Mode("", **{k: 8}), img, txt) for k in ("ulysses", "ring", "tp"))
+    assert u8 < r8 < t8  # Ulysses sends least per GPU at 8, TP most
+    text = pc.table()
+    for name in ("Ulysses 8", "Ring 8", "USP 4x2", "TP 8", "CFG 2 x Ulysses 4", "2048²"):
+        assert name in text
