@@ -91,6 +91,8 @@ def test_worker_killed_mid_run_fails_fast_and_next_run_works(setup):
     out = _run(eng, inputs, CacheConfig(enabled=False))  # a fresh pool
     assert eng.pids and eng.pids[1] != pids[1]
     assert _close(out, refs["off"][0])
+    assert eng.release() > 0  # weights unloaded from the workers for the host; the next run loads them again
+    assert _close(_run(eng, inputs, CacheConfig(enabled=False)), refs["off"][0])
     eng.close()
 
 

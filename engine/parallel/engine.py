@@ -116,6 +116,8 @@ class ParallelEngine(Engine):
         self.warnings: List[str] = []
         self.notes: List[str] = [f"parallel: {plan.describe()} over {backend}"]
         self.attention_backend = "parallel"
+        self.offload = None  # layer-wise offload runs inside the workers, if asked for
+        self.worker_device = torch.device(config.device)  # where the weights live (the workers' GPUs)
         self.info: dict = {}
         self.transport = transport or PoolTransport(plan, backend)
         self._key = (next(_ids), self.path)
@@ -153,8 +155,20 @@ class ParallelEngine(Engine):
             self.notes = [self.notes[0]] + info.get("notes", [])
 
     def close(self) -> None:
-        """Unload this engine's weights from the workers (the processes stay for the next engine)."""
-        self._finalizer()
+        """Unload this engine's weights from the workers (the processes stay for the next engine).
+        The next ``sample`` loads them again."""
+        _release(self.transport, self._key)
+
+    def release(self) -> int:
+        """Free the workers' memory for the host (ComfyUI): unload the weights; the next run reloads them.
+        Returns the bytes of weights unloaded (all ranks)."""
+        pool = getattr(self.transport, "pool", None)
+        loaded = pool is not None and pool.alive and pool.loaded == self._key
+        self.close()
+        if not loaded:
+            return 0
+        per_rank = self.info.get("params_per_rank", self.model.num_params) * self.model.dtype.itemsize
+        return int(per_rank * self.plan.world_size)
 
     # -- the model call --------------------------------------------------------------------------------
     def velocity(self, x, sigma, text, lens):
