@@ -47,8 +47,8 @@ the other):
     unembed / sampler step / embed in between.
 
 Between blocks (and between model calls) every block's parameters point at the CPU master: LoRA
-merging, ``state_dict`` and saving see the master. After changing block weights in place, call
-``invalidate()`` so slots holding old copies are refilled. ``release_buffers()`` frees the device
+merging, ``state_dict`` and saving see the master. Change block weights in place inside
+``with offload.updating():`` (or call ``invalidate()`` after) so slots holding old copies are refilled. ``release_buffers()`` frees the device
 slots (re-allocated at the next forward); ``remove()`` undoes the offload (blocks stay on the CPU).
 Do not call ``model.to(device)`` on an offloaded model (it would move the masters).
 
@@ -251,7 +251,7 @@ def _offloaded_class(base: type) -> type:
             i = self._sgld_offload_index
             off.acquire(i)
             try:
-                return nn.Module.__call__(self, *args, **kwargs)
+                return base.__call__(self, *args, **kwargs)  # nn.Module.__call__ (and compiled _call_impl)
             finally:
                 off.release(i)
 
@@ -488,6 +488,16 @@ class LayerwiseOffload:
                 self.release(i)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def updating(self):
+        """Change block weights in place (LoRA merge / unmerge) inside ``with off.updating():``: waits for
+        transfers in flight from the masters first, and refills the layer buffers afterwards."""
+        self.streams.synchronize()
+        try:
+            yield
+        finally:
+            self.invalidate()
+
     def invalidate(self) -> None:
         """Block weights changed in place (LoRA merge): forget the slots' copies."""
         self.streams.synchronize()
@@ -528,6 +538,14 @@ def apply_layerwise_offload(model: nn.Module, device, resident_layers: int = 2, 
     return LayerwiseOffload(model, device, resident_layers, pin=pin, prefetch_first=prefetch_first)
 
 
+def empty_host_cache() -> None:
+    """Return freed pinned host memory to the OS (torch keeps it cached). Call after dropping an
+    offloaded engine (e.g. when ComfyUI unloads models) and ``gc.collect()``."""
+    fn = getattr(torch._C, "_host_emptyCache", None)
+    if fn is not None and torch.cuda.is_available():
+        fn()
+
+
 def get_offload(model: nn.Module) -> Optional[LayerwiseOffload]:
     return getattr(model, "_sgld_offload", None)
 
@@ -540,5 +558,5 @@ def plan_blocks(model: nn.Module, indices: Iterable[int]) -> None:
         off.plan(indices)
 
 
-__all__ = ["MODES", "LayerwiseOffload", "apply_layerwise_offload", "get_offload", "plan_blocks", "choose_offload",
+__all__ = ["MODES", "LayerwiseOffload", "apply_layerwise_offload", "get_offload", "empty_host_cache", "plan_blocks", "choose_offload",
            "estimate_checkpoint_bytes", "parse_mode", "working_bytes"]
