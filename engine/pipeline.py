@@ -123,8 +123,9 @@ class Engine:
         """Give back the device memory this engine can free without unloading the model: the layer
         buffers of layer-wise offload (allocated again at the next run). Returns the bytes freed.
         Call before dropping an engine when the host (ComfyUI) asks for memory."""
-        freed = self.offload.release_buffers() if self.offload is not None else 0
-        if self.device.type == "cuda":
+        off = getattr(self, "offload", None)  # engines of other kinds (parallel) have none
+        freed = off.release_buffers() if off is not None else 0
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return freed
 
