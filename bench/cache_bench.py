@@ -312,7 +312,11 @@ def run_bench(bench: Bench, steps: int, configs: List[Config], log=print, both_s
 def table(rows: List[dict], steps: int, judge: bool) -> str:
     head = "| configuration | family | computed calls | mask | speedup (wall) | PSNR dB | min PSNR | SSIM |" + (" judge pass % |" if judge else "")
     sep = "|---|---|---|---|---|---|---|---|" + ("---|" if judge else "")
+    if any(r["family"] == "cache-dit" for r in rows):
+        head += " best cache-dit PSNR at >= this speed |"
+        sep += "---|"
     lines = [head, sep]
+    peers = [r for r in rows if r["family"] == "cache-dit"]
     for r in rows:
         ps = "inf" if not math.isfinite(r["psnr"]) else f"{r['psnr']:.2f}"
         pm = "inf" if r["psnr_min"] is None or not math.isfinite(r["psnr_min"]) else f"{r['psnr_min']:.2f}"
@@ -321,6 +325,13 @@ def table(rows: List[dict], steps: int, judge: bool) -> str:
                 f"{r['ssim']:.4f} |")
         if judge:
             line += f" {r['pass_rate']:.1f} |"
+        if peers and r["family"] == "ours":
+            faster = [p for p in peers if p["speedup"] >= r["speedup"]]
+            best = max(faster, key=lambda p: p["psnr"]) if faster else None
+            line += (f" {best['psnr']:.2f} ({best['name'].replace('cache-dit ', '')}, {best['speedup']:.2f}x) |" if best
+                     else " none faster |")
+        elif peers:
+            line += " |"
         lines.append(line)
     return "\n".join(lines)
 
