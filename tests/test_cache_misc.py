@@ -45,3 +45,14 @@ def test_docs_are_generated_from_the_code():
     for n in (8, 20, 28, 50):
         assert f"{n} steps" in text
     assert "SGLANG_CACHE_DIT_SCM_PRESET" in text and "computes every step at 8 steps" in text
+
+
+def test_run_line():
+    from engine.cache import run_line
+    from engine.pipeline import RunStats
+
+    st = RunStats(steps=4, model_calls=4, step_mask=[True, False, True, True], call_seconds=[1.0, 0.1, 1.0, 1.0],
+                  cache={"preset": "fast", "computed": 3, "cached": 1, "calls": 4, "mask": "1011", "note": None})
+    line = run_line(st)
+    assert line.startswith("Cache-DiT fast: 3/4 model calls computed (1 cached), measured 1.2") and "mask 1011" in line
+    assert run_line(RunStats(steps=2, model_calls=2, step_mask=[True, True])) == "Cache-DiT off: 2/2 model calls computed"

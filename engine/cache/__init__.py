@@ -48,7 +48,23 @@ def estimated_speedup(mask: List[bool], fn: int, bn: int, num_layers: int) -> fl
     return len(mask) / (c + s * (fn + bn) / num_layers) if mask else 1.0
 
 
-__all__ = ["CacheConfig", "CacheConfigError", "ResolvedCache", "DBCacheRunner", "TaylorSeer", "from_env",
+__all__ = ["run_line", "CacheConfig", "CacheConfigError", "ResolvedCache", "DBCacheRunner", "TaylorSeer", "from_env",
            "resolve_config", "config_from_dict", "add_cli_arguments", "from_cli_args", "make_runner", "measured_speedup", "estimated_speedup",
            "preset_mask", "mask_note", "mask_str", "parse_mask", "longest_cached_run", "PRESETS", "ALIASES",
            "ALL_PRESETS", "USER_PRESETS", "ENV_NAMES", "ENV_PREFIX", "DEFAULTS", "PRESET_KNOBS"]
+
+
+def run_line(stats) -> str:
+    """One log line for a run (``engine.last_run``): what the cache did and the measured speedup."""
+    cache = getattr(stats, "cache", None) or {}
+    if not cache:
+        return f"Cache-DiT off: {stats.steps_computed}/{stats.model_calls} model calls computed"
+    name = cache.get("preset") or "DBCache"
+    sp = stats.speedup
+    line = (f"Cache-DiT {name}: {cache['computed']}/{cache['calls']} model calls computed ({cache['cached']} cached), "
+            f"measured {sp:.2f}x" if sp is not None else
+            f"Cache-DiT {name}: {cache['computed']}/{cache['calls']} model calls computed ({cache['cached']} cached)")
+    line += f", mask {cache['mask']}"
+    if cache.get("note"):
+        line += f" ({cache['note']})"
+    return line
