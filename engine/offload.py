@@ -118,6 +118,12 @@ def choose_offload(mode, device, model_bytes: int, free_bytes: Optional[int] = N
     mode = parse_mode(mode)
     if mode != "auto":
         return mode, ("requested" if mode == "layerwise" else "")
+    choice, why = _choose_auto(device, model_bytes, free_bytes, resident_bytes)
+    log.info("offload %s", why)
+    return choice, why
+
+
+def _choose_auto(device, model_bytes: int, free_bytes: Optional[int], resident_bytes: int) -> Tuple[str, str]:
     dev = torch.device(device)
     if free_bytes is None:
         if dev.type != "cuda" or not torch.cuda.is_available():
