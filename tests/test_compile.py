@@ -1,7 +1,8 @@
 """Regional torch.compile on CPU: output equals eager, one graph shared by every block, no recompile
 when Cache-DiT skips blocks, exactly one extra graph per new resolution (static) or one in all
-(dynamic). Graph counts come from torch._dynamo's counters. Kept tiny: each inductor compile of
-the block costs ~15 s on a shared 2-core machine, so only two are made here."""
+(dynamic). Graph counts come from torch._dynamo's counters. Kept tiny: an inductor compile of the
+block costs 15-60 s on a shared 2-core machine, so only one is made here (inductor: equality and
+skipping); the graph-count tests use aot_eager, whose dynamo graphs and guards are the same."""
 import shutil
 
 import pytest
@@ -36,7 +37,7 @@ def skip_middle(model, h, ctx):
 
 
 @needs_cc
-def test_inductor_static_equals_eager_one_graph_per_resolution():
+def test_inductor_equals_eager_one_graph_no_recompile_when_blocks_are_skipped():
     torch._dynamo.reset()
     eager = random_model(CFG, seed=0)
     model = random_model(CFG, seed=0)
@@ -44,9 +45,9 @@ def test_inductor_static_equals_eager_one_graph_per_resolution():
     assert C.is_compiled(model) and model._sgld_compile["shapes"] == "static" and eng.warnings == []
     assert model._sgld_compile["mode"] == "default"  # CPU: plain inductor (GPU: max-autotune-no-cudagraphs)
     C.reset_counters()
-    a, b = inputs(6, 6), inputs(6, 10, seed=1)
+    a = inputs(6, 6)
     with torch.no_grad():
-        ref_a, ref_b = eager(*a), eager(*b)
+        ref_a = eager(*a)
         out = model(*a)
         assert rel(out, ref_a) < 1e-4
         assert C.graph_count() == 1  # both blocks share one graph
@@ -54,16 +55,11 @@ def test_inductor_static_equals_eager_one_graph_per_resolution():
         assert C.graph_count() == 1
         # Cache-DiT skipping blocks: the same compiled block, called fewer times -> no recompile
         model.block_runner = skip_middle
-        model(*a)
+        h, ctx = eager.embed(*a)
+        assert rel(model(*a), eager.unembed(skip_middle(eager, h, ctx), ctx)) < 1e-4
         model.block_runner = run_all_blocks
         assert C.graph_count() == 1
-        # a new resolution: exactly one extra graph, and equal to eager
-        out_b = model(*b)
-        assert rel(out_b, ref_b) < 1e-4
-        assert C.graph_count() == 2
-        model(*a), model(*b), model(*a)  # both seen: nothing new
-        assert C.graph_count() == 2
-    # the real Cache-DiT runner inside Engine.sample, with steps skipped: still no recompile
+    # the real Cache-DiT runner inside Engine.sample (CFG batch of the same shapes), steps skipped
     from engine.cache import CacheConfig
 
     cond, uncond = [a[2][0]], [a[2][1, :4]]
@@ -71,11 +67,25 @@ def test_inductor_static_equals_eager_one_graph_per_resolution():
     cache = CacheConfig(steps_mask="1010", fn=1, bn=0, scm_policy="static", warmup=0)
     out = eng.sample(lat, cond, uncond, seed=0, steps=4, cfg=3.0, cache=cache)
     assert eng.last_run.step_mask.count(False) >= 1  # some calls skipped block 1
-    assert C.graph_count() == 2, "skipping blocks must not recompile"
+    assert C.graph_count() == 1, "skipping blocks must not recompile"
     assert C.graph_breaks() == {}
-    ref_eng = Engine(eager, EngineConfig())
-    ref = ref_eng.sample(lat, cond, uncond, seed=0, steps=4, cfg=3.0, cache=cache)
+    ref = Engine(eager, EngineConfig()).sample(lat, cond, uncond, seed=0, steps=4, cfg=3.0, cache=cache)
     assert rel(out, ref) < 1e-4
+
+
+def test_static_one_extra_graph_per_new_resolution():
+    """Graph counting is dynamo's, the same for every backend: aot_eager avoids C++ compile time."""
+    torch._dynamo.reset()
+    model = random_model(CFG, seed=0)
+    eager = random_model(CFG, seed=0)
+    C.compile_blocks(model, "static", backend="aot_eager")
+    C.reset_counters()
+    with torch.no_grad():
+        for (h, w), graphs in [((6, 6), 1), ((6, 6), 1), ((6, 10), 2), ((6, 6), 2), ((6, 10), 2), ((8, 8), 3)]:
+            x = inputs(h, w)
+            assert rel(model(*x), eager(*x)) < 1e-5
+            assert C.graph_count() == graphs, ((h, w), C.graph_count())
+    assert C.graph_breaks() == {}
 
 
 def test_dynamic_one_extra_graph_for_all_new_resolutions():
