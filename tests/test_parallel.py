@@ -96,6 +96,27 @@ def test_worker_killed_mid_run_fails_fast_and_next_run_works(setup):
     eng.close()
 
 
+def test_hung_worker_fails_within_the_call_timeout(setup, monkeypatch):
+    """A worker that stops answering (SIGSTOP) ends the run at the call timeout, not a hang. (The
+    restart after a failure is covered above; the fixture's teardown stops this pool.)"""
+    import engine.parallel.pool as pool_mod
+
+    path, inputs, _ = setup
+    eng = Engine.from_file(path, EngineConfig(ring_degree=2))
+    pids = eng.pids
+    monkeypatch.setattr(pool_mod, "CALL_TIMEOUT_S", 3.0)
+
+    def stop_rank1(step, total, x, denoised):
+        if step == 1:
+            os.kill(pids[1], signal.SIGSTOP)
+
+    t0 = time.monotonic()
+    with pytest.raises(ParallelWorkerError, match="no answer within 3 s"):
+        _run(eng, inputs, CacheConfig(enabled=False), callback=stop_rank1)
+    assert time.monotonic() - t0 < 30
+    assert not eng.transport.pool.alive
+
+
 def test_invalid_degrees_refused_before_any_worker(setup, monkeypatch):
     path, _, _ = setup
     import engine.parallel.pool as pool_mod

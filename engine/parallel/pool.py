@@ -92,9 +92,10 @@ class WorkerPool:
                 p.kill()
         for p in self.procs:
             p.join(timeout=5)
-        if self.conn is not None:
+        for res in (self.conn, self.errors):
             try:
-                self.conn.close()
+                if res is not None:
+                    res.close()
             except Exception:
                 pass
 
@@ -112,34 +113,50 @@ class WorkerPool:
 
     def _wait(self, what: str, timeout: float):
         deadline = time.monotonic() + timeout
+        closed_since = None
         while True:
-            dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
-            if dead and not self.conn.poll(0):
-                # give a dying peer's error report a moment to arrive
-                time.sleep(0.2)
-                i, p = dead[0]
-                self._fail(what, f"worker rank {i} (pid {p.pid}) exited with code {p.exitcode}")
+            ready = False
             try:
                 ready = self.conn.poll(0.05)
             except (EOFError, OSError):
                 ready = False
-                time.sleep(0.05)
             if ready:
                 try:
                     kind, payload = self.conn.recv()
-                except (EOFError, OSError):
-                    continue  # rank 0 is going away: the liveness check above reports it
-                return payload
+                    return payload
+                except (EOFError, OSError):  # rank 0 closed its end: it is exiting
+                    closed_since = closed_since or time.monotonic()
+                    time.sleep(0.05)
+            dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
+            if dead:
+                time.sleep(0.2)  # give a dying worker's error report (and its peers' exits) a moment
+                self._fail(what, None)
+            if closed_since is not None and time.monotonic() - closed_since > 5:
+                self._fail(what, "rank 0 closed its channel")
             if time.monotonic() > deadline:
-                self._fail(what, f"no answer within {timeout:.0f} s")
+                self._fail(what, f"no answer within {timeout:.0f} s (a worker hangs)")
 
-    def _fail(self, what: str, why: str):
+    def _fail(self, what: str, why: Optional[str]):
         reports = []
         try:
             while self.errors is not None and not self.errors.empty():
                 reports.append(self.errors.get())
         except Exception:
             pass
+        reported = {r for r, _, _ in reports}
+        dead = [(i, p.pid, p.exitcode) for i, p in enumerate(self.procs) if p.exitcode is not None]
+        # the root cause first: a worker that died without reporting (killed), then the lowest rank
+        dead.sort(key=lambda d: (d[0] in reported, d[0]))
+        if why is None and dead:
+            i, pid, code = dead[0]
+            why = f"worker rank {i} (pid {pid}) exited with code {code}"
+            if code is not None and code < 0:
+                try:
+                    import signal
+
+                    why += f" ({signal.Signals(-code).name})"
+                except ValueError:
+                    pass
         self._stop()
         msg = f"parallel run failed while {what}: {why}. All {self.world} workers were stopped; the next run restarts them."
         if reports:

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .comm import Groups, attention_with_lse, ring_attention, ulysses_gather_heads, ulysses_scatter_heads
+from .comm import Groups, ring_attention, ulysses_gather_heads, ulysses_scatter_heads
 
 COLUMN_SHARDED = ("self_attention.to_q.weight", "self_attention.to_k.weight", "self_attention.to_v.weight",
                   "mlp.gate_proj.weight", "mlp.up_proj.weight")

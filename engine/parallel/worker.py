@@ -137,11 +137,6 @@ class WorkerState:
         self.engine.model.block_runner = run["default_runner"]
         return run["runner"].summary() if run["runner"] is not None else None
 
-    def cmd_crash(self, rank: int):  # for tests: a worker that dies mid-run
-        if self.rank == rank:
-            os._exit(13)
-        return True
-
     def cmd_exit(self):
         return True
 
