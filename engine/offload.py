@@ -174,6 +174,10 @@ class _Streams:
     def compute(self):
         return torch.cuda.current_stream(self.device) if self.cuda else None
 
+    def on_copy(self):
+        """Context: work issued inside runs on the copy stream."""
+        return torch.cuda.stream(self.copy) if self.cuda else contextlib.nullcontext()
+
     def synchronize(self) -> None:
         if self.cuda:
             self.copy.synchronize()
@@ -411,7 +415,7 @@ class LayerwiseOffload:
         src = self.stores[i]
         slot.block = i
         if st.cuda:
-            with torch.cuda.stream(st.copy):
+            with st.on_copy():
                 if slot.free_recorded:
                     st.copy.wait_event(slot.free)
                 slot.buf[:src.nbytes].copy_(src.master, non_blocking=self.pin)
