@@ -8,6 +8,7 @@ it reads the checkpoint's header for the shapes, and validates everything before
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import weakref
@@ -146,7 +147,10 @@ class ParallelEngine(Engine):
         return getattr(self.transport, "pids", [])
 
     def _ensure(self) -> None:
-        spec = {"path": self.path, "config": self.config, "plan": self.plan}
+        # plain data only: the workers import the engine as the top-level package ``engine``, which
+        # need not be the name the parent imported it under (ComfyUI loads the pack by folder name)
+        config = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config) if f.name != "cache"}
+        spec = {"path": self.path, "config": config, "plan": dataclasses.asdict(self.plan)}
         info = self.transport.ensure(self._key, spec)
         if info:
             self.info = info
@@ -234,7 +238,7 @@ class ParallelEngine(Engine):
         self._ensure()
         self._computed = _Computed() if rc is not None else None
         self._sent_text = None
-        self.transport.request(("begin", None, None, cfg_batched, rc, branches))
+        self.transport.request(("begin", None, None, cfg_batched, None if rc is None else dataclasses.asdict(rc), branches))
         start = time.perf_counter()
         denoiser = self.make_denoiser(cond, uncond, cfg, runner=self._computed)
         ok = False

@@ -9,6 +9,7 @@ or the end of the parent process; a pool whose engines are all gone unloads its 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -23,6 +24,41 @@ log = logging.getLogger("sgld.parallel")
 START_TIMEOUT_S = float(os.environ.get("SGLD_PARALLEL_START_TIMEOUT", "600"))
 CALL_TIMEOUT_S = float(os.environ.get("SGLD_PARALLEL_CALL_TIMEOUT", "1800"))
 PG_TIMEOUT_S = float(os.environ.get("SGLD_PARALLEL_PG_TIMEOUT", "1800"))
+
+
+# The workers import the engine as the top-level package ``engine`` from the pack root, whatever
+# name the parent imported it under (ComfyUI imports the pack by its folder name), and start with
+# ``exec`` (a builtin) as their target, so nothing of the parent's module names is needed to start.
+PACK_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_BOOTSTRAP = (
+    "import sys\n"
+    "sys.path.insert(0, ROOT)\n"
+    "from engine.parallel.worker import worker_main\n"
+    "worker_main(*ARGS)\n"
+)
+_spawn_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _bare_children():
+    """Spawned workers skip re-importing the parent's ``__main__`` (ComfyUI's main.py, a test
+    runner, a script without a ``__main__`` guard): they need nothing from it."""
+    import multiprocessing.spawn as mp_spawn
+
+    with _spawn_lock:
+        original = mp_spawn.get_preparation_data
+
+        def preparation(name):
+            data = original(name)
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+            return data
+
+        mp_spawn.get_preparation_data = preparation
+        try:
+            yield
+        finally:
+            mp_spawn.get_preparation_data = original
 
 
 class ParallelWorkerError(RuntimeError):
@@ -58,15 +94,15 @@ class WorkerPool:
         parent, child = ctx.Pipe(duplex=True)
         self.conn, self.errors = parent, ctx.SimpleQueue()
         init = f"tcp://127.0.0.1:{free_port()}"
-        from .worker import worker_main
-
         t0 = time.perf_counter()
-        for rank in range(self.world):
-            p = ctx.Process(target=worker_main, name=f"sgld-rank{rank}", daemon=True,
-                            args=(rank, self.world, init, self.backend, child if rank == 0 else None, self.errors,
-                                  self.threads, PG_TIMEOUT_S))
-            p.start()
-            self.procs.append(p)
+        with _bare_children():
+            for rank in range(self.world):
+                args = (rank, self.world, init, self.backend, child if rank == 0 else None, self.errors, self.threads,
+                        PG_TIMEOUT_S)
+                p = ctx.Process(target=exec, args=(_BOOTSTRAP, {"ROOT": PACK_ROOT, "ARGS": args}),
+                                name=f"sgld-rank{rank}", daemon=True)
+                p.start()
+                self.procs.append(p)
         child.close()
         self.alive = True
         self._wait("starting the workers", timeout)

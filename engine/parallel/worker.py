@@ -80,9 +80,14 @@ class WorkerState:
 
         self.cmd_unload()
         destroy_groups(self.groups)
-        plan: ParallelPlan = spec["plan"]
+        from ..config import EngineConfig
+
+        plan = spec["plan"]
+        plan = ParallelPlan(**plan) if isinstance(plan, dict) else plan
+        config = spec["config"]
+        config = EngineConfig(**config) if isinstance(config, dict) else config
         self.groups = build_groups(plan, self.rank)
-        cfg = worker_config(spec["config"], self.device)
+        cfg = worker_config(config, self.device)
         if plan.tp > 1:
             t = self.groups.coords[3]
             model = load_tp_shard(spec["path"], plan.tp, t, dtype=cfg.dtype, device=self.device)
@@ -107,6 +112,10 @@ class WorkerState:
         from .runtime import make_parallel_cache_runner
 
         model = self.engine.model
+        if isinstance(rc, dict):
+            from ..cache.config import ResolvedCache
+
+            rc = ResolvedCache(**rc)
         runner = make_parallel_cache_runner(rc, branches, self.groups) if rc is not None else None
         self.run = {"text": unpack(text, model.dtype, self.device), "lens": unpack(lens, torch.long, self.device),
                     "cfg_batched": bool(cfg_batched), "runner": runner, "default_runner": model.block_runner}
