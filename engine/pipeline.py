@@ -119,6 +119,15 @@ class Engine:
             self.offload = offload.apply_layerwise_offload(model, self.config.device, self.config.resident_layers)
             self.notes.append(self.offload.describe())
 
+    def set_loras(self, loras) -> List[str]:
+        """Make exactly these LoRAs active: ``[(path, strength), ...]`` (engine/lora.py). Merged in float32
+        into plain weights (originals of the touched layers kept, so ``set_loras([])`` restores the base
+        bit-exactly without re-reading the checkpoint), a low-rank side path on FP8 / INT4 layers.
+        The same list again does nothing. Returns messages about LoRA keys that were not applied."""
+        from .lora import set_loras
+
+        return set_loras(self, loras)
+
     def release(self) -> int:
         """Give back the device memory this engine can free without unloading the model: the layer
         buffers of layer-wise offload (allocated again at the next run). Returns the bytes freed.

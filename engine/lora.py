@@ -1,0 +1,537 @@
+"""LoRA for the ERNIE-Image DiT: the published key formats, several LoRAs at once, swapped in place.
+
+Formats (reference engine_anchors.md §5, ernie_image.md §5). A LoRA file is read with the strict
+safetensors reader (pickles are refused). Its keys are matched against names built FROM THE MODEL'S
+OWN MODULES (as ComfyUI's ``model_lora_keys_unet`` does), so underscore-flattened kohya names never
+need parsing. For every linear / conv module ``<m>`` of the DiT (e.g. ``layers.3.self_attention.to_q``,
+``layers.3.mlp.gate_proj``, ``adaLN_modulation.1``, ``x_embedder.proj``) these prefixes match:
+
+  ``<m>`` (bare), ``diffusion_model.<m>`` (ai-toolkit / ComfyUI), ``model.diffusion_model.<m>``,
+  ``transformer.<m>`` (diffusers), ``base_model.model.<m>`` and ``base_model.model.transformer.<m>``
+  (PEFT), ``unet.<m>``, ``lora_unet_<m with . -> _>`` (kohya), ``lora_transformer_<...>`` (OneTrainer),
+  ``lycoris_<...>`` (LyCORIS)
+
+and these adapter suffixes (up = B [out, r], down = A [r, in]):
+
+  ``.lora_up.weight`` / ``.lora_down.weight`` (kohya), ``.lora_B.weight`` / ``.lora_A.weight`` (PEFT),
+  ``.lora_B.default.weight`` / ``.lora_A.default.weight`` (PEFT, default adapter name),
+  ``.lora.up.weight`` / ``.lora.down.weight`` (diffusers v3), ``_lora.up.weight`` / ``_lora.down.weight``
+  (old diffusers), ``.lora_linear_layer.up.weight`` / ``.down.weight`` (transformers), ``.lora_B`` /
+  ``.lora_A`` (Mochi), plus ``.alpha`` (scalar) and ``.diff`` (a full weight difference).
+
+Scale: ``alpha / rank`` when the file has ``.alpha`` (rank = rows of down), else 1.0 (as ComfyUI and
+diffusers do for PEFT files, whose alpha lives outside the tensors); times the strength of the LoRA.
+Not applied and REPORTED (never silently dropped): keys that match no module, DoRA ``dora_scale``
+(diffusers drops it too), LoCon ``lora_mid``, text-encoder keys (``lora_te*``, ``text_encoder.``).
+A file none of whose keys matches (a LoRA for another architecture) is refused with a LoRAError that
+says what the keys look like; so is one whose shapes do not fit this model.
+
+Application (``LoRAState.apply``), for several LoRAs with their strengths at once:
+  * plain (bf16 / fp16 / fp32) weights: merged. The original tensor of every touched weight is kept
+    (a CPU copy, made when the layer is first touched), and the merged weight is computed from it in
+    float32: ``W = dtype(W0 + sum_i s_i * alpha_i / r_i * B_i @ A_i)``, written in place (``copy_``: same
+    storage, so offload masters, compiled graphs and other references stay valid). Removing a LoRA,
+    changing a strength or switching to another set starts again from the kept originals, so the base
+    comes back bit-exactly without re-reading the checkpoint; layers no longer touched are copied back
+    and their copy dropped. Memory: one copy of the TOUCHED weights only, while a LoRA is on.
+  * FP8 / INT4 layers (engine/quant.py): never merged (re-quantizing would lose the base); a low-rank
+    side path instead, a forward hook adding ``(x @ A^T) @ (s * alpha / r * B)^T`` (the LoRAs of one
+    layer concatenated along the rank), in the activation dtype on the compute device.
+  * layer-wise offload (engine/offload.py): merges happen inside ``offload.updating()``, i.e. into the
+    CPU masters, and the device buffers are refilled; so what is streamed is the merged weight.
+  * torch.compile (engine/compile.py): block weights are graph inputs and merging is in place, so a
+    merged LoRA swap, a strength change or a removal never recompiles. The side path of quantized
+    layers changes the block graph: the first LoRA on (and the last off) recompiles the block once,
+    and a set with a different total rank per layer is a new graph too (dynamo guards on the hooks and
+    the side tensors' shapes); strength changes of the same set do not recompile.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .safetensors_io import CheckpointError, SafetensorsFile
+
+log = logging.getLogger("sgld.lora")
+
+# (up suffix, down suffix), the longest first (``.lora_B.default.weight`` before ``.lora_B``).
+ADAPTERS: Tuple[Tuple[str, str, str], ...] = (
+    ("peft_default", ".lora_B.default.weight", ".lora_A.default.weight"),
+    ("transformers", ".lora_linear_layer.up.weight", ".lora_linear_layer.down.weight"),
+    ("kohya", ".lora_up.weight", ".lora_down.weight"),
+    ("peft", ".lora_B.weight", ".lora_A.weight"),
+    ("diffusers_v3", ".lora.up.weight", ".lora.down.weight"),
+    ("diffusers_old", "_lora.up.weight", "_lora.down.weight"),
+    ("mochi", ".lora_B", ".lora_A"),
+)
+ALPHA_SUFFIX = ".alpha"
+DIFF_SUFFIX = ".diff"
+# Known LoRA parts this engine does not apply: reported, never silently dropped.
+UNSUPPORTED_SUFFIXES = {
+    ".dora_scale": "DoRA magnitude (dropped, as diffusers does)",
+    ".lora_mid.weight": "LoCon/Tucker mid weight",
+    ".diff_b": "bias difference",
+    ".hada_w1_a": "LoHa", ".hada_w1_b": "LoHa", ".hada_w2_a": "LoHa", ".hada_w2_b": "LoHa",
+    ".lokr_w1": "LoKr", ".lokr_w2": "LoKr", ".lokr_w1_a": "LoKr", ".lokr_w1_b": "LoKr",
+    ".lokr_w2_a": "LoKr", ".lokr_w2_b": "LoKr", ".oft_blocks": "OFT",
+}
+DOTTED_PREFIXES = ("", "diffusion_model.", "model.diffusion_model.", "transformer.", "base_model.model.",
+                   "base_model.model.transformer.", "base_model.model.diffusion_model.", "unet.")
+FLAT_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
+TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder", "te_", "lora_te1_", "lora_te2_", "text_model.")
+# Key fragments of other architectures' LoRAs (for the refusal message).
+OTHER_ARCHITECTURES = (
+    ("double_blocks", "Flux (double/single stream blocks)"), ("single_blocks", "Flux (double/single stream blocks)"),
+    ("single_transformer_blocks", "Flux (diffusers names)"), ("transformer_blocks", "a diffusers DiT such as SD3, Flux, "
+                                                             "Qwen-Image or Wan (transformer_blocks.N)"),
+    ("input_blocks", "a Stable Diffusion / SDXL UNet"), ("down_blocks", "a Stable Diffusion / SDXL UNet (diffusers names)"),
+    ("lora_unet_down", "a Stable Diffusion / SDXL UNet (kohya names)"), ("joint_blocks", "Stable Diffusion 3 (MMDiT)"),
+    ("blocks.", "a DiT with 'blocks.N' layers (e.g. Wan, HunyuanVideo, Lumina)"),
+    ("layers.", "a DiT with 'layers.N' of another shape (e.g. Z-Image, Lumina2)"),
+)
+
+
+class LoRAError(CheckpointError):
+    """A LoRA file that cannot be applied to this model; the message names the file and the problem."""
+
+
+# -- reading ------------------------------------------------------------------------------------------------
+@dataclass
+class LoRAEntry:
+    """One adapted module of one LoRA file."""
+
+    module: str
+    down: Optional[torch.Tensor] = None  # A [r, in(, kh, kw)]
+    up: Optional[torch.Tensor] = None  # B [out, r(, 1, 1)]
+    alpha: Optional[float] = None
+    diff: Optional[torch.Tensor] = None  # full weight difference (".diff")
+    fmt: str = ""
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.down is None else int(self.down.shape[0])
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank, or 1.0 without alpha (a ``.diff`` entry: 1.0)."""
+        if self.diff is not None or self.alpha is None or not self.rank:
+            return 1.0
+        return float(self.alpha) / self.rank
+
+    def delta(self, weight_shape, device=None) -> torch.Tensor:
+        """The float32 weight difference at strength 1 (already scaled by alpha / rank)."""
+        if self.diff is not None:
+            return self.diff.to(device=device, dtype=torch.float32).reshape(weight_shape)
+        up = self.up.to(device=device, dtype=torch.float32).flatten(1)
+        down = self.down.to(device=device, dtype=torch.float32).flatten(1)
+        return (up @ down).mul_(self.scale).reshape(weight_shape)
+
+
+@dataclass
+class LoRAFile:
+    """A LoRA read against one model: entries per module, and everything that was not applied."""
+
+    path: str
+    entries: Dict[str, LoRAEntry]
+    unmatched: List[str] = field(default_factory=list)  # keys that match no module of the model
+    unsupported: List[Tuple[str, str]] = field(default_factory=list)  # (key, what it is)
+    formats: Tuple[str, ...] = ()
+    metadata: Dict[str, str] = field(default_factory=dict)
+    nbytes: int = 0
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def report(self) -> List[str]:
+        """Messages about keys that were not applied (empty when every key was used)."""
+        out = []
+        if self.unmatched:
+            te = [k for k in self.unmatched if k.startswith(TEXT_ENCODER_PREFIXES)]
+            first = ", ".join(self.unmatched[:4])
+            msg = (f"LoRA {self.name}: {len(self.unmatched)} of its keys match no layer of the ERNIE-Image DiT and were "
+                   f"not applied (first: {first})")
+            if te:
+                msg += f"; {len(te)} of them are text-encoder keys (this engine patches the diffusion model only)"
+            out.append(msg)
+        if self.unsupported:
+            kinds = sorted({w for _, w in self.unsupported})
+            out.append(f"LoRA {self.name}: {len(self.unsupported)} keys of kinds this engine does not apply were ignored "
+                       f"({'; '.join(kinds)}; first: {', '.join(k for k, _ in self.unsupported[:3])})")
+        return out
+
+    def describe(self) -> str:
+        ranks = sorted({e.rank for e in self.entries.values() if e.rank})
+        return (f"{self.name}: {len(self.entries)} layers, format {'/'.join(self.formats) or '?'}, "
+                f"rank {'/'.join(map(str, ranks)) or '-'}")
+
+
+def target_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    """Modules a LoRA can adapt: linears, convs, and quantized linears (by their names in the model)."""
+    from .quant import QUANT_MODULES
+
+    return {name: m for name, m in model.named_modules()
+            if name and isinstance(m, (nn.Linear, nn.Conv2d) + tuple(QUANT_MODULES))}
+
+
+def key_map(model: nn.Module) -> Dict[str, str]:
+    """Every accepted LoRA key prefix -> module name (built from the model's own module names)."""
+    out: Dict[str, str] = {}
+    for name in target_modules(model):
+        for p in DOTTED_PREFIXES:
+            out[p + name] = name
+        flat = name.replace(".", "_")
+        for p in FLAT_PREFIXES:
+            out.setdefault(p + flat, name)
+    return out
+
+
+def _split_key(key: str) -> Tuple[str, str, str]:
+    """key -> (prefix, part, fmt) with part in up/down/alpha/diff/unsupported:<what>/'' (unknown)."""
+    for fmt, up, down in ADAPTERS:
+        if key.endswith(up):
+            return key[: -len(up)], "up", fmt
+        if key.endswith(down):
+            return key[: -len(down)], "down", fmt
+    if key.endswith(ALPHA_SUFFIX):
+        return key[: -len(ALPHA_SUFFIX)], "alpha", ""
+    if key.endswith(DIFF_SUFFIX):
+        return key[: -len(DIFF_SUFFIX)], "diff", "diff"
+    for suf, what in UNSUPPORTED_SUFFIXES.items():
+        if key.endswith(suf):
+            return key[: -len(suf)], "unsupported:" + what, ""
+    return key, "", ""
+
+
+def _guess_architecture(keys: Sequence[str]) -> str:
+    joined = "\n".join(keys[:2000])
+    for frag, arch in OTHER_ARCHITECTURES:
+        if frag in joined:
+            return arch
+    if all(k.startswith(TEXT_ENCODER_PREFIXES) for k in keys):
+        return "a text encoder only"
+    return ""
+
+
+def read_lora(path: str, model: nn.Module) -> LoRAFile:
+    """Read a LoRA .safetensors file against ``model`` (tensors stay on the CPU in the file's dtype)."""
+    path = os.fspath(path)
+    try:
+        f = SafetensorsFile(path)
+    except CheckpointError as e:
+        raise LoRAError(str(e)) from None
+    name = os.path.basename(path)
+    keys = list(f.keys())
+    if not keys:
+        raise LoRAError(f"{path}: this LoRA file holds no tensors")
+    kmap = key_map(model)
+    modules = target_modules(model)
+    groups: Dict[str, Dict[str, str]] = {}
+    unknown: List[str] = []
+    unsupported: List[Tuple[str, str]] = []
+    for k in keys:
+        prefix, part, fmt = _split_key(k)
+        if part.startswith("unsupported:"):
+            unsupported.append((k, part.split(":", 1)[1]))
+        elif not part:
+            unknown.append(k)
+        else:
+            groups.setdefault(prefix, {})[part] = k
+            if fmt:
+                groups[prefix]["fmt"] = fmt
+    matched = {p: g for p, g in groups.items() if p in kmap}
+    unmatched = sorted(unknown + [k for p, g in groups.items() if p not in kmap for part, k in g.items() if part != "fmt"])
+    if not matched:
+        arch = _guess_architecture(keys)
+        meta = {k: v for k, v in f.metadata.items() if k in ("ss_base_model_version", "modelspec.architecture", "ss_network_module")}
+        raise LoRAError(
+            f"{path}: not a LoRA for ERNIE-Image: none of its {len(keys)} keys names a layer of the ERNIE-Image DiT "
+            f"(first keys: {', '.join(sorted(keys)[:3])})" + (f"; it looks like a LoRA for {arch}" if arch else "")
+            + (f"; file metadata: {meta}" if meta else "")
+            + ". Use a LoRA trained for ERNIE-Image / ERNIE-Image-Turbo.")
+    tensors = dict(f.tensors([k for g in matched.values() for part, k in g.items() if part != "fmt"]))
+    entries: Dict[str, LoRAEntry] = {}
+    formats = set()
+    nbytes = 0
+    for prefix, g in matched.items():
+        mod_name = kmap[prefix]
+        mod = modules[mod_name]
+        wshape = _weight_shape(mod)
+        if mod_name in entries:
+            raise LoRAError(f"{path}: layer '{mod_name}' is adapted twice (keys '{prefix}' and another spelling)")
+        e = LoRAEntry(mod_name)
+        if "alpha" in g:
+            a = tensors[g["alpha"]]
+            if a.numel() != 1:
+                raise LoRAError(f"{path}: '{g['alpha']}' should be a scalar, it has shape {tuple(a.shape)}")
+            e.alpha = float(a.float().reshape(()))
+        if "diff" in g:
+            d = tensors[g["diff"]]
+            if d.numel() != _numel(wshape):
+                raise LoRAError(f"{path}: '{g['diff']}' has shape {tuple(d.shape)}, but layer '{mod_name}' of this model "
+                                f"has weight {tuple(wshape)}: this LoRA is for a model of another size")
+            e.diff, e.fmt = d, "diff"
+        if "up" in g or "down" in g:
+            if "up" not in g or "down" not in g:
+                have = g.get("up") or g.get("down")
+                raise LoRAError(f"{path}: '{have}' has no matching {'down (A)' if 'up' in g else 'up (B)'} weight: "
+                                "the LoRA file is incomplete")
+            up, down = tensors[g["up"]], tensors[g["down"]]
+            out_f, in_f = wshape[0], _numel(wshape[1:])
+            if up.dim() < 2 or down.dim() < 2 or up.shape[1] != down.shape[0] or _numel(up.shape[2:]) != 1:
+                raise LoRAError(f"{path}: '{g['up']}' {tuple(up.shape)} and '{g['down']}' {tuple(down.shape)} are not a "
+                                "low-rank pair (up [out, r], down [r, in])")
+            if up.shape[0] != out_f or _numel(down.shape[1:]) != in_f:
+                raise LoRAError(f"{path}: '{g['down']}' / '{g['up']}' make a [{up.shape[0]}, {_numel(down.shape[1:])}] update, "
+                                f"but layer '{mod_name}' of this model has weight {tuple(wshape)}: this LoRA is for a "
+                                "model of another size or architecture")
+            e.up, e.down, e.fmt = up, down, g.get("fmt", "")
+        if e.up is None and e.diff is None:  # an alpha alone
+            unmatched.append(g["alpha"])
+            continue
+        formats.add(e.fmt)
+        nbytes += sum(t.numel() * t.element_size() for t in (e.up, e.down, e.diff) if t is not None)
+        entries[mod_name] = e
+    if not entries:
+        raise LoRAError(f"{path}: no usable LoRA weights (only {len(keys)} alpha / unsupported keys)")
+    lf = LoRAFile(path, entries, sorted(unmatched), unsupported, tuple(sorted(formats)), dict(f.metadata), nbytes)
+    log.info("LoRA %s", lf.describe())
+    for msg in lf.report():
+        log.warning("%s", msg)
+    return lf
+
+
+def _weight_shape(mod: nn.Module) -> tuple:
+    if hasattr(mod, "in_features") and not isinstance(mod, (nn.Linear, nn.Conv2d)):  # quantized linear
+        return (mod.out_features, mod.in_features)
+    return tuple(mod.weight.shape)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# -- applying -----------------------------------------------------------------------------------------------
+def _side_hook(module: nn.Module, args, output):
+    """Forward hook of a quantized layer with LoRAs: output + (x A^T) B^T (scales folded into B)."""
+    side = module._sgld_lora_side
+    x = args[0]
+    return output + F.linear(F.linear(x, side[0].to(x.dtype)), side[1].to(x.dtype))
+
+
+class LoRAState:
+    """The LoRAs applied to one model, and the original weights of the layers they touch."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.backups: Dict[str, torch.Tensor] = {}  # module name -> original weight (CPU copy)
+        self.hooks: Dict[str, object] = {}  # module name -> hook handle (quantized layers)
+        self.applied: Tuple = ()  # ((LoRAFile, strength), ...)
+        self.last_seconds = 0.0
+
+    @property
+    def backup_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.backups.values())
+
+    def _updating(self):
+        from .offload import get_offload
+
+        off = get_offload(self.model)
+        return off.updating() if off is not None else contextlib.nullcontext()
+
+    def _compute_device(self) -> torch.device:
+        # the device blocks compute on (offload: its device, not the CPU masters)
+        from .offload import get_offload
+
+        off = get_offload(self.model)
+        if off is not None:
+            return torch.device(off.device)
+        return self.model.final_linear.weight.device
+
+    @torch.no_grad()
+    def apply(self, loras: Sequence[Tuple[LoRAFile, float]]) -> None:
+        """Make exactly ``loras`` (with their strengths) active; ``[]`` restores the base bit-exactly."""
+        import time
+
+        from .quant import QUANT_MODULES
+
+        t0 = time.perf_counter()
+        modules = target_modules(self.model)
+        plan: Dict[str, List[Tuple[LoRAEntry, float]]] = {}
+        for lf, strength in loras:
+            if float(strength) == 0.0:
+                continue
+            for name, e in lf.entries.items():
+                if name not in modules:
+                    raise LoRAError(f"{lf.path}: layer '{name}' is not in this model")
+                if e.diff is not None and isinstance(modules[name], QUANT_MODULES):
+                    raise LoRAError(f"{lf.path}: a full weight difference ('.diff') cannot be applied to the quantized "
+                                    f"layer '{name}'; load the model without quantization to use this LoRA")
+                plan.setdefault(name, []).append((e, float(strength)))
+        with self._updating():
+            # 1. layers no longer touched: the original back, the copy dropped
+            for name in [n for n in self.backups if n not in plan]:
+                modules[name].weight.copy_(self.backups.pop(name))
+            for name in [n for n in self.hooks if n not in plan or not isinstance(modules[n], QUANT_MODULES)]:
+                self._remove_side(name, modules[name])
+            # 2. touched layers: merged from the original in float32, or a side path when quantized
+            for name, items in plan.items():
+                mod = modules[name]
+                if isinstance(mod, QUANT_MODULES):
+                    self._set_side(name, mod, items)
+                    continue
+                w = mod.weight
+                if name not in self.backups:
+                    self.backups[name] = w.detach().to("cpu", copy=True)
+                base = self.backups[name]
+                acc = base.to(device=w.device, dtype=torch.float32, copy=True)
+                for e, s in items:
+                    if e.diff is not None:
+                        acc.add_(e.diff.to(device=w.device, dtype=torch.float32).reshape(acc.shape), alpha=s)
+                    else:
+                        up = e.up.to(device=w.device, dtype=torch.float32).flatten(1)
+                        down = e.down.to(device=w.device, dtype=torch.float32).flatten(1)
+                        acc.view(acc.shape[0], -1).addmm_(up, down, alpha=s * e.scale)
+                w.copy_(acc)
+                del acc
+        self.applied = tuple((lf, float(s)) for lf, s in loras)
+        self.last_seconds = time.perf_counter() - t0
+
+    def _set_side(self, name: str, mod: nn.Module, items) -> None:
+        dev = self._compute_device()
+        dtype = self.model.dtype if hasattr(self.model, "dtype") else torch.float32
+        downs, ups = [], []
+        for e, s in items:
+            downs.append(e.down.float().flatten(1))
+            ups.append(e.up.float().flatten(1) * (s * e.scale))
+        a = torch.cat(downs, 0).to(dev, dtype)
+        b = torch.cat(ups, 1).to(dev, dtype)
+        old = getattr(mod, "_sgld_lora_side", None)
+        if old is not None and old[0].shape == a.shape and old[1].shape == b.shape:
+            old[0].copy_(a)  # same shapes: in place (no new graph under torch.compile)
+            old[1].copy_(b)
+        else:
+            mod._sgld_lora_side = (a, b)
+        if name not in self.hooks:
+            self.hooks[name] = mod.register_forward_hook(_side_hook)
+
+    def _remove_side(self, name: str, mod: nn.Module) -> None:
+        h = self.hooks.pop(name, None)
+        if h is not None:
+            h.remove()
+        mod.__dict__.pop("_sgld_lora_side", None)
+
+
+def lora_state(model: nn.Module) -> LoRAState:
+    st = model.__dict__.get("_sgld_lora")
+    if st is None:
+        st = LoRAState(model)
+        model.__dict__["_sgld_lora"] = st  # not an nn.Module attribute: no state_dict / named_* side effects
+    return st
+
+
+# -- engine API ---------------------------------------------------------------------------------------------
+LoRASpec = Union[Tuple[str, float], Tuple[LoRAFile, float], str]
+MAX_CACHED_FILES = 8
+
+
+def _file_key(path: str) -> tuple:
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise LoRAError(f"{path}: cannot read the LoRA file ({e.strerror})") from None
+    return (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+def normalize(loras: Optional[Iterable]) -> List[Tuple[str, float]]:
+    """[(path, strength)] from paths, (path, strength) pairs or "FILE:STRENGTH" strings."""
+    out = []
+    for item in loras or ():
+        if isinstance(item, str):
+            item = parse_spec(item)
+        path, strength = item
+        try:
+            strength = float(strength)
+        except (TypeError, ValueError):
+            raise LoRAError(f"{path}: LoRA strength '{strength}' is not a number") from None
+        out.append((path if isinstance(path, LoRAFile) else os.fspath(path), strength))
+    return out
+
+
+def parse_spec(spec: str) -> Tuple[str, float]:
+    """``FILE:STRENGTH`` (``FILE`` alone = strength 1.0; a Windows drive letter is not a strength)."""
+    head, sep, tail = spec.rpartition(":")
+    if sep and head:
+        try:
+            return head, float(tail)
+        except ValueError:
+            pass
+    return spec, 1.0
+
+
+def read_cached(engine, path: str) -> LoRAFile:
+    """The LoRA read against the engine's model, cached per (file, mtime, size)."""
+    cache = engine.__dict__.setdefault("_lora_files", {})
+    key = _file_key(path)
+    lf = cache.get(key)
+    if lf is None:
+        lf = read_lora(path, engine.model)
+        cache[key] = lf
+        while len(cache) > MAX_CACHED_FILES:
+            cache.pop(next(iter(cache)))
+    else:  # most recently used last
+        cache[key] = cache.pop(key)
+    return lf
+
+
+def check_engine(engine) -> None:
+    if not isinstance(getattr(engine, "model", None), nn.Module):
+        raise LoRAError("LoRA is not supported on this engine (several GPUs / worker processes): "
+                        "load the model on one device to use LoRAs")
+
+
+def set_loras(engine, loras: Optional[Iterable]) -> List[str]:
+    """``Engine.set_loras``: make exactly these LoRAs active. Returns the report (keys not applied).
+
+    ``loras``: [(path or LoRAFile, strength), ...] (or "FILE:STRENGTH" strings); [] restores the base
+    bit-exactly. Calling it again with the same list does nothing (cheap enough to call before every run)."""
+    items = normalize(loras)
+    if not items and not getattr(engine.model, "__dict__", {}).get("_sgld_lora"):
+        engine.loras = []
+        engine.lora_report = []
+        return []
+    check_engine(engine)
+    files = [(p if isinstance(p, LoRAFile) else read_cached(engine, p), s) for p, s in items]
+    st = lora_state(engine.model)
+    want = tuple((id(lf), s) for lf, s in files)
+    if want != tuple((id(lf), s) for lf, s in st.applied):
+        st.apply(files)
+        log.info("LoRA: %s in %.2f s (%d layers merged, %d side paths, %.1f MiB of original weights kept)",
+                 ", ".join(f"{lf.name} x{s:g}" for lf, s in files) or "base restored", st.last_seconds,
+                 len(st.backups), len(st.hooks), st.backup_bytes / 2 ** 20)
+    report = [m for lf, _ in files for m in lf.report()]
+    engine.loras = [(lf.path, s) for lf, s in files]
+    engine.lora_report = report
+    return report
+
+
+def check_lora(engine, path: str) -> List[str]:
+    """Read (and cache) a LoRA against the engine's model without applying it: raises LoRAError for a
+    file that cannot be used, returns the report of keys that would not be applied."""
+    check_engine(engine)
+    return read_cached(engine, os.fspath(path)).report()
+
+
+__all__ = ["LoRAError", "LoRAEntry", "LoRAFile", "LoRAState", "read_lora", "key_map", "target_modules", "set_loras",
+           "check_lora", "parse_spec", "normalize", "lora_state"]
