@@ -216,18 +216,20 @@ class _BlockStore:
             tensors.append(p)
             offset = _align(offset + n)
         self.nbytes = max(offset, ALIGN)
-        self.master = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
-        for (p, dtype, shape, off, n), t in zip(self.params, tensors):
-            if n:
-                self.master[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        with torch.inference_mode(False):  # normal tensors even when applied under inference mode (ComfyUI)
+            self.master = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+            for (p, dtype, shape, off, n), t in zip(self.params, tensors):
+                if n:
+                    self.master[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
         self.master_views = [self._views(self.master)]  # kept: pointing back costs no allocation
         self.layout = tuple((dtype, tuple(shape), off) for _, dtype, shape, off, _ in self.params)
         self.bind(self.master_views[0])
 
     def _views(self, buf: torch.Tensor) -> List[torch.Tensor]:
         out = []
-        for _, dtype, shape, off, n in self.params:
-            out.append(buf[off:off + n].view(dtype).view(shape))
+        with torch.inference_mode(False):
+            for _, dtype, shape, off, n in self.params:
+                out.append(buf[off:off + n].view(dtype).view(shape))
         return out
 
     def bind(self, views: Sequence[torch.Tensor]) -> None:
@@ -300,11 +302,12 @@ class LayerwiseOffload:
         self._tick = 0
 
         # non-block weights to the device, for good
-        for name, child in model.named_children():
-            if name != "layers":
-                child.to(self.device)
-        for name, p in list(model.named_parameters(recurse=False)) + list(model.named_buffers(recurse=False)):
-            p.data = p.data.to(self.device)
+        with torch.inference_mode(False):
+            for name, child in model.named_children():
+                if name != "layers":
+                    child.to(self.device)
+            for name, p in list(model.named_parameters(recurse=False)) + list(model.named_buffers(recurse=False)):
+                p.data = p.data.to(self.device)
         # blocks to (pinned) CPU masters, one block at a time (peak: the model + one block)
         self.stores: List[_BlockStore] = []
         for i, block in enumerate(model.layers):
@@ -407,7 +410,8 @@ class LayerwiseOffload:
     def _load(self, i: int, slot: _Slot) -> None:
         st = self.streams
         if slot.buf is None:
-            slot.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+            with torch.inference_mode(False):  # a normal tensor: later runs may be outside inference mode
+                slot.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
             slot.ready, slot.free, slot.free_recorded = st.event(), st.event(), False
             if st.cuda:  # fresh memory may have been freed by compute-stream work still queued: order after it
                 slot.free.record(st.compute())

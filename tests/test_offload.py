@@ -242,6 +242,23 @@ def test_from_file_release_invalidate_remove(tiny_checkpoint):
         assert torch.equal(eng.model(*x), want2)
 
 
+def test_inference_mode_and_no_grad_mix():
+    """ComfyUI loads and samples under torch.inference_mode; the CLI and tests under no_grad. Masters and
+    buffers are normal tensors either way, so runs can alternate and weights can still be updated."""
+    ref = random_model(CFG, seed=0)
+    model = random_model(CFG, seed=0)
+    x = inputs()
+    with torch.inference_mode():
+        off = O.apply_layerwise_offload(model, "cpu", 2)
+        want = ref(*x)
+        assert torch.equal(model(*x), want)
+    with torch.no_grad():
+        assert torch.equal(model(*x), want)
+        with off.updating():
+            model.layers[2].mlp.up_proj.weight.mul_(1.0)
+        assert torch.equal(model(*x), want)
+
+
 def test_cli_bench_offload_flags(capsys):
     import json
 
