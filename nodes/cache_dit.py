@@ -5,6 +5,9 @@ precedence over the SGLANG_CACHE_DIT_* environment variables (``enabled`` off = 
 """
 from __future__ import annotations
 
+import os
+import re
+
 from ..engine.cache import ALL_PRESETS, DEFAULTS, CacheConfig, CacheConfigError, mask_str, preset_mask
 
 NODE = "SGLDiffusion Cache-DiT"
@@ -15,8 +18,99 @@ FIELD_NAMES = {"preset": "preset", "fn": "Fn", "bn": "Bn", "warmup": "warmup", "
                "ts_order": "taylorseer_order", "scm_policy": "mask_policy", "steps_mask": "steps_mask"}
 
 
+BENCH_TABLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "cache_results.md")
+PRESET_ALIASES = {"medium": "quality"}  # cache-dit's medium is our quality
+
+
+def preset_benchmarks(path: str = BENCH_TABLE) -> dict:
+    """Per preset, what bench/cache_bench.py measured (its markdown table, ``## <setting>`` sections):
+    ``{preset: [{"setting", "model", "steps", "speedup", "psnr", "ssim", "judge", "computed", "calls"}, ...]}``,
+    one entry per section in the table's order. Empty when the table is not there or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    out, setting, cols = {}, None, None
+
+    def num(v):
+        m = re.match(r"^\s*(-?[0-9.]+|inf)", v or "")
+        return None if m is None else float(m.group(1))
+
+    for line in lines:
+        if line.startswith("## "):
+            setting, cols = line[3:].strip(), None
+            continue
+        if setting is None or not line.startswith("|"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cols is None:
+            cols = {c.lower(): i for i, c in enumerate(cells)}
+            continue
+        if set(cells[0]) <= set("-: "):
+            continue
+        row = {k: (cells[i] if i < len(cells) else "") for k, i in cols.items()}
+        name = row.get("configuration", "")
+        if name not in ALL_PRESETS or row.get("family", "ours") != "ours":
+            continue
+        steps = re.search(r"(\d+) steps", setting)
+        mask = row.get("mask", "").strip("`")
+        entry = {"setting": setting, "model": setting.split(" (")[0].split(",")[0].strip(),
+                 "steps": int(steps.group(1)) if steps else None,
+                 "speedup": num(row.get("speedup (wall)")), "psnr": num(row.get("psnr db")),
+                 "ssim": num(row.get("ssim")), "judge": num(row.get("judge pass %")) if "judge pass %" in row else None,
+                 "computed": num(row.get("computed calls")),
+                 "calls": len(mask) if mask and set(mask) <= {"0", "1"} else (int(steps.group(1)) if steps else None)}
+        out.setdefault(name, []).append(entry)
+    for alias, target in PRESET_ALIASES.items():
+        if alias not in out and target in out:
+            out[alias] = out[target]
+    return out
+
+
+def _bench_line(preset: str, bench: dict) -> str:
+    rows = bench.get(preset) or []
+    demo = [r for r in rows if r["model"].startswith("demo")]
+    parts = []
+    for r in (demo or rows):
+        q = []
+        if r["psnr"] is not None:
+            q.append("PSNR = uncached" if r["psnr"] == float("inf") else f"PSNR {r['psnr']:.1f} dB")
+        if r["ssim"] is not None:
+            q.append(f"SSIM {r['ssim']:.3f}")
+        if r["judge"] is not None:
+            q.append(f"judge {r['judge']:.0f}%")
+        sp = "?" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        parts.append(f"{r['model']} {r['steps']} steps: {sp}, " + ", ".join(q))
+    name = preset + (f" (= {PRESET_ALIASES[preset]})" if preset in PRESET_ALIASES else "")
+    return f"{name}: " + ("; ".join(parts) if parts else "not measured")
+
+
+TARGETS_50 = {"quality": 1.67, "balanced": 2.0, "fast": 2.69, "medium": 1.67}  # design targets, 50 steps
+
+
+def preset_tooltip(bench: dict = None) -> str:
+    """The preset widget's tooltip: what each preset does, then one line per preset ("name: ...") with the
+    benchmark's speedup and quality (the web extension marks the selected preset's line)."""
+    bench = preset_benchmarks() if bench is None else bench
+    head = ("Which steps are computed. quality / balanced / fast (cache-dit's medium = quality; slow and ultra "
+            "are the gentlest and the most aggressive). none: no mask, the threshold decides (advanced). "
+            "Balanced: " + _preview("balanced"))
+    presets = [p for p in PRESET_CHOICES if p != "none"]
+    if not bench:
+        lines = [f"{p}: not measured yet" + (f" (target at 50 steps: {TARGETS_50[p]:.2f}x)" if p in TARGETS_50 else "")
+                 for p in presets]
+        return (head + "\nMeasured speedup and quality per preset: no benchmark table yet (bench/cache_results.md, "
+                "python bench/cache_bench.py).\n" + "\n".join(lines))
+    lines = [_bench_line(p, bench) for p in presets]
+    return (head + "\nMeasured (bench/cache_results.md; speedup = wall clock of sampling vs uncached, "
+            "quality vs the uncached image):\n" + "\n".join(lines))
+
+
 def _preview(preset: str) -> str:
-    return "; ".join(f"{n} steps: {mask_str(preset_mask(preset, n))}" for n in (8, 20, 50))
+    """The preset's mask at 8 and 20 steps (1 = computed), and how many of 50 calls it computes."""
+    m50 = preset_mask(preset, 50)
+    return "; ".join(f"{n} steps: {mask_str(preset_mask(preset, n))}" for n in (8, 20)) + f"; 50 steps: {sum(m50)} of 50 computed"
 
 
 class SGLDiffusionCacheDiT:
@@ -35,10 +129,7 @@ class SGLDiffusionCacheDiT:
         return {
             "required": {
                 "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off: no caching, even if the environment switches it on."}),
-                "preset": (PRESET_CHOICES, {"default": "balanced", "tooltip": (
-                    "Which steps are computed. quality / balanced / fast (cache-dit's medium = quality; slow and ultra "
-                    "are the gentlest and the most aggressive). none: no mask, the threshold decides (advanced). "
-                    "Balanced: " + _preview("balanced"))}),
+                "preset": (PRESET_CHOICES, {"default": "balanced", "tooltip": preset_tooltip()}),
                 "advanced": ("BOOLEAN", {"default": False, "tooltip": "Use the fields below instead of the preset's values."}),
             },
             "optional": {

@@ -1,7 +1,9 @@
 """SGLDiffusion KSampler: ComfyUI's KSampler widgets, sampling done by ``engine.Engine.sample``.
 
 Only type adaptation happens here: CONDITIONING -> lists of text features, LATENT dict <-> tensor,
-the engine's step callback -> ComfyUI's progress bar, preview and interrupt check.
+the engine's step callback -> ComfyUI's progress bar, preview and interrupt check, and the run's
+statistics -> the web extension (web/sgldiffusion.js): the ``sgld_stats`` UI output of a finished run,
+and ``sgldiffusion.run`` PromptServer messages (state running / done / failed / interrupted).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from ..engine.cache import CacheConfigError
 from ..engine.sampling import SAMPLERS, SCHEDULERS
 
 log = logging.getLogger("sgldiffusion")
+RUN_EVENT = "sgldiffusion.run"  # PromptServer message the web extension listens to
 NODE = "SGLDiffusion KSampler"
 FLUX2_CHANNELS = 128  # ComfyUI's Flux2 latent format, the one ERNIE-Image uses
 
@@ -69,6 +72,63 @@ class StepReporter:
         self.pbar.update_absolute(step + 1, total, preview)
 
 
+def send_run_event(data: dict) -> None:
+    """Tell the browser that queued the prompt (ComfyUI's current client) what this node is doing.
+    Best effort: never lets a UI message break a run."""
+    try:
+        from server import PromptServer
+
+        server = PromptServer.instance
+        try:
+            from comfy_execution.utils import get_executing_context
+
+            ctx = get_executing_context()
+            if ctx is not None:
+                data.setdefault("prompt_id", ctx.prompt_id)
+        except Exception:
+            pass
+        server.send_sync(RUN_EVENT, data, server.client_id)
+    except Exception as e:  # outside a server (direct calls, tests)
+        log.debug("SGLDiffusion: no run event sent (%s)", e)
+
+
+def run_stats(engine, node_id) -> dict:
+    """``engine.last_run`` + what the engine runs with, for the node's UI output and the web extension."""
+    stats = engine.last_run.to_dict()
+    stats["attention"] = getattr(engine, "attention_backend", None)
+    stats["warnings"] = list(getattr(engine, "warnings", []))
+    stats["node"] = None if node_id is None else str(node_id)
+    stats["state"] = "done"
+    # one cell per model call: True = computed, False = cached (Cache-DiT reused the residual)
+    stats["timeline"] = [c == "x" for c in stats.get("step_mask", "")]
+    stats["steps_cached"] = stats.get("steps_total", 0) - stats.get("steps_computed", 0)
+    stats.setdefault("speedup", 1.0)
+    cfg = getattr(engine, "config", None)
+    off = getattr(engine, "offload", None)
+    if off is not None:
+        stats["offload"] = "layerwise"
+        n, slots = len(getattr(off, "stores", []) or []), getattr(off, "num_slots", None)
+        if slots is not None and n:
+            stats["offload_detail"] = f"{slots}/{n} blocks resident"
+    else:
+        mode = getattr(cfg, "offload", "none") or "none"
+        stats["offload"] = "none" if mode == "none" else f"none ({mode})"
+    quant = None
+    model = getattr(engine, "model", None)
+    if model is not None and hasattr(model, "named_modules"):
+        try:
+            from ..engine.quant import model_quant_format
+
+            quant = model_quant_format(model)  # what the blocks really hold (pre-quantized files too)
+        except Exception:
+            quant = None
+    stats["quant"] = quant or getattr(cfg, "quant", None) or "none"
+    world = getattr(cfg, "world_size", 1) or 1
+    if world > 1:
+        stats["parallel"] = world
+    return stats
+
+
 class SGLDiffusionKSampler:
     DESCRIPTION = ("Denoises a latent with an SGLDiffusion model: the same inputs and results as ComfyUI's KSampler "
                    "for ERNIE-Image, run by the SGLDiffusion engine (optional Cache-DiT step caching).")
@@ -98,10 +158,28 @@ class SGLDiffusionKSampler:
             "optional": {
                 "cache": ("SGLD_CACHE", {"tooltip": "Cache-DiT step caching options (SGLDiffusion Cache-DiT node)."}),
             },
+            "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
-               denoise=1.0, cache=None):
+               denoise=1.0, cache=None, unique_id=None):
+        node = None if unique_id is None else str(unique_id)
+        # the browser clears this node's previous timeline now; a failure below never leaves it showing
+        send_run_event({"node": node, "state": "running", "steps": int(steps)})
+        try:
+            result, stats = self._sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
+                                         latent_image, denoise, cache, node)
+        except comfy.model_management.InterruptProcessingException:
+            send_run_event({"node": node, "state": "interrupted"})
+            raise
+        except BaseException as e:
+            send_run_event({"node": node, "state": "failed", "error": f"{type(e).__name__}: {e}"[:500]})
+            raise
+        send_run_event(dict(stats))
+        return {"ui": {"sgld_stats": [stats]}, "result": (result,)}
+
+    def _sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
+                denoise, cache, node):
         if not hasattr(model, "engine"):
             raise ValueError(f"{NODE}: 'model' must come from SGLDiffusion Model Loader (got {type(model).__name__})")
         samples = latent_samples(latent_image)
@@ -121,7 +199,4 @@ class SGLDiffusionKSampler:
             raise ValueError(f"{NODE}: {e}") from None
         result = dict(latent_image)
         result["samples"] = out.to(comfy.model_management.intermediate_device())
-        stats = engine.last_run.to_dict()
-        stats["attention"] = getattr(engine, "attention_backend", None)
-        stats["warnings"] = list(getattr(engine, "warnings", []))
-        return {"ui": {"sgld_stats": [stats]}, "result": (result,)}
+        return result, run_stats(engine, node)

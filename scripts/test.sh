@@ -6,6 +6,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/setup.sh --dev || exit 1
 bash scripts/comfyui.sh || exit 1
+bash scripts/browser.sh || exit 1
 .venv/bin/python -m pytest "$@"
 rc=$?
 [ "$rc" = 5 ] && rc=0

@@ -1,0 +1,382 @@
+"""The web extension (web/sgldiffusion.js) in a real browser against a real ComfyUI (0.3.75, frontend 1.32.x).
+
+Headless Debian chromium (/usr/bin/chromium, installed by scripts/browser.sh; never downloaded) driven by
+Playwright loads the page the fixture serves, loads a workflow (workflows/demo_cpu.json when it exists,
+else tests/web_workflow.json with the tiny model), makes sure a Cache-DiT node feeds the KSampler, queues
+it through the frontend (app.queuePrompt), and checks that the KSampler node shows a timeline whose
+computed / cached cells are the run's step mask in /history. Then: the preset widget's hover tooltip, a
+run that fails inside the KSampler (no timeline left), an interrupted run, and a prompt that fails before
+the KSampler (the old timeline is marked as an earlier run). Screenshots go to test-artifacts/.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import types
+
+import pytest
+
+try:  # tests/ may or may not be a package
+    from . import comfy_server as cs
+except ImportError:
+    import comfy_server as cs
+
+ROOT = cs.ROOT
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = os.path.join(ROOT, "test-artifacts")
+DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "demo_cpu.json")
+OWN_WORKFLOW = os.path.join(ROOT, "tests", "web_workflow.json")
+TINY = "tiny-ernie.safetensors"
+KSAMPLER = "SGLDiffusionKSampler"
+SHARED = {}  # what the first browser test leaves for the next ones (node ids, page errors)
+
+
+def cache_node_module():
+    """nodes/cache_dit.py without ComfyUI (a stand-in package for the pack root, as in test_cache_node)."""
+    pack = types.ModuleType("sgld_web_test_pack")
+    pack.__path__ = [ROOT]
+    sub = types.ModuleType("sgld_web_test_pack.nodes")
+    sub.__path__ = [os.path.join(ROOT, "nodes")]
+    sys.modules.setdefault("sgld_web_test_pack", pack)
+    sys.modules.setdefault("sgld_web_test_pack.nodes", sub)
+    return importlib.import_module("sgld_web_test_pack.nodes.cache_dit")
+
+
+# -- without a browser -------------------------------------------------------------------------------------------
+
+def test_web_directory_has_the_extension_and_icon():
+    import ast
+
+    tree = ast.parse(open(os.path.join(ROOT, "__init__.py")).read())
+    web = [n.value.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "WEB_DIRECTORY"]
+    assert web == ["./web"]
+    assert os.path.isfile(os.path.join(ROOT, "web", "icon.png"))
+    js = open(os.path.join(ROOT, "web", "sgldiffusion.js")).read()
+    for needle in ("registerExtension", "sgldiffusion.run", "onExecuted", "execution_interrupted", "addDOMWidget"):
+        assert needle in js
+
+
+TABLE = """# Cache-DiT benchmark
+
+## demo (4 blocks, hidden 256, 64x64, CFG 3.0), 50 steps, 64 pairs
+
+| configuration | family | computed calls | mask | speedup (wall) | PSNR dB | min PSNR | SSIM | judge pass % |
+|---|---|---|---|---|---|---|---|---|
+| uncached | base | 50.0 |  | 1.00x | inf | inf | 1.0000 | 90.6 |
+| quality | ours | 28.0 | 28/50 | 1.62x | 38.10 | 30.00 | 0.9900 | 90.6 |
+| balanced | ours | 23.0 | 23/50 | 1.98x | 33.52 | 25.00 | 0.9800 | 89.1 |
+| cache-dit SCM fast static +TS | cache-dit | 19.0 | 19/50 | 2.40x | 29.41 | 23.63 | 0.9268 | 80.0 |
+
+## random tiny (36 blocks, hidden 64, 16x16 latent, CFG 4), 8 steps, 2 pairs
+
+| configuration | family | computed calls | mask | speedup (wall) | PSNR dB | min PSNR | SSIM |
+|---|---|---|---|---|---|---|---|
+| balanced | ours | 7.0 | `11111011` | 1.16x | 41.16 | 40.93 | 0.9791 |
+"""
+
+
+def test_preset_benchmarks_from_the_table(tmp_path):
+    cd = cache_node_module()
+    p = tmp_path / "cache_results.md"
+    p.write_text(TABLE)
+    b = cd.preset_benchmarks(str(p))
+    assert set(b) == {"quality", "balanced", "medium"}  # cache-dit rows are not ours; medium = quality
+    bal = b["balanced"]
+    assert [(r["model"], r["steps"], r["speedup"], r["psnr"], r["judge"]) for r in bal] == [
+        ("demo", 50, 1.98, 33.52, 89.1), ("random tiny", 8, 1.16, 41.16, None)]
+    assert b["medium"] == b["quality"]
+    tip = cd.preset_tooltip(b)
+    assert "balanced: demo 50 steps: 1.98x, PSNR 33.5 dB, SSIM 0.980, judge 89%" in tip  # demo rows preferred
+    assert "quality: demo 50 steps: 1.62x" in tip and "fast: not measured" in tip
+    assert cd.preset_benchmarks(str(tmp_path / "missing.md")) == {}
+    assert "no benchmark table yet" in cd.preset_tooltip({})
+
+
+# -- in the browser ----------------------------------------------------------------------------------------------
+
+def _browser_missing():
+    if not os.path.exists(CHROMIUM):
+        return f"{CHROMIUM} missing (bash scripts/browser.sh installs Debian's chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the Python playwright package is missing (requirements-dev.txt)"
+    return None
+
+
+def workflow():
+    """(name, UI-format workflow): the demo workflow once it exists, else the tiny-model one of this test."""
+    path = DEMO_WORKFLOW if os.path.exists(DEMO_WORKFLOW) else OWN_WORKFLOW
+    with open(path) as f:
+        return os.path.relpath(path, ROOT), json.load(f)
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    missing = _browser_missing()
+    if missing:
+        pytest.skip(missing)
+    base = str(tmp_path_factory.mktemp("comfy-web"))
+    cs.make_base_dir(base)
+    cs.write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", TINY))
+    settings = os.path.join(base, "user", "default")
+    os.makedirs(settings, exist_ok=True)
+    with open(os.path.join(settings, "comfy.settings.json"), "w") as f:  # no first-run template dialog
+        json.dump({"Comfy.TutorialCompleted": True}, f)
+    server = cs.start_server(base)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def page(comfy):
+    from playwright.sync_api import sync_playwright
+
+    profile = tempfile.mkdtemp(prefix="sgld-chromium-")
+    errors = []
+    with sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+                                                   viewport={"width": 1400, "height": 860})
+        try:
+            pg = ctx.pages[0] if ctx.pages else ctx.new_page()
+            pg.on("pageerror", lambda e: errors.append(str(e)))
+            pg.goto(comfy.url)
+            # the app is up and our extension's setup() ran (it adds its style element)
+            pg.wait_for_function("() => window.app?.graph && document.getElementById('sgld-run-style')", timeout=60_000)
+            SHARED["errors"] = errors
+            yield pg
+        finally:
+            ctx.close()
+            shutil.rmtree(profile, ignore_errors=True)
+
+
+RECORD_EVENTS = """() => {
+  const api = window.comfyAPI.api.api;
+  window.__sgld = [];
+  for (const t of ["sgldiffusion.run", "execution_start", "execution_success", "execution_error",
+                   "execution_interrupted", "progress"]) {
+    api.addEventListener(t, (e) => window.__sgld.push({type: t, detail: e.detail}));
+  }
+}"""
+
+# Load the workflow; make sure a Cache-DiT node (preset balanced) feeds the KSampler's cache input.
+LOAD = """async ([wf, name]) => {
+  const app = window.app;
+  await app.loadGraphData(wf, true, true, name);
+  const g = app.graph;
+  const ks = g._nodes.find((n) => n.comfyClass === "SGLDiffusionKSampler");
+  const slot = ks.inputs.findIndex((i) => i.name === "cache");
+  let cache = null;
+  const link = ks.inputs[slot].link;
+  if (link != null) {
+    const l = g.links.get ? g.links.get(link) : g.links[link];
+    cache = g.getNodeById(l.origin_id);
+  }
+  if (!cache || cache.comfyClass !== "SGLDiffusionCacheDiT") {
+    cache = window.LiteGraph.createNode("SGLDiffusionCacheDiT");
+    cache.pos = [ks.pos[0] - 360, ks.pos[1] + 260];
+    g.add(cache);
+    cache.connect(0, ks, slot);
+  }
+  const set = (name, v) => { const w = cache.widgets.find((w) => w.name === name); if (w) w.value = v; };
+  set("enabled", true); set("preset", "balanced"); set("advanced", false);
+  g.setDirtyCanvas(true, true);
+  return {ksampler: String(ks.id), cache: String(cache.id)};
+}"""
+
+# Queue the graph as the frontend would (app.queuePrompt); the prompt id comes from execution_start.
+QUEUE_UI = "async () => { window.__sgld = []; await window.app.queuePrompt(0, 1); }"
+
+# Queue a variant of the graph through the frontend's API client (same client id, so the page gets the events).
+QUEUE_VARIANT = """async ([ks, cacheId, change]) => {
+  window.__sgld = [];
+  const p = await window.app.graphToPrompt();
+  const out = p.output;
+  if (change.ksampler) Object.assign(out[ks].inputs, change.ksampler);
+  if (change.cache) Object.assign(out[cacheId].inputs, change.cache);
+  const r = await window.comfyAPI.api.api.queuePrompt(0, p);
+  return r.prompt_id;
+}"""
+
+PANEL = """(id) => {
+  const el = document.querySelector(`.sgld-run[data-node-id="${id}"]`);
+  if (!el) return null;
+  const cells = [...el.querySelectorAll(".sgld-timeline .sgld-cell")];
+  const r = el.getBoundingClientRect();
+  return {state: el.dataset.state, text: el.innerText,
+          mask: cells.map((c) => c.classList.contains("sgld-computed") ? "x" : (c.classList.contains("sgld-cached") ? "." : "?")).join(""),
+          computed: el.querySelectorAll(".sgld-timeline .sgld-computed").length,
+          cached: el.querySelectorAll(".sgld-timeline .sgld-cached").length,
+          box: [r.left, r.top, r.width, r.height]};
+}"""
+
+
+def wait_state(page, node, state, timeout_ms=60_000):
+    page.wait_for_function(f"() => document.querySelector('.sgld-run[data-node-id=\"{node}\"]')?.dataset.state === '{state}'",
+                           timeout=timeout_ms)
+    return page.evaluate(PANEL, node)
+
+
+def events(page):
+    return page.evaluate("() => window.__sgld")
+
+
+def prompt_id(page, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in events(page):
+            if e["type"] == "execution_start":
+                return e["detail"]["prompt_id"]
+        time.sleep(0.05)
+    raise AssertionError(f"no execution_start; events: {events(page)}")
+
+
+def close_banner(page):
+    """The 'Introducing Nodes 2.0' banner of frontend 1.32 covers the top of the canvas: close it if there."""
+    try:
+        banner = page.get_by_text("Introducing Nodes 2.0")
+        if banner.count():
+            box = banner.first.bounding_box()
+            for b in page.locator("button").all():
+                bb = b.bounding_box()
+                if bb and box and abs(bb["y"] - box["y"]) < 20 and bb["x"] > box["x"] + 400 and not b.inner_text().strip():
+                    b.click(timeout=2000)
+                    break
+    except Exception:
+        pass
+
+
+def close_error_dialog(page):
+    """ComfyUI's own error dialog after a failed prompt: close it (Escape) so the graph is visible."""
+    page.keyboard.press("Escape")
+    page.wait_for_timeout(300)
+
+
+def ids_from_first_test():
+    if "ksampler" not in SHARED:
+        pytest.skip("needs test_timeline_after_a_cached_run to have loaded the workflow")
+    return SHARED["ksampler"], SHARED["cache"]
+
+
+def screenshot(page, name):
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    path = os.path.join(ARTIFACTS, name)
+    page.screenshot(path=path)
+    return path
+
+
+def test_timeline_after_a_cached_run(comfy, page):
+    t0 = time.monotonic()
+    name, wf = workflow()
+    page.evaluate(RECORD_EVENTS)
+    ids = page.evaluate(LOAD, [wf, os.path.basename(name)])
+    ks, cache = ids["ksampler"], ids["cache"]
+    panel = wait_state(page, ks, "idle", 15_000)  # DOM widgets are attached on the next frames
+    assert page.get_by_text("Invalid workflow").count() == 0, f"the frontend rejected {name}"
+    close_banner(page)
+
+    page.evaluate(QUEUE_UI)
+    pid = prompt_id(page)
+    panel = wait_state(page, ks, "done", 75_000)
+    entry = comfy.wait(pid, 30)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    stats = entry["outputs"][ks]["sgld_stats"][0]
+    # the cells are the run's step mask, call by call; Cache-DiT cached some of them
+    assert panel["mask"] == stats["step_mask"], (panel, stats)
+    assert panel["computed"] == stats["steps_computed"] > 0
+    assert panel["cached"] == stats["steps_total"] - stats["steps_computed"] > 0
+    assert stats["node"] == ks and stats["state"] == "done" and stats["timeline"] == [c == "x" for c in stats["step_mask"]]
+    text = panel["text"]
+    assert f"{stats['speedup']:.2f}x" in text, text
+    assert f"{stats['steps_computed']} computed" in text and f"{panel['cached']} cached" in text
+    assert f"attention {stats['attention']}" in text and "offload none" in text and "quant none" in text
+    # the server's own message carried the same statistics
+    done = [e["detail"] for e in events(page) if e["type"] == "sgldiffusion.run" and e["detail"].get("state") == "done"]
+    assert done and done[-1]["step_mask"] == stats["step_mask"] and done[-1]["prompt_id"] == pid
+    assert [e["detail"]["state"] for e in events(page) if e["type"] == "sgldiffusion.run"] == ["running", "done"]
+    # visible on the page, inside the node
+    assert panel["box"][2] > 100 and panel["box"][3] > 40, panel
+    assert page.locator(f'.sgld-run[data-node-id="{ks}"] .sgld-timeline').is_visible()
+    page.wait_for_timeout(300)
+    screenshot(page, "web_extension.png")
+    assert not SHARED["errors"], SHARED["errors"]
+    SHARED.update(ids)
+    print(f"\nweb: {name}, mask {stats['step_mask']}, speedup {stats['speedup']}, {time.monotonic() - t0:.1f} s")
+
+
+def test_preset_tooltip_on_hover(page):
+    cd = cache_node_module()
+    bench = cd.preset_benchmarks()
+    point = page.evaluate("""() => {
+      const app = window.app;
+      const n = app.graph._nodes.find((n) => n.comfyClass === "SGLDiffusionCacheDiT");
+      const w = n.widgets.find((w) => w.name === "preset");
+      const gx = n.pos[0] + n.size[0] * 0.5, gy = n.pos[1] + w.y + (w.computedHeight ?? 20) * 0.5;
+      const [cx, cy] = app.canvas.ds.convertOffsetToCanvas([gx, gy]);
+      const r = app.canvas.canvas.getBoundingClientRect();
+      return [r.left + cx, r.top + cy];
+    }""")
+    page.mouse.move(point[0] - 5, point[1])
+    page.mouse.move(point[0], point[1])
+    tip = page.locator(".node-tooltip")
+    tip.wait_for(state="visible", timeout=10_000)
+    text = tip.inner_text()
+    assert "▶ balanced:" in text, text  # the selected preset is marked
+    if bench:
+        assert cd._bench_line("balanced", bench) in text, text
+        assert "Measured" in text
+    else:
+        assert "no benchmark table yet" in text, text
+    screenshot(page, "web_extension_tooltip.png")
+    page.mouse.move(5, 5)
+
+
+def test_failed_prompt_before_the_node_marks_the_timeline_as_earlier(comfy, page):
+    ks, cache = ids_from_first_test()
+    before = page.evaluate(PANEL, ks)
+    assert before["state"] == "done"
+    pid = page.evaluate(QUEUE_VARIANT, [ks, cache, {"cache": {"advanced": True, "steps_mask": "abc"}}])
+    panel = wait_state(page, ks, "stale", 30_000)
+    assert comfy.wait(pid, 30)["status"]["status_str"] == "error"
+    close_error_dialog(page)
+    assert panel["mask"] == before["mask"] and "earlier" in panel["text"], panel
+
+
+def test_failed_run_clears_the_timeline(comfy, page):
+    ks, cache = ids_from_first_test()
+    # Fn + Bn leave no middle blocks to cache: the KSampler itself raises
+    pid = page.evaluate(QUEUE_VARIANT, [ks, cache, {"cache": {"advanced": True, "Fn": 64, "Bn": 64}}])
+    panel = wait_state(page, ks, "failed", 30_000)
+    entry = comfy.wait(pid, 30)
+    err = cs.error_message(entry)
+    assert err and err["node_type"] == KSAMPLER, entry["status"]
+    assert panel["mask"] == "" and panel["computed"] == panel["cached"] == 0, panel
+    assert "no middle blocks" in panel["text"], panel
+    close_error_dialog(page)
+    screenshot(page, "web_extension_failed.png")
+
+
+def test_interrupted_run_clears_the_timeline(comfy, page):
+    ks, cache = ids_from_first_test()
+    pid = page.evaluate(QUEUE_VARIANT, [ks, cache, {"ksampler": {"steps": 10000}}])
+    page.wait_for_function(f"""() => (window.__sgld || []).some((e) => e.type === "progress" && String(e.detail.node) === "{ks}"
+                                                                     && e.detail.value >= 2)""", timeout=60_000)
+    running = page.evaluate(PANEL, ks)
+    assert running["state"] == "running" and running["mask"] == "", running
+    page.evaluate("() => window.comfyAPI.api.api.interrupt()")
+    panel = wait_state(page, ks, "interrupted", 60_000)
+    entry = comfy.wait(pid, 30)
+    assert cs.error_message(entry)["kind"] == "execution_interrupted"
+    assert panel["mask"] == "" and "interrupted" in panel["text"], panel
+    states = [e["detail"]["state"] for e in events(page) if e["type"] == "sgldiffusion.run"]
+    assert states == ["running", "interrupted"], states
+    assert not SHARED["errors"], SHARED["errors"]

@@ -1,0 +1,334 @@
+// SGLDiffusion web extension: shows on the graph what the engine did.
+//
+// * SGLDiffusion KSampler: after a run, a panel under the widgets with the step timeline (one cell per
+//   model call: filled = computed, hollow = cached by Cache-DiT), the measured speedup, the sampling
+//   time, the attention backend, and the offload and quantization modes. Data: the node's UI output
+//   `sgld_stats` (onExecuted; also re-sent by ComfyUI when it reuses a cached output) and the
+//   `sgldiffusion.run` PromptServer messages (state running / done / failed / interrupted). A run that
+//   fails or is interrupted clears the timeline; results of an earlier prompt are marked as such.
+// * SGLDiffusion Cache-DiT: hovering the preset widget shows the speedup and quality measured per preset
+//   (bench/cache_results.md, put into the tooltip by the node), the selected preset marked.
+//
+// Only stable extension APIs: app.registerExtension (beforeRegisterNodeDef, nodeCreated), onExecuted,
+// api.addEventListener, node.addDOMWidget. Works in the frontend of ComfyUI 0.3.75 (1.32.x) and later ones.
+
+const comfyAPI = window.comfyAPI ?? {};
+const app = comfyAPI.app?.app ?? (await import("../../scripts/app.js")).app;
+const api = comfyAPI.api?.api ?? (await import("../../scripts/api.js")).api;
+
+const KSAMPLER = "SGLDiffusionKSampler";
+const CACHE_NODE = "SGLDiffusionCacheDiT";
+const RUN_EVENT = "sgldiffusion.run";
+const WIDGET = "sgld_run";
+
+// -- styles ----------------------------------------------------------------------------------------------------
+const STYLE = `
+.sgld-run { box-sizing: border-box; width: 100%; padding: 4px 6px; font: 11px/1.35 sans-serif;
+  color: var(--input-text, #ddd); background: var(--comfy-input-bg, #222); border-radius: 6px; overflow: hidden; }
+.sgld-run .sgld-head { display: flex; justify-content: space-between; gap: 6px; white-space: nowrap; height: 16px; }
+.sgld-run .sgld-state { font-weight: 600; }
+.sgld-run[data-state="done"] .sgld-state { color: #6c6; }
+.sgld-run[data-state="running"] .sgld-state { color: #6af; }
+.sgld-run[data-state="failed"] .sgld-state, .sgld-run[data-state="interrupted"] .sgld-state { color: #e66; }
+.sgld-run[data-state="stale"] { opacity: 0.55; }
+.sgld-run .sgld-timeline { display: grid; gap: 1px; margin: 3px 0; }
+.sgld-run .sgld-cell { height: 10px; border-radius: 2px; box-sizing: border-box; min-width: 2px; }
+.sgld-run .sgld-computed { background: #4a9eff; }
+.sgld-run .sgld-cached { background: transparent; border: 1px solid #8a8a8a; }
+.sgld-run .sgld-meta, .sgld-run .sgld-legend { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; height: 15px; }
+.sgld-run .sgld-legend i { display: inline-block; width: 8px; height: 8px; margin: 0 3px 0 0; border-radius: 2px; vertical-align: -1px; }
+.sgld-run .sgld-warn { color: #e9b44c; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; height: 15px; }
+.sgld-run .sgld-msg { white-space: normal; overflow: hidden; max-height: 30px; }
+`;
+function addStyle() {
+  if (document.getElementById("sgld-run-style")) return;
+  const el = document.createElement("style");
+  el.id = "sgld-run-style";
+  el.textContent = STYLE;
+  document.head.appendChild(el);
+}
+
+// -- helpers ---------------------------------------------------------------------------------------------------
+function h(tag, cls, text) {
+  const el = document.createElement(tag);
+  if (cls) el.className = cls;
+  if (text !== undefined) el.textContent = text;
+  return el;
+}
+
+function fmtSeconds(s) {
+  if (typeof s !== "number" || !isFinite(s)) return "";
+  return s < 10 ? `${s.toFixed(2)} s` : s < 120 ? `${s.toFixed(1)} s` : `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+}
+
+function timelineOf(stats) {
+  if (Array.isArray(stats.timeline)) return stats.timeline.map(Boolean);
+  if (typeof stats.step_mask === "string") return [...stats.step_mask].map((c) => c === "x");
+  return [];
+}
+
+// A node by the id the server uses: "5", or "12:5" for a node inside a subgraph (newer frontends).
+function findNode(id) {
+  if (id === null || id === undefined) return null;
+  const graph = app.graph;
+  if (!graph) return null;
+  let node = graph.getNodeById?.(id) ?? graph.getNodeById?.(Number(id));
+  if (node) return node;
+  const parts = String(id).split(":");
+  let g = graph;
+  for (let i = 0; i < parts.length && g; i++) {
+    node = g.getNodeById?.(parts[i]) ?? g.getNodeById?.(Number(parts[i]));
+    if (!node) return null;
+    if (i < parts.length - 1) g = node.subgraph;
+  }
+  return node ?? null;
+}
+
+function ourNodes() {
+  const out = [];
+  const walk = (g) => {
+    for (const n of g?._nodes ?? g?.nodes ?? []) {
+      if (n.comfyClass === KSAMPLER || n.type === KSAMPLER) out.push(n);
+      if (n.subgraph) walk(n.subgraph);
+    }
+  };
+  walk(app.graph);
+  return out;
+}
+
+// -- the run panel ---------------------------------------------------------------------------------------------
+class RunPanel {
+  constructor(node) {
+    this.node = node;
+    this.el = h("div", "sgld-run");
+    this.el.dataset.state = "idle";
+    this.stats = null;
+    this.state = "idle";
+    this.prompt = null; // prompt id of what is shown
+    this.height = 24;
+    this.widget = node.addDOMWidget(WIDGET, "sgld_run", this.el, {
+      serialize: false,
+      hideOnZoom: false,
+      getValue: () => undefined,
+      setValue: () => {},
+      getMinHeight: () => this.height,
+      getMaxHeight: () => this.height,
+    });
+    this.widget.serialize = false; // never in widgets_values nor in the API prompt
+    this.render();
+  }
+
+  set(state, stats, extra = {}) {
+    this.state = state;
+    if (stats !== undefined) this.stats = stats;
+    this.extra = extra;
+    this.render();
+  }
+
+  render() {
+    const el = this.el;
+    const s = this.stats;
+    const state = this.state;
+    el.replaceChildren();
+    el.dataset.state = state;
+    el.dataset.nodeId = String(this.node.id);
+    delete el.dataset.computed;
+    delete el.dataset.cached;
+    const head = h("div", "sgld-head");
+    const label = {
+      idle: "SGLDiffusion: not run yet",
+      running: "running…",
+      done: this.extra?.reused ? "done (output reused by ComfyUI)" : "done",
+      failed: "failed",
+      interrupted: "interrupted",
+      stale: "earlier run",
+    }[state] ?? state;
+    head.append(h("span", "sgld-state", label));
+    let height = 24;
+    if (state === "running") {
+      head.append(h("span", "sgld-steps", this.extra?.steps ? `${this.extra.steps} steps` : ""));
+    }
+    el.append(head);
+    if (state === "failed" || state === "interrupted") {
+      // nothing of an earlier run stays on screen: only what happened now
+      const msg = state === "failed" ? this.extra?.error || "the run raised an error" : "stopped before the last step; no timeline";
+      el.append(h("div", "sgld-msg", msg));
+      height += 32;
+    }
+    if ((state === "done" || state === "stale") && s) {
+      const cells = timelineOf(s);
+      const computed = cells.filter(Boolean).length;
+      const cached = cells.length - computed;
+      el.dataset.computed = String(computed);
+      el.dataset.cached = String(cached);
+      const speed = typeof s.speedup === "number" ? `${s.speedup.toFixed(2)}x` : "–";
+      head.append(h("span", "sgld-speed", `speedup ${speed} · ${fmtSeconds(s.sampling_seconds)}`));
+      const perRow = cells.length <= 64 ? Math.max(cells.length, 1) : 50;
+      const rows = Math.ceil(cells.length / perRow) || 0;
+      const tl = h("div", "sgld-timeline");
+      tl.style.gridTemplateColumns = `repeat(${perRow}, minmax(0, 1fr))`;
+      cells.forEach((c, i) => {
+        const cell = h("div", `sgld-cell ${c ? "sgld-computed" : "sgld-cached"}`);
+        cell.title = `model call ${i + 1}: ${c ? "computed" : "cached"}`;
+        tl.append(cell);
+      });
+      el.append(tl);
+      height += rows * 11 + 6;
+      const legend = h("div", "sgld-legend");
+      const sw = (cls) => {
+        const i = h("i", `sgld-cell ${cls}`);
+        i.style.height = "8px";
+        return i;
+      };
+      legend.append(sw("sgld-computed"), `${computed} computed  `, sw("sgld-cached"), `${cached} cached`);
+      if (state === "stale") legend.append("  (from an earlier prompt)");
+      el.append(legend);
+      const meta = [`attention ${s.attention ?? "?"}`, `offload ${s.offload ?? "?"}${s.offload_detail ? ` (${s.offload_detail})` : ""}`,
+        `quant ${s.quant ?? "?"}`];
+      if (s.parallel) meta.push(`${s.parallel} GPUs`);
+      const m = h("div", "sgld-meta", meta.join(" · "));
+      m.title = meta.join("\n");
+      el.append(m);
+      height += 36;
+      for (const w of (s.warnings ?? []).slice(0, 2)) {
+        const wl = h("div", "sgld-warn", `⚠ ${w}`);
+        wl.title = w;
+        el.append(wl);
+        height += 15;
+      }
+    }
+    this.height = height + 12;
+    this.resize();
+  }
+
+  resize() {
+    const node = this.node;
+    try {
+      const want = node.computeSize?.();
+      if (want && node.size && (want[1] > node.size[1] || want[0] > node.size[0])) {
+        node.setSize?.([Math.max(node.size[0], want[0]), Math.max(node.size[1], want[1])]);
+      }
+    } catch (e) {
+      /* a size we cannot compute is not worth an error */
+    }
+    node.setDirtyCanvas?.(true, true);
+    app.graph?.setDirtyCanvas?.(true, true);
+  }
+}
+
+function panelOf(node, create = true) {
+  if (!node) return null;
+  if (!node.__sgldPanel && create) node.__sgldPanel = new RunPanel(node);
+  return node.__sgldPanel ?? null;
+}
+
+// -- server messages -------------------------------------------------------------------------------------------
+let currentPrompt = null;
+
+function onRunEvent(detail) {
+  if (!detail) return;
+  const node = findNode(detail.node);
+  if (!node || (node.comfyClass ?? node.type) !== KSAMPLER) return;
+  const panel = panelOf(node);
+  panel.prompt = detail.prompt_id ?? currentPrompt;
+  if (detail.state === "running") panel.set("running", null, { steps: detail.steps });
+  else if (detail.state === "done") panel.set("done", detail);
+  else if (detail.state === "failed") panel.set("failed", null, { error: detail.error });
+  else if (detail.state === "interrupted") panel.set("interrupted", null);
+}
+
+// The prompt stopped (error or interrupt): the node where it stopped shows that; the others keep what
+// they show only if it belongs to this prompt, else it is marked as an earlier run.
+function onPromptStopped(kind, detail) {
+  const pid = detail?.prompt_id ?? currentPrompt;
+  const where = detail?.node_id ?? detail?.node ?? null;
+  for (const node of ourNodes()) {
+    const panel = panelOf(node, false);
+    if (!panel) continue;
+    const here = where !== null && String(where) === String(node.id);
+    if (here || (panel.state === "running")) {
+      if (kind === "interrupted") panel.set("interrupted", null);
+      else panel.set("failed", null, { error: detail?.exception_message || panel.extra?.error || "the run raised an error" });
+      panel.prompt = pid;
+    } else if (panel.stats && panel.prompt !== pid && panel.state === "done") {
+      panel.set("stale");
+    }
+  }
+}
+
+// -- extension -------------------------------------------------------------------------------------------------
+function presetTooltip(base, value) {
+  // tooltip lines "preset: measurements" (nodes/cache_dit.py): mark the selected preset's line
+  return String(base ?? "")
+    .split("\n")
+    .map((line) => (value && line.startsWith(`${value}:`) || line.startsWith(`${value} (=`) ? `▶ ${line}` : line))
+    .join("\n");
+}
+
+app.registerExtension({
+  name: "sgldiffusion.web",
+
+  async setup() {
+    addStyle();
+    api.addEventListener(RUN_EVENT, (e) => onRunEvent(e.detail));
+    api.addEventListener("execution_start", (e) => {
+      currentPrompt = e.detail?.prompt_id ?? null;
+    });
+    api.addEventListener("execution_cached", (e) => {
+      for (const id of e.detail?.nodes ?? []) {
+        const panel = panelOf(findNode(id), false);
+        if (panel) panel.reusedFor = e.detail?.prompt_id ?? currentPrompt;
+      }
+    });
+    api.addEventListener("execution_error", (e) => onPromptStopped("failed", e.detail));
+    api.addEventListener("execution_interrupted", (e) => onPromptStopped("interrupted", e.detail));
+  },
+
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData?.name === KSAMPLER) {
+      const onExecuted = nodeType.prototype.onExecuted;
+      nodeType.prototype.onExecuted = function (output) {
+        const r = onExecuted?.apply(this, arguments);
+        const stats = output?.sgld_stats?.[0];
+        if (stats) {
+          const panel = panelOf(this);
+          const reused = panel.reusedFor !== undefined && panel.reusedFor === currentPrompt;
+          panel.prompt = currentPrompt;
+          panel.set("done", stats, { reused });
+        }
+        return r;
+      };
+    }
+    if (nodeData?.name === CACHE_NODE) {
+      const base = nodeData.input?.required?.preset?.[1]?.tooltip;
+      const onNodeCreated = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function () {
+        const r = onNodeCreated?.apply(this, arguments);
+        const w = this.widgets?.find((x) => x.name === "preset");
+        if (w && base) {
+          Object.defineProperty(w, "tooltip", {
+            configurable: true,
+            enumerable: true,
+            get: () => presetTooltip(base, w.value),
+            set: () => {},
+          });
+        }
+        return r;
+      };
+    }
+  },
+
+  nodeCreated(node) {
+    if ((node.comfyClass ?? node.type) !== KSAMPLER) return;
+    const panel = panelOf(node);
+    // the id is known only once the node is in a graph (added, or configured from a workflow)
+    for (const hook of ["onAdded", "onConfigure"]) {
+      const orig = node[hook];
+      node[hook] = function () {
+        const r = orig?.apply(this, arguments);
+        panel.el.dataset.nodeId = String(this.id);
+        return r;
+      };
+    }
+  },
+});
