@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampler", default="euler")
     g.add_argument("--scheduler", default="simple")
     g.add_argument("--json", action="store_true", help="print one line of JSON with settings and timings")
+    g.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH",
+                   help="apply a LoRA (.safetensors; diffusers/PEFT, ai-toolkit, kohya or ComfyUI keys) at STRENGTH "
+                        "(default 1.0); repeat the flag to stack several")
     _add_common(g)
 
     q = sub.add_parser("quantize", help="write an FP8 / INT4 copy of a model file",
@@ -190,11 +193,19 @@ def cmd_bench(args) -> dict:
     return result
 
 
+def lora_specs(args) -> list:
+    """``--lora FILE:STRENGTH`` (repeatable) -> [(path, strength), ...] for ``Engine.set_loras``."""
+    from .lora import parse_spec
+
+    return [parse_spec(s) for s in getattr(args, "lora", None) or []]
+
+
 def cmd_generate(args) -> None:
     try:
         from .models.demo import cli as demo_cli
     except ImportError:
         raise SystemExit("sgld generate: the demo model is not available in this build") from None
+    args.loras = lora_specs(args)  # the generator calls engine.set_loras(args.loras) before sampling
     demo_cli.generate(args)
 
 

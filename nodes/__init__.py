@@ -8,15 +8,18 @@ import logging
 from . import cache_dit
 from .ksampler import SGLDiffusionKSampler
 from .loader import SGLDiffusionModelLoader
+from .lora import SGLDiffusionLoraLoader
 from .model_cache import install_memory_hooks, loaded
 
 NODE_CLASS_MAPPINGS = {
     "SGLDiffusionModelLoader": SGLDiffusionModelLoader,
     "SGLDiffusionKSampler": SGLDiffusionKSampler,
+    "SGLDiffusionLoraLoader": SGLDiffusionLoraLoader,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "SGLDiffusionModelLoader": "SGLDiffusion Model Loader",
     "SGLDiffusionKSampler": "SGLDiffusion KSampler",
+    "SGLDiffusionLoraLoader": "SGLDiffusion LoRA Loader",
 }
 NODE_CLASS_MAPPINGS.update(cache_dit.NODE_CLASS_MAPPINGS)
 NODE_DISPLAY_NAME_MAPPINGS.update(cache_dit.NODE_DISPLAY_NAME_MAPPINGS)

@@ -33,19 +33,34 @@ FULL_UNLOAD = 1e29  # unload_all_models() asks free_memory() for 1e30 bytes
 
 
 class SGLDModel:
-    """The SGLD_MODEL type: which file, with which engine options. Cheap to copy and to cache."""
+    """The SGLD_MODEL type: which file, with which engine options, and which LoRAs. Cheap to copy and to cache.
 
-    def __init__(self, path: str, config: EngineConfig, name: str = "", owner: Optional[str] = None):
+    ``loras`` ((path, strength), ...) is part of the handle but not of the engine's cache key: handles
+    of the same base with different LoRAs share one engine (one copy of the base weights), and
+    ``engine()`` makes the handle's LoRA set the active one before it returns (``Engine.set_loras``:
+    a no-op when it already is, an exact restore for a handle without LoRAs)."""
+
+    def __init__(self, path: str, config: EngineConfig, name: str = "", owner: Optional[str] = None, loras=()):
         self.path = path
         self.config = config
         self.name = name or os.path.basename(path)
         self.owner = owner
+        self.loras = tuple(loras)
+
+    def with_lora(self, path: str, strength: float) -> "SGLDModel":
+        """A new handle: this one plus a LoRA (this handle is not changed)."""
+        return SGLDModel(self.path, self.config, self.name, self.owner, self.loras + ((path, float(strength)),))
 
     def engine(self) -> Engine:
-        return get_engine(self)
+        engine = get_engine(self)
+        with _lock:
+            if self.loras or getattr(engine, "loras", None):
+                engine.set_loras(list(self.loras))
+        return engine
 
     def __repr__(self) -> str:
-        return f"SGLDModel({self.name!r}, {self.config})"
+        extra = "".join(f", lora {os.path.basename(p)} x{s:g}" for p, s in self.loras)
+        return f"SGLDModel({self.name!r}, {self.config}{extra})"
 
 
 def cache_key(path: str, config: EngineConfig) -> tuple:

@@ -1,0 +1,81 @@
+"""SGLDiffusion LoRA Loader: SGLD_MODEL + a LoRA file from ComfyUI's ``loras`` folder + strength -> SGLD_MODEL.
+
+Chainable (each node adds one LoRA to the handle). The returned handle shares the base engine with
+its input (nodes/model_cache.py): the LoRA set is part of the handle and the engine applies it
+(``Engine.set_loras``, engine/lora.py) when a sampler asks the handle for its engine, so two graphs
+using the same base with different LoRAs hold the base weights once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import folder_paths
+
+from ..engine import CheckpointError
+
+log = logging.getLogger("sgldiffusion")
+FOLDER = "loras"
+NODE = "SGLDiffusion LoRA Loader"
+
+
+def lora_files() -> list:
+    return sorted(folder_paths.get_filename_list(FOLDER))
+
+
+def resolve(name: str) -> str:
+    path = folder_paths.get_full_path(FOLDER, name)
+    if path is None or not os.path.exists(path):
+        folders = ", ".join(folder_paths.get_folder_paths(FOLDER))
+        raise ValueError(f"{NODE}: LoRA file '{name}' was not found in {folders}. Put the ERNIE-Image LoRA "
+                         "(.safetensors) in ComfyUI/models/loras and press R in the UI to refresh the list.")
+    return path
+
+
+class SGLDiffusionLoraLoader:
+    DESCRIPTION = ("Adds a LoRA to an SGLDiffusion model (chain several nodes to stack LoRAs). The base weights are "
+                   "shared with the input model; the LoRA is merged before sampling and removed exactly when a graph "
+                   "samples without it. Formats: diffusers/PEFT, ai-toolkit, kohya and the other forms ComfyUI reads.")
+    CATEGORY = "SGLDiffusion"
+    RETURN_TYPES = ("SGLD_MODEL",)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("The model with this LoRA added, for SGLDiffusion KSampler or another LoRA Loader.",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("SGLD_MODEL", {"tooltip": "From SGLDiffusion Model Loader or another SGLDiffusion LoRA Loader."}),
+                "lora_name": (lora_files(), {"tooltip": "The LoRA file (models/loras), trained for ERNIE-Image."}),
+                "strength": ("FLOAT", {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01,
+                                       "tooltip": "How strongly the LoRA changes the model; 0 turns it off, negative inverts it."}),
+            },
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, lora_name=None, **kwargs):
+        return True  # a missing file is reported by load() with the folder to put it in
+
+    @classmethod
+    def IS_CHANGED(cls, lora_name, strength=1.0, **kwargs):
+        try:
+            st = os.stat(resolve(lora_name))
+            return f"{st.st_mtime_ns}:{st.st_size}:{strength}"
+        except Exception:
+            return float("nan")
+
+    def load(self, model, lora_name, strength=1.0):
+        if not hasattr(model, "with_lora"):
+            raise ValueError(f"{NODE}: 'model' must come from SGLDiffusion Model Loader (got {type(model).__name__})")
+        path = resolve(lora_name)
+        try:
+            # read it now against the model (not applied yet), so a wrong file is reported on this node
+            from ..engine.lora import check_lora
+            from .model_cache import get_engine
+
+            for msg in check_lora(get_engine(model), path):
+                log.warning("%s: %s", NODE, msg)
+        except CheckpointError as e:
+            raise ValueError(f"{NODE}: {e}") from None
+        return (model.with_lora(path, strength),)
