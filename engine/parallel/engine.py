@@ -71,10 +71,12 @@ class PoolTransport:
         from .pool import get_pool
 
         self.pool = get_pool(self.plan.world_size, self.backend)
-        if self.pool.loaded != key:
-            info = self.pool.request(("load", spec))
-            self.pool.loaded = key
-            return info
+        with self.pool.lock:
+            if self.pool.loaded != key:
+                self.pool.loaded = None
+                info = self.pool.request(("load", spec))
+                self.pool.loaded = key
+                return info
         return None
 
     def request(self, msg):
@@ -124,7 +126,8 @@ class ParallelEngine(Engine):
         self._key = (next(_ids), self.path)
         self._sent_text = None
         self._computed: Optional[_Computed] = None
-        self._finalizer = weakref.finalize(self, _release, self.transport, self._key)
+        # dropped without close(): unload from a thread (the GC may run inside another request)
+        self._finalizer = weakref.finalize(self, _release_in_thread, self.transport, self._key)
         self._ensure()
 
     @classmethod
@@ -270,11 +273,20 @@ def _count(ckpt) -> int:
     return n
 
 
+def _release_in_thread(transport, key) -> None:
+    import threading
+
+    threading.Thread(target=_release, args=(transport, key), name="sgld-parallel-release", daemon=True).start()
+
+
 def _release(transport, key) -> None:
     pool = getattr(transport, "pool", None)
     try:
-        if pool is not None and pool.alive and pool.loaded == key:
-            pool.request(("unload",))
-            pool.loaded = None
+        if pool is None:
+            return
+        with pool.lock:  # waits for a request in flight
+            if pool.alive and pool.loaded == key:
+                pool.request(("unload",))
+                pool.loaded = None
     except Exception:
         pass

@@ -214,6 +214,10 @@ def get_pool(world: int, backend: str) -> WorkerPool:
             return pool
         if pool is not None:
             pool._stop()
+        for key, other in list(_pools.items()):  # idle pools of another shape hold GPU contexts: stop them
+            if key != (world, backend) and (other.loaded is None or not other.alive):
+                other.shutdown()
+                del _pools[key]
         pool = WorkerPool(world, backend).start()
         _pools[(world, backend)] = pool
         return pool
