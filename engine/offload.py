@@ -1,5 +1,7 @@
 """Layer-wise offload: the DiT blocks' weights live in (pinned) CPU memory and stream through a few
-device buffers, one block ahead of compute. The 8B model (16 GB in bf16) fits an 8 GB GPU.
+device buffers, one block ahead of compute, so the 8B model (15.3 GiB in bf16) runs on an 8 GB GPU:
+its weights on the device are the non-block 0.34 GiB + 2 x 0.41 GiB per block buffer (bf16; fp8 blocks
+0.20 GiB), plus activations.
 
 Layout
   * Non-block weights (embedders, modulation, final layer: ~2% of the 8B model) move to the device
@@ -25,8 +27,10 @@ Order (CUDA streams and events; on the CPU the same code runs and these are no-o
   * release(i) (just after block i's call returned, i.e. its kernels are queued): ``free`` is
     recorded on the compute stream and the parameters point back at the master.
   So compute never reads a slot still being written, and a slot is never overwritten while a queued
-  kernel may still read it. Slots are allocated once (stable addresses; no caching-allocator reuse
-  across streams, so no ``record_stream`` is needed).
+  kernel may still read it. Slots are allocated once (stable addresses; they are not freed while in
+  use, so no ``record_stream`` is needed); a fresh slot's first copy is ordered after the compute work
+  queued before its allocation (the allocator may hand out memory freed by that work).
+  tests/test_offload.py records this schedule with fake streams and checks it for races.
 
 Which blocks, in which order (the block runner and the offloader cooperate without either knowing
 the other):
@@ -48,9 +52,11 @@ the other):
 
 Between blocks (and between model calls) every block's parameters point at the CPU master: LoRA
 merging, ``state_dict`` and saving see the master. Change block weights in place inside
-``with offload.updating():`` (or call ``invalidate()`` after) so slots holding old copies are refilled. ``release_buffers()`` frees the device
-slots (re-allocated at the next forward); ``remove()`` undoes the offload (blocks stay on the CPU).
-Do not call ``model.to(device)`` on an offloaded model (it would move the masters).
+``with offload.updating():`` (or call ``invalidate()`` after) so slots holding old copies are
+refilled. ``release_buffers()`` frees the device slots (allocated again at the next forward);
+``remove()`` undoes the offload (blocks stay in CPU memory). Do not call ``model.to(device)`` on an
+offloaded model (it would move the masters). Masters, slots and views are created outside inference
+mode, so runs under ``torch.inference_mode`` (ComfyUI) and ``no_grad`` can alternate.
 
 ``choose_offload`` implements ``EngineConfig(offload="auto")``: layer-wise when the free memory of
 the CUDA device is below the model's bytes plus the working memory (activations, other models).
