@@ -15,7 +15,7 @@ markdown table (also written to $OUT/gpu_check.md when $OUT is set).
     bash bench/gpu_check.sh --size tiny          # CPU (or GPU) smoke run: tiny model, 256x256
     bash bench/gpu_check.sh --offload            # only the offload section (bench/gpu_check_offload.py)
 Options: --budget S, --width/--height, --text-tokens, --repeat, --compile-mode, --skip a,b, --offload.
-Offload section (last; runs if budget is left, or alone with --offload): resident vs layer-wise offload
+Offload section (before the compiled row, budget permitting; alone with --offload): resident vs layer-wise offload
 (2 and 8 buffers) for bf16 and fp8 at batch 1 and 2, bit-equality vs resident, and an Engine Base run
 with offload + Cache-DiT.
 """
