@@ -1,5 +1,6 @@
 """Offload section of the GPU check: ``bash bench/gpu_check.sh --offload`` (only this section, ~2-3 min
-on an H200) or the tail of the default run when budget is left (``--skip offload`` leaves it out).
+on an H200) or, in the default run, before the compiled row when budget is left (``--skip offload``
+leaves it out).
 
 At the 8B shape, 1024x1024, sdpa, weights bf16 and fp8, a forward at batch 1 (= one Turbo step) and at
 batch 2 (= one Base step with CFG):
