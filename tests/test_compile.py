@@ -130,3 +130,14 @@ def test_compile_option_validation():
     with pytest.raises(ValueError, match="static or dynamic"):
         C.compile_blocks(random_model(CFG), "sometimes")
     assert C.default_mode("cpu") is None and C.default_mode("cuda") == "max-autotune-no-cudagraphs"
+
+
+def test_cli_compile_flag_maps_to_the_config():
+    from engine.cli import build_parser, engine_config
+
+    p = build_parser()
+    assert engine_config(p.parse_args(["bench", "--compile"])).compile == "static"
+    assert engine_config(p.parse_args(["bench", "--compile", "dynamic"])).compile == "dynamic"
+    assert engine_config(p.parse_args(["bench"])).compile is False
+    cfg = engine_config(p.parse_args(["generate", "--prompt", "x", "--compile", "--quant", "fp8", "--attention", "sage"]))
+    assert (cfg.compile, cfg.quant, cfg.attention) == ("static", "fp8", "sage")

@@ -295,3 +295,11 @@ def test_quantized_file_with_wrong_shapes_is_refused(bf16_file, tmp_path):
     save_file(sd, str(bad), metadata={"sgld_quant": json.dumps({"format": "fp8"})})
     with pytest.raises(CheckpointError, match="layers.1.mlp.up_proj.weight.*shape"):
         load_model(bad)
+
+
+def test_cli_bench_quant_flag(capsys):
+    from engine.cli import main
+
+    assert main(["bench", "--size", "tiny", "--steps", "0", "--repeat", "1", "--quant", "int4-g64", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["quant"] == "int4-g64" and "warnings" not in res
