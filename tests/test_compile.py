@@ -141,3 +141,13 @@ def test_cli_compile_flag_maps_to_the_config():
     assert engine_config(p.parse_args(["bench"])).compile is False
     cfg = engine_config(p.parse_args(["generate", "--prompt", "x", "--compile", "--quant", "fp8", "--attention", "sage"]))
     assert (cfg.compile, cfg.quant, cfg.attention) == ("static", "fp8", "sage")
+
+
+def test_no_c_compiler_means_eager_with_a_warning(monkeypatch):
+    import shutil as sh
+
+    monkeypatch.setattr(sh, "which", lambda name: None)
+    model = random_model(CFG, seed=0)
+    eng = Engine(model, EngineConfig(compile=True))
+    assert not C.is_compiled(model)
+    assert any("no C compiler" in w for w in eng.warnings)
