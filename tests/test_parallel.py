@@ -177,6 +177,20 @@ def test_attention_primitives_in_process():
         out, lse = merge_lse(out, lse, bo, bl)
     assert torch.isfinite(out).all()
     assert (out - ref).abs().max() < 1e-5
+    # the fast path: torch's flash kernel (checked against the reference once), prefix lengths per block
+    from engine.parallel.comm import block_attention, block_lens, lse_kernel
+
+    kernel = lse_kernel(q.device, q.dtype, q.shape[-1])
+    out = lse = None
+    for sl in (slice(0, 4), slice(4, 9)):
+        blk = block_lens(mask[:, sl])
+        assert blk in ([4, 3], [2, 0])
+        bo, bl = block_attention(q, k[:, sl], v[:, sl], blk, kernel)
+        out, lse = merge_lse(out, lse, bo, bl)
+    assert (out - ref).abs().max() < 1e-5
+    assert block_lens(torch.ones(2, 5, dtype=torch.bool)) is None
+    odd = torch.tensor([[True, False, True]])
+    assert block_lens(odd) is odd  # not a prefix: the masked reference path
 
 
 def test_comm_table_bench():

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .comm import Groups, ring_attention, ulysses_gather_heads, ulysses_scatter_heads
+from .comm import Groups, block_lens, ring_attention, ulysses_gather_heads, ulysses_scatter_heads
 
 COLUMN_SHARDED = ("self_attention.to_q.weight", "self_attention.to_k.weight", "self_attention.to_v.weight",
                   "mlp.gate_proj.weight", "mlp.up_proj.weight")
@@ -191,13 +191,14 @@ class ParallelModel:
             return None if full_mask is None else full_mask[:, j * span:(j + 1) * span]
 
         masks = [block_mask(j) for j in range(R)]
+        blocks = [block_lens(m) for m in masks] if R > 1 else None
 
         @torch.compiler.disable
         def attention(q, k, v, key_mask=None):
             if U > 1:
                 q, k, v = ulysses_scatter_heads(torch.stack([q, k, v]), g.ulysses, U).unbind(0)
             if R > 1:
-                out = ring_attention(q, k, v, masks, g.ring, g.ranks["ring"], r)
+                out = ring_attention(q, k, v, blocks, g.ring, g.ranks["ring"], r)
             else:
                 out = base(q, k, v, masks[0])
             if U > 1:
