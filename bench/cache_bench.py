@@ -360,7 +360,40 @@ def plot(all_rows: Dict[str, List[dict]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def merge(paths: List[str], out: str, plot_path: str) -> dict:
+TARGETS = {"quality": (1.67, 3.0), "balanced": (2.0, 3.0), "fast": (2.69, 8.0)}  # 50 steps: speedup, judge drop
+
+
+def checks(key: str, rows: List[dict]) -> List[str]:
+    """Target checks for one table: speed at 50 steps, PSNR vs cache-dit at equal or higher speed, judge drop."""
+    steps = int(key.split(" steps")[0].split(", ")[-1])
+    base = next(r for r in rows if r["family"] == "base")
+    peers = [r for r in rows if r["family"] == "cache-dit"]
+    out = []
+    for r in rows:
+        if r["name"] not in TARGETS:
+            continue
+        target, drop = TARGETS[r["name"]]
+        parts = [f"`{r['name']}` {r['speedup']:.2f}x"]
+        if steps == 50:
+            parts.append(f"target {target}x: {'met' if r['speedup'] >= target else 'NOT met'}")
+        faster = [p for p in peers if p["speedup"] >= r["speedup"]]
+        if faster:
+            best = max(faster, key=lambda p: p["psnr"])
+            ok = r["psnr"] >= best["psnr"] - 1e-9
+            parts.append(f"PSNR {r['psnr']:.2f} vs cache-dit's best at >= speed {best['psnr']:.2f} "
+                         f"({best['name'].replace('cache-dit ', '')}): {'ok' if ok else 'LOWER'}")
+        elif peers:
+            parts.append("no cache-dit point is as fast")
+        if r.get("pass_rate") is not None and base.get("pass_rate") is not None:
+            d = base["pass_rate"] - r["pass_rate"]
+            limit = drop if steps >= 28 else 5.0
+            parts.append(f"judge {r['pass_rate']:.1f}% vs uncached {base['pass_rate']:.1f}% "
+                         f"(drop {d:.1f}, limit {limit:g}: {'ok' if d <= limit else 'OVER'})")
+        out.append("- " + "; ".join(parts))
+    return out
+
+
+def merge(paths: List[str], out: str, plot_path: str, header: str = "") -> dict:
     all_rows = {}
     for p in paths:
         with open(p) as f:
@@ -370,7 +403,10 @@ def merge(paths: List[str], out: str, plot_path: str) -> dict:
         for r in rows:
             r["psnr"] = float(r["psnr"])
         steps = int(key.split(" steps")[0].split(", ")[-1])
-        md += [f"## {key}", "", table(rows, steps, rows[0].get("pass_rate") is not None), ""]
+        md += [f"## {key}", "", table(rows, steps, rows[0].get("pass_rate") is not None), ""] + checks(key, rows) + [""]
+    if header:
+        with open(header) as f:
+            md = [f.read().rstrip(), ""] + md
     with open(out, "w") as f:
         f.write("\n".join(md) + "\n")
     if plot_path:
@@ -394,9 +430,10 @@ def main(argv=None):
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "cache_results.json"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "bench", "cache_pareto.png"))
     ap.add_argument("--merge", nargs="+", default=None, help="only merge earlier --json outputs into --out / --plot")
+    ap.add_argument("--header", default="", help="with --merge: a markdown file put before the tables")
     args = ap.parse_args(argv)
     if args.merge:
-        return merge(args.merge, args.out, args.plot)
+        return merge(args.merge, args.out, args.plot, args.header)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "error")
     configs = our_configs() + ([] if args.no_cachedit else cachedit_configs())
