@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 import weakref
 from dataclasses import dataclass
@@ -230,6 +231,11 @@ class ParallelEngine(Engine):
         cc = resolve_config(cache if cache is not None else getattr(self.config, "cache", None))
         rc = cc.resolve(self.last_run.model_calls, self.model.config.num_layers) if cc.enabled else None
         cfg_batched = uncond is not None
+        if self.plan.cfg > 1 and not cfg_batched and not getattr(self, "_warned_cfg", False):
+            self._warned_cfg = True
+            msg = "cfg_parallel: this run has no negative branch (cfg = 1), so both CFG rank groups compute the same batch"
+            logging.getLogger("sgld.parallel").warning(msg)
+            self.warnings.append(msg)
         branches = 2 if cfg_batched and self.plan.cfg == 1 else 1
         noise = seeded_noise(latent.shape, seed)
         x = noise_scaling(sigmas[0], noise, latent)
