@@ -5,7 +5,8 @@ forward at batch 2) and peak memory for:
   bf16 eager (sdpa) · sage · flash (when installed) · fp8 · int4 · bf16 compiled (regional, inductor
   "default" mode unless --compile-mode says otherwise; the engine's own GPU default is
   max-autotune-no-cudagraphs, whose autotuning would not fit the 8 minutes)
-  and whole runs: Turbo (8 steps, cfg 1) and Base (50 steps, cfg 4) with the engine's defaults.
+  and whole runs: Turbo (8 steps, cfg 1) and Base (50 steps, cfg 4) with the engine's defaults;
+  last, if budget is left: fp8 + the best attention + compiled together ("all-on").
 Each row is printed as soon as it is measured; a failing row (missing kernel, OOM) is reported and
 the check goes on; rows that would not fit the time budget are skipped with that reason. The
 compiled row comes last and is cut off by an alarm when the budget runs out. At the end: one
@@ -187,7 +188,7 @@ def main():
                     help="torch.compile mode of the compiled row: default (plain inductor: compiles in well under a "
                          "minute, fits the budget) or auto = the engine's GPU default, max-autotune-no-cudagraphs "
                          "(autotuning adds minutes at the 8B shape)")
-    ap.add_argument("--skip", default="", help="comma-separated rows to skip: eager,sage,flash,turbo,base,fp8,int4,compiled,"
+    ap.add_argument("--skip", default="", help="comma-separated rows to skip: eager,sage,flash,turbo,base,fp8,int4,compiled,all-on,"
                                                "offload (the whole offload section) or off-bf16,off-bf16-8buf,off-fp8,off-engine")
     ap.add_argument("--device", default=None)
     ap.add_argument("--offload", action="store_true",
@@ -296,6 +297,14 @@ def main():
         mode = args.compile_mode
         compile_blocks(m, "static", mode=mode)
         reset_counters()
+        s, first, pk, fin = within_budget(lambda: time_forward(m, inp1, dev, args.repeat))
+        sp = f"; {state['eager_s'] / s:.2f}x vs eager" if state.get("eager_s") else ""
+        row(f"bf16 compiled ({m._sgld_compile['mode']})", "sdpa", "bf16", s, pk,
+            f"mode {m._sgld_compile['mode']}, compile + first call {first:.0f} s, {graph_count()} graph(s){sp}{err_vs(state)}" + ("" if fin else "; NON-FINITE output"))
+        state["compiled"] = True
+
+    def within_budget(fn):
+        """Run fn, stopped by SIGALRM when the budget runs out (compiles cannot be bounded otherwise)."""
         remaining = int(left(args)) - 5
         if remaining <= 0:
             raise Budget()
@@ -306,13 +315,30 @@ def main():
             signal.signal(signal.SIGALRM, on_alarm)
             signal.alarm(remaining)
         try:
-            s, first, pk, fin = time_forward(m, inp1, dev, args.repeat)
+            return fn()
         finally:
             if use_alarm:
                 signal.alarm(0)
-        sp = f"; {state['eager_s'] / s:.2f}x vs eager" if state.get("eager_s") else ""
-        row(f"bf16 compiled ({m._sgld_compile['mode']})", "sdpa", "bf16", s, pk,
-            f"mode {m._sgld_compile['mode']}, compile + first call {first:.0f} s, {graph_count()} graph(s){sp}{err_vs(state)}" + ("" if fin else "; NON-FINITE output"))
+
+    def all_on():
+        """The fastest combination: fp8 weights + the best attention + the compiled block (one recompile)."""
+        if not state.get("compiled"):
+            row("fp8 + auto attention + compiled", "–", "–", None, "–", "skipped: the compiled row did not finish")
+            return
+        from engine.compile import graph_count, reset_counters
+
+        m = state["model"]
+        Q.quantize_model(m, "fp8")
+        notes = Q.prepare_fast_paths(m)
+        state["fmt"] = "fp8"
+        choice = A.select_backend("auto", dev, dtype, cfg.head_dim)
+        m.attention = choice.fn
+        reset_counters()
+        s, first, pk, fin = within_budget(lambda: time_forward(m, inp1, dev, args.repeat))
+        sp = f"; {state['eager_s'] / s:.2f}x vs bf16 eager sdpa" if state.get("eager_s") else ""
+        row(f"fp8 + {choice.name} + compiled", choice.name, "fp8", s, pk,
+            f"{notes[0] if notes else ''}; recompile + first call {first:.0f} s, {graph_count()} new graph(s){sp}{err_vs(state)}"
+            + ("" if fin else "; NON-FINITE output"))
 
     if not args.offload:
         guarded("eager", args, 5, eager)
@@ -331,6 +357,7 @@ def main():
 
     if not args.offload:  # last: its compile time is the least predictable (an alarm stops it at the budget)
         guarded("compiled", args, 40, compiled)
+        guarded("all-on", args, 40, all_on)
 
     lines = ["# gpu_check", "", *[f"- {h}" for h in head], "",
              "| what | attention | weights | s/step | peak GiB | notes |", "|---|---|---|---|---|---|"]
