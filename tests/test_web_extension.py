@@ -189,6 +189,8 @@ LOAD = """async ([wf, name]) => {
   }
   const set = (name, v) => { const w = cache.widgets.find((w) => w.name === name); if (w) w.value = v; };
   set("enabled", true); set("preset", "balanced"); set("advanced", false);
+  const steps = ks.widgets.find((w) => w.name === "steps");
+  if (steps.value < 12) steps.value = 12;  // enough calls for the preset to cache some (12: 111111011011)
   g.setDirtyCanvas(true, true);
   return {ksampler: String(ks.id), cache: String(cache.id)};
 }"""
@@ -311,6 +313,21 @@ def test_timeline_after_a_cached_run(comfy, page):
     assert not SHARED["errors"], SHARED["errors"]
     SHARED.update(ids)
     print(f"\nweb: {name}, mask {stats['step_mask']}, speedup {stats['speedup']}, {time.monotonic() - t0:.1f} s")
+
+
+def test_unchanged_graph_shows_the_reused_run(comfy, page):
+    """Queued again unchanged, ComfyUI reuses the KSampler's output: the panel keeps that run's timeline,
+    labelled as reused, and no new run event comes from the node."""
+    ks, _ = ids_from_first_test()
+    before = page.evaluate(PANEL, ks)
+    page.evaluate(QUEUE_UI)
+    pid = prompt_id(page)
+    page.wait_for_function(f"() => document.querySelector('.sgld-run[data-node-id=\"{ks}\"]')?.innerText.includes('reused')",
+                           timeout=30_000)
+    assert comfy.wait(pid, 30)["status"]["status_str"] == "success"
+    panel = page.evaluate(PANEL, ks)
+    assert panel["state"] == "done" and panel["mask"] == before["mask"], panel
+    assert not [e for e in events(page) if e["type"] == "sgldiffusion.run"]
 
 
 def test_preset_tooltip_on_hover(page):

@@ -38,7 +38,7 @@ const STYLE = `
 .sgld-run .sgld-meta, .sgld-run .sgld-legend { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; height: 15px; }
 .sgld-run .sgld-legend i { display: inline-block; width: 8px; height: 8px; margin: 0 3px 0 0; border-radius: 2px; vertical-align: -1px; }
 .sgld-run .sgld-warn { color: #e9b44c; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; height: 15px; }
-.sgld-run .sgld-msg { white-space: normal; overflow: hidden; max-height: 30px; }
+.sgld-run .sgld-msg { white-space: normal; overflow: hidden; max-height: 45px; word-break: break-word; }
 `;
 function addStyle() {
   if (document.getElementById("sgld-run-style")) return;
@@ -152,8 +152,10 @@ class RunPanel {
     if (state === "failed" || state === "interrupted") {
       // nothing of an earlier run stays on screen: only what happened now
       const msg = state === "failed" ? this.extra?.error || "the run raised an error" : "stopped before the last step; no timeline";
-      el.append(h("div", "sgld-msg", msg));
-      height += 32;
+      const m = h("div", "sgld-msg", msg);
+      m.title = msg;
+      el.append(m);
+      height += 46;
     }
     if ((state === "done" || state === "stale") && s) {
       const cells = timelineOf(s);
@@ -278,6 +280,17 @@ app.registerExtension({
       for (const id of e.detail?.nodes ?? []) {
         const panel = panelOf(findNode(id), false);
         if (panel) panel.reusedFor = e.detail?.prompt_id ?? currentPrompt;
+      }
+    });
+    api.addEventListener("execution_success", (e) => {
+      // ComfyUI reused the node's cached output (it may not even re-send it): what it shows is this prompt's result
+      const pid = e.detail?.prompt_id ?? currentPrompt;
+      for (const node of ourNodes()) {
+        const panel = panelOf(node, false);
+        if (panel && panel.reusedFor === pid && (panel.state === "done" || panel.state === "stale") && panel.stats && panel.prompt !== pid) {
+          panel.prompt = pid;
+          panel.set("done", undefined, { reused: true });
+        }
       }
     });
     api.addEventListener("execution_error", (e) => onPromptStopped("failed", e.detail));
