@@ -14,6 +14,7 @@ log = logging.getLogger("sgldiffusion")
 WEIGHT_DTYPES = ["default", "bf16", "fp16", "fp32"]
 COMPILE = ["off", "static", "dynamic"]
 QUANT = ["none", "fp8", "int4", "int4-g64"]
+OFFLOAD = ["auto", "none", "layerwise"]
 
 
 def model_folders() -> list:
@@ -89,6 +90,11 @@ class SGLDiffusionModelLoader:
                 "quant": (QUANT, {"default": "none", "tooltip": (
                     "Weight-only quantization of the transformer blocks' linear layers (fp8, or int4 in groups of "
                     "128 / 64). Pre-quantized files load quantized whatever this says.")}),
+                "offload": (OFFLOAD, {"default": "auto", "tooltip": (
+                    "Layer-wise offload: transformer blocks stay in CPU memory and stream through a few GPU buffers. "
+                    "auto: only when the GPU has too little free memory for the whole model.")}),
+                "resident_layers": ("INT", {"default": 2, "min": 1, "max": 64, "tooltip": (
+                    "GPU layer buffers used by offload; more = faster, more VRAM.")}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -112,14 +118,16 @@ class SGLDiffusionModelLoader:
         except Exception:
             return float("nan")  # never equal: run load() and let it report the problem
 
-    def load(self, unet_name, weight_dtype="default", attention="auto", compile="off", quant="none", unique_id=None):
+    def load(self, unet_name, weight_dtype="default", attention="auto", compile="off", quant="none",
+             offload="auto", resident_layers=2, unique_id=None):
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"SGLDiffusion Model Loader: weight_dtype '{weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
         path = resolve(unet_name)
         try:
             config = EngineConfig(dtype=None if weight_dtype == "default" else weight_dtype, device=torch_device(),
                                   attention=attention, compile=False if compile == "off" else compile,
-                                  quant=None if quant == "none" else quant)
+                                  quant=None if quant == "none" else quant, offload=offload,
+                                  resident_layers=int(resident_layers))
         except ValueError as e:
             raise ValueError(f"SGLDiffusion Model Loader: {e}") from None
         handle = SGLDModel(path, config, name=unet_name, owner=str(unique_id) if unique_id is not None else None)

@@ -74,6 +74,7 @@ def cache_key(path: str, config: EngineConfig) -> tuple:
 def _drop(key: tuple, reason: str) -> None:
     engine = _engines.pop(key, None)
     if engine is not None:
+        engine.release()  # offload buffers, worker processes, CUDA cache: gone now, not at garbage collection
         log.info("SGLDiffusion: released %s (%s)", os.path.basename(key[0]), reason)
 
 
