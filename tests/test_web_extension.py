@@ -173,6 +173,10 @@ LOAD = """async ([wf, name]) => {
   const app = window.app;
   await app.loadGraphData(wf, true, true, name);
   const g = app.graph;
+  for (const n of g._nodes) {  // nodes that gained widgets since the file was saved: room for all of them
+    const want = n.computeSize?.();
+    if (want) n.setSize([Math.max(n.size[0], want[0]), Math.max(n.size[1], want[1])]);
+  }
   const ks = g._nodes.find((n) => n.comfyClass === "SGLDiffusionKSampler");
   const slot = ks.inputs.findIndex((i) => i.name === "cache");
   let cache = null;
@@ -354,7 +358,7 @@ def test_preset_tooltip_on_hover(page):
     else:
         assert "no benchmark table yet" in text, text
     screenshot(page, "web_extension_tooltip.png")
-    page.mouse.move(5, 5)
+    page.mouse.move(900, 760)  # an empty part of the canvas
 
 
 def test_failed_prompt_before_the_node_marks_the_timeline_as_earlier(comfy, page):
@@ -396,4 +400,28 @@ def test_interrupted_run_clears_the_timeline(comfy, page):
     assert panel["mask"] == "" and "interrupted" in panel["text"], panel
     states = [e["detail"]["state"] for e in events(page) if e["type"] == "sgldiffusion.run"]
     assert states == ["running", "interrupted"], states
+    assert not SHARED["errors"], SHARED["errors"]
+
+
+def test_timeline_in_vue_nodes_mode(comfy, page):
+    """Frontend 1.32's 'Nodes 2.0' (Vue nodes, the default direction of later frontends) renders the same panel."""
+    ks, cache = ids_from_first_test()
+    ok = page.evaluate("""async () => {
+      const s = window.app.extensionManager?.setting;
+      if (!s?.set) return false;
+      await s.set("Comfy.VueNodes.Enabled", true);
+      return true;
+    }""")
+    if not ok:
+        pytest.skip("this frontend has no settings API for Vue nodes")
+    try:
+        page.wait_for_function(f"() => document.querySelector('[data-node-id=\"{ks}\"] .sgld-run')", timeout=20_000)
+        pid = page.evaluate(QUEUE_VARIANT, [ks, cache, {"ksampler": {"seed": 8}}])
+        panel = wait_state(page, ks, "done", 60_000)
+        stats = comfy.wait(pid, 30)["outputs"][ks]["sgld_stats"][0]
+        assert panel["mask"] == stats["step_mask"] and panel["cached"] > 0, (panel, stats)
+        assert page.locator(f'.sgld-run[data-node-id="{ks}"] .sgld-timeline').is_visible()
+        screenshot(page, "web_extension_vue_nodes.png")
+    finally:
+        page.evaluate("() => window.app.extensionManager.setting.set('Comfy.VueNodes.Enabled', false)")
     assert not SHARED["errors"], SHARED["errors"]
