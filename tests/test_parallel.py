@@ -74,6 +74,47 @@ def test_mode_equals_single_process(setup, mode):
         eng.close()
 
 
+def _write_lora(path, cfg, seed=0, rank=4):
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    sd = {}
+    for m, (o, i) in {"layers.0.self_attention.to_q": (h, h), "layers.1.mlp.linear_fc2": (h, f),
+                      "layers.1.self_attention.to_out.0": (h, h)}.items():
+        sd[f"transformer.{m}.lora_A.weight"] = torch.randn(rank, i, generator=g) * 0.3
+        sd[f"transformer.{m}.lora_B.weight"] = torch.randn(o, rank, generator=g) * 0.3
+    save_file(sd, str(path))
+    return str(path)
+
+
+def test_lora_on_the_workers(setup, tmp_path):
+    """LoRAs merge on every rank (sequence/CFG parallel) like on one process; TP refuses them clearly."""
+    from engine.lora import LoRAError
+
+    path, inputs, refs = setup
+    lora = _write_lora(tmp_path / "l.safetensors", SIZES["tiny"])
+    single = Engine.from_file(path, EngineConfig())
+    single.set_loras([(lora, 0.8)])
+    ref = _run(single, inputs, CacheConfig(enabled=False))
+    assert not _close(ref, refs["off"][0])  # the LoRA changes the image
+    eng = Engine.from_file(path, EngineConfig(ring_degree=2))
+    try:
+        assert eng.set_loras([(lora, 0.8)]) == single.lora_report
+        assert _close(_run(eng, inputs, CacheConfig(enabled=False)), ref)
+        assert eng.check_lora(lora) == []
+        with pytest.raises(LoRAError):
+            eng.set_loras([(str(tmp_path / "missing.safetensors"), 1.0)])
+        eng.set_loras([])  # exact restore on the workers, and the pool survived the bad file
+        assert _close(_run(eng, inputs, CacheConfig(enabled=False)), refs["off"][0])
+    finally:
+        eng.close()
+    tp = Engine.from_file(path, EngineConfig(tp=2))
+    with pytest.raises(LoRAError, match="tensor parallel"):
+        tp.set_loras([(lora, 1.0)])
+    tp.close()
+
+
 def test_worker_killed_mid_run_fails_fast_and_next_run_works(setup):
     path, inputs, refs = setup
     eng = Engine.from_file(path, EngineConfig(ulysses_degree=2))

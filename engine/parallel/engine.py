@@ -121,6 +121,8 @@ class ParallelEngine(Engine):
         self.notes: List[str] = [f"parallel: {plan.describe()} over {backend}"]
         self.attention_backend = "parallel"
         self.offload = None  # layer-wise offload runs inside the workers, if asked for
+        self.loras: list = []  # [(path, strength)] active on the workers (re-applied after a reload)
+        self.lora_report: List[str] = []
         self.worker_device = torch.device(config.device)  # where the weights live (the workers' GPUs)
         self.info: dict = {}
         self.transport = transport or PoolTransport(plan, backend)
@@ -158,9 +160,45 @@ class ParallelEngine(Engine):
         info = self.transport.ensure(self._key, spec)
         if info:
             self.info = info
+            if self.loras:  # fresh weights (first load, reload, restarted pool): put the LoRAs back
+                self.lora_report = self._worker_call(("loras", list(self.loras)))
             self.attention_backend = f"{info['attention']} (parallel)"
             self.warnings = list(dict.fromkeys(self.warnings + info.get("warnings", [])))
             self.notes = [self.notes[0]] + info.get("notes", [])
+
+    # -- LoRA: merged on every rank (sequence / CFG parallel hold the full weights) ---------------------
+    def set_loras(self, loras) -> List[str]:
+        """``Engine.set_loras`` on the workers: exactly these LoRAs active, the same list again is free."""
+        from ..lora import LoRAError, normalize
+
+        items = [(getattr(p, "path", p), float(s)) for p, s in normalize(loras)]
+        if items == list(self.loras):
+            return list(self.lora_report)
+        if items and self.plan.tp > 1:
+            raise LoRAError("LoRA with tensor parallel (tp > 1) is not supported yet: each rank holds a slice of the "
+                            "layers; use ulysses_degree / ring_degree / cfg_parallel, or one GPU")
+        self._ensure()
+        self.lora_report = list(self._worker_call(("loras", items)) or [])
+        self.loras = items
+        return list(self.lora_report)
+
+    def check_lora(self, path) -> List[str]:
+        """Read a LoRA against the model on the workers without applying it (``engine.lora.check_lora``)."""
+        import os
+
+        self._ensure()
+        return list(self._worker_call(("check_lora", os.fspath(path))) or [])
+
+    def _worker_call(self, msg):
+        """A request whose user errors (a bad LoRA file) come back as the engine's own exception types."""
+        res = self.transport.request(msg)
+        if isinstance(res, dict) and "error" in res:
+            kind, text = res["error"]
+            from ..lora import LoRAError
+            from ..safetensors_io import CheckpointError
+
+            raise {"LoRAError": LoRAError, "CheckpointError": CheckpointError}.get(kind, ValueError)(text)
+        return res
 
     def close(self) -> None:
         """Unload this engine's weights from the workers (the processes stay for the next engine).

@@ -146,6 +146,20 @@ class WorkerState:
         self.engine.model.block_runner = run["default_runner"]
         return run["runner"].summary() if run["runner"] is not None else None
 
+    def cmd_loras(self, items):
+        try:
+            return self.engine.set_loras(items)
+        except Exception as e:  # the same file on every rank: the same error everywhere, no collective inside
+            return {"error": (type(e).__name__, str(e))}
+
+    def cmd_check_lora(self, path):
+        from ..lora import check_lora
+
+        try:
+            return check_lora(self.engine, path)
+        except Exception as e:
+            return {"error": (type(e).__name__, str(e))}
+
     def cmd_exit(self):
         return True
 
