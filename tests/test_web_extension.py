@@ -305,6 +305,7 @@ def test_timeline_after_a_cached_run(comfy, page):
     assert f"{stats['speedup']:.2f}x" in text, text
     assert f"{stats['steps_computed']} computed" in text and f"{panel['cached']} cached" in text
     assert f"attention {stats['attention']}" in text and "offload none" in text and "quant none" in text
+    assert "Cache-DiT balanced" in text, text
     # the server's own message carried the same statistics
     done = [e["detail"] for e in events(page) if e["type"] == "sgldiffusion.run" and e["detail"].get("state") == "done"]
     assert done and done[-1]["step_mask"] == stats["step_mask"] and done[-1]["prompt_id"] == pid

@@ -183,6 +183,7 @@ class RunPanel {
         return i;
       };
       legend.append(sw("sgld-computed"), `${computed} computed  `, sw("sgld-cached"), `${cached} cached`);
+      legend.append(s.cache ? ` · Cache-DiT ${s.cache.preset ?? s.cache.config ?? "on"}` : " · Cache-DiT off");
       if (state === "stale") legend.append("  (from an earlier prompt)");
       el.append(legend);
       const meta = [`attention ${s.attention ?? "?"}`, `offload ${s.offload ?? "?"}${s.offload_detail ? ` (${s.offload_detail})` : ""}`,
