@@ -371,6 +371,7 @@ def test_failed_prompt_before_the_node_marks_the_timeline_as_earlier(comfy, page
     assert comfy.wait(pid, 30)["status"]["status_str"] == "error"
     close_error_dialog(page)
     assert panel["mask"] == before["mask"] and "earlier" in panel["text"], panel
+    screenshot(page, "web_extension_stale.png")
 
 
 def test_failed_run_clears_the_timeline(comfy, page):
@@ -398,9 +399,10 @@ def test_interrupted_run_clears_the_timeline(comfy, page):
     panel = wait_state(page, ks, "interrupted", 60_000)
     entry = comfy.wait(pid, 30)
     assert cs.error_message(entry)["kind"] == "execution_interrupted"
-    assert panel["mask"] == "" and "interrupted" in panel["text"], panel
+    assert panel["mask"] == "" and "interrupted" in panel["text"] and "of 10000" in panel["text"], panel
     states = [e["detail"]["state"] for e in events(page) if e["type"] == "sgldiffusion.run"]
     assert states == ["running", "interrupted"], states
+    screenshot(page, "web_extension_interrupted.png")
     assert not SHARED["errors"], SHARED["errors"]
 
 

@@ -141,17 +141,20 @@ class RunPanel {
       done: this.extra?.reused ? "done (output reused by ComfyUI)" : "done",
       failed: "failed",
       interrupted: "interrupted",
-      stale: "earlier run",
+      stale: "earlier prompt's run",
     }[state] ?? state;
     head.append(h("span", "sgld-state", label));
     let height = 24;
     if (state === "running") {
+      this.progress = null;
       head.append(h("span", "sgld-steps", this.extra?.steps ? `${this.extra.steps} steps` : ""));
     }
     el.append(head);
     if (state === "failed" || state === "interrupted") {
       // nothing of an earlier run stays on screen: only what happened now
-      const msg = state === "failed" ? this.extra?.error || "the run raised an error" : "stopped before the last step; no timeline";
+      const p = this.progress;
+      const stopped = p ? `stopped at step ${p.value} of ${p.max}` : "stopped before the last step";
+      const msg = state === "failed" ? this.extra?.error || "the run raised an error" : `${stopped}; no timeline`;
       const m = h("div", "sgld-msg", msg);
       m.title = msg;
       el.append(m);
@@ -184,7 +187,6 @@ class RunPanel {
       };
       legend.append(sw("sgld-computed"), `${computed} computed  `, sw("sgld-cached"), `${cached} cached`);
       legend.append(s.cache ? ` · Cache-DiT ${s.cache.preset ?? s.cache.config ?? "on"}` : " · Cache-DiT off");
-      if (state === "stale") legend.append("  (from an earlier prompt)");
       el.append(legend);
       const meta = [`attention ${s.attention ?? "?"}`, `offload ${s.offload ?? "?"}${s.offload_detail ? ` (${s.offload_detail})` : ""}`,
         `quant ${s.quant ?? "?"}`];
@@ -274,6 +276,10 @@ app.registerExtension({
   async setup() {
     addStyle();
     api.addEventListener(RUN_EVENT, (e) => onRunEvent(e.detail));
+    api.addEventListener("progress", (e) => {
+      const panel = panelOf(findNode(e.detail?.node), false);
+      if (panel && panel.state === "running") panel.progress = { value: e.detail.value, max: e.detail.max };
+    });
     api.addEventListener("execution_start", (e) => {
       currentPrompt = e.detail?.prompt_id ?? null;
     });
