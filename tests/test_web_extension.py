@@ -262,9 +262,18 @@ def close_banner(page):
 
 
 def close_error_dialog(page):
-    """ComfyUI's own error dialog after a failed prompt: close it (Escape) so the graph is visible."""
+    """ComfyUI's own error dialog after a failed prompt (it may come after our panel changed): close it."""
+    dialog = page.locator(".p-dialog")
+    try:
+        dialog.first.wait_for(state="visible", timeout=5_000)
+    except Exception:
+        return
     page.keyboard.press("Escape")
-    page.wait_for_timeout(300)
+    try:
+        dialog.first.wait_for(state="hidden", timeout=3_000)
+    except Exception:
+        page.locator(".p-dialog button[aria-label='Close'], .p-dialog .p-dialog-close-button").first.click(timeout=2_000)
+        dialog.first.wait_for(state="hidden", timeout=3_000)
 
 
 def ids_from_first_test():
