@@ -195,6 +195,10 @@ LOAD = """async ([wf, name]) => {
   set("enabled", true); set("preset", "balanced"); set("advanced", false);
   const steps = ks.widgets.find((w) => w.name === "steps");
   if (steps.value < 12) steps.value = 12;  // enough calls for the preset to cache some (12: 111111011011)
+  const v = app.canvas.visible_area;  // [x, y, w, h] in graph units: keep the KSampler in view
+  if (v && (ks.pos[0] < v[0] || ks.pos[1] < v[1] || ks.pos[0] + ks.size[0] > v[0] + v[2] || ks.pos[1] + ks.size[1] > v[1] + v[3])) {
+    app.canvas.centerOnNode?.(ks);
+  }
   g.setDirtyCanvas(true, true);
   return {ksampler: String(ks.id), cache: String(cache.id)};
 }"""
