@@ -223,7 +223,7 @@ class RunPanel {
 
 function panelOf(node, create = true) {
   if (!node) return null;
-  if (!node.__sgldPanel && create) node.__sgldPanel = new RunPanel(node);
+  if (!node.__sgldPanel && create && typeof node.addDOMWidget === "function") node.__sgldPanel = new RunPanel(node);
   return node.__sgldPanel ?? null;
 }
 
@@ -235,6 +235,7 @@ function onRunEvent(detail) {
   const node = findNode(detail.node);
   if (!node || (node.comfyClass ?? node.type) !== KSAMPLER) return;
   const panel = panelOf(node);
+  if (!panel) return;
   panel.prompt = detail.prompt_id ?? currentPrompt;
   if (detail.state === "running") panel.set("running", null, { steps: detail.steps });
   else if (detail.state === "done") panel.set("done", detail);
@@ -312,6 +313,7 @@ app.registerExtension({
         const stats = output?.sgld_stats?.[0];
         if (stats) {
           const panel = panelOf(this);
+          if (!panel) return r;
           const reused = panel.reusedFor !== undefined && panel.reusedFor === currentPrompt;
           panel.prompt = currentPrompt;
           panel.set("done", stats, { reused });
@@ -341,6 +343,7 @@ app.registerExtension({
   nodeCreated(node) {
     if ((node.comfyClass ?? node.type) !== KSAMPLER) return;
     const panel = panelOf(node);
+    if (!panel) return;
     // the id is known only once the node is in a graph (added, or configured from a workflow)
     for (const hook of ["onAdded", "onConfigure"]) {
       const orig = node[hook];
