@@ -95,6 +95,17 @@ class SGLDiffusionModelLoader:
                     "auto: only when the GPU has too little free memory for the whole model.")}),
                 "resident_layers": ("INT", {"default": 2, "min": 1, "max": 64, "tooltip": (
                     "GPU layer buffers used by offload; more = faster, more VRAM.")}),
+                "num_gpus": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": (
+                    "GPUs working on one image (one worker process each). 1: this process only. The degrees below "
+                    "must multiply to it; with all of them at 1, N GPUs means Ulysses over N.")}),
+                "ulysses_degree": ("INT", {"default": 1, "min": 1, "max": 32, "tooltip": (
+                    "Ulysses sequence parallel: attention heads split over this many GPUs (all-to-all).")}),
+                "ring_degree": ("INT", {"default": 1, "min": 1, "max": 8, "tooltip": (
+                    "Ring sequence parallel: keys/values passed around this many GPUs.")}),
+                "tp": ("INT", {"default": 1, "min": 1, "max": 8, "tooltip": (
+                    "Tensor parallel: each block's weights sharded over this many GPUs.")}),
+                "cfg_parallel": ("BOOLEAN", {"default": False, "tooltip": (
+                    "Run the positive and negative prompt on different GPUs (needs cfg > 1).")}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -119,7 +130,8 @@ class SGLDiffusionModelLoader:
             return float("nan")  # never equal: run load() and let it report the problem
 
     def load(self, unet_name, weight_dtype="default", attention="auto", compile="off", quant="none",
-             offload="auto", resident_layers=2, unique_id=None):
+             offload="auto", resident_layers=2, num_gpus=1, ulysses_degree=1, ring_degree=1, tp=1,
+             cfg_parallel=False, unique_id=None):
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"SGLDiffusion Model Loader: weight_dtype '{weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
         path = resolve(unet_name)
@@ -127,7 +139,9 @@ class SGLDiffusionModelLoader:
             config = EngineConfig(dtype=None if weight_dtype == "default" else weight_dtype, device=torch_device(),
                                   attention=attention, compile=False if compile == "off" else compile,
                                   quant=None if quant == "none" else quant, offload=offload,
-                                  resident_layers=int(resident_layers))
+                                  resident_layers=int(resident_layers), num_gpus=int(num_gpus),
+                                  ulysses_degree=int(ulysses_degree), ring_degree=int(ring_degree), tp=int(tp),
+                                  cfg_parallel=bool(cfg_parallel))
         except ValueError as e:
             raise ValueError(f"SGLDiffusion Model Loader: {e}") from None
         handle = SGLDModel(path, config, name=unet_name, owner=str(unique_id) if unique_id is not None else None)

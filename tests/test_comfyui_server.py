@@ -120,13 +120,15 @@ def test_nodes_in_object_info(object_info):
     assert TINY in req["unet_name"][0] and "tiny-ernie-in-unet.safetensors" in req["unet_name"][0]
     assert req["weight_dtype"][0] == ["default", "bf16", "fp16", "fp32"]
     opt = loader["input"]["optional"]
-    assert loader["input_order"]["optional"] == ["attention", "compile", "quant", "offload", "resident_layers"]
+    assert loader["input_order"]["optional"] == ["attention", "compile", "quant", "offload", "resident_layers", "num_gpus",
+                                                 "ulysses_degree", "ring_degree", "tp", "cfg_parallel"]
     assert opt["attention"][0][:2] == ["auto", "sdpa"] and "math" in opt["attention"][0]
     assert "sage" not in opt["attention"][0] and "flash" not in opt["attention"][0]  # CPU: only what runs here
     assert opt["compile"][0] == ["off", "static", "dynamic"]
     assert opt["quant"][0] == ["none", "fp8", "int4", "int4-g64"]
     assert opt["offload"][0] == ["auto", "none", "layerwise"] and opt["offload"][1]["default"] == "auto"
     assert opt["resident_layers"][0] == "INT" and opt["resident_layers"][1]["default"] == 2
+    assert [opt[k][1]["default"] for k in ("num_gpus", "ulysses_degree", "ring_degree", "tp", "cfg_parallel")] == [1, 1, 1, 1, False]
     assert loader["output"] == ["SGLD_MODEL"]
 
     ks = object_info["SGLDiffusionKSampler"]
