@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply a LoRA (.safetensors; diffusers/PEFT, ai-toolkit, kohya or ComfyUI keys) at STRENGTH "
                         "(default 1.0); repeat the flag to stack several")
     _add_common(g)
+    from .cache import add_cli_arguments
+
+    add_cli_arguments(g)
 
     q = sub.add_parser("quantize", help="write an FP8 / INT4 copy of a model file",
                        description="Quantize the DiT blocks' linear layers of an ERNIE-Image checkpoint (bf16/fp16/fp32, "
@@ -200,13 +204,65 @@ def lora_specs(args) -> list:
     return [parse_spec(s) for s in getattr(args, "lora", None) or []]
 
 
-def cmd_generate(args) -> None:
-    try:
-        from .models.demo import cli as demo_cli
-    except ImportError:
-        raise SystemExit("sgld generate: the demo model is not available in this build") from None
-    args.loras = lora_specs(args)  # the generator calls engine.set_loras(args.loras) before sampling
-    demo_cli.generate(args)
+def cmd_generate(args) -> dict:
+    """A picture from a prompt with the embedded demo model: PNG with ComfyUI-style text metadata."""
+    from .models import demo as demo_pkg
+    from .pipeline import Engine
+
+    t0 = time.perf_counter()
+    demo = demo_pkg.load_demo(dtype=args.dtype or torch.float32, cached=False)
+    eng = Engine(demo.dit, engine_config(args, cache=_cache_config(args)), source=demo.path)
+    if args.loras:
+        eng.set_loras(args.loras)
+    cond, uncond = demo.encode([args.prompt]), demo.encode([args.negative])
+    load_s = time.perf_counter() - t0
+    steps = args.steps or demo_pkg.DEFAULT_STEPS
+    cfg = demo_pkg.DEFAULT_CFG if args.cfg is None else args.cfg
+    settings = {"prompt": args.prompt, "negative": args.negative, "seed": args.seed, "steps": steps, "cfg": cfg,
+                "sampler": args.sampler, "scheduler": args.scheduler, "model": os.path.basename(demo.path)}
+    bar = None if args.json else _progress_bar(steps)
+    latent = eng.sample(demo.empty_latent(1), cond, uncond, seed=args.seed, steps=steps, cfg=cfg, sampler=args.sampler,
+                        scheduler=args.scheduler, callback=(lambda i, n, x, d: bar.update(1)) if bar else None)
+    if bar:
+        bar.close()
+    image = demo.decode(latent)[0]
+    stats = eng.last_run.to_dict()
+    _save_png(image, args.out, settings, stats)
+    result = {**settings, "out": args.out, "load_seconds": round(load_s, 3),
+              "sampling_seconds": stats["sampling_seconds"], "steps_total": stats["steps_total"],
+              "steps_computed": stats["steps_computed"], "step_mask": stats["step_mask"]}
+    if "speedup" in stats:
+        result["speedup"] = stats["speedup"]
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]}): load {load_s:.2f} s, sampling "
+              f"{stats['sampling_seconds']:.2f} s, {stats['steps_computed']}/{stats['steps_total']} steps computed")
+    return result
+
+
+def _cache_config(args):
+    from .cache import from_cli_args
+
+    return from_cli_args(args)
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="sampling", unit="step", file=sys.stderr, leave=False)
+
+
+def _save_png(image, path: str, settings: dict, stats: dict) -> None:
+    """Like ComfyUI's SaveImage: the settings as JSON in the PNG's "prompt" text chunk."""
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("prompt", json.dumps(settings))
+    info.add_text("sgld", json.dumps({k: stats[k] for k in ("steps_total", "steps_computed", "step_mask")}))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    Image.fromarray(image).save(path, pnginfo=info)
 
 
 def cmd_quantize(args) -> dict:
@@ -237,6 +293,7 @@ def main(argv=None) -> int:
         if args.command == "bench":
             cmd_bench(args)
         elif args.command == "generate":
+            args.loras = lora_specs(args)
             cmd_generate(args)
         elif args.command == "quantize":
             cmd_quantize(args)

@@ -81,3 +81,27 @@ def test_no_pickle_loading_in_shipped_code(what):
             for f in files:
                 if f.endswith(".py"):
                     assert what not in open(os.path.join(dirpath, f)).read(), f"{f} uses {what}"
+
+
+def test_generate_demo_png_with_metadata_and_json(tmp_path):
+    from PIL import Image
+
+    out = tmp_path / "pic.png"
+    r = run("generate", "--prompt", "a small green square at the top, on a white background", "--seed", "3",
+            "--steps", "6", "--out", str(out), "--json")
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["steps_total"] == 6 and res["steps_computed"] == 6 and res["seed"] == 3
+    assert res["load_seconds"] > 0 and res["sampling_seconds"] > 0
+    im = Image.open(out)
+    assert im.size == (64, 64)
+    meta = json.loads(im.info["prompt"])
+    assert meta["prompt"].startswith("a small green square") and meta["seed"] == 3 and meta["steps"] == 6
+
+
+def test_generate_with_cache_preset_and_bad_preset(tmp_path):
+    r = run("generate", "--prompt", "a large red circle on the left, on a blue background", "--steps", "20",
+            "--cache-preset", "fast", "--out", str(tmp_path / "c.png"), "--json")
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["steps_total"] == 20 and res["steps_computed"] < 20 and len(res["step_mask"]) == 20
+    bad = run("generate", "--prompt", "x", "--cache-preset", "turbo", "--out", str(tmp_path / "d.png"), check=False)
+    assert bad.returncode == 2 and "turbo" in bad.stderr and "balanced" in bad.stderr and "Traceback" not in bad.stderr
