@@ -133,6 +133,18 @@ def check_architecture(ckpt: Checkpoint) -> ErnieImageConfig:
         raise CheckpointError(f"{ckpt.describe()}: not a complete ERNIE-Image diffusion model (cannot read its shape: missing {e})") from None
 
 
+def check_keys(ckpt: Checkpoint, missing: List[str], unexpected: List[str]) -> None:
+    """Refuse a checkpoint whose tensor names do not match the model, naming the first few of each."""
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing (first: {', '.join(missing[:3])})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected (first: {', '.join(unexpected[:3])})")
+    raise CheckpointError(f"{ckpt.describe()}: tensors do not match the ERNIE-Image architecture: " + "; ".join(parts))
+
+
 def build_model(cfg: ErnieImageConfig, device: Union[str, torch.device] = "meta") -> ErnieImageTransformer:
     with torch.device(device):
         return ErnieImageTransformer(cfg)
@@ -155,15 +167,7 @@ def load_model(path: str, dtype: Union[None, str, torch.dtype] = None, device: U
     model = build_model(cfg, "meta")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     have = set(ckpt.keys())
-    missing = [k for k in expected if k not in have]
-    unexpected = sorted(k for k in have if k not in expected)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing (first: {', '.join(missing[:3])})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected (first: {', '.join(unexpected[:3])})")
-        raise CheckpointError(f"{ckpt.describe()}: tensors do not match the ERNIE-Image architecture: " + "; ".join(parts))
+    check_keys(ckpt, [k for k in expected if k not in have], sorted(k for k in have if k not in expected))
     for k, shape in ckpt.shapes().items():
         if tuple(shape) != expected[k]:
             raise CheckpointError(

@@ -467,7 +467,7 @@ def _compute_dtype(ckpt, plan: QuantPlan, dtype: Optional[torch.dtype]) -> torch
 def load_quantized(ckpt, cfg, dtype: Optional[torch.dtype] = None, device="cpu", quant: Optional[str] = None) -> nn.Module:
     """Build the model from a pre-quantized and/or plain checkpoint, quantizing the block linears to
     ``quant`` (fp8 / int4 / int4-g64) as they are read. Tensors are read one at a time."""
-    from .loader import build_model
+    from .loader import build_model, check_keys
     from .safetensors_io import CheckpointError
 
     kind, group = parse_format(quant)
@@ -546,15 +546,7 @@ def load_quantized(ckpt, cfg, dtype: Optional[torch.dtype] = None, device="cpu",
                 expected.pop(k)
     # plain tensors; block linears get quantized as they arrive when ``quant`` is set
     have = [k for k in ckpt.keys() if k not in used]
-    missing = [k for k in expected if k not in state and k not in have]
-    unexpected = sorted(k for k in have if k not in expected)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing (first: {', '.join(missing[:3])})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected (first: {', '.join(unexpected[:3])})")
-        raise CheckpointError(f"{ckpt.describe()}: tensors do not match the ERNIE-Image architecture: " + "; ".join(parts))
+    check_keys(ckpt, [k for k in expected if k not in state and k not in have], sorted(k for k in have if k not in expected))
     for k in have:
         f, fk = ckpt.index[k]
         if tuple(f.shape(fk)) != expected[k]:
