@@ -73,6 +73,8 @@ ADAPTERS: Tuple[Tuple[str, str, str], ...] = (
     ("mochi", ".lora_B", ".lora_A"),
 )
 ALPHA_SUFFIX = ".alpha"
+MERGE_CHUNK_BYTES = 4 * 2 ** 20  # float32 rows merged at a time on the CPU (fits the cache)
+MERGE_CHUNK_BYTES_GPU = 256 * 2 ** 20
 DIFF_SUFFIX = ".diff"
 # Known LoRA parts this engine does not apply: reported, never silently dropped.
 UNSUPPORTED_SUFFIXES = {
@@ -394,19 +396,32 @@ class LoRAState:
                 w = mod.weight
                 if name not in self.backups:
                     self.backups[name] = w.detach().to("cpu", copy=True)
-                base = self.backups[name]
-                acc = base.to(device=w.device, dtype=torch.float32, copy=True)
-                for e, s in items:
-                    if e.diff is not None:
-                        acc.add_(e.diff.to(device=w.device, dtype=torch.float32).reshape(acc.shape), alpha=s)
-                    else:
-                        up = e.up.to(device=w.device, dtype=torch.float32).flatten(1)
-                        down = e.down.to(device=w.device, dtype=torch.float32).flatten(1)
-                        acc.view(acc.shape[0], -1).addmm_(up, down, alpha=s * e.scale)
-                w.copy_(acc)
-                del acc
+                self._merge(w, self.backups[name], items)
         self.applied = tuple((lf, float(s)) for lf, s in loras)
         self.last_seconds = time.perf_counter() - t0
+
+    @staticmethod
+    def _merge(w: torch.Tensor, base: torch.Tensor, items) -> None:
+        """w = dtype(base + sum s * scale * up @ down), in float32, a block of rows at a time (MERGE_CHUNK_BYTES
+        of float32: cache-sized on CPUs, a bounded temporary on GPUs)."""
+        dev = w.device
+        out = w.shape[0]
+        w2, base2 = w.view(out, -1), base.view(out, -1)
+        terms = []
+        for e, s in items:
+            if e.diff is not None:
+                terms.append((None, e.diff.to(dev, torch.float32).reshape(out, -1), s))
+            else:
+                terms.append((e.up.to(dev, torch.float32).flatten(1), e.down.to(dev, torch.float32).flatten(1), s * e.scale))
+        rows = max(1, MERGE_CHUNK_BYTES // (4 * w2.shape[1])) if dev.type == "cpu" else max(1, MERGE_CHUNK_BYTES_GPU // (4 * w2.shape[1]))
+        for i in range(0, out, rows):
+            acc = base2[i:i + rows].to(dev, torch.float32, copy=True)
+            for up, down, s in terms:
+                if up is None:
+                    acc.add_(down[i:i + rows], alpha=s)
+                else:
+                    acc.addmm_(up[i:i + rows], down, alpha=s)
+            w2[i:i + rows].copy_(acc)
 
     def _set_side(self, name: str, mod: nn.Module, items) -> None:
         dev = self._compute_device()
