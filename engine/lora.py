@@ -35,15 +35,18 @@ Application (``LoRAState.apply``), for several LoRAs with their strengths at onc
     comes back bit-exactly without re-reading the checkpoint; layers no longer touched are copied back
     and their copy dropped. Memory: one copy of the TOUCHED weights only, while a LoRA is on.
   * FP8 / INT4 layers (engine/quant.py): never merged (re-quantizing would lose the base); a low-rank
-    side path instead, a forward hook adding ``(x @ A^T) @ (s * alpha / r * B)^T`` (the LoRAs of one
-    layer concatenated along the rank), in the activation dtype on the compute device.
+    side path instead: the module's class is swapped for a subclass whose forward adds
+    ``(x @ A^T) @ (s * alpha / r * B)^T`` (the LoRAs of one layer concatenated along the rank), in the
+    activation dtype on the compute device; removing the LoRA swaps the class back.
   * layer-wise offload (engine/offload.py): merges happen inside ``offload.updating()``, i.e. into the
     CPU masters, and the device buffers are refilled; so what is streamed is the merged weight.
   * torch.compile (engine/compile.py): block weights are graph inputs and merging is in place, so a
-    merged LoRA swap, a strength change or a removal never recompiles. The side path of quantized
-    layers changes the block graph: the first LoRA on (and the last off) recompiles the block once,
-    and a set with a different total rank per layer is a new graph too (dynamo guards on the hooks and
-    the side tensors' shapes); strength changes of the same set do not recompile.
+    merged LoRA swap, a strength change or a removal never recompiles (tested). Side paths on quantized
+    layers change what a block computes: the first set compiles one more block graph per distinct
+    layout of adapted layers in a block (a LoRA on every block linear: one), a set of another rank
+    per layer another one; changing strengths and returning to a layout seen before reuse the graphs
+    (tested). A class swap and not a forward hook, because torch.compile does not guard on hooks
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``): a hook added after compiling is ignored.
 """
 from __future__ import annotations
 
@@ -325,11 +328,22 @@ def _numel(shape) -> int:
 
 
 # -- applying -----------------------------------------------------------------------------------------------
-def _side_hook(module: nn.Module, args, output):
-    """Forward hook of a quantized layer with LoRAs: output + (x A^T) B^T (scales folded into B)."""
-    side = module._sgld_lora_side
-    x = args[0]
-    return output + F.linear(F.linear(x, side[0].to(x.dtype)), side[1].to(x.dtype))
+_SIDE_CLASSES: Dict[type, type] = {}
+
+
+def _side_class(base: type) -> type:
+    """``base`` (FP8Linear / Int4Linear) with the LoRA side path added to its forward. A class swap, not a
+    forward hook: torch.compile guards on the module's class (it skips guards on hooks by default), so a
+    compiled block sees the side path appear and disappear."""
+    cls = _SIDE_CLASSES.get(base)
+    if cls is None:
+        def forward(self, x):
+            a, b = self._sgld_lora_side
+            return base.forward(self, x) + F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype))
+
+        cls = type(base.__name__ + "WithLoRA", (base,), {"forward": forward, "_sgld_lora_base": base})
+        _SIDE_CLASSES[base] = cls
+    return cls
 
 
 class LoRAState:
@@ -338,7 +352,7 @@ class LoRAState:
     def __init__(self, model: nn.Module):
         self.model = model
         self.backups: Dict[str, torch.Tensor] = {}  # module name -> original weight (CPU copy)
-        self.hooks: Dict[str, object] = {}  # module name -> hook handle (quantized layers)
+        self.hooks: Dict[str, type] = {}  # module name -> its class before the side path (quantized layers)
         self.applied: Tuple = ()  # ((LoRAFile, strength), ...)
         self.last_seconds = 0.0
 
@@ -439,12 +453,14 @@ class LoRAState:
         else:
             mod._sgld_lora_side = (a, b)
         if name not in self.hooks:
-            self.hooks[name] = mod.register_forward_hook(_side_hook)
+            base_cls = type(mod)
+            mod.__class__ = _side_class(base_cls)
+            self.hooks[name] = base_cls
 
     def _remove_side(self, name: str, mod: nn.Module) -> None:
-        h = self.hooks.pop(name, None)
-        if h is not None:
-            h.remove()
+        base_cls = self.hooks.pop(name, None)
+        if base_cls is not None:
+            mod.__class__ = base_cls
         mod.__dict__.pop("_sgld_lora_side", None)
 
 

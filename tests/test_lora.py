@@ -230,6 +230,7 @@ def test_quantized_layers_get_an_unmerged_side_path(tmp_path, quant):
     st = eng.model.__dict__["_sgld_lora"]
     q = [m for m in MODULES if isinstance(eng.model.get_submodule(m), QUANT_MODULES)]
     assert sorted(st.hooks) == sorted(q) and len(q) == 4  # block linears: side path; the rest merged
+    assert type(eng.model.get_submodule(q[0])).__name__.endswith("WithLoRA")
     assert sorted(st.backups) == sorted(set(MODULES) - set(q))
     # each quantized layer computes dequantized W x + 0.8 B A x
     xin = torch.randn(3, shape_of(q[0])[1])
@@ -290,6 +291,39 @@ def test_compiled_blocks_do_not_recompile_for_merged_swaps(tmp_path):
     eager.set_loras([(a, 0.5), (b, 1.0)])
     with torch.no_grad():
         torch.testing.assert_close(eager.model(*x), ys[1], rtol=1e-4, atol=1e-5)
+
+
+BLOCK_LINEARS = [f"layers.{i}.{n}" for i in range(CFG.num_layers) for n in (
+    "self_attention.to_q", "self_attention.to_k", "self_attention.to_v", "self_attention.to_out.0",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.linear_fc2")]
+
+
+def test_compiled_quantized_blocks_see_the_side_path(tmp_path):
+    """A forward hook would be ignored by a compiled block (dynamo skips hook guards); the class swap is not."""
+    from engine import compile as C
+
+    eng = tiny_engine(torch.float32, quant="fp8")
+    C.compile_blocks(eng.model, "static", backend="aot_eager")
+    x = inputs()
+    C.reset_counters()
+    with torch.no_grad():
+        y0 = eng.model(*x)
+    g0 = C.graph_count()
+    a = write_lora(tmp_path / "a.safetensors", make_pairs(BLOCK_LINEARS, seed=11), "diffusers")
+    ref = tiny_engine(torch.float32, quant="fp8")
+    ys = {}
+    for s in (1.0, 0.5, 1.0):
+        eng.set_loras([(a, s)])
+        ref.set_loras([(a, s)])
+        with torch.no_grad():
+            ys[s] = eng.model(*x)
+            torch.testing.assert_close(ys[s], ref.model(*x), rtol=1e-4, atol=1e-5)
+    assert C.graph_count() == g0 + 1  # one more block graph for the side path; strengths reuse it
+    assert not torch.equal(ys[1.0], y0) and not torch.equal(ys[0.5], ys[1.0])
+    eng.set_loras([])
+    with torch.no_grad():
+        assert torch.equal(eng.model(*x), y0)
+    assert C.graph_count() == g0 + 1  # back to the first graph
 
 
 def test_parse_spec_and_cli_flag(tmp_path, monkeypatch):
