@@ -527,3 +527,61 @@ def test_lora_trained_on_the_demo_model_changes_what_the_judge_sees(tmp_path):
         assert weights_hash(demo.dit) == base_hash
     finally:
         torch.set_num_threads(threads)
+
+
+# -- in a real ComfyUI server ---------------------------------------------------------------------------------
+def test_lora_loader_node_in_comfyui(tmp_path):
+    """ComfyUI 0.3.75 with the pack: a chained LoRA graph gives what Engine.set_loras gives, a graph without
+    the LoRA on the same base gives the plain model's result bit-exactly, and one engine is loaded."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import comfy_server as cs
+
+    if not os.path.exists(os.path.join(cs.COMFY_DIR, ".sgld-ready")):
+        pytest.skip("ComfyUI is not installed (scripts/comfyui.sh)")
+    base = cs.make_base_dir(str(tmp_path / "comfy"))
+    ckpt = cs.write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", "tiny.safetensors"))
+    os.makedirs(os.path.join(base, "models", "loras"), exist_ok=True)
+    a = write_lora(os.path.join(base, "models", "loras", "a.safetensors"), make_pairs(BLOCK_LINEARS, seed=12), "ai_toolkit")
+    b = write_lora(os.path.join(base, "models", "loras", "b.safetensors"), make_pairs(BLOCK_LINEARS[:5], seed=13), "kohya", alpha=2.0)
+    server = cs.start_server(base)
+    try:
+        info = server.get("/object_info/SGLDiffusionLoraLoader").json()["SGLDiffusionLoraLoader"]
+        assert info["display_name"] == "SGLDiffusion LoRA Loader"
+        assert info["input"]["required"]["lora_name"][0] == ["a.safetensors", "b.safetensors"]
+
+        def graph(seed, loras=()):
+            g = cs.tiny_graph("tiny.safetensors", seed=seed, steps=2, width=64, height=64, prefix=f"lora{seed}{len(loras)}")
+            src = ["1", 0]
+            for i, (name, s) in enumerate(loras):
+                g[str(10 + i)] = {"class_type": "SGLDiffusionLoraLoader", "inputs": {"model": src, "lora_name": name, "strength": s}}
+                src = [str(10 + i), 0]
+            g["5"]["inputs"]["model"] = src
+            return g
+
+        outs = {}
+        for key, seed, loras in (("base0", 0, ()), ("lora", 0, (("a.safetensors", 1.0), ("b.safetensors", 0.5))), ("base1", 1, ())):
+            entry = server.run(graph(seed, loras))
+            assert entry["status"]["status_str"] == "success", cs.error_message(entry)
+            outs[key] = cs.saved_latent(server, entry)
+        assert len(server.get("/sgldiffusion/models").json()["loaded"]) == 1  # one base for both graphs
+    finally:
+        server.stop()
+    def direct(seed, loras=()):
+        eng = Engine.from_file(ckpt)
+        eng.set_loras(list(loras))
+        return eng.sample(torch.zeros(1, 128, 4, 4), [_text_features(1, 7)], [_text_features(2, 5)], seed=seed, steps=2, cfg=1.0)
+
+    assert torch.equal(outs["base1"], direct(1))  # sampled after the LoRA graph: the base came back exactly
+    assert torch.equal(outs["lora"], direct(0, [(a, 1.0), (b, 0.5)]))
+    assert not torch.equal(outs["lora"], outs["base0"])
+
+
+def _text_features(seed, tokens):
+    import importlib.util
+
+    import comfy_server as cs
+
+    spec = importlib.util.spec_from_file_location("sgld_lora_test_pack_feats", os.path.join(cs.TEST_PACK, "__init__.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.text_features(seed, tokens, cs.text_dim())[0]
