@@ -19,8 +19,11 @@ and these adapter suffixes (up = B [out, r], down = A [r, in]):
   (old diffusers), ``.lora_linear_layer.up.weight`` / ``.down.weight`` (transformers), ``.lora_B`` /
   ``.lora_A`` (Mochi), plus ``.alpha`` (scalar) and ``.diff`` (a full weight difference).
 
-Scale: ``alpha / rank`` when the file has ``.alpha`` (rank = rows of down), else 1.0 (as ComfyUI and
-diffusers do for PEFT files, whose alpha lives outside the tensors); times the strength of the LoRA.
+Scale: ``alpha / rank`` (rank = rows of down) with alpha from the file's ``.alpha`` tensors; for PEFT /
+diffusers files without them, from the PEFT config that diffusers stores in the file metadata
+(``lora_adapter_metadata``: ``lora_alpha``, ``alpha_pattern``, ``use_rslora`` -> alpha / sqrt(rank)) or
+from an ``adapter_config.json`` beside the file (PEFT ``save_pretrained``); else 1.0 (alpha = rank);
+times the strength of the LoRA.
 Not applied and REPORTED (never silently dropped): keys that match no module, DoRA ``dora_scale``
 (diffusers drops it too), LoCon ``lora_mid``, text-encoder keys (``lora_te*``, ``text_encoder.``).
 A file none of whose keys matches (a LoRA for another architecture) is refused with a LoRAError that
@@ -119,6 +122,7 @@ class LoRAEntry:
     alpha: Optional[float] = None
     diff: Optional[torch.Tensor] = None  # full weight difference (".diff")
     fmt: str = ""
+    rslora: bool = False  # PEFT use_rslora: scale = alpha / sqrt(rank)
 
     @property
     def rank(self) -> int:
@@ -129,7 +133,7 @@ class LoRAEntry:
         """alpha / rank, or 1.0 without alpha (a ``.diff`` entry: 1.0)."""
         if self.diff is not None or self.alpha is None or not self.rank:
             return 1.0
-        return float(self.alpha) / self.rank
+        return float(self.alpha) / (self.rank ** 0.5 if self.rslora else self.rank)
 
     def delta(self, weight_shape, device=None) -> torch.Tensor:
         """The float32 weight difference at strength 1 (already scaled by alpha / rank)."""
@@ -226,6 +230,49 @@ def _guess_architecture(keys: Sequence[str]) -> str:
     return ""
 
 
+PEFT_METADATA_KEY = "lora_adapter_metadata"  # diffusers' save_lora_weights: the PEFT LoraConfig as JSON
+PEFT_FORMATS = ("peft", "peft_default", "mochi", "diffusers_v3", "diffusers_old", "transformers")
+
+
+def peft_config(path: str, metadata: Dict[str, str]) -> Optional[dict]:
+    """The PEFT LoraConfig of a file: diffusers' ``lora_adapter_metadata`` (keys ``transformer.lora_alpha``
+    ...) or ``adapter_config.json`` beside the file. None when there is none."""
+    import json
+
+    cfg = None
+    raw = metadata.get(PEFT_METADATA_KEY)
+    if raw:
+        try:
+            d = json.loads(raw)
+        except ValueError:
+            raise LoRAError(f"{path}: metadata '{PEFT_METADATA_KEY}' is not valid JSON") from None
+        if isinstance(d, dict):
+            sub = {k.split(".", 1)[1]: v for k, v in d.items() if k.startswith("transformer.")}
+            cfg = sub or d
+    side = os.path.join(os.path.dirname(os.path.abspath(path)), "adapter_config.json")
+    if cfg is None and os.path.isfile(side):
+        try:
+            with open(side) as fh:
+                cfg = json.load(fh)
+        except (OSError, ValueError):
+            raise LoRAError(f"{side}: cannot read this PEFT adapter config (not JSON)") from None
+    if not isinstance(cfg, dict) or "lora_alpha" not in cfg:
+        return None
+    return cfg
+
+
+def _peft_alpha(cfg: dict, module: str) -> float:
+    """PEFT: ``alpha_pattern`` keys match the end of a module name, else ``lora_alpha``."""
+    for pat, a in (cfg.get("alpha_pattern") or {}).items():
+        try:
+            hit = re.fullmatch(rf"(.*\.)?({pat})", module) is not None
+        except re.error:
+            hit = module.endswith(pat)
+        if hit:
+            return float(a)
+    return float(cfg["lora_alpha"])
+
+
 def read_lora(path: str, model: nn.Module) -> LoRAFile:
     """Read a LoRA .safetensors file against ``model`` (tensors stay on the CPU in the file's dtype)."""
     path = os.fspath(path)
@@ -307,6 +354,12 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
         entries[mod_name] = e
     if not entries:
         raise LoRAError(f"{path}: no usable LoRA weights (only {len(keys)} alpha / unsupported keys)")
+    pcfg = peft_config(path, f.metadata) if any(e.alpha is None and e.fmt in PEFT_FORMATS for e in entries.values()) else None
+    if pcfg is not None:
+        for e in entries.values():
+            if e.alpha is None and e.up is not None:
+                e.alpha = _peft_alpha(pcfg, e.module)
+                e.rslora = bool(pcfg.get("use_rslora"))
     lf = LoRAFile(path, entries, sorted(unmatched), unsupported, tuple(sorted(formats)), dict(f.metadata), nbytes)
     log.info("LoRA %s", lf.describe())
     for msg in lf.report():

@@ -134,6 +134,32 @@ def test_each_format_matches_an_independent_merge(tmp_path, fmt):
     assert all(torch.equal(v, base[k]) for k, v in eng.model.state_dict().items())
 
 
+def test_peft_alpha_from_diffusers_metadata_and_adapter_config(tmp_path):
+    import json
+
+    pairs = make_pairs(MODULES[:4], seed=15)
+    sd = {f"transformer.{m}.lora_A.weight": a.contiguous() for m, (a, b) in pairs.items()}
+    sd.update({f"transformer.{m}.lora_B.weight": b.contiguous() for m, (a, b) in pairs.items()})
+    meta = {"lora_adapter_metadata": json.dumps({"transformer.r": 4, "transformer.lora_alpha": 8,
+                                                 "transformer.alpha_pattern": {"self_attention.to_q": 2}})}
+    save_file(sd, str(tmp_path / "diffusers_meta.safetensors"), metadata=meta)
+    model = random_model(CFG)
+    lf = read_lora(str(tmp_path / "diffusers_meta.safetensors"), model)
+    assert {m: e.scale for m, e in lf.entries.items()} == {MODULES[0]: 0.5, MODULES[1]: 2.0, MODULES[2]: 2.0, MODULES[3]: 2.0}
+    peft_dir = tmp_path / "peft"
+    peft_dir.mkdir()
+    save_file({k.replace("transformer.", "base_model.model.", 1): v for k, v in sd.items()}, str(peft_dir / "adapter_model.safetensors"))
+    (peft_dir / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 16, "use_rslora": True}))
+    lf = read_lora(str(peft_dir / "adapter_model.safetensors"), model)
+    assert all(e.scale == 16 / 2 for e in lf.entries.values())  # rsLoRA: alpha / sqrt(rank)
+    eng = tiny_engine()
+    base = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    eng.set_loras([(str(tmp_path / "diffusers_meta.safetensors"), 1.0)])
+    k = MODULES[1] + ".weight"
+    a, b = pairs[MODULES[1]]
+    torch.testing.assert_close(eng.model.state_dict()[k], base[k] + 2.0 * b @ a, rtol=1e-5, atol=1e-6)
+
+
 def test_stacked_strengths_switch_and_exact_restore(tmp_path):
     eng = tiny_engine(torch.bfloat16)
     h0 = weights_hash(eng.model)
