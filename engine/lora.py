@@ -301,6 +301,10 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
                 groups[prefix]["fmt"] = fmt
     matched = {p: g for p, g in groups.items() if p in kmap}
     unmatched = sorted(unknown + [k for p, g in groups.items() if p not in kmap for part, k in g.items() if part != "fmt"])
+    if not matched and any(_split_key(k)[0] in kmap for k, _ in unsupported):
+        kinds = sorted({w for _, w in unsupported})
+        raise LoRAError(f"{path}: this adapter for ERNIE-Image uses {', '.join(kinds)}, which this engine does not apply "
+                        "(supported: LoRA up/down or A/B pairs with alpha, and full .diff weights)")
     if not matched:
         arch = _guess_architecture(keys)
         meta = {k: v for k, v in f.metadata.items() if k in ("ss_base_model_version", "modelspec.architecture", "ss_network_module")}

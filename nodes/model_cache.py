@@ -116,7 +116,8 @@ def loaded() -> list:
     """What is in memory now (for the status route and the tests)."""
     with _lock:
         return [{"file": k[0], "name": os.path.basename(k[0]), "options": {n: _plain(v) for n, v in k[3]},
-                 "device": str(e.device), "attention": getattr(e, "attention_backend", None)}
+                 "device": str(e.device), "attention": getattr(e, "attention_backend", None),
+                 "loras": [[os.path.basename(p), s] for p, s in getattr(e, "loras", None) or []]}
                 for k, e in _engines.items()]
 
 

@@ -226,6 +226,10 @@ def test_other_architectures_pickles_and_wrong_shapes_are_refused(tmp_path):
     (tmp_path / "lora.pt").write_bytes(b"\x80\x04junk")
     with pytest.raises(LoRAError, match="pickle"):
         eng.set_loras([(str(tmp_path / "lora.pt"), 1.0)])
+    loha = {f"lora_unet_layers_0_self_attention_to_q.hada_w{i}_{ab}": torch.zeros(4, H) for i in (1, 2) for ab in "ab"}
+    save_file(loha, str(tmp_path / "loha.safetensors"))
+    with pytest.raises(LoRAError, match="adapter for ERNIE-Image uses LoHa, which this engine does not apply"):
+        eng.set_loras([(str(tmp_path / "loha.safetensors"), 1.0)])
     big = {"diffusion_model.layers.0.self_attention.to_q.lora_A.weight": torch.zeros(4, 2 * H),
            "diffusion_model.layers.0.self_attention.to_q.lora_B.weight": torch.zeros(2 * H, 4)}
     save_file(big, str(tmp_path / "big.safetensors"))
@@ -432,6 +436,7 @@ def test_node_chain_two_graphs_share_one_base(pack, tmp_path):
     assert e0 is e1 is e2 and len(mc.loaded()) == 1  # one engine, one copy of the base weights
     assert len({h0, h1, h2}) == 3 and not torch.equal(y1, y0) and not torch.equal(y2, y1)
     assert run(g1)[2] == h1 and run(base)[2] == h0 and run(g2)[2] == h2  # switching back and forth is exact
+    assert mc.loaded()[0]["loras"] == [["style_b.safetensors", -1.0]]  # what the engine holds now (status route)
     # memory: the weights held are the base once plus the originals of the layers the active set touches
     model = e0.model
     base_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
