@@ -30,13 +30,17 @@ A file none of whose keys matches (a LoRA for another architecture) is refused w
 says what the keys look like; so is one whose shapes do not fit this model.
 
 Application (``LoRAState.apply``), for several LoRAs with their strengths at once:
-  * plain (bf16 / fp16 / fp32) weights: merged. The original tensor of every touched weight is kept
-    (a CPU copy, made when the layer is first touched), and the merged weight is computed from it in
-    float32: ``W = dtype(W0 + sum_i s_i * alpha_i / r_i * B_i @ A_i)``, written in place (``copy_``: same
-    storage, so offload masters, compiled graphs and other references stay valid). Removing a LoRA,
-    changing a strength or switching to another set starts again from the kept originals, so the base
-    comes back bit-exactly without re-reading the checkpoint; layers no longer touched are copied back
-    and their copy dropped. Memory: one copy of the TOUCHED weights only, while a LoRA is on.
+  * plain (bf16 / fp16 / fp32) weights: merged in float32, ``W = dtype(W0 + sum_i s_i * alpha_i / r_i * B_i @ A_i)``,
+    a block of rows at a time, written in place (``copy_``: same storage, so offload masters, compiled
+    graphs and other references stay valid). Exact restore without re-reading the checkpoint:
+    - 16-bit weights (the release is bf16): while merging, the difference of the old and new bit
+      patterns is recorded as an int8 per weight, plus the original value of the few weights whose
+      difference does not fit (sign flips, changes of 2x or more) (``UlpDiff``: ~1 byte per touched
+      weight instead of a 2-byte copy). Removing, changing a strength or switching sets first
+      subtracts the recorded patterns (integer arithmetic: bit-exact whatever kernels or thread counts
+      did the merge), then merges the new set.
+    - float32 weights: a CPU copy of each touched original, merged from directly.
+    Layers no longer touched are restored and their record dropped; with no LoRA nothing is kept.
   * FP8 / INT4 layers (engine/quant.py): never merged (re-quantizing would lose the base); a low-rank
     side path instead: the module's class is swapped for a subclass whose forward adds
     ``(x @ A^T) @ (s * alpha / r * B)^T`` (the LoRAs of one layer concatenated along the rank), in the
@@ -403,19 +407,47 @@ def _side_class(base: type) -> type:
     return cls
 
 
+class UlpDiff:
+    """What turns a merged 16-bit weight back into its original, exactly, in about half the bytes of a copy:
+    per element the difference of the two bit patterns (int16 views) as an int8, and, sparsely, the
+    original values where that difference does not fit (sign changes, changes of 2x or more).
+    Integer arithmetic: the restore is bit-exact whatever GEMM kernels or thread counts did the merge."""
+
+    def __init__(self, numel: int, dtype: torch.dtype):
+        self.dtype = dtype
+        self.d = torch.empty(numel, dtype=torch.int8)
+        self.idx: List[torch.Tensor] = []  # flat int32 indices of the exceptions
+        self.vals: List[torch.Tensor] = []  # their original values
+
+    @property
+    def nbytes(self) -> int:
+        return self.d.numel() + sum(t.numel() * 4 for t in self.idx) + sum(t.numel() * t.element_size() for t in self.vals)
+
+    def exceptions(self) -> int:
+        return sum(t.numel() for t in self.idx)
+
+
+def _nbytes(rec) -> int:
+    return rec.nbytes if isinstance(rec, UlpDiff) else rec.numel() * rec.element_size()
+
+
 class LoRAState:
-    """The LoRAs applied to one model, and the original weights of the layers they touch."""
+    """The LoRAs applied to one model, and what restores the layers they touch exactly.
+
+    16-bit weights (bf16 / fp16, the release's dtype): an ``UlpDiff`` (about 1 byte per weight); the
+    layer is restored in place, then merged again for a new set or strength. float32 weights: a copy
+    of the original (about 4 bytes per weight), merged from directly."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.backups: Dict[str, torch.Tensor] = {}  # module name -> original weight (CPU copy)
+        self.backups: Dict[str, object] = {}  # module name -> UlpDiff or original weight (CPU)
         self.hooks: Dict[str, type] = {}  # module name -> its class before the side path (quantized layers)
         self.applied: Tuple = ()  # ((LoRAFile, strength), ...)
         self.last_seconds = 0.0
 
     @property
     def backup_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.backups.values())
+        return sum(_nbytes(r) for r in self.backups.values())
 
     def _updating(self):
         from .offload import get_offload
@@ -453,46 +485,88 @@ class LoRAState:
                                     f"layer '{name}'; load the model without quantization to use this LoRA")
                 plan.setdefault(name, []).append((e, float(strength)))
         with self._updating():
-            # 1. layers no longer touched: the original back, the copy dropped
-            for name in [n for n in self.backups if n not in plan]:
-                modules[name].weight.copy_(self.backups.pop(name))
+            # 1. back to the original: every layer with a compact record, and copied layers no longer touched
+            for name in list(self.backups):
+                rec = self.backups[name]
+                if isinstance(rec, UlpDiff):
+                    self._restore(modules[name].weight, self.backups.pop(name))
+                elif name not in plan:
+                    modules[name].weight.copy_(self.backups.pop(name))
             for name in [n for n in self.hooks if n not in plan or not isinstance(modules[n], QUANT_MODULES)]:
                 self._remove_side(name, modules[name])
-            # 2. touched layers: merged from the original in float32, or a side path when quantized
+            # 2. touched layers: merged in float32, or a side path when quantized
             for name, items in plan.items():
                 mod = modules[name]
                 if isinstance(mod, QUANT_MODULES):
                     self._set_side(name, mod, items)
                     continue
                 w = mod.weight
-                if name not in self.backups:
-                    self.backups[name] = w.detach().to("cpu", copy=True)
-                self._merge(w, self.backups[name], items)
+                if w.element_size() == 2:
+                    self.backups[name] = self._merge(w, w, items, UlpDiff(w.numel(), w.dtype))
+                else:
+                    if name not in self.backups:
+                        self.backups[name] = w.detach().to("cpu", copy=True)
+                    self._merge(w, self.backups[name], items)
         self.applied = tuple((lf, float(s)) for lf, s in loras)
         self.last_seconds = time.perf_counter() - t0
 
     @staticmethod
-    def _merge(w: torch.Tensor, base: torch.Tensor, items) -> None:
+    def _rows(w2: torch.Tensor) -> int:
+        budget = MERGE_CHUNK_BYTES if w2.device.type == "cpu" else MERGE_CHUNK_BYTES_GPU
+        return max(1, budget // (4 * w2.shape[1]))
+
+    @classmethod
+    def _merge(cls, w: torch.Tensor, base: torch.Tensor, items, record: Optional[UlpDiff] = None):
         """w = dtype(base + sum s * scale * up @ down), in float32, a block of rows at a time (MERGE_CHUNK_BYTES
-        of float32: cache-sized on CPUs, a bounded temporary on GPUs)."""
+        of float32: cache-sized on CPUs, a bounded temporary on GPUs). ``base`` may be ``w`` itself; then
+        ``record`` (an UlpDiff) gets what restores it."""
         dev = w.device
         out = w.shape[0]
         w2, base2 = w.view(out, -1), base.view(out, -1)
+        cols = w2.shape[1]
         terms = []
         for e, s in items:
             if e.diff is not None:
                 terms.append((None, e.diff.to(dev, torch.float32).reshape(out, -1), s))
             else:
                 terms.append((e.up.to(dev, torch.float32).flatten(1), e.down.to(dev, torch.float32).flatten(1), s * e.scale))
-        rows = max(1, MERGE_CHUNK_BYTES // (4 * w2.shape[1])) if dev.type == "cpu" else max(1, MERGE_CHUNK_BYTES_GPU // (4 * w2.shape[1]))
+        rows = cls._rows(w2)
         for i in range(0, out, rows):
-            acc = base2[i:i + rows].to(dev, torch.float32, copy=True)
+            src = base2[i:i + rows].to(dev)
+            acc = src.to(torch.float32, copy=True)
             for up, down, s in terms:
                 if up is None:
                     acc.add_(down[i:i + rows], alpha=s)
                 else:
                     acc.addmm_(up[i:i + rows], down, alpha=s)
-            w2[i:i + rows].copy_(acc)
+            new = acc.to(w.dtype)
+            if record is not None:
+                d = new.view(torch.int16).to(torch.int32) - src.view(torch.int16).to(torch.int32)
+                exc = (d.abs() > 127).reshape(-1)
+                if bool(exc.any()):
+                    pos = exc.nonzero().reshape(-1)
+                    record.idx.append((pos + i * cols).to(torch.int32).cpu())
+                    record.vals.append(src.reshape(-1)[pos].cpu())
+                    d.reshape(-1)[pos] = 0
+                record.d[i * cols:(i + rows) * cols].copy_(d.reshape(-1).to(torch.int8))
+            w2[i:i + rows].copy_(new)
+        return record
+
+    @classmethod
+    def _restore(cls, w: torch.Tensor, record: UlpDiff) -> None:
+        """Undo a merge recorded in ``record``: bit patterns minus the int8 differences, then the exceptions."""
+        out = w.shape[0]
+        w2 = w.view(out, -1)
+        cols = w2.shape[1]
+        bits = w2.view(torch.int16)
+        rows = cls._rows(w2)
+        for i in range(0, out, rows):
+            cur = bits[i:i + rows]
+            d = record.d[i * cols:(i + cur.shape[0]) * cols].to(w.device).view(cur.shape)
+            cur.sub_(d.to(torch.int16))
+        flat = w.view(-1)
+        for idx, vals in zip(record.idx, record.vals):
+            flat[idx.to(w.device, torch.int64)] = vals.to(w.device)
 
     def _set_side(self, name: str, mod: nn.Module, items) -> None:
         dev = self._compute_device()
