@@ -40,7 +40,7 @@ PRESETS: Dict[str, MaskSpec] = {
     "slow": MaskSpec(compute_ratio=0.74, warmup_ratio=0.16, max_run=1, min_steps=8, few_ratio=0.125),
     "quality": MaskSpec(compute_ratio=0.56, warmup_ratio=0.16, max_run=2, min_steps=12, few_ratio=0.0),
     "balanced": MaskSpec(compute_ratio=0.46, warmup_ratio=0.14, max_run=2, min_steps=8, few_ratio=0.125),
-    "fast": MaskSpec(compute_ratio=0.34, warmup_ratio=0.12, max_run=3, min_steps=8, few_ratio=0.25),
+    "fast": MaskSpec(compute_ratio=0.32, warmup_ratio=0.12, max_run=4, min_steps=8, few_ratio=0.25),
     "ultra": MaskSpec(compute_ratio=0.26, warmup_ratio=0.10, max_run=4, min_steps=6, few_ratio=0.375),
 }
 ALIASES: Dict[str, str] = {"medium": "quality"}
