@@ -1,7 +1,7 @@
 """Time to apply, switch and remove a rank-32 LoRA at the ERNIE-Image 8B shape on the CPU (random weights).
 
-The whole 8B model in bf16 is 16 GB (plus 16 GB of kept originals while a LoRA covering every block
-linear is on), more than a shared 24 GiB machine can spare. So the model is built with the 8B widths
+The whole 8B model in bf16 is 16 GB (plus up to 8 GB of restore record, 16 GB with ``--restore copy``,
+while a LoRA covering every linear is on), more than a shared 24 GiB machine can spare. So the model is built with the 8B widths
 (hidden 4096, FFN 12288, text 3072) and only ``--layers`` blocks (default 1 and 3), every weight real
 and random; the time is measured for each depth and extrapolated linearly to the release's 36 blocks:
 t(36) = t(a) + (36 - a) * (t(b) - t(a)) / (b - a). The LoRA targets the 7 linears of every block
@@ -9,10 +9,10 @@ t(36) = t(a) + (36 - a) * (t(b) - t(a)) / (b - a). The LoRA targets the 7 linear
 adaLN_modulation.1, final_norm.linear, final_linear): the widest coverage trainers produce.
 
 Each timing is the median of ``--repeat`` runs of ``Engine.set_loras`` (engine/lora.py):
-  apply       base -> LoRA at strength 1 (originals of the touched layers copied, fp32 merge, copy back)
-  strength    LoRA at 1 -> the same LoRA at 0.5 (recomputed from the kept originals)
+  apply       base -> LoRA at strength 1 (fp32 merge a block of rows at a time, int8 restore record)
+  strength    LoRA at 1 -> the same LoRA at 0.5 (restore, then merge again)
   switch      LoRA A -> LoRA B (same layers)
-  remove      LoRA -> base (originals copied back, bit-exact; checked by a hash of every touched weight)
+  remove      LoRA -> base (bit-exact restore; checked by a hash of every touched weight)
   read        reading the LoRA file (safetensors) and matching its keys
 
     .venv/bin/python bench/lora_bench.py [--layers 1 3] [--threads 1] [--repeat 3] [--json]
@@ -106,8 +106,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, nargs=2, default=[1, 3], help="two block counts to measure (default 1 3)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--restore", choices=["compact", "copy"], default="compact",
+                    help="SGLD_LORA_RESTORE: int8 restore record (default) or a copy of each original")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    os.environ["SGLD_LORA_RESTORE"] = args.restore
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,15 +118,15 @@ def main(argv=None) -> dict:
     a, b = rows
     keys = ("read_s", "apply", "strength", "switch", "remove", "weight_bytes", "backup_bytes", "lora_bytes")
     full = {k: extrapolate(a, b, k) for k in keys}
-    result = {"rank": RANK, "threads": torch.get_num_threads(), "cpu": os.cpu_count(), "measured": rows,
+    result = {"rank": RANK, "restore": args.restore, "threads": torch.get_num_threads(), "cpu": os.cpu_count(), "measured": rows,
               "extrapolated_36_layers": full}
     if args.json:
         print(json.dumps(result))
         return result
     gib = 2 ** 30
-    print(f"rank-{RANK} LoRA on every linear, 8B widths, bf16, CPU ({result['threads']} threads); "
+    print(f"rank-{RANK} LoRA on every linear, 8B widths, bf16, CPU ({result['threads']} threads), restore {args.restore}; "
           f"median of {args.repeat}")
-    print("| blocks | weights GiB | LoRA MiB | read s | apply s | strength s | switch s | remove s | originals kept GiB |")
+    print("| blocks | weights GiB | LoRA MiB | read s | apply s | strength s | switch s | remove s | kept to restore GiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows + [dict(full, layers=f"{FULL_LAYERS} (extrapolated)")]:
         print(f"| {r['layers']} | {r['weight_bytes'] / gib:.2f} | {r['lora_bytes'] / 2 ** 20:.0f} | {r['read_s']:.2f} | "

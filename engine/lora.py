@@ -39,7 +39,8 @@ Application (``LoRAState.apply``), for several LoRAs with their strengths at onc
       weight instead of a 2-byte copy). Removing, changing a strength or switching sets first
       subtracts the recorded patterns (integer arithmetic: bit-exact whatever kernels or thread counts
       did the merge), then merges the new set.
-    - float32 weights: a CPU copy of each touched original, merged from directly.
+    - float32 weights (and every dtype with ``SGLD_LORA_RESTORE=copy``): a CPU copy of each touched
+      original, merged from directly (faster strength changes, twice the memory of the record).
     Layers no longer touched are restored and their record dropped; with no LoRA nothing is kept.
   * FP8 / INT4 layers (engine/quant.py): never merged (re-quantizing would lose the base); a low-rank
     side path instead: the module's class is swapped for a subclass whose forward adds
@@ -427,6 +428,15 @@ class UlpDiff:
         return sum(t.numel() for t in self.idx)
 
 
+def restore_mode() -> str:
+    """``SGLD_LORA_RESTORE``: "compact" (default; 16-bit weights keep an UlpDiff, ~1 byte per touched weight)
+    or "copy" (a copy of each touched original: twice the memory, ~1.5-3x faster strength changes on CPU)."""
+    mode = os.environ.get("SGLD_LORA_RESTORE", "compact").lower()
+    if mode not in ("compact", "copy"):
+        raise LoRAError(f"SGLD_LORA_RESTORE='{mode}' is not supported; choose compact or copy")
+    return mode
+
+
 def _nbytes(rec) -> int:
     return rec.nbytes if isinstance(rec, UlpDiff) else rec.numel() * rec.element_size()
 
@@ -501,7 +511,7 @@ class LoRAState:
                     self._set_side(name, mod, items)
                     continue
                 w = mod.weight
-                if w.element_size() == 2:
+                if w.element_size() == 2 and restore_mode() == "compact":
                     self.backups[name] = self._merge(w, w, items, UlpDiff(w.numel(), w.dtype))
                 else:
                     if name not in self.backups:
@@ -541,20 +551,22 @@ class LoRAState:
                     acc.addmm_(up[i:i + rows], down, alpha=s)
             new = acc.to(w.dtype)
             if record is not None:
-                d = new.view(torch.int16).to(torch.int32) - src.view(torch.int16).to(torch.int32)
-                exc = (d.abs() > 127).reshape(-1)
+                # new - old bit patterns modulo 2**16; where that does not fit an int8, keep the old value
+                d16 = new.view(torch.int16) - src.view(torch.int16)
+                d8 = d16.to(torch.int8)
+                exc = (d8.to(torch.int16) != d16).reshape(-1)
                 if bool(exc.any()):
                     pos = exc.nonzero().reshape(-1)
                     record.idx.append((pos + i * cols).to(torch.int32).cpu())
                     record.vals.append(src.reshape(-1)[pos].cpu())
-                    d.reshape(-1)[pos] = 0
-                record.d[i * cols:(i + rows) * cols].copy_(d.reshape(-1).to(torch.int8))
+                record.d[i * cols:(i + rows) * cols].copy_(d8.reshape(-1))
             w2[i:i + rows].copy_(new)
         return record
 
     @classmethod
     def _restore(cls, w: torch.Tensor, record: UlpDiff) -> None:
-        """Undo a merge recorded in ``record``: bit patterns minus the int8 differences, then the exceptions."""
+        """Undo a merge recorded in ``record``: bit patterns minus the int8 differences (modulo 2**16), then the
+        exceptions (whatever the subtraction gave there is overwritten)."""
         out = w.shape[0]
         w2 = w.view(out, -1)
         cols = w2.shape[1]
