@@ -116,6 +116,8 @@ def main(argv=None) -> None:
     ap.add_argument("--time-limit", type=float, default=52.0, help="minutes; stop early past this")
     ap.add_argument("--stop-after", type=int, default=None,
                     help="stop after this many steps (same schedule as a full run): reproduces a run that hit the time limit")
+    ap.add_argument("--init-from", default=None,
+                    help="start from the DiT and text encoder of a demo weights file (a second training stage)")
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
@@ -128,6 +130,15 @@ def main(argv=None) -> None:
     dit = ErnieImageTransformer(dit_config())
     init_dit(dit)
     te = DemoTextEncoder(te_cfg)
+    if args.init_from:
+        from ...loader import load_model
+        from .weights_io import read_demo_parts
+
+        _, te_state = read_demo_parts(args.init_from)
+        te.load_state_dict(te_state)
+        dit.load_state_dict(load_model(args.init_from, dtype=torch.float32).state_dict())
+        dit.requires_grad_(True).train()
+        print(f"initialised from {args.init_from}", flush=True)
     params = list(dit.parameters()) + list(te.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -177,7 +188,7 @@ def main(argv=None) -> None:
         info = {"steps": step + 1, "planned_steps": args.steps, "batch": args.batch, "seed": args.seed,
                 "final_loss": float(np.mean(losses[-100:])), "train_minutes": round(elapsed / 60, 2),
                 "threads": args.threads, "object_weight": args.object_weight, "uniform_frac": args.uniform_frac,
-                "lr": args.lr}
+                "lr": args.lr, "init_from": os.path.basename(args.init_from) if args.init_from else None}
         stop = args.stop_after is not None and step + 1 >= args.stop_after
         last = step == args.steps - 1 or elapsed > args.time_limit * 60 or stop
         if (step + 1) % args.save_every == 0 or last:
