@@ -554,9 +554,8 @@ class LoRAState:
                 # new - old bit patterns modulo 2**16; where that does not fit an int8, keep the old value
                 d16 = new.view(torch.int16) - src.view(torch.int16)
                 d8 = d16.to(torch.int8)
-                exc = (d8.to(torch.int16) != d16).reshape(-1)
-                if bool(exc.any()):
-                    pos = exc.nonzero().reshape(-1)
+                pos = (d8.to(torch.int16) != d16).reshape(-1).nonzero().reshape(-1)
+                if pos.numel():
                     record.idx.append((pos + i * cols).to(torch.int32).cpu())
                     record.vals.append(src.reshape(-1)[pos].cpu())
                 record.d[i * cols:(i + rows) * cols].copy_(d8.reshape(-1))
