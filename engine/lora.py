@@ -494,13 +494,19 @@ class LoRAState:
                     raise LoRAError(f"{lf.path}: a full weight difference ('.diff') cannot be applied to the quantized "
                                     f"layer '{name}'; load the model without quantization to use this LoRA")
                 plan.setdefault(name, []).append((e, float(strength)))
+        compact_ok = restore_mode() == "compact"
+
+        def compact(name: str) -> bool:
+            return compact_ok and modules[name].weight.element_size() == 2
+
         with self._updating():
             # 1. back to the original: every layer with a compact record, and copied layers no longer touched
+            #    (or to be recorded compactly now)
             for name in list(self.backups):
                 rec = self.backups[name]
                 if isinstance(rec, UlpDiff):
                     self._restore(modules[name].weight, self.backups.pop(name))
-                elif name not in plan:
+                elif name not in plan or compact(name):
                     modules[name].weight.copy_(self.backups.pop(name))
             for name in [n for n in self.hooks if n not in plan or not isinstance(modules[n], QUANT_MODULES)]:
                 self._remove_side(name, modules[name])
@@ -511,7 +517,7 @@ class LoRAState:
                     self._set_side(name, mod, items)
                     continue
                 w = mod.weight
-                if w.element_size() == 2 and restore_mode() == "compact":
+                if compact(name):
                     self.backups[name] = self._merge(w, w, items, UlpDiff(w.numel(), w.dtype))
                 else:
                     if name not in self.backups:

@@ -193,6 +193,11 @@ def test_stacked_strengths_switch_and_exact_restore(tmp_path, dtype, restore, mo
     assert weights_hash(fresh.model) == h_a03  # a switch gives what a fresh application gives
     eng.set_loras([(a, 1.0), (b, -0.5)])
     assert weights_hash(eng.model) == h_ab
+    monkeypatch.setenv("SGLD_LORA_RESTORE", "copy" if restore == "compact" else "compact")
+    eng.set_loras([(a, 1.0), (b, 0.5)])  # the other kind of record, switched between calls
+    monkeypatch.setenv("SGLD_LORA_RESTORE", restore)
+    eng.set_loras([(a, 1.0), (b, -0.5)])
+    assert weights_hash(eng.model) == h_ab
     if restore == "compact":
         assert sum(r.exceptions() for r in st.backups.values()) > 0
     threads = torch.get_num_threads()
