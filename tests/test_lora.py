@@ -295,9 +295,10 @@ def test_quantized_layers_get_an_unmerged_side_path(tmp_path, quant):
         assert torch.equal(eng.model(*x), y0)
 
 
-def test_offload_streams_the_merged_weights(tmp_path):
-    ref = tiny_engine(torch.bfloat16)
-    off = tiny_engine(torch.bfloat16, offload="layerwise", resident_layers=2)
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_offload_streams_the_merged_weights(tmp_path, quant):
+    ref = tiny_engine(torch.bfloat16, quant=quant)
+    off = tiny_engine(torch.bfloat16, quant=quant, offload="layerwise", resident_layers=2)
     assert off.offload is not None
     path = write_lora(tmp_path / "o.safetensors", make_pairs(MODULES, seed=6), "kohya", alpha=2.0)
     x = inputs()
