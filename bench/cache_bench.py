@@ -358,8 +358,12 @@ def plot(all_rows: Dict[str, List[dict]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     keys = list(all_rows)
-    fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 5), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    cols = min(2, len(keys))
+    rows_n = (len(keys) + cols - 1) // cols
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6.5 * cols, 5 * rows_n), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.axis("off")
+    for ax, key in zip(axes.flat, keys):
         for fam, colour in (("ours", "tab:blue"), ("cache-dit", "tab:orange")):
             pts = [r for r in all_rows[key] if r["family"] == fam and math.isfinite(r["psnr"])]
             ax.scatter([speed(r) for r in pts], [r["psnr"] for r in pts], c=colour, label=fam, s=36)
