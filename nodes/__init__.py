@@ -5,7 +5,7 @@ so the engine is imported relatively (``from ..engine import ...``).
 """
 import logging
 
-from . import cache_dit
+from . import cache_dit, demo
 from .ksampler import SGLDiffusionKSampler
 from .loader import SGLDiffusionModelLoader
 from .lora import SGLDiffusionLoraLoader
@@ -21,8 +21,9 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "SGLDiffusionKSampler": "SGLDiffusion KSampler",
     "SGLDiffusionLoraLoader": "SGLDiffusion LoRA Loader",
 }
-NODE_CLASS_MAPPINGS.update(cache_dit.NODE_CLASS_MAPPINGS)
-NODE_DISPLAY_NAME_MAPPINGS.update(cache_dit.NODE_DISPLAY_NAME_MAPPINGS)
+for module in (cache_dit, demo):
+    NODE_CLASS_MAPPINGS.update(module.NODE_CLASS_MAPPINGS)
+    NODE_DISPLAY_NAME_MAPPINGS.update(module.NODE_DISPLAY_NAME_MAPPINGS)
 
 install_memory_hooks()
 

@@ -7,6 +7,8 @@ import os
 import folder_paths
 
 from ..engine import CheckpointError, EngineConfig
+from ..engine.models.demo import DEMO_WEIGHTS
+from .demo import DEMO_CHOICE
 from .model_cache import SGLDModel, get_engine
 
 FOLDER = "diffusion_models"  # ComfyUI maps the legacy "unet" folder into this one
@@ -28,13 +30,16 @@ def model_folders() -> list:
 
 
 def model_files() -> list:
+    """The embedded demo model first, then the files of models/diffusion_models and models/unet."""
     files = list(folder_paths.get_filename_list(FOLDER))
     if "unet" in folder_paths.folder_names_and_paths:
         files += [f for f in folder_paths.get_filename_list("unet") if f not in files]
-    return sorted(files)
+    return [DEMO_CHOICE] + sorted(files)
 
 
 def resolve(name: str) -> str:
+    if name == DEMO_CHOICE:
+        return DEMO_WEIGHTS
     path = folder_paths.get_full_path(FOLDER, name)
     if path is None and "unet" in folder_paths.folder_names_and_paths:
         path = folder_paths.get_full_path("unet", name)
@@ -136,7 +141,9 @@ class SGLDiffusionModelLoader:
             raise ValueError(f"SGLDiffusion Model Loader: weight_dtype '{weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
         path = resolve(unet_name)
         try:
-            config = EngineConfig(dtype=None if weight_dtype == "default" else weight_dtype, device=torch_device(),
+            # the demo file is stored in fp16; its default is fp32, as the engine and CLI run it on a CPU
+            default = "fp32" if unet_name == DEMO_CHOICE else None
+            config = EngineConfig(dtype=default if weight_dtype == "default" else weight_dtype, device=torch_device(),
                                   attention=attention, compile=False if compile == "off" else compile,
                                   quant=None if quant == "none" else quant, offload=offload,
                                   resident_layers=int(resident_layers), num_gpus=int(num_gpus),

@@ -1,0 +1,78 @@
+"""Nodes for the embedded demo model, so a CPU-only ComfyUI runs a real text-to-image graph in
+seconds: Demo Text Encode (-> CONDITIONING), Demo Empty Latent (-> LATENT), Demo Decode (-> IMAGE).
+The demo DiT itself is chosen in SGLDiffusion Model Loader (``DEMO_CHOICE``)."""
+from __future__ import annotations
+
+import torch
+
+from ..engine.models import demo as demo_model
+
+DEMO_CHOICE = "sgld-demo (embedded, 64x64)"
+
+
+def _demo():
+    return demo_model.load_demo()  # cached per process
+
+
+class SGLDiffusionDemoTextEncode:
+    DESCRIPTION = "Encodes a prompt with the demo model's text encoder (shapes, colours, positions; see the README)."
+    CATEGORY = "SGLDiffusion/demo"
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "encode"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"text": ("STRING", {"multiline": True, "default": demo_model.EXAMPLE_PROMPT,
+                                                 "tooltip": "e.g. 'a large red circle on the left, on a blue background'; "
+                                                            "empty for the negative prompt"})}}
+
+    def encode(self, text):
+        try:
+            features = _demo().encode([text])[0]
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"SGLDiffusion Demo Text Encode: {e}") from None
+        return ([[features[None], {}]],)
+
+
+class SGLDiffusionDemoEmptyLatent:
+    DESCRIPTION = "An empty latent for the demo model: 64x64 pixels as 48 channels at 16x16."
+    CATEGORY = "SGLDiffusion/demo"
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "generate"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"batch_size": ("INT", {"default": 1, "min": 1, "max": 64})}}
+
+    def generate(self, batch_size):
+        return ({"samples": demo_model.DemoModel.empty_latent(batch_size)},)
+
+
+class SGLDiffusionDemoDecode:
+    DESCRIPTION = "Decodes a demo-model latent (lossless 4x4 space-to-depth) into a 64x64 image."
+    CATEGORY = "SGLDiffusion/demo"
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "decode"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",)}}
+
+    def decode(self, samples):
+        latent = samples["samples"]
+        if latent.dim() != 4 or latent.shape[1] != demo_model.LATENT_CHANNELS:
+            raise ValueError(f"SGLDiffusion Demo Decode: latent has shape {tuple(latent.shape)}; the demo model's latent "
+                             f"is [batch, {demo_model.LATENT_CHANNELS}, 16, 16] (use SGLDiffusion Demo Empty Latent)")
+        return (demo_model.DemoModel.decode_float(latent.float()).to(torch.float32),)
+
+
+NODE_CLASS_MAPPINGS = {
+    "SGLDiffusionDemoTextEncode": SGLDiffusionDemoTextEncode,
+    "SGLDiffusionDemoEmptyLatent": SGLDiffusionDemoEmptyLatent,
+    "SGLDiffusionDemoDecode": SGLDiffusionDemoDecode,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "SGLDiffusionDemoTextEncode": "SGLDiffusion Demo Text Encode",
+    "SGLDiffusionDemoEmptyLatent": "SGLDiffusion Demo Empty Latent",
+    "SGLDiffusionDemoDecode": "SGLDiffusion Demo Decode",
+}
