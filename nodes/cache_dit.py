@@ -22,16 +22,25 @@ BENCH_TABLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 PRESET_ALIASES = {"medium": "quality"}  # cache-dit's medium is our quality
 
 
+def _speedup_column(cols: dict):
+    """The table's speedup column: 'speedup (in-run)' (the figure the bench uses for targets) if there,
+    else the first 'speedup ...' one (older tables: 'speedup (wall)')."""
+    if "speedup (in-run)" in cols:
+        return "speedup (in-run)"
+    return next((c for c in cols if c.startswith("speedup")), None)
+
+
 def preset_benchmarks(path: str = BENCH_TABLE) -> dict:
     """Per preset, what bench/cache_bench.py measured (its markdown table, ``## <setting>`` sections):
-    ``{preset: [{"setting", "model", "steps", "speedup", "psnr", "ssim", "judge", "computed", "calls"}, ...]}``,
-    one entry per section in the table's order. Empty when the table is not there or unreadable."""
+    ``{preset: [{"setting", "model", "steps", "speedup", "speedup_kind", "psnr", "ssim", "judge", "computed"}, ...]}``,
+    one entry per section in the table's order. ``judge`` only where the section's uncached run passes
+    the judge at all (else the pass rate says nothing). Empty when the table is not there or unreadable."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except OSError:
         return {}
-    out, setting, cols = {}, None, None
+    out, setting, cols, base_judge = {}, None, None, None
 
     def num(v):
         m = re.match(r"^\s*(-?[0-9.]+|inf)", v or "")
@@ -39,7 +48,7 @@ def preset_benchmarks(path: str = BENCH_TABLE) -> dict:
 
     for line in lines:
         if line.startswith("## "):
-            setting, cols = line[3:].strip(), None
+            setting, cols, base_judge = line[3:].strip(), None, None
             continue
         if setting is None or not line.startswith("|"):
             continue
@@ -51,16 +60,21 @@ def preset_benchmarks(path: str = BENCH_TABLE) -> dict:
             continue
         row = {k: (cells[i] if i < len(cells) else "") for k, i in cols.items()}
         name = row.get("configuration", "")
+        if row.get("family") == "base" or name == "uncached":
+            base_judge = num(row.get("judge pass %"))
+            continue
         if name not in ALL_PRESETS or row.get("family", "ours") != "ours":
             continue
         steps = re.search(r"(\d+) steps", setting)
-        mask = row.get("mask", "").strip("`")
-        entry = {"setting": setting, "model": setting.split(" (")[0].split(",")[0].strip(),
+        blocks = re.search(r"(\d+) blocks", setting)
+        model = setting.split(" (")[0].split(",")[0].strip()
+        sp_col = _speedup_column(cols)
+        entry = {"setting": setting, "model": model + (f" ({blocks.group(1)} blocks)" if blocks else ""),
                  "steps": int(steps.group(1)) if steps else None,
-                 "speedup": num(row.get("speedup (wall)")), "psnr": num(row.get("psnr db")),
-                 "ssim": num(row.get("ssim")), "judge": num(row.get("judge pass %")) if "judge pass %" in row else None,
-                 "computed": num(row.get("computed calls")),
-                 "calls": len(mask) if mask and set(mask) <= {"0", "1"} else (int(steps.group(1)) if steps else None)}
+                 "speedup": num(row.get(sp_col)) if sp_col else None, "speedup_kind": sp_col,
+                 "psnr": num(row.get("psnr db")), "ssim": num(row.get("ssim")),
+                 "judge": num(row.get("judge pass %")) if base_judge else None,
+                 "computed": num(row.get("computed calls"))}
         out.setdefault(name, []).append(entry)
     for alias, target in PRESET_ALIASES.items():
         if alias not in out and target in out:
@@ -69,21 +83,20 @@ def preset_benchmarks(path: str = BENCH_TABLE) -> dict:
 
 
 def _bench_line(preset: str, bench: dict) -> str:
-    rows = bench.get(preset) or []
-    demo = [r for r in rows if r["model"].startswith("demo")]
-    parts = []
-    for r in (demo or rows):
-        q = []
+    """"preset: model A: 50 steps 1.67x, PSNR 46.9 dB, SSIM 0.995; 8 steps ... | model B: ..." """
+    by_model = {}
+    for r in bench.get(preset) or []:
+        q = ["?" if r["speedup"] is None else f"{r['speedup']:.2f}x"]
         if r["psnr"] is not None:
-            q.append("PSNR = uncached" if r["psnr"] == float("inf") else f"PSNR {r['psnr']:.1f} dB")
-        if r["ssim"] is not None:
+            q.append("same image" if r["psnr"] == float("inf") else f"PSNR {r['psnr']:.1f} dB")
+        if r["ssim"] is not None and r["psnr"] != float("inf"):
             q.append(f"SSIM {r['ssim']:.3f}")
         if r["judge"] is not None:
             q.append(f"judge {r['judge']:.0f}%")
-        sp = "?" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        parts.append(f"{r['model']} {r['steps']} steps: {sp}, " + ", ".join(q))
+        by_model.setdefault(r["model"], []).append(f"{r['steps']} steps " + ", ".join(q))
     name = preset + (f" (= {PRESET_ALIASES[preset]})" if preset in PRESET_ALIASES else "")
-    return f"{name}: " + ("; ".join(parts) if parts else "not measured")
+    parts = [f"{m}: " + "; ".join(v) for m, v in by_model.items()]
+    return f"{name}: " + (" | ".join(parts) if parts else "not measured")
 
 
 TARGETS_50 = {"quality": 1.67, "balanced": 2.0, "fast": 2.69, "medium": 1.67}  # design targets, 50 steps
@@ -103,8 +116,11 @@ def preset_tooltip(bench: dict = None) -> str:
         return (head + "\nMeasured speedup and quality per preset: no benchmark table yet (bench/cache_results.md, "
                 "python bench/cache_bench.py).\n" + "\n".join(lines))
     lines = [_bench_line(p, bench) for p in presets]
-    return (head + "\nMeasured (bench/cache_results.md; speedup = wall clock of sampling vs uncached, "
-            "quality vs the uncached image):\n" + "\n".join(lines))
+    kinds = {r["speedup_kind"] for rows in bench.values() for r in rows}
+    kind = ("model calls priced at the run's own computed calls" if kinds == {"speedup (in-run)"}
+            else "wall clock of sampling vs uncached")
+    return (head + f"\nMeasured (bench/cache_results.md; speedup = {kind}; PSNR/SSIM vs the uncached image):\n"
+            + "\n".join(lines))
 
 
 def _preview(preset: str) -> str:

@@ -67,18 +67,22 @@ TABLE = """# Cache-DiT benchmark
 
 ## demo (4 blocks, hidden 256, 64x64, CFG 3.0), 50 steps, 64 pairs
 
-| configuration | family | computed calls | mask | speedup (wall) | PSNR dB | min PSNR | SSIM | judge pass % |
-|---|---|---|---|---|---|---|---|---|
-| uncached | base | 50.0 |  | 1.00x | inf | inf | 1.0000 | 90.6 |
-| quality | ours | 28.0 | 28/50 | 1.62x | 38.10 | 30.00 | 0.9900 | 90.6 |
-| balanced | ours | 23.0 | 23/50 | 1.98x | 33.52 | 25.00 | 0.9800 | 89.1 |
-| cache-dit SCM fast static +TS | cache-dit | 19.0 | 19/50 | 2.40x | 29.41 | 23.63 | 0.9268 | 80.0 |
+| configuration | family | computed calls | mask | speedup (wall, side by side) | speedup (in-run) | PSNR dB | min PSNR | SSIM | judge pass % |
+|---|---|---|---|---|---|---|---|---|---|
+| uncached | base | 50.0 |  | 1.00x | 1.00x | inf | inf | 1.0000 | 90.6 |
+| quality | ours | 28.0 | 28/50 | 1.30x | 1.62x | 38.10 | 30.00 | 0.9900 | 90.6 |
+| balanced | ours | 23.0 | 23/50 | 2.50x | 1.98x | 33.52 | 25.00 | 0.9800 | 89.1 |
+| cache-dit SCM fast static +TS | cache-dit | 19.0 | 19/50 | 2.40x | 2.40x | 29.41 | 23.63 | 0.9268 | 80.0 |
+
+- `balanced` 1.98x; target 2.0x: NOT met
 
 ## random tiny (36 blocks, hidden 64, 16x16 latent, CFG 4), 8 steps, 2 pairs
 
-| configuration | family | computed calls | mask | speedup (wall) | PSNR dB | min PSNR | SSIM |
-|---|---|---|---|---|---|---|---|
-| balanced | ours | 7.0 | `11111011` | 1.16x | 41.16 | 40.93 | 0.9791 |
+| configuration | family | computed calls | mask | speedup (wall) | PSNR dB | min PSNR | SSIM | judge pass % |
+|---|---|---|---|---|---|---|---|---|
+| uncached | base | 8.0 |  | 1.00x | inf | inf | 1.0000 | 0.0 |
+| balanced | ours | 7.0 | `11111011` | 1.16x | 41.16 | 40.93 | 0.9791 | 0.0 |
+| quality | ours | 8.0 | `11111111` | 1.01x | inf | inf | 1.0000 | 0.0 |
 """
 
 
@@ -88,15 +92,17 @@ def test_preset_benchmarks_from_the_table(tmp_path):
     p.write_text(TABLE)
     b = cd.preset_benchmarks(str(p))
     assert set(b) == {"quality", "balanced", "medium"}  # cache-dit rows are not ours; medium = quality
-    bal = b["balanced"]
-    assert [(r["model"], r["steps"], r["speedup"], r["psnr"], r["judge"]) for r in bal] == [
-        ("demo", 50, 1.98, 33.52, 89.1), ("random tiny", 8, 1.16, 41.16, None)]
+    # the in-run speedup where the table has it, else the only one; the judge only where the uncached run passes it
+    assert [(r["model"], r["steps"], r["speedup"], r["psnr"], r["judge"]) for r in b["balanced"]] == [
+        ("demo (4 blocks)", 50, 1.98, 33.52, 89.1), ("random tiny (36 blocks)", 8, 1.16, 41.16, None)]
     assert b["medium"] == b["quality"]
     tip = cd.preset_tooltip(b)
-    assert "balanced: demo 50 steps: 1.98x, PSNR 33.5 dB, SSIM 0.980, judge 89%" in tip  # demo rows preferred
-    assert "quality: demo 50 steps: 1.62x" in tip and "fast: not measured" in tip
+    assert ("balanced: demo (4 blocks): 50 steps 1.98x, PSNR 33.5 dB, SSIM 0.980, judge 89% | "
+            "random tiny (36 blocks): 8 steps 1.16x, PSNR 41.2 dB, SSIM 0.979") in tip
+    assert "quality: demo (4 blocks): 50 steps 1.62x" in tip and "8 steps 1.01x, same image" in tip
+    assert "fast: not measured" in tip and "medium (= quality): demo" in tip
     assert cd.preset_benchmarks(str(tmp_path / "missing.md")) == {}
-    assert "no benchmark table yet" in cd.preset_tooltip({})
+    assert "no benchmark table yet" in cd.preset_tooltip({}) and "balanced: not measured yet" in cd.preset_tooltip({})
 
 
 # -- in the browser ----------------------------------------------------------------------------------------------
@@ -129,7 +135,7 @@ def comfy(tmp_path_factory):
     settings = os.path.join(base, "user", "default")
     os.makedirs(settings, exist_ok=True)
     with open(os.path.join(settings, "comfy.settings.json"), "w") as f:  # no first-run template dialog
-        json.dump({"Comfy.TutorialCompleted": True}, f)
+        json.dump({"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False}, f)
     server = cs.start_server(base)
     try:
         yield server
@@ -168,7 +174,7 @@ RECORD_EVENTS = """() => {
   }
 }"""
 
-# Load the workflow; make sure a Cache-DiT node (preset balanced) feeds the KSampler's cache input.
+# Load the workflow; make sure a Cache-DiT node (its own preset, else balanced) feeds the KSampler's cache input.
 LOAD = """async ([wf, name]) => {
   const app = window.app;
   await app.loadGraphData(wf, true, true, name);
@@ -191,16 +197,27 @@ LOAD = """async ([wf, name]) => {
     g.add(cache);
     cache.connect(0, ks, slot);
   }
+  const get = (name) => cache.widgets.find((w) => w.name === name)?.value;
   const set = (name, v) => { const w = cache.widgets.find((w) => w.name === name); if (w) w.value = v; };
-  set("enabled", true); set("preset", "balanced"); set("advanced", false);
+  // the workflow's own preset if it caches by preset, else balanced
+  if (!get("enabled") || get("advanced") || !get("preset") || get("preset") === "none") {
+    set("enabled", true); set("preset", "balanced"); set("advanced", false);
+  }
   const steps = ks.widgets.find((w) => w.name === "steps");
   if (steps.value < 12) steps.value = 12;  // enough calls for the preset to cache some (12: 111111011011)
-  const v = app.canvas.visible_area;  // [x, y, w, h] in graph units: keep the KSampler in view
-  if (v && (ks.pos[0] < v[0] || ks.pos[1] < v[1] || ks.pos[0] + ks.size[0] > v[0] + v[2] || ks.pos[1] + ks.size[1] > v[1] + v[3])) {
-    app.canvas.centerOnNode?.(ks);
+  // the whole graph in view (clear of the side bar, the tabs and the run toolbar), at most at 100 %
+  const rect = app.canvas.canvas.getBoundingClientRect();
+  let x0 = Infinity, y0 = Infinity, x1 = -Infinity, y1 = -Infinity;
+  for (const n of g._nodes) {
+    x0 = Math.min(x0, n.pos[0]); y0 = Math.min(y0, n.pos[1] - 30);
+    x1 = Math.max(x1, n.pos[0] + n.size[0]); y1 = Math.max(y1, n.pos[1] + n.size[1]);
   }
+  const [left, top, right, bottom] = [75, 135, 20, 20];
+  const scale = Math.min(1, (rect.width - left - right) / (x1 - x0), (rect.height - top - bottom) / (y1 - y0));
+  app.canvas.ds.scale = scale;
+  app.canvas.ds.offset = [left / scale - x0, top / scale - y0];
   g.setDirtyCanvas(true, true);
-  return {ksampler: String(ks.id), cache: String(cache.id)};
+  return {ksampler: String(ks.id), cache: String(cache.id), preset: get("preset")};
 }"""
 
 # Queue the graph as the frontend would (app.queuePrompt); the prompt id comes from execution_start.
@@ -318,7 +335,7 @@ def test_timeline_after_a_cached_run(comfy, page):
     assert f"{stats['speedup']:.2f}x" in text, text
     assert f"{stats['steps_computed']} computed" in text and f"{panel['cached']} cached" in text
     assert f"attention {stats['attention']}" in text and "offload none" in text and "quant none" in text
-    assert "Cache-DiT balanced" in text, text
+    assert f"Cache-DiT {ids['preset']}" in text, text
     # the server's own message carried the same statistics
     done = [e["detail"] for e in events(page) if e["type"] == "sgldiffusion.run" and e["detail"].get("state") == "done"]
     assert done and done[-1]["step_mask"] == stats["step_mask"] and done[-1]["prompt_id"] == pid
@@ -365,9 +382,10 @@ def test_preset_tooltip_on_hover(page):
     tip = page.locator(".node-tooltip")
     tip.wait_for(state="visible", timeout=10_000)
     text = tip.inner_text()
-    assert "▶ balanced:" in text, text  # the selected preset is marked
+    preset = SHARED.get("preset", "balanced")
+    assert f"▶ {preset}:" in text, text  # the selected preset is marked
     if bench:
-        assert cd._bench_line("balanced", bench) in text, text
+        assert cd._bench_line(preset, bench) in text, text
         assert "Measured" in text
     else:
         assert "no benchmark table yet" in text, text

@@ -138,12 +138,14 @@ class RunPanel {
     const label = {
       idle: "SGLDiffusion: not run yet",
       running: "running…",
-      done: this.extra?.reused ? "done (output reused by ComfyUI)" : "done",
+      done: this.extra?.reused ? "done · reused" : "done",
       failed: "failed",
       interrupted: "interrupted",
       stale: "earlier prompt's run",
     }[state] ?? state;
-    head.append(h("span", "sgld-state", label));
+    const lab = h("span", "sgld-state", label);
+    if (state === "done" && this.extra?.reused) lab.title = "ComfyUI reused this node's cached output: the run shown is the one that made it";
+    head.append(lab);
     let height = 24;
     if (state === "running") {
       this.progress = null;
@@ -263,12 +265,18 @@ function onPromptStopped(kind, detail) {
 }
 
 // -- extension -------------------------------------------------------------------------------------------------
-function presetTooltip(base, value) {
-  // tooltip lines "preset: measurements" (nodes/cache_dit.py): mark the selected preset's line
-  return String(base ?? "")
-    .split("\n")
-    .map((line) => (value && line.startsWith(`${value}:`) || line.startsWith(`${value} (=`) ? `▶ ${line}` : line))
-    .join("\n");
+function presetTooltip(base, value, presets) {
+  // nodes/cache_dit.py writes one line per preset ("balanced: ...", "medium (= quality): ..."): the
+  // measurements come first, the selected preset's line on top and marked, the explanation after them
+  const lines = String(base ?? "").split("\n");
+  const isPreset = (line, p) => line.startsWith(`${p}:`) || line.startsWith(`${p} (=`);
+  const perPreset = lines.filter((l) => presets.some((p) => isPreset(l, p)));
+  if (!perPreset.length) return base;
+  const head = lines.filter((l) => l.startsWith("Measured"));
+  const rest = lines.filter((l) => !perPreset.includes(l) && !head.includes(l));
+  const selected = perPreset.filter((l) => isPreset(l, value));
+  const others = perPreset.filter((l) => !selected.includes(l));
+  return [...head, ...selected.map((l) => `▶ ${l}`), ...others, "", ...rest].join("\n");
 }
 
 app.registerExtension({
@@ -331,7 +339,7 @@ app.registerExtension({
           Object.defineProperty(w, "tooltip", {
             configurable: true,
             enumerable: true,
-            get: () => presetTooltip(base, w.value),
+            get: () => presetTooltip(base, w.value, (w.options?.values ?? []).filter((v) => v !== "none")),
             set: () => {},
           });
         }
