@@ -118,8 +118,10 @@ def _browser_missing():
 
 
 def workflow():
-    """(name, UI-format workflow): the demo workflow once it exists, else the tiny-model one of this test."""
-    path = DEMO_WORKFLOW if os.path.exists(DEMO_WORKFLOW) else OWN_WORKFLOW
+    """(name, UI-format workflow): the demo workflow once it exists, else the tiny-model one of this test
+    (SGLD_WEB_TEST_WORKFLOW=<path> picks another)."""
+    path = os.environ.get("SGLD_WEB_TEST_WORKFLOW") or (DEMO_WORKFLOW if os.path.exists(DEMO_WORKFLOW) else OWN_WORKFLOW)
+    path = os.path.join(ROOT, path)
     with open(path) as f:
         return os.path.relpath(path, ROOT), json.load(f)
 
