@@ -4,9 +4,11 @@ Headless Debian chromium (/usr/bin/chromium, installed by scripts/browser.sh; ne
 Playwright loads the page the fixture serves, loads a workflow (workflows/demo_cpu.json when it exists,
 else tests/web_workflow.json with the tiny model), makes sure a Cache-DiT node feeds the KSampler, queues
 it through the frontend (app.queuePrompt), and checks that the KSampler node shows a timeline whose
-computed / cached cells are the run's step mask in /history. Then: the preset widget's hover tooltip, a
-run that fails inside the KSampler (no timeline left), an interrupted run, and a prompt that fails before
-the KSampler (the old timeline is marked as an earlier run). Screenshots go to test-artifacts/.
+computed / cached cells are the run's step mask in /history (web_extension.png). Then: the same graph
+again (ComfyUI reuses the output), the preset widget's hover tooltip, a prompt that fails before the
+KSampler (the old timeline is marked as an earlier prompt's), a run that fails inside the KSampler and
+an interrupted run (no timeline left), and the panel in Vue-nodes mode. Screenshots go to test-artifacts/.
+The whole module takes about 40-60 s on the 2-core machine (ComfyUI start and page load included).
 """
 from __future__ import annotations
 
