@@ -438,6 +438,35 @@ def merge(paths: List[str], out: str, plot_path: str, header: str = "") -> dict:
     return all_rows
 
 
+def alternating_timing(seconds: float, steps: int = 50, batch: int = 2) -> dict:
+    """Uncached and the three presets run in turn (order reversed every other round) on the random 36-block
+    model until ``seconds`` pass; speedups from the total time, the median round and the best runs."""
+    import statistics
+
+    model = random_model(replace(SIZES["tiny"], num_layers=36))
+    eng = Engine(model)
+    g = torch.Generator().manual_seed(0)
+    lat = torch.zeros(batch, 16, 16, 16)
+    cond = [torch.randn(10 + i, 48, generator=g) for i in range(batch)]
+    uncond = [torch.randn(4, 48, generator=g)]
+    cfgs = {"uncached": CacheConfig(enabled=False), "quality": CacheConfig(preset="quality"),
+            "balanced": CacheConfig(preset="balanced"), "fast": CacheConfig(preset="fast")}
+    eng.sample(lat, cond, uncond, seed=0, steps=3, cfg=4.0)
+    times = {k: [] for k in cfgs}
+    order, r, end = list(cfgs), 0, time.time() + seconds
+    while time.time() < end or r == 0:
+        for k in (order if r % 2 == 0 else order[::-1]):
+            t = time.perf_counter()
+            eng.sample(lat, cond, uncond, seed=0, steps=steps, cfg=4.0, cache=cfgs[k])
+            times[k].append(time.perf_counter() - t)
+        r += 1
+        print(r, {k: round(v[-1], 2) for k, v in times.items()}, flush=True)
+    base = times["uncached"]
+    return {k: {"runs": len(v), "speedup_total": sum(base) / sum(v),
+                "speedup_median_round": statistics.median(b / x for b, x in zip(base, v)),
+                "speedup_best": min(base) / min(v)} for k, v in times.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", nargs="+", default=["demo", "random"], choices=["demo", "random"])
@@ -456,7 +485,14 @@ def main(argv=None):
     ap.add_argument("--plot", default=os.path.join(ROOT, "bench", "cache_pareto.png"))
     ap.add_argument("--merge", nargs="+", default=None, help="only merge earlier --json outputs into --out / --plot")
     ap.add_argument("--header", default="", help="with --merge: a markdown file put before the tables")
+    ap.add_argument("--timing", type=float, default=0.0,
+                    help="only run the alternating uncached/preset timing for this many seconds (random 36-block model)")
     args = ap.parse_args(argv)
+    if args.timing:
+        torch.set_num_threads(args.threads)
+        res = alternating_timing(args.timing)
+        print(json.dumps(res, indent=1))
+        return res
     if args.merge:
         return merge(args.merge, args.out, args.plot, args.header)
     torch.set_num_threads(args.threads)
