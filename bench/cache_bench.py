@@ -475,7 +475,7 @@ def main(argv=None):
     ap.add_argument("--random-pairs", type=int, default=16)
     ap.add_argument("--demo-weights", default=None, help="demo checkpoint (default: the shipped weights)")
     ap.add_argument("--threads", type=int, default=1, help="1 is faster and steadier than 2 on a shared 2-core machine")
-    ap.add_argument("--configs", default="all", choices=["all", "main", "min"],
+    ap.add_argument("--configs", default="all", choices=["all", "main", "min", "presets"],
                     help="main: presets, DBCache defaults and the nearest cache-dit configs; min: presets and cache-dit's masks")
     ap.add_argument("--once", action="store_true", help="run the uncached sample once per batch (not before and after)")
     ap.add_argument("--batch", type=int, default=16, help="pairs sampled together in one batch (one cache decision per batch)")
@@ -503,6 +503,8 @@ def main(argv=None):
                 "cache-dit SCM medium static +TS", "cache-dit SCM fast static +TS", "cache-dit SCM ultra static +TS",
                 "cache-dit SCM fast dynamic R0.24", "cache-dit F1B0 W4 MC3 R0.24")
         configs = [c for c in configs if c.name in keep]
+    elif args.configs == "presets":
+        configs = [c for c in configs if c.name in ("quality", "balanced", "fast")]
     elif args.configs == "min":
         keep = ("quality", "balanced", "fast", "cache-dit SCM medium static +TS", "cache-dit SCM fast static +TS",
                 "cache-dit SCM ultra static +TS", "cache-dit SCM fast dynamic R0.24")
