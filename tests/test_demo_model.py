@@ -13,7 +13,7 @@ from engine.models.demo import (DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_STEPS, DEM
 FEW_STEPS = 12
 CASES = [
     ("a large red circle on the left, on a blue background", 0),
-    ("a large green circle at the bottom, on a white background", 0),
+    ("a large green circle at the bottom, on a white background", 1),
 ]
 
 
