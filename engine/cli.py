@@ -285,6 +285,10 @@ def main(argv=None) -> int:
     _setup_logging()
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
+    elif args.command == "generate" and args.device == "cpu":
+        # the demo model's matrices are tiny: a second thread costs more in synchronisation than it
+        # computes, and on a busy machine it waits for a core (measured 10-20x slower)
+        torch.set_num_threads(1)
     from .loader import CheckpointError
     from .parallel.pool import ParallelWorkerError
     from .pipeline import InputError

@@ -32,7 +32,7 @@ DEFAULT_SCHEDULER = "simple"
 IMAGE_SIZE = 64
 LATENT_CHANNELS = codec.LATENT_CHANNELS  # 48
 LATENT_SIZE = IMAGE_SIZE // codec.FACTOR  # 16
-EXAMPLE_PROMPT = "a large red circle on the left and a small blue square on the right, on a yellow background"
+EXAMPLE_PROMPT = "a large red circle on the left, on a blue background"
 
 __all__ = ["DEMO_WEIGHTS", "DEFAULT_STEPS", "DEFAULT_CFG", "DEFAULT_SAMPLER", "DEFAULT_SCHEDULER", "EXAMPLE_PROMPT",
            "DemoModel", "load_demo", "is_demo_file"]
