@@ -231,6 +231,23 @@ class Engine:
 
         return denoiser
 
+    def _start_run(self, latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift):
+        """Check every input (InputError naming what is wrong), make the sigmas and reset ``last_run``.
+        Returns (latent as float32 on the CPU, cond, uncond or None when unused, sigmas)."""
+        if sampler not in SAMPLERS:
+            raise InputError(f"sampler '{sampler}' is not supported; choose one of {', '.join(SAMPLERS)}")
+        if scheduler not in SCHEDULERS:
+            raise InputError(f"scheduler '{scheduler}' is not supported; choose one of {', '.join(SCHEDULERS)}")
+        if int(steps) < 1:
+            raise InputError(f"steps must be at least 1 (got {steps})")
+        self._check_latent(latent)
+        b = latent.shape[0]
+        cond = self._check_conditioning("positive", cond, b)
+        uncond = self._check_conditioning("negative", uncond, b) if uncond is not None and cfg != 1.0 else None
+        sigmas = sigma_schedule(int(steps), scheduler, denoise, shift)
+        self.last_run = RunStats(steps=len(sigmas) - 1, model_calls=model_calls(sampler, len(sigmas) - 1))
+        return latent.detach().to("cpu", torch.float32), cond, uncond, sigmas
+
     @torch.no_grad()
     def sample(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
                sampler: str = "euler", scheduler: str = "simple", denoise: float = 1.0,
@@ -242,19 +259,7 @@ class Engine:
         model call and may raise to interrupt. ``cache``: an ``engine.cache.CacheConfig``; None = the
         engine config's, else the environment's (SGLANG_CACHE_DIT_*); ``CacheConfig(enabled=False)`` = off.
         """
-        if sampler not in SAMPLERS:
-            raise InputError(f"sampler '{sampler}' is not supported; choose one of {', '.join(SAMPLERS)}")
-        if scheduler not in SCHEDULERS:
-            raise InputError(f"scheduler '{scheduler}' is not supported; choose one of {', '.join(SCHEDULERS)}")
-        if int(steps) < 1:
-            raise InputError(f"steps must be at least 1 (got {steps})")
-        self._check_latent(latent)
-        b = latent.shape[0]
-        cond = self._check_conditioning("positive", cond, b)
-        uncond = self._check_conditioning("negative", uncond, b) if uncond is not None and cfg != 1.0 else None
-        latent = latent.detach().to("cpu", torch.float32)
-        sigmas = sigma_schedule(int(steps), scheduler, denoise, shift)
-        self.last_run = RunStats(steps=len(sigmas) - 1, model_calls=model_calls(sampler, len(sigmas) - 1))
+        latent, cond, uncond, sigmas = self._start_run(latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift)
         if len(sigmas) < 2:
             return latent.clone()
         noise = seeded_noise(latent.shape, seed)

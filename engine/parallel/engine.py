@@ -19,8 +19,8 @@ from typing import Callable, List, Optional
 import torch
 
 from ..config import EngineConfig
-from ..pipeline import Engine, InputError, RunStats
-from ..sampling import DEFAULT_SHIFT, SAMPLERS, SCHEDULERS, model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule
+from ..pipeline import Engine, RunStats
+from ..sampling import DEFAULT_SHIFT, noise_scaling, run_sampler, seeded_noise
 from .plan import ParallelPlan, check_devices, check_model, make_plan
 from .worker import pack, unpack
 
@@ -249,19 +249,7 @@ class ParallelEngine(Engine):
                sampler: str = "euler", scheduler: str = "simple", denoise: float = 1.0,
                shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None, cache=None) -> torch.Tensor:
         """Same contract as ``Engine.sample``; the model calls run on the workers."""
-        if sampler not in SAMPLERS:
-            raise InputError(f"sampler '{sampler}' is not supported; choose one of {', '.join(SAMPLERS)}")
-        if scheduler not in SCHEDULERS:
-            raise InputError(f"scheduler '{scheduler}' is not supported; choose one of {', '.join(SCHEDULERS)}")
-        if int(steps) < 1:
-            raise InputError(f"steps must be at least 1 (got {steps})")
-        self._check_latent(latent)
-        b = latent.shape[0]
-        cond = self._check_conditioning("positive", cond, b)
-        uncond = self._check_conditioning("negative", uncond, b) if uncond is not None and cfg != 1.0 else None
-        latent = latent.detach().to("cpu", torch.float32)
-        sigmas = sigma_schedule(int(steps), scheduler, denoise, shift)
-        self.last_run = RunStats(steps=len(sigmas) - 1, model_calls=model_calls(sampler, len(sigmas) - 1))
+        latent, cond, uncond, sigmas = self._start_run(latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift)
         if len(sigmas) < 2:
             return latent.clone()
         from ..cache import resolve_config
