@@ -248,6 +248,14 @@ class Engine:
         self.last_run = RunStats(steps=len(sigmas) - 1, model_calls=model_calls(sampler, len(sigmas) - 1))
         return latent.detach().to("cpu", torch.float32), cond, uncond, sigmas
 
+    @staticmethod
+    def _first_step(latent, sigmas, seed, callback):
+        """The starting x (ComfyUI's seeded noise scaled to sigmas[0]) and the sampler's step callback."""
+        x = noise_scaling(sigmas[0], seeded_noise(latent.shape, seed), latent)
+        total = len(sigmas) - 1
+        step_cb = None if callback is None else (lambda i, x_i, denoised: callback(i, total, x_i, denoised))
+        return x, step_cb
+
     @torch.no_grad()
     def sample(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
                sampler: str = "euler", scheduler: str = "simple", denoise: float = 1.0,
@@ -262,13 +270,7 @@ class Engine:
         latent, cond, uncond, sigmas = self._start_run(latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift)
         if len(sigmas) < 2:
             return latent.clone()
-        noise = seeded_noise(latent.shape, seed)
-        x = noise_scaling(sigmas[0], noise, latent)
-        total = len(sigmas) - 1
-        step_cb = None
-        if callback is not None:
-            def step_cb(i, x_i, denoised):
-                callback(i, total, x_i, denoised)
+        x, step_cb = self._first_step(latent, sigmas, seed, callback)
         from .cache import make_runner
         runner = make_runner(cache if cache is not None else getattr(self.config, "cache", None), self.model,
                              self.last_run.model_calls, branches=2 if uncond is not None else 1)

@@ -20,7 +20,7 @@ import torch
 
 from ..config import EngineConfig
 from ..pipeline import Engine, RunStats
-from ..sampling import DEFAULT_SHIFT, noise_scaling, run_sampler, seeded_noise
+from ..sampling import DEFAULT_SHIFT, run_sampler
 from .plan import ParallelPlan, check_devices, check_model, make_plan
 from .worker import pack, unpack
 
@@ -263,13 +263,7 @@ class ParallelEngine(Engine):
             logging.getLogger("sgld.parallel").warning(msg)
             self.warnings.append(msg)
         branches = 2 if cfg_batched and self.plan.cfg == 1 else 1
-        noise = seeded_noise(latent.shape, seed)
-        x = noise_scaling(sigmas[0], noise, latent)
-        total = len(sigmas) - 1
-        step_cb = None
-        if callback is not None:
-            def step_cb(i, x_i, denoised):
-                callback(i, total, x_i, denoised)
+        x, step_cb = self._first_step(latent, sigmas, seed, callback)
         self._ensure()
         self._computed = _Computed() if rc is not None else None
         self._sent_text = None
