@@ -1,25 +1,15 @@
 """The SGLDiffusion Cache-DiT node (imported without ComfyUI: it needs only the engine)."""
-import importlib
-import os
-import sys
-import types
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:
+    from . import pack_modules
+except ImportError:
+    import pack_modules
 
 
 @pytest.fixture(scope="module")
 def node_module():
-    # A stand-in package for the pack root, so that "from ..engine.cache import ..." resolves
-    # without running nodes/__init__.py (which needs ComfyUI).
-    pack = types.ModuleType("sgld_cache_node_pack")
-    pack.__path__ = [ROOT]
-    sub = types.ModuleType("sgld_cache_node_pack.nodes")
-    sub.__path__ = [os.path.join(ROOT, "nodes")]
-    sys.modules.setdefault("sgld_cache_node_pack", pack)
-    sys.modules.setdefault("sgld_cache_node_pack.nodes", sub)
-    return importlib.import_module("sgld_cache_node_pack.nodes.cache_dit")
+    return pack_modules.node_module("cache_dit")
 
 
 def test_mappings(node_module):

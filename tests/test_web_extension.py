@@ -12,16 +12,18 @@ The whole module takes about 40-60 s on the 2-core machine (ComfyUI start and pa
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
-import types
 
 import pytest
+
+try:
+    from . import pack_modules
+except ImportError:
+    import pack_modules
 
 try:  # tests/ may or may not be a package
     from . import comfy_server as cs
@@ -41,14 +43,8 @@ SHARED = {}  # what the first browser test leaves for the next ones (node ids, p
 
 
 def cache_node_module():
-    """nodes/cache_dit.py without ComfyUI (a stand-in package for the pack root, as in test_cache_node)."""
-    pack = types.ModuleType("sgld_web_test_pack")
-    pack.__path__ = [ROOT]
-    sub = types.ModuleType("sgld_web_test_pack.nodes")
-    sub.__path__ = [os.path.join(ROOT, "nodes")]
-    sys.modules.setdefault("sgld_web_test_pack", pack)
-    sys.modules.setdefault("sgld_web_test_pack.nodes", sub)
-    return importlib.import_module("sgld_web_test_pack.nodes.cache_dit")
+    """nodes/cache_dit.py without ComfyUI."""
+    return pack_modules.node_module("cache_dit")
 
 
 # -- without a browser -------------------------------------------------------------------------------------------
