@@ -71,6 +71,8 @@ def main(argv=None):
     ap.add_argument("--sampler", default=DEFAULT_SAMPLER)
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--weights", default=None)
+    ap.add_argument("--seed-start", type=int, default=data.HELD_OUT_SEED_START,
+                    help="first data seed (also held out, e.g. HELD_OUT_SEED_START + 10**6 to tune cfg on other pairs)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--save-grid", default=None, help="PNG of the first 32 samples (top) over their references")
     ap.add_argument("--json", default=None, help="also write the figures as JSON here")
@@ -78,13 +80,13 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
 
     demo = load_demo(args.weights)
-    pairs = held_out(args.n)
+    pairs = held_out(args.n, args.seed_start)
     gen_rs = [judge.judge(p[2], p[3]) for p in pairs]
     results, secs = evaluate(demo, pairs, args.steps, args.cfg, args.sampler, args.batch)
     one = [r for p, _, r in results if p[1] == 1]
     two = [r for p, _, r in results if p[1] == 2]
     print(f"Demo model judge evaluation: {len(pairs)} held-out caption/seed pairs (data seeds from "
-          f"{data.HELD_OUT_SEED_START}), sampler {args.sampler}, {args.steps} steps, cfg {args.cfg}, "
+          f"{args.seed_start}), sampler {args.sampler}, {args.steps} steps, cfg {args.cfg}, "
           f"scheduler simple, shift 3; {secs:.0f} s on {args.threads} CPU threads.\n")
     print(table([("model, one object", one), ("model, two objects", two), ("model, all", one + two),
                  ("generator images (judge ceiling)", gen_rs)]))
