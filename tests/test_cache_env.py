@@ -18,7 +18,7 @@ def test_two_variables_switch_a_preset_on():
     c = from_env(env(ENABLED="true", SCM_PRESET="balanced"))
     assert c.enabled and c.preset_name == "balanced"
     r = c.resolve(50, 36)
-    assert r.mask is not None and sum(r.mask) == 23 and r.scm_policy == "static" and r.taylorseer
+    assert r.mask is not None and sum(r.mask) == 22 and r.scm_policy == "static" and r.taylorseer
 
 
 def test_all_knobs():
