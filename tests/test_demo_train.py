@@ -3,6 +3,7 @@ around objects (the bias that made the first demo model draw bloated boxes)."""
 import json
 
 import numpy as np
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -37,7 +38,16 @@ def test_sigmas_lie_in_the_unit_interval_and_follow_the_generator():
     assert float(a.median()) > 0.5  # shift 3 spends most samples at high noise, where the layout is decided
 
 
-def test_training_is_reproducible_by_seed(tmp_path):
+@pytest.fixture
+def restore_threads():
+    """train.main sets the process's torch thread count; later tests compare bit-exactly against a
+    ComfyUI server process, so they need the default back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_training_is_reproducible_by_seed(tmp_path, restore_threads):
     outs = []
     for name in ("a", "b"):
         out = tmp_path / f"{name}.safetensors"
