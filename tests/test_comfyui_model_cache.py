@@ -7,7 +7,11 @@ import types
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:
+    from . import pack_modules
+except ImportError:
+    import pack_modules
+
 PACK = "sgld_model_cache_pack"
 
 
@@ -41,12 +45,7 @@ def mc(monkeypatch, tmp_path):
     comfy.model_management = mm
     monkeypatch.setitem(sys.modules, "comfy", comfy)
     monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
-    pack = types.ModuleType(PACK)
-    pack.__path__ = [ROOT]
-    nodes = types.ModuleType(PACK + ".nodes")
-    nodes.__path__ = [os.path.join(ROOT, "nodes")]
-    monkeypatch.setitem(sys.modules, PACK, pack)
-    monkeypatch.setitem(sys.modules, PACK + ".nodes", nodes)
+    pack_modules.install_pack(monkeypatch, PACK)
     sys.modules.pop(PACK + ".nodes.model_cache", None)
     mod = importlib.import_module(PACK + ".nodes.model_cache")
     assert mod.install_memory_hooks() is True

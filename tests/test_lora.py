@@ -12,6 +12,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+try:
+    from . import pack_modules
+except ImportError:
+    import pack_modules
+
 from engine import Engine, EngineConfig
 from engine.lora import LoRAError, parse_spec, read_lora
 from engine.random_weights import SIZES, random_model
@@ -388,7 +393,6 @@ def test_parse_spec_and_cli_flag(tmp_path, monkeypatch):
 
 # -- ComfyUI node: the handle carries the LoRAs, the base engine is shared ------------------------------------
 PACK = "sgld_lora_test_pack"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -413,12 +417,7 @@ def pack(monkeypatch, tmp_path):
     fp.get_folder_paths = lambda name: [str(loras)]
     for name, mod in (("comfy", comfy), ("comfy.model_management", mm), ("folder_paths", fp)):
         monkeypatch.setitem(sys.modules, name, mod)
-    p = types.ModuleType(PACK)
-    p.__path__ = [ROOT]
-    nodes = types.ModuleType(PACK + ".nodes")
-    nodes.__path__ = [os.path.join(ROOT, "nodes")]
-    monkeypatch.setitem(sys.modules, PACK, p)
-    monkeypatch.setitem(sys.modules, PACK + ".nodes", nodes)
+    pack_modules.install_pack(monkeypatch, PACK)
     mc = importlib.import_module(PACK + ".nodes.model_cache")
     lora_node = importlib.import_module(PACK + ".nodes.lora")
     from engine.random_weights import save_random_checkpoint
