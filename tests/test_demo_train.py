@@ -1,5 +1,6 @@
-"""The demo model's training script: reproducible by seed, and its loss weighting is symmetric
-around objects (the bias that made the first demo model draw bloated boxes)."""
+"""The demo model's training script: reproducible by seed (one process or two data-parallel ones),
+and its loss weighting is symmetric around objects (the bias that made the first demo model draw
+bloated boxes) and on both sides of their outlines."""
 import json
 
 import numpy as np
@@ -30,6 +31,31 @@ def test_object_weights_cover_the_object_and_the_background_around_it():
     assert not weighted[far].any()  # but not the whole image
 
 
+def _neighbours(mask: np.ndarray, combine) -> np.ndarray:
+    """``combine`` (np.logical_or / np.logical_and) of a mask with its four shifted copies."""
+    out = mask.copy()
+    for axis in (0, 1):
+        for step in (1, -1):
+            shifted = np.roll(mask, step, axis=axis)
+            edge = [slice(None), slice(None)]
+            edge[axis] = 0 if step == 1 else -1
+            shifted[tuple(edge)] = mask[tuple(edge)]  # no wrap-around
+            out = combine(out, shifted)
+    return out
+
+
+def test_edge_weights_cover_both_sides_of_the_outline_and_nothing_else():
+    img, _ = data.sample(11, num_objects=1)
+    w = train.edge_weights(img[None], 6.0)
+    assert set(torch.unique(w).tolist()) == {0.0, 6.0}
+    weighted = codec.decode_float(w / 6.0 * 2.0 - 1.0)[0, :, :, 0].numpy() > 0.5
+    fg = (img != img[:1, :1]).any(-1)
+    outline = fg & ~_neighbours(fg, np.logical_and)  # object pixels touching the background
+    halo = _neighbours(fg, np.logical_or) & ~fg  # background pixels touching the object
+    assert outline.any() and halo.any()
+    assert np.array_equal(weighted, outline | halo)
+
+
 def test_sigmas_lie_in_the_unit_interval_and_follow_the_generator():
     a = train.sample_sigma(1000, torch.Generator().manual_seed(0), uniform_frac=0.5)
     b = train.sample_sigma(1000, torch.Generator().manual_seed(0), uniform_frac=0.5)
@@ -51,7 +77,8 @@ def test_training_is_reproducible_by_seed(tmp_path, restore_threads):
     outs = []
     for name in ("a", "b"):
         out = tmp_path / f"{name}.safetensors"
-        train.main(["--steps", "3", "--batch", "2", "--threads", "1", "--warmup", "1", "--out", str(out)])
+        train.main(["--steps", "3", "--batch", "2", "--procs", "1", "--threads", "1", "--warmup", "1",
+                    "--out", str(out)])
         outs.append(out)
     first, second = (load_file(str(p)) for p in outs)
     assert first.keys() == second.keys()
@@ -59,3 +86,27 @@ def test_training_is_reproducible_by_seed(tmp_path, restore_threads):
     with safe_open(str(outs[0]), "pt") as f:
         info = json.loads(f.metadata()["demo_config"])["train"]
     assert info["steps"] == 3 and info["seed"] == 0 and np.isfinite(info["final_loss"])
+
+
+def test_two_data_parallel_processes_train_reproducibly(tmp_path, restore_threads):
+    """Two gloo processes average their gradients (train checks that both end with the same weights);
+    the saved EMA is the same on a rerun, and differs from one process's (each process draws its own
+    half of the batch)."""
+    outs = []
+    for name, procs in (("a", "2"), ("b", "2"), ("single", "1")):
+        out = tmp_path / f"{name}.safetensors"
+        train.main(["--steps", "2", "--batch", "4", "--procs", procs, "--threads", "1", "--warmup", "1",
+                    "--out", str(out)])
+        outs.append(load_file(str(out)))
+    a, b, single = outs
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], single[k]) for k in a)
+    with safe_open(str(tmp_path / "a.safetensors"), "pt") as f:
+        info = json.loads(f.metadata()["demo_config"])["train"]
+    assert info["procs"] == 2 and info["steps"] == 2
+
+
+def test_batch_must_split_evenly_over_the_processes(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--batch", "5", "--procs", "2"])
+    assert "--batch (5) must be a multiple of --procs (2)" in capsys.readouterr().err
