@@ -2,17 +2,15 @@
 
 Rectified flow in ERNIE-Image's convention: sigma ~ logit-normal (half of them uniform), shifted by
 ComfyUI's shift 3 (sigma' = 3s / (1 + 2s)); x = sigma * noise + (1 - sigma) * x0; the DiT predicts
-v = noise - x0 at timestep sigma * 1000, with the loss weighted up on and around the objects
-(``--edge-weight`` adds weight on their outlines: off, see bench/RESULTS.md). The caption is
-replaced by the empty prompt 10% of the time (for CFG). The text encoder is trained jointly. AdamW
-with warmup, constant lr, a linear decay over the last 30% of the steps; an EMA of the weights is
-what gets saved (fp16 safetensors with the vocabulary and configs in the metadata), every 50 steps.
-Forward and backward run under bf16 autocast on both cores; ``--procs 2 --threads 1`` splits the
-batch over two data-parallel processes instead (gloo all-reduce of the gradients), 1.18x the steps/s.
+v = noise - x0 at timestep sigma * 1000, with the loss weighted up on and around the objects. The
+caption is replaced by the empty prompt 10% of the time (for CFG). The text encoder is trained
+jointly. AdamW with warmup, constant lr, a linear decay over the last 30% of the steps; an EMA of the
+weights is what gets saved (fp16 safetensors with the vocabulary and configs in the metadata), every
+50 steps. Forward and backward run under bf16 autocast on both cores.
 
-Deterministic for a seed, process count and thread count. The run stops at ``--time-limit`` minutes
-(58) wherever it is; ``--stop-after <steps>`` reproduces a run that stopped early (the step count is
-in the file's metadata, ``demo_config.train``). The shipped weights are one run of the defaults:
+Deterministic for a seed and thread count. The run stops at ``--time-limit`` minutes (58) wherever
+it is; ``--stop-after <steps>`` reproduces a run that stopped early (the step count is in the file's
+metadata, ``demo_config.train``). The shipped weights are one run of the defaults:
 
     python -m engine.models.demo.train
 """
@@ -128,10 +126,10 @@ def lr_at(step: int, steps: int, base: float, warmup: int) -> float:
     return base * (1.0 - 0.9 * (step - decay_start) / max(1, steps - decay_start))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6800, help="length of the lr schedule")
-    ap.add_argument("--batch", type=int, default=48, help="global batch (split over --procs)")
+    ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--ema", type=float, default=0.998)
@@ -139,13 +137,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--object-weight", type=float, default=3.0, help="extra loss weight on object pixels (0: plain MSE)")
     ap.add_argument("--edge-weight", type=float, default=0.0,
-                    help="extra loss weight on the pixels at a colour edge (both sides)")
+                    help="extra loss weight on the pixels at a colour edge, both sides (tried: no better, see "
+                         "bench/RESULTS.md)")
     ap.add_argument("--uniform-frac", type=float, default=0.5, help="fraction of sigmas drawn uniform, not logit-normal")
-    ap.add_argument("--procs", type=int, default=1,
-                    help="data-parallel processes (gloo all-reduce of the gradients), each with --threads threads")
     ap.add_argument("--threads", type=int, default=2,
-                    help="threads per process (on a 2-core machine, --procs 2 --threads 1 runs 1.18x the steps/s "
-                         "of one process of 2 threads); use 1 when the machine is busy")
+                    help="2 (both cores) by default; use 1 when the machine is busy: two OpenMP threads on a "
+                         "loaded 2-core machine are several times slower than one")
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                     help="bf16: forward and backward under CPU autocast (1.4x the samples/s of fp32 on AVX512-BF16); "
                          "weights, optimizer and EMA stay fp32")
@@ -157,57 +154,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
-    if args.procs < 1 or args.batch % args.procs:
-        ap.error(f"--batch ({args.batch}) must be a multiple of --procs ({args.procs})")
-    return args
 
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.procs == 1:
-        train(args)
-        return
-    import torch.multiprocessing as mp
-
-    from ...parallel.pool import free_port
-
-    mp.spawn(_train_rank, args=(args, f"tcp://127.0.0.1:{free_port()}"), nprocs=args.procs, join=True)
-
-
-def _train_rank(rank: int, args: argparse.Namespace, init_method: str) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=args.procs,
-                            timeout=timedelta(minutes=5))
-    try:
-        train(args, rank, args.procs)
-    finally:
-        dist.destroy_process_group()
-
-
-def all_reduce_mean(grads, loss: float, stop: bool, world: int):
-    """Average the gradients and the loss over the data-parallel processes in one all-reduce; any
-    process past the time limit stops them all at the same step."""
-    import torch.distributed as dist
-
-    flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss, float(stop)])])
-    dist.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
-    return float(flat[-2]), bool(flat[-1] > 0)
-
-
-def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")  # rms_norm under autocast
-    torch.manual_seed(args.seed)  # the same initial weights in every process
-    gen = torch.Generator().manual_seed(args.seed + 7919 * rank)
-    lead = rank == 0
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
     tok = WordTokenizer.from_words(data.vocabulary())
     te_cfg = TextEncoderConfig(vocab_size=len(tok.vocab), dim=TEXT_DIM)
     dit = ErnieImageTransformer(dit_config())
@@ -221,35 +172,30 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> None:
         te.load_state_dict(te_state)
         dit.load_state_dict(load_model(args.init_from, dtype=torch.float32).state_dict())
         dit.requires_grad_(True).train()
-        if lead:
-            print(f"initialised from {args.init_from}", flush=True)
+        print(f"initialised from {args.init_from}", flush=True)
     params = list(dit.parameters()) + list(te.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.99))
-    for p in params:  # gradients live in place, so that the all-reduce has a buffer for each of them
-        p.grad = torch.zeros_like(p)
     ema_dit, ema_te = copy.deepcopy(dit).requires_grad_(False), copy.deepcopy(te).requires_grad_(False)
     ema_params = list(ema_dit.parameters()) + list(ema_te.parameters())
-    if lead:
-        print(f"demo model: DiT {sum(p.numel() for p in dit.parameters()) / 1e6:.2f}M params "
-              f"{dit_config().to_dict()}, text encoder {sum(p.numel() for p in te.parameters()) / 1e6:.2f}M, "
-              f"vocab {len(tok.vocab)}, {world} process(es) x {args.threads} thread(s)", flush=True)
+    n_params = sum(p.numel() for p in dit.parameters())
+    print(f"demo model: DiT {n_params / 1e6:.2f}M params {dit_config().to_dict()}, text encoder "
+          f"{sum(p.numel() for p in te.parameters()) / 1e6:.2f}M, vocab {len(tok.vocab)}", flush=True)
 
     start = time.time()
     losses = []
-    rng = np.random.default_rng([args.seed, rank]) if world > 1 else np.random.default_rng(args.seed)
-    batch = args.batch // world
+    rng = np.random.default_rng(args.seed)
     info = {}
     for step in range(args.steps):
-        seeds = rng.integers(0, data.HELD_OUT_SEED_START, size=batch)
+        seeds = rng.integers(0, data.HELD_OUT_SEED_START, size=args.batch)
         imgs, caps = data.batch(seeds)
         x0 = codec.encode(imgs)
-        drop = torch.rand(batch, generator=gen) < args.drop
+        drop = torch.rand(args.batch, generator=gen) < args.drop
         caps = ["" if d else c for c, d in zip(caps, drop.tolist())]
         ids, lens = tok.batch(caps, te_cfg.max_len)
-        sigma = sample_sigma(batch, gen, uniform_frac=args.uniform_frac)
+        sigma = sample_sigma(args.batch, gen, uniform_frac=args.uniform_frac)
         noise = torch.randn(x0.shape, generator=gen)
         s = sigma.view(-1, 1, 1, 1)
         xt = s * noise + (1 - s) * x0
@@ -262,52 +208,33 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> None:
         loss = (weight * (v - (noise - x0)) ** 2).mean()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=True)
         loss.backward()
-        elapsed = time.time() - start
-        past_limit = elapsed > args.time_limit * 60 and step != args.steps - 1
-        loss_value = loss.item()
-        if world > 1:
-            loss_value, past_limit = all_reduce_mean([p.grad for p in params], loss_value, past_limit, world)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         d = min(args.ema, (1 + step) / (10 + step))
         with torch.no_grad():
             torch._foreach_lerp_(ema_params, params, 1 - d)
-        losses.append(loss_value)
-        if lead and (step % 25 == 0 or step == args.steps - 1):
+        losses.append(loss.item())
+        elapsed = time.time() - start
+        if step % 25 == 0 or step == args.steps - 1:
             print(f"step {step:5d} loss {np.mean(losses[-25:]):.4f} lr {opt.param_groups[0]['lr']:.2e} "
                   f"{elapsed / 60:.1f} min ({(step + 1) / elapsed:.2f} steps/s)", flush=True)
         info = {"steps": step + 1, "planned_steps": args.steps, "batch": args.batch, "seed": args.seed,
                 "final_loss": float(np.mean(losses[-100:])), "train_minutes": round(elapsed / 60, 2),
-                "procs": world, "threads": args.threads, "object_weight": args.object_weight,
-                "edge_weight": args.edge_weight, "uniform_frac": args.uniform_frac, "lr": args.lr,
-                "precision": args.precision, "init_from": os.path.basename(args.init_from) if args.init_from else None}
+                "threads": args.threads, "object_weight": args.object_weight, "edge_weight": args.edge_weight,
+                "uniform_frac": args.uniform_frac,
+                "lr": args.lr, "precision": args.precision, "init_from": os.path.basename(args.init_from) if args.init_from else None}
         stop = args.stop_after is not None and step + 1 >= args.stop_after
-        last = step == args.steps - 1 or past_limit or stop
-        if lead and ((step + 1) % args.save_every == 0 or last):
+        last = step == args.steps - 1 or elapsed > args.time_limit * 60 or stop
+        if (step + 1) % args.save_every == 0 or last:
             write_weights(args.out, ema_dit, ema_te, tok, te_cfg, info)
         if stop:
             break
-        if past_limit:
-            if lead:
-                print(f"time limit reached after {step + 1} of {args.steps} steps: stopping early", flush=True)
+        if elapsed > args.time_limit * 60 and step != args.steps - 1:
+            print(f"time limit reached after {step + 1} of {args.steps} steps: stopping early", flush=True)
             break
-    if world > 1:
-        check_replicas_agree(ema_params, world)
-    if lead:
-        print(f"saved {args.out}: {json.dumps(info)}", flush=True)
-
-
-def check_replicas_agree(tensors, world: int) -> None:
-    """Every data-parallel process must end with the same weights (the gradients were averaged)."""
-    import torch.distributed as dist
-
-    mine = torch.stack([t.double().sum() for t in tensors])
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    if any(not torch.equal(every[0], other) for other in every[1:]):
-        raise RuntimeError("demo training: the data-parallel processes ended with different weights")
+    print(f"saved {args.out}: {json.dumps(info)}", flush=True)
 
 
 if __name__ == "__main__":
