@@ -85,4 +85,3 @@ def test_training_is_reproducible_by_seed(tmp_path, restore_threads):
     with safe_open(str(outs[0]), "pt") as f:
         info = json.loads(f.metadata()["demo_config"])["train"]
     assert info["steps"] == 3 and info["seed"] == 0 and np.isfinite(info["final_loss"])
-

@@ -77,6 +77,13 @@ def sample_sigma(n: int, gen: torch.Generator, shift: float = 3.0, uniform_frac:
     return shift * s / (1 + (shift - 1) * s)
 
 
+def latent_mask(pixels: torch.Tensor) -> torch.Tensor:
+    """A per-pixel bool mask [B, H, W] as 0/1 floats laid out like the codec's latent [B, 48, H/4, W/4]
+    (every channel of a pixel gets the pixel's value)."""
+    rgb = pixels[..., None].expand(-1, -1, -1, 3).to(torch.uint8) * 255
+    return (codec.encode(rgb.contiguous()) > 0).float()
+
+
 def object_weights(imgs: np.ndarray, weight: float, margin: int = OBJECT_MARGIN) -> torch.Tensor:
     """Per-latent-element loss weights: 1 + weight on the pixels within ``margin`` of an object
     (a pixel differing from the image's corner colour), laid out like the codec's latent.
@@ -86,8 +93,8 @@ def object_weights(imgs: np.ndarray, weight: float, margin: int = OBJECT_MARGIN)
     object's own pixels made painting the object's colour over background 4x cheaper than the
     reverse, and the model drew every shape as a bloated, filled box."""
     fg = torch.from_numpy((imgs != imgs[:, :1, :1, :]).any(-1)).float()[:, None]  # [B, 1, H, W]
-    near = F.max_pool2d(fg, 2 * margin + 1, stride=1, padding=margin)[:, 0, :, :, None].expand(-1, -1, -1, 3)
-    return 1.0 + weight * (codec.encode(near.contiguous()) > -1).float()
+    near = F.max_pool2d(fg, 2 * margin + 1, stride=1, padding=margin)[:, 0] > 0
+    return 1.0 + weight * latent_mask(near)
 
 
 def edge_weights(imgs: np.ndarray, weight: float) -> torch.Tensor:
@@ -103,8 +110,7 @@ def edge_weights(imgs: np.ndarray, weight: float) -> torch.Tensor:
     edge[:, :, :-1] |= diff_x
     edge[:, 1:] |= diff_y
     edge[:, :-1] |= diff_y
-    e = torch.from_numpy(np.repeat(edge[..., None], 3, axis=-1))
-    return weight * (codec.encode(e.to(torch.uint8) * 255) > 0).float()
+    return weight * latent_mask(torch.from_numpy(edge))
 
 
 def write_weights(path: str, dit, te, tok: WordTokenizer, te_cfg: TextEncoderConfig, info: dict) -> None:
