@@ -34,10 +34,10 @@ from .text_encoder import DemoTextEncoder, TextEncoderConfig, WordTokenizer
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "weights", "demo.safetensors")
 
-HIDDEN = 256
+HIDDEN = 384
 LAYERS = 4
 HEAD_DIM = 64
-FFN = 512
+FFN = 768
 PATCH = 2
 TEXT_DIM = 128
 OBJECT_MARGIN = 3  # pixels of background around each object weighted like the object
@@ -134,7 +134,7 @@ def lr_at(step: int, steps: int, base: float, warmup: int) -> float:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=6800, help="length of the lr schedule")
+    ap.add_argument("--steps", type=int, default=4250, help="length of the lr schedule")
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--warmup", type=int, default=200)
