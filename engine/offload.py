@@ -298,6 +298,10 @@ class LayerwiseOffload:
         # would make any eviction policy reload every block), the other two stream the rest. All fit: no streaming.
         self.fixed = n if self.num_slots >= n else max(0, self.num_slots - 2)
         self.prefetch_first = prefetch_first
+        # Transfers stay outside any compiled graph. Applied here, not as decorators: torch.compiler.disable
+        # imports torch._dynamo (~1 s), which importing this module (e.g. for get_offload) must not cost.
+        self.acquire = torch.compiler.disable(self.acquire)
+        self.release = torch.compiler.disable(self.release)
         self.pin = (self.device.type == "cuda" and torch.cuda.is_available()) if pin is None else bool(pin)
         self.streams = _Streams(self.device)
         self.record = deque(maxlen=100_000)  # block indices in transfer order (tests, stats)
@@ -453,7 +457,6 @@ class LayerwiseOffload:
                 break
             self._load(k, slot)
 
-    @torch.compiler.disable
     def acquire(self, i: int) -> None:
         """Block ``i`` is about to run: make its weights resident and point its parameters at them."""
         if self._cursor < len(self._plan):
@@ -482,7 +485,6 @@ class LayerwiseOffload:
         slot.used = self._tick
         self._prefetch()
 
-    @torch.compiler.disable
     def release(self, i: int) -> None:
         """Block ``i``'s call returned (its kernels are queued): free the slot after them."""
         slot = self._slot_of(i)

@@ -100,10 +100,11 @@ class Engine:
 
     def _apply_offload(self, decision: Optional[tuple]) -> None:
         """``config.offload``: "none" | "layerwise" | "auto" (decided here unless from_file decided)."""
+        from . import offload
+
         mode = getattr(self.config, "offload", "none")
         if mode == "none":
             return
-        from . import offload  # imported here: its torch.compiler.disable decorators load torch._dynamo (~1 s)
         model = self.model
         if decision is None:
             dev = torch.device(self.config.device)
