@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH",
                    help="apply a LoRA (.safetensors; diffusers/PEFT, ai-toolkit, kohya or ComfyUI keys) at STRENGTH "
                         "(default 1.0); repeat the flag to stack several")
+    ext = g.add_argument_group("ERNIE-Image files instead of the demo (all three together; needs transformers and diffusers)")
+    ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder")
+    ext.add_argument("--text-encoder", help="text encoder folder (HF text_encoder/; tokenizer inside or in the sibling tokenizer/)")
+    ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/)")
+    ext.add_argument("--width", type=int, default=1024)
+    ext.add_argument("--height", type=int, default=1024)
     _add_common(g)
     from .cache import add_cli_arguments
 
@@ -204,28 +210,55 @@ def lora_specs(args) -> list:
     return [parse_spec(s) for s in getattr(args, "lora", None) or []]
 
 
-def cmd_generate(args) -> dict:
-    """A picture from a prompt with the embedded demo model: PNG with ComfyUI-style text metadata."""
+def _demo_parts(args):
+    """(engine, encode(prompt) -> conditioning, empty latent, decode(latent) -> uint8 HWC image, file, steps, cfg)."""
     from .models import demo as demo_pkg
     from .pipeline import Engine
 
-    t0 = time.perf_counter()
     demo = demo_pkg.load_demo(dtype=args.dtype or torch.float32, cached=False)
     eng = Engine(demo.dit, engine_config(args, cache=_cache_config(args)), source=demo.path)
+    return (eng, lambda p: demo.encode([p]), demo.empty_latent(1), lambda z: demo.decode(z)[0], demo.path,
+            demo_pkg.DEFAULT_STEPS, demo_pkg.DEFAULT_CFG)
+
+
+ERNIE_STEPS, ERNIE_CFG = 50, 4.0  # ERNIE-Image Base's defaults (Turbo: --steps 8 --cfg 1)
+
+
+def _ernie_parts(args):
+    """The same parts from ERNIE-Image files (engine/external.py)."""
+    missing = [f"--{n.replace('_', '-')}" for n in ("model", "text_encoder", "vae") if not getattr(args, n)]
+    if missing:
+        raise ValueError(f"--model, --text-encoder and --vae go together; missing {', '.join(missing)}")
+    from .external import Flux2VAE, TextEncoder
+    from .pipeline import Engine
+
+    vae = Flux2VAE.from_folder(args.vae, device=args.device)
+    latent = vae.empty_latent(args.width, args.height)
+    te = TextEncoder.from_folder(args.text_encoder, device=args.device)
+    eng = Engine.from_file(args.model, engine_config(args, cache=_cache_config(args)))
+    return (eng, lambda p: [te.encode(p)], latent, lambda z: vae.decode(z)[0].numpy(), args.model,
+            ERNIE_STEPS, ERNIE_CFG)
+
+
+def cmd_generate(args) -> dict:
+    """A picture from a prompt (the embedded demo model, or ERNIE-Image files): PNG with ComfyUI-style text metadata."""
+    t0 = time.perf_counter()
+    external = any(getattr(args, n, None) for n in ("model", "text_encoder", "vae"))
+    eng, encode, empty, decode, model_path, default_steps, default_cfg = (_ernie_parts if external else _demo_parts)(args)
     if args.loras:
         eng.set_loras(args.loras)
-    cond, uncond = demo.encode([args.prompt]), demo.encode([args.negative])
+    cond, uncond = encode(args.prompt), encode(args.negative)
     load_s = time.perf_counter() - t0
-    steps = args.steps or demo_pkg.DEFAULT_STEPS
-    cfg = demo_pkg.DEFAULT_CFG if args.cfg is None else args.cfg
+    steps = args.steps or default_steps
+    cfg = default_cfg if args.cfg is None else args.cfg
     settings = {"prompt": args.prompt, "negative": args.negative, "seed": args.seed, "steps": steps, "cfg": cfg,
-                "sampler": args.sampler, "scheduler": args.scheduler, "model": os.path.basename(demo.path)}
+                "sampler": args.sampler, "scheduler": args.scheduler, "model": os.path.basename(model_path)}
     bar = None if args.json else _progress_bar(steps)
-    latent = eng.sample(demo.empty_latent(1), cond, uncond, seed=args.seed, steps=steps, cfg=cfg, sampler=args.sampler,
+    latent = eng.sample(empty, cond, uncond, seed=args.seed, steps=steps, cfg=cfg, sampler=args.sampler,
                         scheduler=args.scheduler, callback=(lambda i, n, x, d: bar.update(1)) if bar else None)
     if bar:
         bar.close()
-    image = demo.decode(latent)[0]
+    image = decode(latent)
     stats = eng.last_run.to_dict()
     _save_png(image, args.out, settings, stats)
     result = {**settings, "out": args.out, "load_seconds": round(load_s, 3),
