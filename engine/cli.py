@@ -216,6 +216,11 @@ def _demo_parts(args):
     from .pipeline import Engine
 
     demo = demo_pkg.load_demo(dtype=args.dtype or torch.float32, cached=False)
+    for name in ("prompt", "negative"):
+        unknown = demo.tokenizer.unknown_words(getattr(args, name))
+        if unknown:
+            print(f"sgld: warning: the demo model does not know {', '.join(repr(w) for w in unknown)} in --{name} "
+                  f"(it draws shapes, colours, sizes and positions; see the README's demo section)", file=sys.stderr)
     eng = Engine(demo.dit, engine_config(args, cache=_cache_config(args)), source=demo.path)
     return (eng, lambda p: demo.encode([p]), demo.empty_latent(1), lambda z: demo.decode(z)[0], demo.path,
             demo_pkg.DEFAULT_STEPS, demo_pkg.DEFAULT_CFG)

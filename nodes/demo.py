@@ -3,6 +3,8 @@ seconds: Demo Text Encode (-> CONDITIONING), Demo Empty Latent (-> LATENT), Demo
 The demo DiT itself is chosen in SGLDiffusion Model Loader (``DEMO_CHOICE``)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..engine.models import demo as demo_model
@@ -27,6 +29,10 @@ class SGLDiffusionDemoTextEncode:
                                                             "empty for the negative prompt"})}}
 
     def encode(self, text):
+        unknown = _demo().tokenizer.unknown_words(text)
+        if unknown:
+            logging.warning("SGLDiffusion Demo Text Encode: the demo model does not know %s (it draws shapes, colours, "
+                            "sizes and positions)", ", ".join(repr(w) for w in unknown))
         try:
             features = _demo().encode([text])[0]
         except (KeyError, ValueError) as e:

@@ -96,6 +96,15 @@ def test_generate_demo_png_with_metadata_and_json(tmp_path):
     assert im.size == (64, 64)
     meta = json.loads(im.info["prompt"])
     assert meta["prompt"].startswith("a small green square") and meta["seed"] == 3 and meta["steps"] == 6
+    assert "warning" not in r.stderr  # every word is in the demo's vocabulary
+
+
+def test_generate_demo_names_words_it_does_not_know(tmp_path):
+    r = run("generate", "--prompt", "a purple elephant on the left, on a blue background", "--negative", "blurry",
+            "--steps", "2", "--out", str(tmp_path / "x.png"), "--json")
+    assert r.returncode == 0  # unknown words become <unk>, like any text encoder's; the user is told
+    assert "does not know 'purple', 'elephant' in --prompt" in r.stderr
+    assert "does not know 'blurry' in --negative" in r.stderr
 
 
 def test_generate_with_cache_preset_and_bad_preset(tmp_path):

@@ -32,6 +32,10 @@ class WordTokenizer:
     def split(prompt: str) -> List[str]:
         return [w for w in re.findall(r"[a-z]+|,", prompt.lower()) if w not in FILLER]
 
+    def unknown_words(self, prompt: str) -> List[str]:
+        """Words of ``prompt`` outside the vocabulary (each once, in order): they become <unk>."""
+        return list(dict.fromkeys(w for w in self.split(prompt) if w not in self.index))
+
     def __call__(self, prompt: str) -> List[int]:
         unk = self.index[UNK]
         return [self.index[BOS]] + [self.index.get(w, unk) for w in self.split(prompt)]
