@@ -2,7 +2,10 @@
 checkpoints of the real architectures (the 16 GB release cannot be downloaded here): a Ministral3
 text encoder through transformers, diffusers' AutoencoderKLFlux2, the tiny ERNIE-Image DiT."""
 import json
+import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +14,6 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
-from engine import cli  # noqa: E402
 from engine.random_weights import SIZES, save_random_checkpoint  # noqa: E402
 
 WORDS = ["a", "red", "cat", "on", "the", "mat", "blue", "sky"]
@@ -58,19 +60,23 @@ def ernie_files(tmp_path_factory):
             "vae": str(write_vae(d / "vae", cfg.in_channels)), "dir": d}
 
 
+SGLD = os.path.join(os.path.dirname(sys.executable), "sgld")
+
+
 def run(args):
-    return cli.main(["generate", *args])
+    """The real command in its own process (cli.main sets process-wide torch state, e.g. the thread count)."""
+    return subprocess.run([SGLD, "generate", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_generate_from_ernie_files_writes_png_and_json(ernie_files, tmp_path, capsys):
+def test_generate_from_ernie_files_writes_png_and_json(ernie_files, tmp_path):
     from PIL import Image
 
     out = tmp_path / "ernie.png"
-    rc = run(["--prompt", "a red cat on the mat", "--model", ernie_files["model"], "--text-encoder", ernie_files["te"],
-              "--vae", ernie_files["vae"], "--width", "32", "--height", "48", "--steps", "3", "--cfg", "2.0",
-              "--out", str(out), "--json"])
-    assert rc == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    r = run(["--prompt", "a red cat on the mat", "--model", ernie_files["model"], "--text-encoder", ernie_files["te"],
+             "--vae", ernie_files["vae"], "--width", "32", "--height", "48", "--steps", "3", "--cfg", "2.0",
+             "--out", str(out), "--json"])
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["model"] == "dit.safetensors" and result["steps_total"] == 3 and result["steps_computed"] == 3
     assert result["load_seconds"] > 0 and result["sampling_seconds"] > 0
     img = Image.open(out)
@@ -116,23 +122,24 @@ def test_vae_decode_inverts_the_patchify_and_normalisation(ernie_files):
     assert vae.empty_latent(64, 32).shape == (1, 16, 8, 16)
 
 
-def test_bad_external_inputs_get_clear_errors(ernie_files, tmp_path, capsys):
-    base = ["--prompt", "a cat", "--out", str(tmp_path / "x.png")]
-    assert run([*base, "--model", ernie_files["model"]]) == 2
-    assert "missing --text-encoder, --vae" in capsys.readouterr().err
+def test_bad_external_inputs_get_clear_errors(ernie_files, tmp_path):
+    base = ["--prompt", "a cat", "--out", str(tmp_path / "x.png"), "--model", ernie_files["model"]]
+    te, vae = ["--text-encoder", ernie_files["te"]], ["--vae", ernie_files["vae"]]
+
+    r = run(base)
+    assert r.returncode == 2 and "missing --text-encoder, --vae" in r.stderr
 
     pickled = tmp_path / "pickled_te"
     pickled.mkdir()
     (pickled / "config.json").write_text("{}")
     with open(pickled / "pytorch_model.bin", "wb") as f:
         pickle.dump({"w": 1}, f)
-    assert run([*base, "--model", ernie_files["model"], "--text-encoder", str(pickled), "--vae", ernie_files["vae"]]) == 2
-    err = capsys.readouterr().err
-    assert "pickled_te" in err and "pytorch_model.bin" in err and "refused" in err
+    r = run([*base, "--text-encoder", str(pickled), *vae])
+    assert r.returncode == 2 and "pickled_te" in r.stderr and "pytorch_model.bin" in r.stderr and "refused" in r.stderr
 
-    assert run([*base, "--model", ernie_files["model"], "--text-encoder", ernie_files["te"], "--vae", ernie_files["vae"],
-                "--width", "30"]) == 2
-    assert "30x1024 is not a positive multiple of 4" in capsys.readouterr().err
+    r = run([*base, *te, *vae, "--width", "30"])
+    assert r.returncode == 2 and "30x1024 is not a positive multiple of 4" in r.stderr
 
-    assert run([*base, "--model", ernie_files["model"], "--text-encoder", ernie_files["model"], "--vae", ernie_files["vae"]]) == 2
-    assert "is not a folder" in capsys.readouterr().err
+    r = run([*base, "--text-encoder", ernie_files["model"], *vae])
+    assert r.returncode == 2 and "is not a folder" in r.stderr
+    assert "Traceback" not in r.stderr
