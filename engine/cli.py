@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -210,26 +211,35 @@ def lora_specs(args) -> list:
     return [parse_spec(s) for s in getattr(args, "lora", None) or []]
 
 
-def _demo_parts(args):
-    """(engine, encode(prompt) -> conditioning, empty latent, decode(latent) -> uint8 HWC image, file, steps, cfg)."""
+class GenerateParts(NamedTuple):
+    """What ``sgld generate`` needs from a model: the demo's or ERNIE-Image files'."""
+    engine: object
+    encode: Callable  # prompt -> conditioning (list of [tokens, features])
+    empty_latent: torch.Tensor
+    decode: Callable  # latent -> uint8 image [H, W, 3]
+    model_path: str
+    default_steps: int
+    default_cfg: float
+
+
+def _demo_parts(args) -> GenerateParts:
     from .models import demo as demo_pkg
     from .pipeline import Engine
 
     demo = demo_pkg.load_demo(dtype=args.dtype or torch.float32, cached=False)
     for name in ("prompt", "negative"):
-        unknown = demo.tokenizer.unknown_words(getattr(args, name))
-        if unknown:
-            print(f"sgld: warning: the demo model does not know {', '.join(repr(w) for w in unknown)} in --{name} "
-                  f"(it draws shapes, colours, sizes and positions; see the README's demo section)", file=sys.stderr)
+        warning = demo.tokenizer.unknown_words_warning(getattr(args, name), where=f" in --{name}")
+        if warning:
+            print(f"sgld: warning: {warning}", file=sys.stderr)
     eng = Engine(demo.dit, engine_config(args, cache=_cache_config(args)), source=demo.path)
-    return (eng, lambda p: demo.encode([p]), demo.empty_latent(1), lambda z: demo.decode(z)[0], demo.path,
-            demo_pkg.DEFAULT_STEPS, demo_pkg.DEFAULT_CFG)
+    return GenerateParts(eng, lambda p: demo.encode([p]), demo.empty_latent(1), lambda z: demo.decode(z)[0], demo.path,
+                         demo_pkg.DEFAULT_STEPS, demo_pkg.DEFAULT_CFG)
 
 
 ERNIE_STEPS, ERNIE_CFG = 50, 4.0  # ERNIE-Image Base's defaults (Turbo: --steps 8 --cfg 1)
 
 
-def _ernie_parts(args):
+def _ernie_parts(args) -> GenerateParts:
     """The same parts from ERNIE-Image files (engine/external.py)."""
     missing = [f"--{n.replace('_', '-')}" for n in ("model", "text_encoder", "vae") if not getattr(args, n)]
     if missing:
@@ -241,29 +251,30 @@ def _ernie_parts(args):
     latent = vae.empty_latent(args.width, args.height)
     te = TextEncoder.from_folder(args.text_encoder, device=args.device)
     eng = Engine.from_file(args.model, engine_config(args, cache=_cache_config(args)))
-    return (eng, lambda p: [te.encode(p)], latent, lambda z: vae.decode(z)[0].numpy(), args.model,
-            ERNIE_STEPS, ERNIE_CFG)
+    return GenerateParts(eng, lambda p: [te.encode(p)], latent, lambda z: vae.decode(z)[0].numpy(), args.model,
+                         ERNIE_STEPS, ERNIE_CFG)
 
 
 def cmd_generate(args) -> dict:
     """A picture from a prompt (the embedded demo model, or ERNIE-Image files): PNG with ComfyUI-style text metadata."""
     t0 = time.perf_counter()
     external = any(getattr(args, n, None) for n in ("model", "text_encoder", "vae"))
-    eng, encode, empty, decode, model_path, default_steps, default_cfg = (_ernie_parts if external else _demo_parts)(args)
+    parts = (_ernie_parts if external else _demo_parts)(args)
+    eng = parts.engine
     if args.loras:
         eng.set_loras(args.loras)
-    cond, uncond = encode(args.prompt), encode(args.negative)
+    cond, uncond = parts.encode(args.prompt), parts.encode(args.negative)
     load_s = time.perf_counter() - t0
-    steps = args.steps or default_steps
-    cfg = default_cfg if args.cfg is None else args.cfg
+    steps = args.steps or parts.default_steps
+    cfg = parts.default_cfg if args.cfg is None else args.cfg
     settings = {"prompt": args.prompt, "negative": args.negative, "seed": args.seed, "steps": steps, "cfg": cfg,
-                "sampler": args.sampler, "scheduler": args.scheduler, "model": os.path.basename(model_path)}
+                "sampler": args.sampler, "scheduler": args.scheduler, "model": os.path.basename(parts.model_path)}
     bar = None if args.json else _progress_bar(steps)
-    latent = eng.sample(empty, cond, uncond, seed=args.seed, steps=steps, cfg=cfg, sampler=args.sampler,
+    latent = eng.sample(parts.empty_latent, cond, uncond, seed=args.seed, steps=steps, cfg=cfg, sampler=args.sampler,
                         scheduler=args.scheduler, callback=(lambda i, n, x, d: bar.update(1)) if bar else None)
     if bar:
         bar.close()
-    image = decode(latent)
+    image = parts.decode(latent)
     stats = eng.last_run.to_dict()
     _save_png(image, args.out, settings, stats)
     result = {**settings, "out": args.out, "load_seconds": round(load_s, 3),

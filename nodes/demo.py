@@ -29,10 +29,9 @@ class SGLDiffusionDemoTextEncode:
                                                             "empty for the negative prompt"})}}
 
     def encode(self, text):
-        unknown = _demo().tokenizer.unknown_words(text)
-        if unknown:
-            logging.warning("SGLDiffusion Demo Text Encode: the demo model does not know %s (it draws shapes, colours, "
-                            "sizes and positions)", ", ".join(repr(w) for w in unknown))
+        warning = _demo().tokenizer.unknown_words_warning(text)
+        if warning:
+            logging.warning("SGLDiffusion Demo Text Encode: %s", warning)
         try:
             features = _demo().encode([text])[0]
         except (KeyError, ValueError) as e:

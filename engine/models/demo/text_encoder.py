@@ -36,6 +36,15 @@ class WordTokenizer:
         """Words of ``prompt`` outside the vocabulary (each once, in order): they become <unk>."""
         return list(dict.fromkeys(w for w in self.split(prompt) if w not in self.index))
 
+    def unknown_words_warning(self, prompt: str, where: str = "") -> str:
+        """A warning naming the words the demo model does not know (``where``: e.g. " in --prompt"),
+        or "" when it knows them all."""
+        unknown = self.unknown_words(prompt)
+        if not unknown:
+            return ""
+        return (f"the demo model does not know {', '.join(repr(w) for w in unknown)}{where} "
+                f"(it draws shapes, colours, sizes and positions; see the README's demo section)")
+
     def __call__(self, prompt: str) -> List[int]:
         unk = self.index[UNK]
         return [self.index[BOS]] + [self.index.get(w, unk) for w in self.split(prompt)]
