@@ -204,46 +204,69 @@ class _Slot:
         self.used = 0  # acquire counter, for least-recently-used eviction
 
 
+def _renew_parameters(modules: Iterable[nn.Module], make) -> None:
+    """Replace each parameter ``p`` of ``modules`` (their own, shared ones once) for which ``make(p)``
+    returns a tensor by a new Parameter around it, made outside inference mode. Why not ``p.data = t``:
+    a Parameter created under ``torch.inference_mode`` (a model loaded by a ComfyUI node) is an
+    inference tensor; re-pointing its ``.data`` at a normal tensor makes it look normal but leaves it
+    without a version counter, and its next view (``F.linear``'s ``weight.t()``) raises "Inference
+    tensors do not track version counter"."""
+    new: Dict[int, Optional[nn.Parameter]] = {}
+    keep = []  # the old parameters stay alive until the end: their ids must not be reused meanwhile
+    with torch.inference_mode(False):
+        for m in modules:
+            for name, p in list(m._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in new:
+                    keep.append(p)
+                    data = make(p)
+                    new[id(p)] = None if data is None else nn.Parameter(data, requires_grad=p.requires_grad)
+                if new[id(p)] is not None:
+                    m._parameters[name] = new[id(p)]
+
+
 class _BlockStore:
     """One block's parameters packed into a flat CPU byte buffer, and their views."""
 
     def __init__(self, index: int, block: nn.Module, pin: bool):
         self.index = index
-        self.params: List[Tuple[nn.Parameter, torch.dtype, torch.Size, int, int]] = []
-        offset = 0
-        tensors = []
-        seen = set()
-        for _, p in block.named_parameters(recurse=True):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            n = _nbytes(p)
-            self.params.append((p, p.dtype, p.shape, offset, n))
-            tensors.append(p)
-            offset = _align(offset + n)
+        old = list(block.parameters())  # shared parameters once
+        layout, offset = [], 0  # (dtype, shape, byte offset, bytes) per parameter
+        for p in old:
+            layout.append((p.dtype, p.shape, offset, _nbytes(p)))
+            offset = _align(offset + _nbytes(p))
         self.nbytes = max(offset, ALIGN)
         with torch.inference_mode(False):  # normal tensors even when applied under inference mode (ComfyUI)
             self.master = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
-            for (p, dtype, shape, off, n), t in zip(self.params, tensors):
+            for p, (_, _, off, n) in zip(old, layout):
                 if n:
-                    self.master[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+                    self.master[off:off + n].copy_(p.detach().contiguous().reshape(-1).view(torch.uint8))
+        self._layout = layout
+        self.layout = tuple((dtype, tuple(shape), off) for dtype, shape, off, _ in layout)
         self.master_views = [self._views(self.master)]  # kept: pointing back costs no allocation
-        self.layout = tuple((dtype, tuple(shape), off) for _, dtype, shape, off, _ in self.params)
-        self.bind(self.master_views[0])
+        # new (normal) Parameters on the master views; the block's old weights are freed
+        views = {id(p): v for p, v in zip(old, self.master_views[0])}
+        _renew_parameters(block.modules(), lambda p: views[id(p)])
+        self.params: List[nn.Parameter] = list(block.parameters())  # in the order of ``old``
 
     def _views(self, buf: torch.Tensor) -> List[torch.Tensor]:
-        out = []
         with torch.inference_mode(False):
-            for _, dtype, shape, off, n in self.params:
-                out.append(buf[off:off + n].view(dtype).view(shape))
-        return out
+            return [buf[off:off + n].view(dtype).view(shape) for dtype, shape, off, n in self._layout]
 
     def bind(self, views: Sequence[torch.Tensor]) -> None:
-        for (p, *_), v in zip(self.params, views):
+        for p, v in zip(self.params, views):
             p.data = v
 
     def bind_master(self) -> None:
         self.bind(self.master_views[0])
+
+    def unpack(self) -> None:
+        """For ``remove()``: every parameter gets its own pageable CPU tensor; the master is dropped."""
+        with torch.inference_mode(False):
+            for p, v in zip(self.params, self.master_views[0]):
+                p.data = torch.empty(v.shape, dtype=v.dtype).copy_(v)
+        self.params, self.master, self.master_views = [], None, []
 
 
 class _PlannedLayers(nn.ModuleList):
@@ -311,13 +334,20 @@ class LayerwiseOffload:
         self._token = 0
         self._tick = 0
 
-        # non-block weights to the device, for good
+        # non-block weights to the device, for good, as normal tensors (see _renew_parameters)
+        nonblock = [model] + [m for name, child in model.named_children() if name != "layers" for m in child.modules()]
+        dev = self.device
+
+        def moved(t):
+            return t.detach().to(dev, copy=True) if t.device != dev or t.is_inference() else None
+
+        _renew_parameters(nonblock, moved)
         with torch.inference_mode(False):
-            for name, child in model.named_children():
-                if name != "layers":
-                    child.to(self.device)
-            for name, p in list(model.named_parameters(recurse=False)) + list(model.named_buffers(recurse=False)):
-                p.data = p.data.to(self.device)
+            for m in nonblock:
+                for name, b in list(m._buffers.items()):
+                    nb = None if b is None else moved(b)
+                    if nb is not None:
+                        m._buffers[name] = nb
         # blocks to (pinned) CPU masters, one block at a time (peak: the model + one block)
         self.stores: List[_BlockStore] = []
         for i, block in enumerate(model.layers):
@@ -344,7 +374,7 @@ class LayerwiseOffload:
     # -- accounting ------------------------------------------------------------------------------------------
     def nonblock_bytes(self) -> int:
         seen, total = set(), 0
-        block_ids = {id(p) for s in self.stores for p, *_ in s.params}
+        block_ids = {id(p) for s in self.stores for p in s.params}
         for t in list(self.model.parameters()) + list(self.model.buffers()):
             if id(t) not in seen and id(t) not in block_ids:
                 seen.add(id(t))

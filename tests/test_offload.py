@@ -434,3 +434,69 @@ def test_stream_event_schedule_has_no_races(resident_layers):
     # backwards run), a block's copy was issued before the previous block computed
     stalls = off.stalls
     assert stalls <= 8 + n  # 8 runs' first blocks at most + the backwards run
+
+
+# -- torch.inference_mode (ComfyUI runs every node under it) ----------------------------------------------------
+MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+
+
+def write_tiny_lora(path, model, rank=2, seed=0):
+    """A diffusers-format LoRA on two block linears and one non-block linear of ``model``."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name in ("layers.1.self_attention.to_q", "layers.4.mlp.up_proj", "text_proj"):
+        out_f, in_f = model.get_submodule(name).weight.shape[:2]
+        sd[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * 0.3
+        sd[f"transformer.{name}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.3
+    save_file(sd, str(path), metadata={"format": "pt"})
+    return str(path)
+
+
+def sample(eng, seed=1):
+    g = torch.Generator().manual_seed(7)
+    cond = [torch.randn(7, CFG.text_in_dim, generator=g)]
+    uncond = [torch.randn(4, CFG.text_in_dim, generator=g)]
+    return eng.sample(torch.zeros(1, CFG.in_channels, 6, 6), cond, uncond, seed=seed, steps=2, cfg=2.5)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("built_under", list(MODES))
+def test_offload_under_inference_mode_equals_resident(tmp_path, quant, built_under):
+    """ComfyUI loads the file and samples inside torch.inference_mode, the CLI under no_grad. Built
+    under either, an offloaded engine samples under both (alternating), bit-equal to the resident one,
+    also with a LoRA applied while offloaded (merged into the masters, or an fp8 side path) and removed.
+    Old code: a model loaded under inference mode has inference-tensor Parameters; pointing their
+    ``.data`` at the offload buffers left them without a version counter, and F.linear raised
+    "Inference tensors do not track version counter"."""
+    from engine.random_weights import save_random_checkpoint
+
+    path = str(tmp_path / "six-blocks.safetensors")
+    save_random_checkpoint(path, CFG, seed=0)
+    with MODES[built_under]():
+        ref = Engine.from_file(path, EngineConfig(quant=quant))
+        eng = Engine.from_file(path, EngineConfig(quant=quant, offload="layerwise", resident_layers=2))
+    assert eng.offload is not None
+    for p in eng.model.parameters():  # normal tensors, whatever mode the model was loaded in
+        assert not p.is_inference() and p._version >= 0
+    base = None
+    for run in ("inference_mode", "no_grad", "inference_mode"):
+        with MODES[run]():
+            want = sample(ref)
+            assert torch.equal(sample(eng), want), run
+        assert base is None or torch.equal(want, base)
+        base = want
+    lora = write_tiny_lora(tmp_path / "lora.safetensors", eng.model)
+    with torch.inference_mode():  # as the KSampler node applies the loader's LoRAs
+        for e in (ref, eng):
+            e.set_loras([(lora, 0.8)])
+    for run in ("inference_mode", "no_grad"):
+        with MODES[run]():
+            want = sample(ref)
+            assert torch.equal(sample(eng), want), run
+            assert not torch.equal(want, base)
+    with torch.inference_mode():
+        for e in (ref, eng):
+            e.set_loras([])
+        assert torch.equal(sample(eng), base)
