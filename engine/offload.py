@@ -1,71 +1,63 @@
 """Layer-wise offload: the DiT blocks' weights live in (pinned) CPU memory and stream through a few
 device buffers, one block ahead of compute, so the 8B model (15.3 GiB in bf16) runs on an 8 GB GPU:
-its weights on the device are the non-block 0.34 GiB + 2 x 0.41 GiB per block buffer (bf16; fp8 blocks
-0.20 GiB), plus activations.
+on the device, the non-block 0.34 GiB + 2 x 0.41 GiB block buffers (bf16; fp8 blocks 0.20 GiB), plus
+activations.
 
 Layout
-  * Non-block weights (embedders, modulation, final layer: ~2% of the 8B model) move to the device
-    and stay there.
-  * Every block ``model.layers[i]`` gets one flat byte buffer in CPU memory (the *master*; pinned
-    when CUDA is available and the compute device is a GPU) holding all its parameters back to back
-    (256-byte aligned). The block's parameters become views into it, so the model keeps its class,
-    names and state_dict; quantized layers (engine/quant.py) are stored and transferred as their
-    quantized bytes (fp8 / packed int4 + scales), nothing is dequantized for the transfer.
-  * ``resident_layers`` device buffers (*slots*, default 2) of the largest block's size are allocated
-    once. Loading block i into a slot is ONE host-to-device copy of its master buffer on a separate
-    copy stream; "offloading" is only pointing the parameters back at the master (no copy back).
-    With more than two buffers, blocks ``0 .. resident_layers - 3`` stay in theirs once loaded and two
-    buffers stream the rest (blocks run cyclically, so anything evicted would be reloaded every
-    forward); with ``resident_layers >= len(model.layers)`` nothing streams after the first forward.
-    The first blocks are the right ones to keep: Cache-DiT always computes them.
+  * Non-block weights (embedders, modulation, final layer: ~2% of the model) move to the device for good.
+  * Each block ``model.layers[i]`` gets one flat CPU byte buffer (its *master*; pinned when the compute
+    device is a CUDA GPU) holding its parameters back to back (256-byte aligned); quantized layers
+    (engine/quant.py) keep their quantized bytes. The model keeps its classes, names and state_dict.
+  * ``resident_layers`` device buffers (*slots*, default 2) of one block's size. Loading block i is ONE
+    host-to-device copy of its master on a copy stream; offloading it is only pointing its parameters
+    back at the master. With more than two slots, blocks ``0 .. resident_layers - 3`` stay loaded (blocks
+    run cyclically: anything evicted would reload every forward; Cache-DiT always computes the first
+    blocks) and two slots stream the rest; with a slot per block nothing streams after the first forward.
 
-Order (CUDA streams and events; on the CPU the same code runs and these are no-ops)
-  * load(i -> slot): the copy stream waits for the slot's ``free`` event (the last compute that read
-    the slot), copies, and records the slot's ``ready`` event.
-  * acquire(i) (just before block i runs): the compute stream waits for ``ready``; the parameters are
-    pointed at the slot; then the next planned blocks are prefetched into the other slots.
-  * release(i) (just after block i's call returned, i.e. its kernels are queued): ``free`` is
-    recorded on the compute stream and the parameters point back at the master.
-  So compute never reads a slot still being written, and a slot is never overwritten while a queued
-  kernel may still read it. Slots are allocated once (stable addresses; they are not freed while in
-  use, so no ``record_stream`` is needed); a fresh slot's first copy is ordered after the compute work
-  queued before its allocation (the allocator may hand out memory freed by that work).
-  tests/test_offload.py records this schedule with fake streams and checks it for races.
+Order (CUDA streams and events; no-ops on the CPU, where the same code runs)
+  * load(i -> slot): the copy stream waits for the slot's ``free`` event, copies, records ``ready``.
+  * acquire(i), just before block i runs: compute waits for ``ready``, the parameters point at the
+    slot, the next planned blocks are prefetched into the other slots.
+  * release(i), once block i's kernels are queued: ``free`` is recorded on the compute stream and the
+    parameters point back at the master.
+  Compute never reads a slot being written, a slot is never overwritten while queued kernels read it;
+  slots keep their addresses (no ``record_stream``), a fresh slot's first copy waits for the compute
+  work queued before its allocation. tests/test_offload.py checks the schedule for races.
 
-Which blocks, in which order (the block runner and the offloader cooperate without either knowing
-the other):
-  * Each offloaded block's class is swapped for a subclass whose ``__call__`` does
-    acquire -> ``nn.Module.__call__`` -> release. Whoever calls a block (the default runner, the
-    Cache-DiT runner, a test calling ``model.layers[0]`` directly) gets correct weights; a block
-    that was not prefetched is loaded on demand. ``__call__`` sits outside ``nn.Module.compile``'s
-    compiled ``_call_impl``, so regional torch.compile (engine/compile.py) traces the block
-    computation only, never the transfers (acquire/release are also ``torch.compiler.disable``).
-  * ``model.layers`` becomes a ``ModuleList`` subclass whose iteration *announces a plan*: iterating
-    ``model.layers`` or a slice of it (``for block in layers[fn:n - bn]``) tells the offloader the
-    blocks that are about to run, in order. Prefetch follows only announced blocks, so with
-    Cache-DiT a skipped middle (the runner never iterates that slice) is never transferred.
-    A runner that indexes blocks one by one can announce with ``plan_blocks(model, indices)``.
-  * ``prefetch_first`` (default on): when the last block of the model is acquired, block 0 is
-    prefetched for the next forward. Every runner runs block 0 first (DBCache requires Fn >= 1), so
-    this transfers nothing that will not run, and it hides the first block's load behind the
-    unembed / sampler step / embed in between.
+Which blocks: each block's class becomes a subclass whose ``__call__`` does acquire ->
+``nn.Module.__call__`` -> release (outside regional torch.compile's ``_call_impl``, and
+``torch.compiler.disable``: graphs never contain transfers), so any caller gets correct weights, loaded
+on demand if not prefetched. ``model.layers`` becomes a ``ModuleList`` whose iteration (also of a slice)
+announces the blocks about to run; prefetch follows only announced blocks, so a Cache-DiT-skipped middle
+is never transferred (``plan_blocks`` for runners that index blocks). ``prefetch_first``: after the last
+block, block 0 (which every runner runs first) is prefetched for the next forward.
 
-Between blocks (and between model calls) every block's parameters point at the CPU master: LoRA
-merging, ``state_dict`` and saving see the master. Change block weights in place inside
-``with offload.updating():`` (or call ``invalidate()`` after) so slots holding old copies are
-refilled. ``release_buffers()`` frees the device slots (allocated again at the next forward);
-``remove()`` undoes the offload (blocks stay in CPU memory). Do not call ``model.to(device)`` on an
-offloaded model (it would move the masters). Masters, slots and views are created outside inference
-mode, so runs under ``torch.inference_mode`` (ComfyUI) and ``no_grad`` can alternate.
+Parameters: the offloader replaces every block parameter (and every non-block one it moves, or that is
+an inference tensor) by a new normal Parameter made outside inference mode, and re-points only those.
+A model loaded under ``torch.inference_mode`` (ComfyUI) has inference-tensor Parameters, which cannot be
+re-pointed at normal buffers (see ``_renew_parameters``); masters, slots and views are normal tensors,
+so runs under inference mode and ``no_grad`` can alternate.
 
-``choose_offload`` implements ``EngineConfig(offload="auto")``: layer-wise when the free memory of
-the CUDA device is below the model's bytes plus the working memory (activations, other models).
+Between blocks and model calls every block parameter points at its master: LoRA merges, ``state_dict``
+and saving see the masters. Change block weights in place inside ``with offload.updating():`` (or call
+``invalidate()``) so stale slots are refilled. ``release_buffers()`` frees the slots (allocated again at
+the next forward). ``remove()`` undoes the offload: every block parameter gets its own pageable CPU
+tensor, slots and masters are freed at once. The model owns the offloader, which refers to it weakly:
+dropping the model (an Engine) frees everything by reference counting. Never ``model.to(device)`` an
+offloaded model (it would move the masters).
+
+``choose_offload`` implements ``EngineConfig(offload="auto")``: layer-wise when the free memory of the
+CUDA device is below the model's bytes plus the working memory (activations, other models).
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
+import sys
+import threading
+import weakref
 from collections import deque
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -212,7 +204,7 @@ def _renew_parameters(modules: Iterable[nn.Module], make) -> None:
     without a version counter, and its next view (``F.linear``'s ``weight.t()``) raises "Inference
     tensors do not track version counter"."""
     new: Dict[int, Optional[nn.Parameter]] = {}
-    keep = []  # the old parameters stay alive until the end: their ids must not be reused meanwhile
+    keep = []  # the old parameters, alive until the end: no new object may take the id of one meanwhile
     with torch.inference_mode(False):
         for m in modules:
             for name, p in list(m._parameters.items()):
@@ -302,6 +294,24 @@ def _offloaded_class(base: type) -> type:
     return cls
 
 
+def _keep_transfers_out_of_graphs() -> None:
+    """Make ``acquire`` / ``release`` ``torch.compiler.disable``-d, once, on the class (on an instance,
+    the wrappers of its own bound methods would make it reference itself). Not decorators at import:
+    torch.compiler.disable imports torch._dynamo (~1 s), which ``get_offload`` users must not pay."""
+    cls = LayerwiseOffload
+    if not cls.__dict__.get("_transfers_disabled", False):
+        if "torch._dynamo" not in sys.modules:
+            # imported on a thread of its own: torch's import code leaves its frames in reference cycles
+            # (torch.fx.wrap keeps inspect.currentframe()), which on this thread would hold the callers'
+            # frames, and so the model being offloaded, until the next garbage collection
+            t = threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="sgld-import-dynamo")
+            t.start()
+            t.join()
+        cls.acquire = torch.compiler.disable(cls.acquire)
+        cls.release = torch.compiler.disable(cls.release)
+        cls._transfers_disabled = True
+
+
 class LayerwiseOffload:
     """Offload of ``model.layers`` (see the module docstring). Made by ``apply_layerwise_offload``."""
 
@@ -311,7 +321,9 @@ class LayerwiseOffload:
             raise ValueError(f"resident_layers '{resident_layers}' is not supported; choose an integer >= 1")
         if getattr(model, "_sgld_offload", None) is not None:
             raise ValueError("this model is already offloaded")
-        self.model = model
+        # The model owns the offloader (model._sgld_offload, each block's _sgld_offload); the offloader
+        # refers back weakly, so dropping the model frees both by reference counting (no gc needed).
+        self._model = weakref.ref(model)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -321,10 +333,7 @@ class LayerwiseOffload:
         # would make any eviction policy reload every block), the other two stream the rest. All fit: no streaming.
         self.fixed = n if self.num_slots >= n else max(0, self.num_slots - 2)
         self.prefetch_first = prefetch_first
-        # Transfers stay outside any compiled graph. Applied here, not as decorators: torch.compiler.disable
-        # imports torch._dynamo (~1 s), which importing this module (e.g. for get_offload) must not cost.
-        self.acquire = torch.compiler.disable(self.acquire)
-        self.release = torch.compiler.disable(self.release)
+        _keep_transfers_out_of_graphs()
         self.pin = (self.device.type == "cuda" and torch.cuda.is_available()) if pin is None else bool(pin)
         self.streams = _Streams(self.device)
         self.record = deque(maxlen=100_000)  # block indices in transfer order (tests, stats)
@@ -371,11 +380,16 @@ class LayerwiseOffload:
                  "pinned" if self.pin else "pageable", self.num_slots, self.device,
                  self.num_slots * self.slot_bytes / 2 ** 20, self.nonblock_bytes() / 2 ** 20)
 
+    @property
+    def model(self) -> Optional[nn.Module]:
+        return self._model()
+
     # -- accounting ------------------------------------------------------------------------------------------
     def nonblock_bytes(self) -> int:
         seen, total = set(), 0
         block_ids = {id(p) for s in self.stores for p in s.params}
-        for t in list(self.model.parameters()) + list(self.model.buffers()):
+        model = self.model
+        for t in [] if model is None else list(model.parameters()) + list(model.buffers()):
             if id(t) not in seen and id(t) not in block_ids:
                 seen.add(id(t))
                 total += _nbytes(t)
@@ -573,15 +587,21 @@ class LayerwiseOffload:
         return freed
 
     def remove(self) -> None:
-        """Undo: blocks become plain modules again with their weights in CPU memory (the masters)."""
+        """Undo: blocks become plain modules again, each parameter in its own pageable CPU tensor (the
+        non-block weights stay on the device). Frees the slots and the masters now, and leaves the
+        offloader holding nothing (a second call does nothing)."""
         self.release_buffers()
         model = self.model
-        for i, block in enumerate(model.layers._modules.values()):
-            self.stores[i].bind_master()
-            block.__class__ = type(block).__mro__[1]
-            del block._sgld_offload, block._sgld_offload_index
-        model.layers.__class__ = self._layers_class
-        model.__dict__.pop("_sgld_offload", None)
+        if model is not None and get_offload(model) is self:
+            for store, block in zip(self.stores, model.layers._modules.values()):
+                store.bind_master()
+                store.unpack()  # one block at a time: peak = the masters + one block
+                block.__class__ = type(block).__mro__[1]
+                del block._sgld_offload, block._sgld_offload_index
+            model.layers.__class__ = self._layers_class
+            model.__dict__.pop("_sgld_offload", None)
+        self.stores, self.slots, self._slot_views = [], [], {}
+        self._plan, self._cursor = [], 0
 
 
 def apply_layerwise_offload(model: nn.Module, device, resident_layers: int = 2, pin: Optional[bool] = None,

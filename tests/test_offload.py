@@ -5,6 +5,8 @@ bit-equal to the model without offload (plain, Cache-DiT, fp8, compiled), the by
 blocks that run are transferred (Cache-DiT skips), the auto choice, config validation, the Engine /
 from_file / CLI wiring, and release / invalidate / remove. Tiny models: the whole file runs in seconds."""
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -500,3 +502,99 @@ def test_offload_under_inference_mode_equals_resident(tmp_path, quant, built_und
         for e in (ref, eng):
             e.set_loras([])
         assert torch.equal(sample(eng), base)
+
+
+# -- memory is given back by reference counting (no gc.collect() needed) ---------------------------------------
+def storage_ref(t):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+@pytest.fixture
+def no_gc():
+    """Garbage collection off: what is freed here is freed by reference counting alone."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_remove_frees_buffers_masters_and_the_offloader_without_gc(no_gc):
+    """remove(): the device slots and the (pinned, on a GPU) masters are freed at once, the offloader
+    as soon as its last reference goes; the model runs as before, its blocks in plain CPU tensors.
+    Old code: the offloader referenced itself (torch.compiler.disable wrappers of its own bound methods
+    stored on it) and the model referenced it back, and the blocks kept pointing into the masters."""
+    ref = random_model(CFG, seed=0)
+    model = random_model(CFG, seed=0)
+    x = inputs()
+    with torch.inference_mode():
+        want = ref(*x)
+        off = O.apply_layerwise_offload(model, "cpu", 2)
+        assert torch.equal(model(*x), want)
+    slots = [storage_ref(s.buf) for s in off.slots]
+    masters = [storage_ref(s.master) for s in off.stores]
+    assert len(slots) == 2 and len(masters) == CFG.num_layers
+    assert not any(w.expired() for w in slots + masters)
+    gone = weakref.ref(off)
+    off.remove()
+    assert all(w.expired() for w in slots + masters)
+    del off
+    assert gone() is None
+    assert O.get_offload(model) is None and type(model.layers) is torch.nn.ModuleList
+    with torch.inference_mode():
+        assert torch.equal(model(*x), want)
+    with torch.no_grad():
+        assert torch.equal(model(*x), want)
+    off = O.apply_layerwise_offload(model, "cpu", 3)  # and it can be offloaded again
+    with torch.no_grad():
+        assert torch.equal(model(*x), want)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_released_and_dropped_engine_frees_everything_without_gc(no_gc, quant):
+    """What the ComfyUI model cache does: Engine.release(), then drop the engine. The offloader, the
+    model, the slots and the masters are freed by reference counting, without gc.collect()."""
+    with torch.inference_mode():
+        eng = Engine(random_model(CFG, seed=0), EngineConfig(quant=quant, offload="layerwise"))
+        sample(eng)
+    off = eng.offload
+    refs = [weakref.ref(off), weakref.ref(eng.model), weakref.ref(eng)]
+    storages = [storage_ref(s.buf) for s in off.slots] + [storage_ref(s.master) for s in off.stores]
+    del off
+    assert eng.release() > 0
+    del eng
+    assert [r() for r in refs] == [None] * len(refs)
+    assert all(w.expired() for w in storages)
+
+
+FRESH_PROCESS = """
+import gc, sys, weakref, torch
+sys.path.insert(0, {root!r})
+from engine import offload as O
+from engine.random_weights import SIZES, random_model
+assert "torch._dynamo" not in sys.modules
+gc.disable()
+model = random_model(SIZES["tiny"], seed=0)
+off = O.apply_layerwise_offload(model, "cpu", 1)
+refs = [weakref.ref(off), weakref.ref(model)]
+del off, model
+print([r() is None for r in refs])
+"""
+
+
+def test_first_offload_in_a_process_is_freed_without_gc():
+    """The first offload of a process imports torch._dynamo (for torch.compiler.disable); torch's import
+    code leaves frames in reference cycles, which would hold the caller's frame (and the model) until the
+    next gc: the import runs on a thread of its own. Checked in a fresh interpreter, gc disabled."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", FRESH_PROCESS.format(root=root)], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=root))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[True, True]", out.stdout
