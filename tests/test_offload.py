@@ -3,7 +3,9 @@ device, so the same code path runs with the stream / event operations as no-ops.
 bit-equal to the model without offload (plain, Cache-DiT, fp8, compiled), the bytes resident on the
 "device" at every block step (peak <= non-block weights + resident_layers x one block), only the
 blocks that run are transferred (Cache-DiT skips), the auto choice, config validation, the Engine /
-from_file / CLI wiring, and release / invalidate / remove. Tiny models: the whole file runs in seconds."""
+from_file / CLI wiring, release / invalidate / remove, runs under torch.inference_mode (as ComfyUI runs
+nodes; also with a LoRA), and that remove() / dropping an engine frees everything without gc.collect().
+Tiny models."""
 import dataclasses
 import gc
 import weakref
@@ -452,6 +454,8 @@ def write_tiny_lora(path, model, rank=2, seed=0):
         out_f, in_f = model.get_submodule(name).weight.shape[:2]
         sd[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * 0.3
         sd[f"transformer.{name}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.3
+    # metadata: without it the header is 640 bytes, whose length prefix 80 02 .. is refused as a pickle
+    # by engine/safetensors_io.refuse_pickle (a false positive, reported; not this file's subject)
     save_file(sd, str(path), metadata={"format": "pt"})
     return str(path)
 
