@@ -8,6 +8,7 @@ import folder_paths
 
 from ..engine import CheckpointError, EngineConfig
 from ..engine.models.demo import DEMO_WEIGHTS
+from ..engine.parallel import ParallelConfigError, ParallelWorkerError
 from .demo import DEMO_CHOICE
 from .model_cache import SGLDModel, get_engine
 
@@ -154,7 +155,8 @@ class SGLDiffusionModelLoader:
         handle = SGLDModel(path, config, name=unet_name, owner=str(unique_id) if unique_id is not None else None)
         try:
             engine = get_engine(handle)  # load now, so a bad file is reported on this node
-        except CheckpointError as e:
+        except (CheckpointError, ParallelConfigError, ParallelWorkerError) as e:
+            # a ValueError: ComfyUI shows the exception's class with its module path (the pack's folder)
             raise ValueError(f"SGLDiffusion Model Loader: {e}") from None
         for w in getattr(engine, "warnings", []):
             log.warning("SGLDiffusion Model Loader: %s", w)

@@ -117,7 +117,8 @@ def loaded() -> list:
     with _lock:
         return [{"file": k[0], "name": os.path.basename(k[0]), "options": {n: _plain(v) for n, v in k[3]},
                  "device": str(e.device), "attention": getattr(e, "attention_backend", None),
-                 "loras": [[os.path.basename(p), s] for p, s in getattr(e, "loras", None) or []]}
+                 "loras": [[os.path.basename(p), s] for p, s in getattr(e, "loras", None) or []],
+                 "worker_pids": list(getattr(e, "pids", None) or [])}  # parallel: the rank processes
                 for k, e in _engines.items()]
 
 

@@ -1,11 +1,14 @@
 """Parallel engine on CPU with 2 gloo worker processes (engine/parallel).
 
-One pool of 2 processes serves every test of the module (the modes only reload weights); the
-kill test restarts it. Each mode must equal the single-process engine: fp32 max abs error
+Each test's engine starts a pool of 2 processes, and closing the engine stops them (the last user
+of the pool). Each mode must equal the single-process engine: fp32 max abs error
 <= 1e-4 x max|reference|, with and without Cache-DiT. Everything is bounded by timeouts.
 """
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -13,8 +16,12 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.cache import CacheConfig
-from engine.parallel import ParallelConfigError, ParallelWorkerError, make_plan, shutdown_pools, validate
+from engine.parallel import (ParallelConfigError, ParallelEngine, ParallelWorkerError, make_plan, shutdown_pools,
+                             validate)
+from engine.parallel.plan import cpu_rank_limit
 from engine.random_weights import SIZES, save_random_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODES = {"ulysses2": dict(ulysses_degree=2), "ring2": dict(ring_degree=2), "tp2": dict(tp=2), "cfg2": dict(cfg_parallel=True)}
 STEPS = 8
@@ -28,7 +35,9 @@ PRESET_CACHE = CacheConfig(preset="fast")
 def setup(tmp_path_factory):
     import engine.parallel.pool as pool_mod
 
-    # bounded: a hang becomes an error (start 120 s, a request 60 s, a collective 60 s)
+    # bounded: a hang becomes an error (start 120 s, a request 60 s, a collective 60 s); the heartbeat
+    # limit stays at its default
+    saved = pool_mod.START_TIMEOUT_S, pool_mod.CALL_TIMEOUT_S, pool_mod.PG_TIMEOUT_S
     pool_mod.START_TIMEOUT_S, pool_mod.CALL_TIMEOUT_S, pool_mod.PG_TIMEOUT_S = 120.0, 60.0, 60.0
     path = str(tmp_path_factory.mktemp("par") / "tiny.safetensors")
     cfg = SIZES["tiny"]
@@ -45,6 +54,7 @@ def setup(tmp_path_factory):
         refs[name] = (out, single.last_run.to_dict()["step_mask"])
     yield path, inputs, refs
     shutdown_pools()
+    pool_mod.START_TIMEOUT_S, pool_mod.CALL_TIMEOUT_S, pool_mod.PG_TIMEOUT_S = saved
 
 
 def _run(eng, inputs, cache, **kw):
@@ -137,25 +147,140 @@ def test_worker_killed_mid_run_fails_fast_and_next_run_works(setup):
     eng.close()
 
 
-def test_hung_worker_fails_within_the_call_timeout(setup, monkeypatch):
-    """A worker that stops answering (SIGSTOP) ends the run at the call timeout, not a hang. (The
-    restart after a failure is covered above; the fixture's teardown stops this pool.)"""
-    import engine.parallel.pool as pool_mod
+def _gone(pids, timeout=10.0) -> bool:
+    """Every process of ``pids`` has exited and been reaped (a zombie still counts as there)."""
+    import psutil
 
-    path, inputs, _ = setup
+    deadline = time.monotonic() + timeout
+    while any(psutil.pid_exists(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_stopped_worker_is_named_within_30_s_and_next_run_works(setup):
+    """A worker that stops answering (SIGSTOP) is found by its missing heartbeat, with the default
+    limit and a call timeout (60 s here) far away: the error names rank 1 and its pid in < 30 s."""
+    path, inputs, refs = setup
     eng = Engine.from_file(path, EngineConfig(ring_degree=2))
     pids = eng.pids
-    monkeypatch.setattr(pool_mod, "CALL_TIMEOUT_S", 3.0)
 
     def stop_rank1(step, total, x, denoised):
         if step == 1:
             os.kill(pids[1], signal.SIGSTOP)
 
     t0 = time.monotonic()
-    with pytest.raises(ParallelWorkerError, match="no answer within 3 s"):
-        _run(eng, inputs, CacheConfig(enabled=False), callback=stop_rank1)
-    assert time.monotonic() - t0 < 30
-    assert not eng.transport.pool.alive
+    try:
+        with pytest.raises(ParallelWorkerError, match=f"rank 1 \\(pid {pids[1]}\\) stopped answering") as err:
+            _run(eng, inputs, CacheConfig(enabled=False), callback=stop_rank1)
+        assert time.monotonic() - t0 < 30
+        assert "the process is stopped" in str(err.value)
+        assert not eng.transport.pool.alive and _gone(pids)  # the stopped worker was killed too
+    finally:
+        try:
+            os.kill(pids[1], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    out = _run(eng, inputs, CacheConfig(enabled=False))  # a fresh pool
+    assert eng.pids and not set(eng.pids) & set(pids)
+    assert _close(out, refs["off"][0])
+    eng.close()
+
+
+def test_slow_but_healthy_worker_is_not_taken_for_hung(setup, monkeypatch):
+    """Every rank busy in one request for 3x the heartbeat limit (a long kernel, a compile): its
+    heartbeat thread keeps beating, so the request completes and the pool stays up."""
+    import engine.parallel.pool as pool_mod
+
+    path, inputs, refs = setup
+    eng = Engine.from_file(path, EngineConfig(ulysses_degree=2))
+    try:
+        monkeypatch.setattr(pool_mod, "HEARTBEAT_TIMEOUT_S", 2.0)
+        pool = eng.transport.pool
+        assert pool.request(("debug_sleep", 6.0)) is True
+        assert pool.alive
+        assert _close(_run(eng, inputs, CacheConfig(enabled=False)), refs["off"][0])
+    finally:
+        eng.close()
+
+
+def test_close_stops_the_workers_of_the_last_engine(setup):
+    """Workers hold memory (a GPU context, ~1 GB each): they stop when the last engine using them is
+    closed or released, and the next run starts them again."""
+    path, inputs, refs = setup
+    a = Engine.from_file(path, EngineConfig(ulysses_degree=2))
+    b = Engine.from_file(path, EngineConfig(ring_degree=2))  # same shape: the same pool
+    pids = a.pids
+    assert len(pids) == 2 and b.pids == pids
+    a.close()
+    assert not _gone(pids, timeout=0.5) and b.pids == pids  # b still uses them
+    b.release()
+    assert _gone(pids) and a.pids == [] and b.pids == []
+    assert _close(_run(b, inputs, CacheConfig(enabled=False)), refs["off"][0])
+    new = b.pids
+    assert len(new) == 2 and not set(new) & set(pids)
+    b.close()
+    assert _gone(new)
+
+
+@pytest.mark.parametrize("ending", ["exit", "sigkill"])
+def test_workers_end_with_the_parent_process(setup, ending):
+    """The workers do not outlive the process that started them: a normal exit (engine not closed)
+    or a SIGKILL of the parent."""
+    path, _, _ = setup
+    script = textwrap.dedent(f"""
+        import sys, time
+        from engine import Engine, EngineConfig
+        eng = Engine.from_file({path!r}, EngineConfig(ulysses_degree=2))
+        print(*eng.pids, flush=True)
+        if {ending == "sigkill"!r}:
+            time.sleep(120)
+    """)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2, proc.communicate(timeout=60)
+        if ending == "sigkill":
+            proc.kill()
+        assert proc.wait(timeout=60) in (0, -signal.SIGKILL)
+        assert _gone(pids)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf"])
+def test_bad_timeout_variable_is_refused_before_any_worker(setup, monkeypatch, value):
+    import engine.parallel.pool as pool_mod
+
+    path, _, _ = setup
+
+    def no_start(*a, **k):
+        raise AssertionError("a worker pool was started with a bad timeout variable")
+
+    monkeypatch.setattr(pool_mod.WorkerPool, "start", no_start)
+    monkeypatch.setattr(pool_mod, "CALL_TIMEOUT_S", None)  # read the environment, as outside the tests
+    monkeypatch.setenv("SGLD_PARALLEL_CALL_TIMEOUT", value)
+    with pytest.raises(ParallelConfigError, match="SGLD_PARALLEL_CALL_TIMEOUT=.* positive number of seconds"):
+        Engine.from_file(path, EngineConfig(ulysses_degree=2))
+    monkeypatch.setenv("SGLD_PARALLEL_CALL_TIMEOUT", " 2.5 ")
+    assert pool_mod.setting("CALL_TIMEOUT_S") == 2.5
+    monkeypatch.delenv("SGLD_PARALLEL_CALL_TIMEOUT")
+    assert pool_mod.setting("CALL_TIMEOUT_S") == 1800.0
+
+
+def test_bad_timeout_variable_does_not_break_the_import():
+    """The variables are read when a pool starts: importing the engine (ComfyUI loading the pack) works."""
+    env = dict(os.environ, PYTHONPATH=ROOT, SGLD_PARALLEL_CALL_TIMEOUT="abc", SGLD_PARALLEL_HEARTBEAT_TIMEOUT="x")
+    code = ("import engine.parallel.pool as p\n"
+            "from engine import EngineConfig\n"
+            "EngineConfig(ulysses_degree=2)\n"
+            "try:\n    p.check_settings()\nexcept ValueError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "SGLD_PARALLEL_CALL_TIMEOUT='abc' is not valid" in r.stdout
 
 
 def test_invalid_degrees_refused_before_any_worker(setup, monkeypatch):
@@ -172,16 +297,26 @@ def test_invalid_degrees_refused_before_any_worker(setup, monkeypatch):
         EngineConfig(tp=0)
     with pytest.raises(ValueError, match="cfg_parallel"):
         EngineConfig(cfg_parallel=3)
-    # tiny has 4 heads: ulysses 8 (8 ranks) and tp 3 do not divide them
+    # tiny has 4 heads (MLP 192): ulysses 8 and tp 3 do not divide them (a machine with 64 cores)
     with pytest.raises(ParallelConfigError, match="ulysses_degree = 8 does not divide"):
-        Engine.from_file(path, EngineConfig(ulysses_degree=8))
+        validate(EngineConfig(ulysses_degree=8), 4, 192, cpu_ranks=64)
     with pytest.raises(ParallelConfigError, match="tp = 3 does not divide"):
-        Engine.from_file(path, EngineConfig(tp=3))
+        validate(EngineConfig(tp=3), 4, 192, cpu_ranks=64)
     with pytest.raises(ParallelConfigError, match="TP rank holds"):
-        Engine.from_file(path, EngineConfig(tp=2, ulysses_degree=4))
-    # more ranks than GPUs
+        validate(EngineConfig(tp=2, ulysses_degree=4), 4, 192, cpu_ranks=64)
+    with pytest.raises(ParallelConfigError, match="ulysses_degree = 8 does not divide"):
+        ParallelEngine.from_file(path, EngineConfig(ulysses_degree=8, device="cuda"), available_gpus=8)
+    # more ranks than GPUs, or, on the CPU (gloo processes), than CPU cores: that comes first
     with pytest.raises(ParallelConfigError, match="needs 4 GPUs but 1 are visible"):
         validate(EngineConfig(device="cuda", ulysses_degree=4), 32, 12288, available_gpus=1)
+    with pytest.raises(ParallelConfigError, match="num_gpus = 8 .*needs 8 GPUs but this machine has no CUDA GPU; run on the CPU"):
+        validate(EngineConfig(device="cuda", num_gpus=8), 32, 12288, available_gpus=0)
+    too_many = cpu_rank_limit() + 1
+    with pytest.raises(ParallelConfigError, match=f"num_gpus = {too_many} .*on the CPU the ranks run as gloo processes, "
+                                                  f"at most {too_many - 1} here"):
+        Engine.from_file(path, EngineConfig(num_gpus=too_many))
+    with pytest.raises(ParallelConfigError, match="num_gpus = 8 \\(ulysses=8\\): this machine has no CUDA GPU; on the CPU"):
+        validate(EngineConfig(num_gpus=8), 32, 12288, available_gpus=0, cpu_ranks=2)
     with pytest.raises(ParallelConfigError, match="cpu"):
         validate(EngineConfig(device="mps", ulysses_degree=2), 32, 12288)
 

@@ -6,11 +6,11 @@ Public API::
     from engine import Engine, EngineConfig
     eng = Engine.from_file(path, EngineConfig(device="cuda", ulysses_degree=2, ring_degree=2))  # -> ParallelEngine
     eng.sample(...)            # the same contract as the single-process Engine
-    eng.close()                # unload the weights from the workers (processes stay for reuse)
+    eng.close()                # unload the weights; the workers stop unless another engine uses them
     engine.parallel.shutdown_pools()   # stop every worker process
 
 Errors: ``ParallelConfigError`` (bad degrees, before any worker starts), ``ParallelWorkerError``
-(a worker died or hung; the pool restarts on the next run).
+(a worker died, failed or froze; the pool restarts on the next run).
 """
 from .plan import ParallelConfigError, ParallelPlan, check_devices, check_model, make_plan
 from .pool import ParallelWorkerError, WorkerPool, get_pool, shutdown_pools

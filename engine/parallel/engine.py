@@ -53,11 +53,16 @@ def plan_from_config(config: EngineConfig) -> ParallelPlan:
                      getattr(config, "cfg_parallel", False), getattr(config, "num_gpus", None))
 
 
-def validate(config: EngineConfig, num_heads: int, ffn_hidden_size: int, available_gpus: Optional[int] = None):
-    """All checks that need no worker: degrees, heads, GPUs. Returns (plan, backend)."""
+def validate(config: EngineConfig, num_heads: int, ffn_hidden_size: int, available_gpus: Optional[int] = None,
+             cpu_ranks: Optional[int] = None):
+    """All checks that need no worker: degrees, GPUs (what the machine has comes first), heads, the
+    timeout variables. Returns (plan, backend)."""
+    from .pool import check_settings
+
     plan = plan_from_config(config)
+    backend = check_devices(plan, config.device, available_gpus, cpu_ranks)
     check_model(plan, num_heads, ffn_hidden_size)
-    backend = check_devices(plan, config.device, available_gpus)
+    check_settings()
     return plan, backend
 
 
@@ -71,7 +76,7 @@ class PoolTransport:
     def ensure(self, key, spec) -> Optional[dict]:
         from .pool import get_pool
 
-        self.pool = get_pool(self.plan.world_size, self.backend)
+        self.pool = get_pool(self.plan.world_size, self.backend, user=key)
         with self.pool.lock:
             if self.pool.loaded != key:
                 self.pool.loaded = None
@@ -85,7 +90,8 @@ class PoolTransport:
 
     @property
     def pids(self) -> List[int]:
-        return list(self.pool.pids) if self.pool is not None else []
+        """The worker processes (rank order) while they run, else []."""
+        return list(self.pool.pids) if self.pool is not None and self.pool.alive else []
 
 
 class LocalTransport:
@@ -129,8 +135,10 @@ class ParallelEngine(Engine):
         self._key = (next(_ids), self.path)
         self._sent_text = None
         self._computed: Optional[_Computed] = None
-        # dropped without close(): unload from a thread (the GC may run inside another request)
+        # dropped without close(): release from a thread (the GC may run inside another request); at
+        # interpreter exit shutdown_pools (atexit) stops the workers instead
         self._finalizer = weakref.finalize(self, _release_in_thread, self.transport, self._key)
+        self._finalizer.atexit = False
         self._ensure()
 
     @classmethod
@@ -201,12 +209,12 @@ class ParallelEngine(Engine):
         return res
 
     def close(self) -> None:
-        """Unload this engine's weights from the workers (the processes stay for the next engine).
-        The next ``sample`` loads them again."""
+        """Unload this engine's weights from the workers, and stop the worker processes unless another
+        engine uses them. The next ``sample`` starts them and loads the weights again."""
         _release(self.transport, self._key)
 
     def release(self) -> int:
-        """Free the workers' memory for the host (ComfyUI): unload the weights; the next run reloads them.
+        """Free the workers' memory for the host (ComfyUI): ``close()``; the next run starts them again.
         Returns the bytes of weights unloaded (all ranks)."""
         pool = getattr(self.transport, "pool", None)
         loaded = pool is not None and pool.alive and pool.loaded == self._key
@@ -306,13 +314,11 @@ def _release_in_thread(transport, key) -> None:
 
 
 def _release(transport, key) -> None:
+    from .pool import detach
+
     pool = getattr(transport, "pool", None)
     try:
-        if pool is None:
-            return
-        with pool.lock:  # waits for a request in flight
-            if pool.alive and pool.loaded == key:
-                pool.request(("unload",))
-                pool.loaded = None
-    except Exception:
+        if pool is not None:
+            detach(pool, key)
+    except Exception:  # a failing pool was stopped by its own error handling
         pass

@@ -12,6 +12,7 @@ Everything here is plain Python and runs before any worker starts, so a bad comb
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -67,9 +68,12 @@ class ParallelPlan:
     def enabled(self) -> bool:
         return self.world_size > 1
 
-    def describe(self) -> str:
+    def degrees(self) -> str:
         parts = [f"{k}={v}" for k, v in (("tp", self.tp), ("ulysses", self.ulysses), ("ring", self.ring), ("cfg", self.cfg)) if v > 1]
-        return f"{self.world_size} ranks (" + (", ".join(parts) or "single") + ")"
+        return ", ".join(parts) or "single"
+
+    def describe(self) -> str:
+        return f"{self.world_size} ranks ({self.degrees()})"
 
     # -- rank layout ---------------------------------------------------------------------------
     def coords(self, rank: int) -> Tuple[int, int, int, int]:
@@ -149,20 +153,49 @@ def check_model(plan: ParallelPlan, num_heads: int, ffn_hidden_size: int) -> Non
                                   f"{_divisors(ffn_hidden_size)}")
 
 
-def check_devices(plan: ParallelPlan, device: str, available: Optional[int] = None) -> str:
-    """Backend for the device ("nccl" | "gloo"); refuses more ranks than GPUs."""
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cpu_rank_limit() -> int:
+    """Gloo ranks allowed on the CPU: one per CPU core this process may use, and always 2 (to try it out)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(2, cores)
+
+
+def check_devices(plan: ParallelPlan, device: str, available: Optional[int] = None,
+                  cpu_ranks: Optional[int] = None) -> str:
+    """Backend for the device ("nccl" | "gloo"); refuses more ranks than the machine has GPUs (cuda)
+    or CPU cores (cpu, where the ranks are gloo processes). ``available`` / ``cpu_ranks``: what the
+    machine has, when the caller knows it."""
     dev = str(device).split(":")[0]
+    n = plan.world_size
     if dev == "cuda":
         if available is None:
-            import torch
-
-            available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if plan.world_size > available:
+            available = visible_gpus()
+        if n > available == 0:
             raise ParallelConfigError(
-                f"{plan.describe()} needs {plan.world_size} GPUs but {available} are visible on this machine; lower "
+                f"num_gpus = {n} ({plan.degrees()}) needs {n} GPUs but this machine has no CUDA GPU; run on the CPU "
+                f"(device cpu: the ranks run as gloo processes, at most {cpu_rank_limit()} here) or on a machine with GPUs")
+        if n > available:
+            raise ParallelConfigError(
+                f"num_gpus = {n} ({plan.degrees()}) needs {n} GPUs but {available} are visible on this machine; lower "
                 f"the degrees (num_gpus <= {available}), or launch across machines with torchrun (docs/parallel.md)")
         return "nccl"
     if dev == "cpu":
+        limit = cpu_rank_limit() if cpu_ranks is None else cpu_ranks
+        if n > limit:
+            gpus = visible_gpus() if available is None else available
+            where = ("this machine has no CUDA GPU" if gpus == 0 else
+                     f"the engine runs on the CPU (device '{device}'; this machine has {gpus} CUDA GPU(s): use device cuda)")
+            raise ParallelConfigError(
+                f"num_gpus = {n} ({plan.degrees()}): {where}; on the CPU the ranks run as gloo processes, at most "
+                f"{limit} here (one per CPU core). Use num_gpus <= {limit}, or a machine with {n} GPUs")
         return "gloo"
     raise ParallelConfigError(f"parallel runs support device cuda (NCCL) or cpu (gloo), not '{device}'")
 

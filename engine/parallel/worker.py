@@ -9,6 +9,11 @@ Any exception in a worker is fatal for that worker: it puts its traceback on the
 exits, the parent sees the dead process, stops the others and raises ``ParallelWorkerError`` with
 that traceback; the next run starts a fresh pool. (A rank that fails on its own would otherwise
 leave its peers blocked in a collective.)
+
+Every rank runs a heartbeat thread that writes the time into shared memory once per
+``HEARTBEAT_PERIOD_S``: the parent takes a rank whose heartbeat is too old for frozen (stopped,
+e.g. SIGSTOP, or stuck holding the interpreter), while a rank that is only busy (a long kernel, a
+compile, a slow load) keeps beating.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import dataclasses
 import gc
 import os
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 from typing import Optional
@@ -25,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .plan import ParallelPlan
+
+HEARTBEAT_PERIOD_S = 0.5
 
 
 def pack(t: Optional[torch.Tensor]):
@@ -160,8 +169,23 @@ class WorkerState:
         except Exception as e:
             return {"error": (type(e).__name__, str(e))}
 
+    def cmd_debug_sleep(self, seconds: float):
+        """Keep every rank busy for ``seconds`` (tests: a slow but healthy request is not taken for a hang)."""
+        time.sleep(float(seconds))
+        return True
+
     def cmd_exit(self):
         return True
+
+
+def start_heartbeat(beats, rank: int) -> None:
+    """Write this rank's monotonic clock (system-wide on Linux) into ``beats[rank]`` twice a second."""
+    def beat():
+        while True:
+            beats[rank] = time.monotonic()
+            time.sleep(HEARTBEAT_PERIOD_S)
+
+    threading.Thread(target=beat, name=f"sgld-heartbeat-rank{rank}", daemon=True).start()
 
 
 def _die_with_parent() -> None:
@@ -176,10 +200,12 @@ def _die_with_parent() -> None:
 
 
 def worker_main(rank: int, world: int, init_method: str, backend: str, conn, errors, threads: int,
-                timeout_s: float) -> None:
+                timeout_s: float, beats=None) -> None:
     """Entry point of one spawned worker process."""
     _die_with_parent()
     try:
+        if beats is not None:
+            start_heartbeat(beats, rank)
         if threads:
             torch.set_num_threads(threads)
         device = "cpu"
