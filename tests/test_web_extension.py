@@ -245,7 +245,7 @@ PANEL = """(id) => {
   const msg = el.querySelector(".sgld-msg");
   const m = msg?.getBoundingClientRect();
   return {state: el.dataset.state, text: el.innerText, msg: msg?.innerText ?? null,
-          msgBox: m ? [m.left, m.top, m.width, m.height] : null,
+          msgBox: m ? [m.left, m.top, m.width, m.height] : null, msgScroll: msg ? [msg.scrollHeight, msg.clientHeight] : null,
           scroll: [el.scrollHeight, el.clientHeight], warnings: [...el.querySelectorAll(".sgld-warn")].map((w) => w.innerText),
           mask: cells.map((c) => c.classList.contains("sgld-computed") ? "x" : (c.classList.contains("sgld-cached") ? "." : "?")).join(""),
           computed: el.querySelectorAll(".sgld-timeline .sgld-computed").length,
@@ -388,7 +388,8 @@ def test_reloaded_page_and_cached_rerun_show_the_last_run(comfy, page):
     before = page.evaluate(PANEL, ks)
     assert before["state"] == "done" and before["mask"], before
     name, _ = workflow()
-    saved = page.evaluate("() => window.app.graph.serialize()")  # what the user saved: the same graph, same id
+    # what the user saved: the same graph, same id (through JSON, as a file: no undefined fields)
+    saved = page.evaluate("() => JSON.parse(JSON.stringify(window.app.graph.serialize()))")
     open_page(page, comfy)
     page.evaluate(LOAD, [saved, os.path.basename(name)])
     panel = wait_state(page, ks, "done", 15_000)
@@ -481,13 +482,13 @@ def test_long_multiline_error_is_shown_whole(comfy, page):
     pid = page.evaluate(QUEUE_VARIANT, [ks, cache, {"add": fault, "ksampler": {"latent_image": ["900", 0]}}])
     panel = wait_state(page, ks, "failed", 30_000)
     err = cs.error_message(comfy.wait(pid, 30))
-    assert err and err["node_type"] == KSAMPLER and err["exception_message"] == LONG_ERROR, err
+    assert err and err["node_type"] == KSAMPLER and err["exception_message"].strip() == LONG_ERROR, err
     close_error_dialog(page)
     page.wait_for_timeout(300)  # the panel measures itself once laid out
     panel = page.evaluate(PANEL, ks)
     assert panel["msg"] is not None and all(line in panel["msg"] for line in LONG_ERROR.split("\n")), panel
-    scroll_height, client_height = panel["scroll"]
-    assert scroll_height <= client_height + 1, panel  # nothing cut off at the bottom
+    for scroll_height, client_height in (panel["scroll"], panel["msgScroll"]):
+        assert scroll_height <= client_height + 1, panel  # nothing cut off, neither in the panel nor in the message
     box, msg = panel["box"], panel["msgBox"]
     assert msg[1] + msg[3] <= box[1] + box[3] + 1, panel  # the message's last line inside the panel
     screenshot(page, "web_extension_long_error.png")
@@ -497,10 +498,12 @@ def test_run_warnings_on_the_panel(comfy, page):
     """The run's warnings (here: a custom steps_mask shorter than the run, padded) are in sgld_stats and
     each one is on the panel."""
     ks, cache = ids_from_first_test()
-    pid = page.evaluate(QUEUE_VARIANT, [ks, cache, {"cache": {"advanced": True, "steps_mask": "1101"}}])
-    panel = wait_state(page, ks, "done", 60_000)
-    stats = comfy.wait(pid, 30)["outputs"][ks]["sgld_stats"][0]
-    assert any("steps_mask has 4 entries" in w and "padded" in w for w in stats["warnings"]), stats["warnings"]
+    pid = page.evaluate(QUEUE_VARIANT, [ks, cache, {"ksampler": {"steps": 4}, "cache": {"advanced": True, "steps_mask": "11"}}])
+    entry = comfy.wait(pid, 120)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    stats = entry["outputs"][ks]["sgld_stats"][0]
+    wait_state(page, ks, "done", 30_000)
+    assert any("steps_mask has 2 entries for a run of 4 model calls: padded" in w for w in stats["warnings"]), stats["warnings"]
     page.wait_for_timeout(300)
     panel = page.evaluate(PANEL, ks)
     assert [w.lstrip("⚠ ").replace("\n", " ") for w in panel["warnings"]] == stats["warnings"], panel
