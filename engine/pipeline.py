@@ -30,6 +30,7 @@ class RunStats:
     step_mask: List[bool] = field(default_factory=list)  # True = the DiT was computed at that call
     call_seconds: List[float] = field(default_factory=list)  # wall time of each model call
     cache: dict = field(default_factory=dict)  # Cache-DiT summary (engine.cache); empty when off
+    warnings: List[str] = field(default_factory=list)  # what this run did other than asked (denoise 0, ...)
 
     @property
     def steps_computed(self) -> int:
@@ -44,12 +45,27 @@ class RunStats:
         return measured_speedup(self.call_seconds, self.step_mask)
 
     def to_dict(self) -> dict:
+        """``warnings``: the run's own and the cache's (a custom steps_mask fitted to the run's length)."""
         d = {"steps_total": self.model_calls, "steps_computed": self.steps_computed,
-             "sampling_seconds": round(self.sampling_seconds, 4), "step_mask": "".join("x" if m else "." for m in self.step_mask)}
+             "sampling_seconds": round(self.sampling_seconds, 4), "step_mask": "".join("x" if m else "." for m in self.step_mask),
+             "warnings": list(self.warnings) + list(self.cache.get("warnings", []))}
         if self.cache:
-            d["cache"] = {k: v for k, v in self.cache.items() if k != "diffs"}
+            d["cache"] = {k: v for k, v in self.cache.items() if k not in ("diffs", "warnings")}
             d["speedup"] = self.speedup
         return d
+
+
+def latent_hint(channels: int) -> str:
+    """Which latent a model of ``channels`` latent channels takes (and the ComfyUI node that makes it),
+    for the wrong-latent error: the demo model's 48-channel pixel latent, or ERNIE-Image's Flux2 one."""
+    from .models.demo import codec
+
+    if channels == codec.LATENT_CHANNELS:
+        return (f" (the demo model's latent: the image as {codec.LATENT_CHANNELS} channels at 1/{codec.FACTOR} of its "
+                "size; use SGLDiffusion Demo Empty Latent)")
+    if channels == 128:
+        return " (ERNIE-Image uses the Flux2 latent: 128 channels at 1/16 of the image size; use EmptyFlux2LatentImage)"
+    return ""
 
 
 def pad_text(features: Sequence[torch.Tensor], dtype: torch.dtype, device) -> tuple:
@@ -193,10 +209,8 @@ class Engine:
             shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
             raise InputError(f"latent has shape {shape}; expected [batch, {cfg.in_channels}, height, width]")
         if latent.shape[1] != cfg.in_channels:
-            raise InputError(
-                f"latent has {latent.shape[1]} channels but this model takes {cfg.in_channels} "
-                f"(ERNIE-Image uses the Flux2 latent: 128 channels at 1/16 of the image size; use EmptyFlux2LatentImage)"
-            )
+            raise InputError(f"latent has {latent.shape[1]} channels but this model takes {cfg.in_channels}"
+                             + latent_hint(cfg.in_channels))
         p = cfg.patch_size
         if latent.shape[2] < p or latent.shape[3] < p or latent.shape[2] % p or latent.shape[3] % p:
             raise InputError(f"latent size {tuple(latent.shape[2:])} is not a multiple of the patch size {p}")
@@ -245,7 +259,10 @@ class Engine:
         cond = self._check_conditioning("positive", cond, b)
         uncond = self._check_conditioning("negative", uncond, b) if uncond is not None and cfg != 1.0 else None
         sigmas = sigma_schedule(int(steps), scheduler, denoise, shift)
-        self.last_run = RunStats(steps=len(sigmas) - 1, model_calls=model_calls(sampler, len(sigmas) - 1))
+        n = max(len(sigmas) - 1, 0)  # denoise 0: no sigmas at all
+        self.last_run = RunStats(steps=n, model_calls=model_calls(sampler, n) if n else 0)
+        if not n:
+            self.last_run.warnings.append("denoise is 0: nothing was denoised, the latent is returned unchanged")
         return latent.detach().to("cpu", torch.float32), cond, uncond, sigmas
 
     @staticmethod

@@ -6,7 +6,7 @@ so the engine is imported relatively (``from ..engine import ...``).
 import logging
 
 from . import cache_dit, demo
-from .ksampler import SGLDiffusionKSampler
+from .ksampler import SGLDiffusionKSampler, last_runs
 from .loader import SGLDiffusionModelLoader
 from .lora import SGLDiffusionLoraLoader
 from .model_cache import install_memory_hooks, loaded
@@ -29,7 +29,9 @@ install_memory_hooks()
 
 
 def _add_routes() -> None:
-    """GET /sgldiffusion/models: the engines held in memory now (for the web extension and tests)."""
+    """GET /sgldiffusion/models: the engines held in memory now (for the web extension and tests).
+    GET /sgldiffusion/last_runs?workflow=<id>: {"runs": {node id: the last run of that KSampler}} for
+    the web panel, which has nothing to show on a reloaded page or when ComfyUI reuses a cached output."""
     try:
         from aiohttp import web
         from server import PromptServer
@@ -42,8 +44,13 @@ def _add_routes() -> None:
         @server.routes.get("/sgldiffusion/models")
         async def sgld_models(request):
             return web.json_response({"loaded": loaded()})
+
+        @server.routes.get("/sgldiffusion/last_runs")
+        async def sgld_last_runs(request):
+            workflow = request.query.get("workflow", "")
+            return web.json_response({"workflow": workflow, "runs": last_runs(workflow)})
     except Exception:  # e.g. the router is already frozen: the nodes still work
-        logging.getLogger("sgldiffusion").warning("SGLDiffusion: could not add the /sgldiffusion/models route", exc_info=True)
+        logging.getLogger("sgldiffusion").warning("SGLDiffusion: could not add the /sgldiffusion routes", exc_info=True)
 
 
 _add_routes()

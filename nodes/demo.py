@@ -10,6 +10,7 @@ import torch
 from ..engine.models import demo as demo_model
 
 DEMO_CHOICE = "sgld-demo (embedded, 64x64)"
+WARNINGS_KEY = "sgld_warnings"  # in a CONDITIONING entry's options: SGLDiffusion KSampler puts them in the run's warnings
 
 
 def _demo():
@@ -29,6 +30,8 @@ class SGLDiffusionDemoTextEncode:
                                                             "empty for the negative prompt"})}}
 
     def encode(self, text):
+        """The words the demo does not know travel with the conditioning, so the KSampler's run shows them
+        (this node has no run panel of its own; ComfyUI may also reuse its output without running it)."""
         warning = _demo().tokenizer.unknown_words_warning(text)
         if warning:
             logging.warning("SGLDiffusion Demo Text Encode: %s", warning)
@@ -36,7 +39,7 @@ class SGLDiffusionDemoTextEncode:
             features = _demo().encode([text])[0]
         except (KeyError, ValueError) as e:
             raise ValueError(f"SGLDiffusion Demo Text Encode: {e}") from None
-        return ([[features[None], {}]],)
+        return ([[features[None], {WARNINGS_KEY: [warning]} if warning else {}]],)
 
 
 class SGLDiffusionDemoEmptyLatent:

@@ -3,11 +3,15 @@
 Only type adaptation happens here: CONDITIONING -> lists of text features, LATENT dict <-> tensor,
 the engine's step callback -> ComfyUI's progress bar, preview and interrupt check, and the run's
 statistics -> the web extension (web/sgldiffusion.js): the ``sgld_stats`` UI output of a finished run,
-and ``sgldiffusion.run`` PromptServer messages (state running / done / failed / interrupted).
+and ``sgldiffusion.run`` PromptServer messages (state running / done / failed / interrupted). The last
+finished run of each KSampler is also kept here (``last_runs``, served as GET /sgldiffusion/last_runs):
+ComfyUI does not re-send a cached KSampler's output, and a reloaded page has none.
 """
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 
 import comfy.latent_formats
 import comfy.model_management
@@ -15,12 +19,44 @@ import comfy.utils
 
 from ..engine import CheckpointError, InputError
 from ..engine.cache import CacheConfigError
+from ..engine.pipeline import latent_hint
 from ..engine.sampling import SAMPLERS, SCHEDULERS
+from .demo import WARNINGS_KEY
 
 log = logging.getLogger("sgldiffusion")
 RUN_EVENT = "sgldiffusion.run"  # PromptServer message the web extension listens to
 NODE = "SGLDiffusion KSampler"
 FLUX2_CHANNELS = 128  # ComfyUI's Flux2 latent format, the one ERNIE-Image uses
+ERROR_CHARS = 4000  # an error message longer than this is cut in the run event (the panel shows all of it)
+MAX_LAST_RUNS = 256  # (workflow, node) pairs remembered; the oldest are forgotten first
+
+_last_runs: "OrderedDict[tuple, dict]" = OrderedDict()
+_last_runs_lock = threading.Lock()
+
+
+def workflow_id(extra_pnginfo) -> str:
+    """The id of the frontend workflow a prompt was queued from ("" for prompts sent without one)."""
+    wf = extra_pnginfo.get("workflow") if isinstance(extra_pnginfo, dict) else None
+    wid = wf.get("id") if isinstance(wf, dict) else None
+    return str(wid) if wid else ""
+
+
+def remember_run(workflow: str, record: dict) -> None:
+    """Keep the outcome of a KSampler run (done / failed / interrupted) for GET /sgldiffusion/last_runs."""
+    if record.get("node") is None:
+        return
+    with _last_runs_lock:
+        key = (workflow, str(record["node"]))
+        _last_runs.pop(key, None)
+        _last_runs[key] = dict(record)
+        while len(_last_runs) > MAX_LAST_RUNS:
+            _last_runs.popitem(last=False)
+
+
+def last_runs(workflow: str) -> dict:
+    """{node id: last run record} for the KSamplers of one workflow."""
+    with _last_runs_lock:
+        return {node: dict(rec) for (wf, node), rec in _last_runs.items() if wf == workflow}
 
 
 def conditioning_features(name: str, conditioning) -> list:
@@ -38,9 +74,19 @@ def conditioning_features(name: str, conditioning) -> list:
     return feats
 
 
-def latent_samples(latent):
+def conditioning_warnings(name: str, conditioning) -> list:
+    """Warnings a text encoder attached to its CONDITIONING (Demo Text Encode: words the demo does not know)."""
+    out = []
+    for entry in conditioning or []:
+        opts = entry[1] if isinstance(entry, (list, tuple)) and len(entry) > 1 and isinstance(entry[1], dict) else {}
+        out += [f"{name} prompt: {w}" for w in opts.get(WARNINGS_KEY, [])]
+    return out
+
+
+def latent_samples(latent, channels: int):
     if not isinstance(latent, dict) or "samples" not in latent:
-        raise ValueError(f"{NODE}: latent_image is not a LATENT (a dict with 'samples'); connect e.g. EmptyFlux2LatentImage")
+        raise ValueError(f"{NODE}: latent_image is not a LATENT (a dict with 'samples'); this model takes "
+                         f"{channels} latent channels{latent_hint(channels)}")
     if latent.get("noise_mask") is not None:
         raise ValueError(f"{NODE}: latents with a noise mask (inpainting) are not supported yet; use ComfyUI's KSampler for inpainting")
     return latent["samples"]
@@ -72,31 +118,34 @@ class StepReporter:
         self.pbar.update_absolute(step + 1, total, preview)
 
 
-def send_run_event(data: dict) -> None:
-    """Tell the browser that queued the prompt (ComfyUI's current client) what this node is doing.
-    Best effort: never lets a UI message break a run."""
+def send_run_event(data: dict, workflow: str = "") -> None:
+    """Tell the browser that queued the prompt (ComfyUI's current client) what this node is doing, and
+    remember a finished run for ``workflow``. Best effort: never lets a UI message break a run."""
+    try:
+        from comfy_execution.utils import get_executing_context
+
+        ctx = get_executing_context()
+        if ctx is not None:
+            data.setdefault("prompt_id", ctx.prompt_id)
+    except Exception:
+        pass
+    if data.get("state") in ("done", "failed", "interrupted"):
+        remember_run(workflow, data)
     try:
         from server import PromptServer
 
         server = PromptServer.instance
-        try:
-            from comfy_execution.utils import get_executing_context
-
-            ctx = get_executing_context()
-            if ctx is not None:
-                data.setdefault("prompt_id", ctx.prompt_id)
-        except Exception:
-            pass
         server.send_sync(RUN_EVENT, data, server.client_id)
     except Exception as e:  # outside a server (direct calls, tests)
         log.debug("SGLDiffusion: no run event sent (%s)", e)
 
 
-def run_stats(engine, node_id) -> dict:
-    """``engine.last_run`` + what the engine runs with, for the node's UI output and the web extension."""
+def run_stats(engine, node_id, warnings=()) -> dict:
+    """``engine.last_run`` + what the engine runs with, for the node's UI output and the web extension.
+    ``warnings``: the engine's (load), the inputs' (``warnings``) and the run's, each once."""
     stats = engine.last_run.to_dict()
     stats["attention"] = getattr(engine, "attention_backend", None)
-    stats["warnings"] = list(getattr(engine, "warnings", []))
+    stats["warnings"] = list(dict.fromkeys([*getattr(engine, "warnings", []), *warnings, *stats.get("warnings", [])]))
     stats["node"] = None if node_id is None else str(node_id)
     stats["state"] = "done"
     # one cell per model call: True = computed, False = cached (Cache-DiT reused the residual)
@@ -151,44 +200,48 @@ class SGLDiffusionKSampler:
                 "scheduler": (list(SCHEDULERS), {"tooltip": "The sigma schedule."}),
                 "positive": ("CONDITIONING", {"tooltip": "What the image should show."}),
                 "negative": ("CONDITIONING", {"tooltip": "What the image should not show (unused at cfg 1)."}),
-                "latent_image": ("LATENT", {"tooltip": "The latent to denoise (EmptyFlux2LatentImage for text-to-image)."}),
+                "latent_image": ("LATENT", {"tooltip": ("The latent to denoise (text-to-image: EmptyFlux2LatentImage for "
+                                                        "ERNIE-Image, SGLDiffusion Demo Empty Latent for the demo model).")}),
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01,
                                       "tooltip": "How much of the latent to replace; below 1 keeps the input's structure."}),
             },
             "optional": {
                 "cache": ("SGLD_CACHE", {"tooltip": "Cache-DiT step caching options (SGLDiffusion Cache-DiT node)."}),
             },
-            "hidden": {"unique_id": "UNIQUE_ID"},
+            # the workflow's id keys the node's last run for the web panel (GET /sgldiffusion/last_runs)
+            "hidden": {"unique_id": "UNIQUE_ID", "extra_pnginfo": "EXTRA_PNGINFO"},
         }
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
-               denoise=1.0, cache=None, unique_id=None):
+               denoise=1.0, cache=None, unique_id=None, extra_pnginfo=None):
         node = None if unique_id is None else str(unique_id)
+        workflow = workflow_id(extra_pnginfo)
         # the browser clears this node's previous timeline now; a failure below never leaves it showing
-        send_run_event({"node": node, "state": "running", "steps": int(steps)})
+        send_run_event({"node": node, "state": "running", "steps": int(steps)}, workflow)
         try:
             result, stats = self._sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
                                          latent_image, denoise, cache, node)
         except comfy.model_management.InterruptProcessingException:
-            send_run_event({"node": node, "state": "interrupted"})
+            send_run_event({"node": node, "state": "interrupted"}, workflow)
             raise
         except BaseException as e:
-            send_run_event({"node": node, "state": "failed", "error": f"{type(e).__name__}: {e}"[:500]})
+            send_run_event({"node": node, "state": "failed", "error": f"{type(e).__name__}: {e}"[:ERROR_CHARS]}, workflow)
             raise
-        send_run_event(dict(stats))
+        send_run_event(dict(stats), workflow)
         return {"ui": {"sgld_stats": [stats]}, "result": (result,)}
 
     def _sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                 denoise, cache, node):
         if not hasattr(model, "engine"):
             raise ValueError(f"{NODE}: 'model' must come from SGLDiffusion Model Loader (got {type(model).__name__})")
-        samples = latent_samples(latent_image)
-        cond = conditioning_features("positive", positive)
-        uncond = conditioning_features("negative", negative)
         try:
             engine = model.engine()
         except CheckpointError as e:
             raise ValueError(f"{NODE}: {e}") from None
+        samples = latent_samples(latent_image, engine.model.config.in_channels)
+        cond = conditioning_features("positive", positive)
+        uncond = conditioning_features("negative", negative)
+        warnings = conditioning_warnings("positive", positive) + conditioning_warnings("negative", negative)
         kwargs = {"cache": cache} if cache is not None else {}
         channels = samples.shape[1] if getattr(samples, "dim", lambda: 0)() >= 2 else 0
         reporter = StepReporter(int(steps), channels, engine.device)
@@ -199,4 +252,4 @@ class SGLDiffusionKSampler:
             raise ValueError(f"{NODE}: {e}") from None
         result = dict(latent_image)
         result["samples"] = out.to(comfy.model_management.intermediate_device())
-        return result, run_stats(engine, node)
+        return result, run_stats(engine, node, warnings)

@@ -118,13 +118,11 @@ class SGLDiffusionModelLoader:
 
     @classmethod
     def VALIDATE_INPUTS(cls, unet_name, attention="auto"):
-        # A name that is not (yet) in the folder is reported by load() with a message that says where
-        # to put the file, instead of ComfyUI's generic "value not in list". An attention backend that
-        # this machine lacks (a workflow made elsewhere) falls back to sdpa with a warning.
-        from ..engine.attention import BACKENDS
-
-        if attention not in BACKENDS:
-            return f"attention '{attention}' is not one of {', '.join(BACKENDS)}"
+        # Naming these two here turns off ComfyUI's "value not in list" check for them: a model name
+        # that is not (yet) in the folder gets load()'s message that says where to put the file, and an
+        # attention backend this machine lacks (a workflow made elsewhere) falls back to sdpa with a
+        # warning. A message returned here would be listed under every input named in this signature
+        # (ComfyUI 0.3.75's execution.validate_inputs), so load() refuses an unknown backend instead.
         return True
 
     @classmethod
@@ -140,6 +138,10 @@ class SGLDiffusionModelLoader:
              cfg_parallel=False, unique_id=None):
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"SGLDiffusion Model Loader: weight_dtype '{weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
+        from ..engine.attention import BACKENDS
+
+        if attention not in BACKENDS:
+            raise ValueError(f"SGLDiffusion Model Loader: attention '{attention}' is not one of {', '.join(BACKENDS)}")
         path = resolve(unet_name)
         try:
             # the demo file is stored in fp16; its default is fp32, as the engine and CLI run it on a CPU

@@ -114,3 +114,44 @@ def test_generate_with_cache_preset_and_bad_preset(tmp_path):
     assert res["steps_total"] == 20 and res["steps_computed"] < 20 and len(res["step_mask"]) == 20
     bad = run("generate", "--prompt", "x", "--cache-preset", "turbo", "--out", str(tmp_path / "d.png"), check=False)
     assert bad.returncode == 2 and "turbo" in bad.stderr and "balanced" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_comfy_node_pack_ships_what_users_run(tmp_path):
+    """`comfy node pack` (comfy-cli: the git-tracked files minus .comfyignore, plus [tool.comfy] includes)
+    on a copy of this tree as git would track it: the pack's code, web extension, workflows with their
+    thumbnails, the demo weights, LICENSE, README and metadata; no tests/ and no benchmarks."""
+    import shutil
+    import zipfile
+
+    cli = os.path.join(ROOT, ".cache", "venv-cli", "bin", "comfy")
+    cli = cli if os.path.exists(cli) else shutil.which("comfy")
+    if not cli:
+        pytest.skip("comfy-cli not installed (bash scripts/comfyui.sh installs it into .cache/venv-cli)")
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    tree = tmp_path / "pack"
+    for rel in filter(None, files):
+        if os.path.isfile(os.path.join(ROOT, rel)):  # not a file deleted in the work tree
+            os.makedirs(tree / os.path.dirname(rel), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, rel), tree / rel)
+    for cmd in (["init", "-q"], ["add", "-A"]):
+        subprocess.run(["git", *cmd], cwd=tree, check=True, capture_output=True)
+    r = subprocess.run([cli, "--skip-prompt", "--no-enable-telemetry", "node", "pack"], cwd=tree, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, DO_NOT_TRACK="1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    with zipfile.ZipFile(tree / "node.zip") as z:
+        names = set(z.namelist())
+    tops = {n.split("/")[0] for n in names}
+    for top in ("engine", "nodes", "web", "workflows"):
+        assert top in tops, f"{top}/ missing from the pack: {sorted(tops)}"
+    for f in ("__init__.py", "LICENSE", "README.md", "requirements.txt", "pyproject.toml",
+              "engine/models/demo/weights/demo.safetensors", "web/sgldiffusion.js", "nodes/ksampler.py"):
+        assert f in names, f"{f} missing from the pack"
+    workflows = sorted(n for n in names if n.startswith("workflows/"))
+    assert workflows and all(n.replace(".json", ".jpg") in names for n in workflows if n.endswith(".json")), workflows
+    assert not [n for n in names if n.startswith("tests/")]
+    # of bench/ only the table the Cache-DiT node's preset tooltip reads
+    assert [n for n in names if n.startswith("bench/")] == ["bench/cache_results.md"]
+    with open(os.path.join(ROOT, "LICENSE")) as f:
+        text = f.read()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import time
+import urllib.parse
 
 import pytest
 import torch
@@ -18,8 +19,10 @@ except ImportError:
 
 ROOT = cs.ROOT
 WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
-ERNIE_WORKFLOWS = [p for p in WORKFLOWS if os.path.basename(p).startswith("ernie_image")]
-DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "demo_cpu.json")
+ERNIE_WORKFLOWS = [p for p in WORKFLOWS if os.path.basename(p).startswith("ERNIE-Image")]
+DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "SGLDiffusion demo on CPU (64x64, Cache-DiT).json")
+TEMPLATE_NAMES = ["ERNIE-Image Base (50 steps, SGLDiffusion)", "ERNIE-Image Turbo (8 steps, SGLDiffusion)",
+                  "SGLDiffusion demo on CPU (64x64, Cache-DiT)"]
 OUR_NODES = {"SGLDiffusionModelLoader": "SGLDiffusion Model Loader", "SGLDiffusionKSampler": "SGLDiffusion KSampler",
              "SGLDiffusionCacheDiT": "SGLDiffusion Cache-DiT"}
 DEMO_NODES = {"SGLDiffusionDemoTextEncode": "SGLDiffusion Demo Text Encode",
@@ -193,7 +196,7 @@ def ui_to_api(wf: dict, object_info: dict) -> dict:
 
 def test_workflow_files_present():
     names = sorted(os.path.basename(p) for p in WORKFLOWS)
-    assert names == ["demo_cpu.json", "ernie_image_base.json", "ernie_image_turbo.json"]
+    assert names == [n + ".json" for n in TEMPLATE_NAMES]
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
@@ -218,7 +221,7 @@ def test_workflow_nodes_and_links(path, object_info):
         assert by_type["SGLDiffusionModelLoader"]["unet_name"] == object_info["SGLDiffusionModelLoader"]["input"]["required"]["unet_name"][0][0]
         assert by_type["SGLDiffusionCacheDiT"]["enabled"] is True
         return
-    turbo = "turbo" in os.path.basename(path)
+    turbo = "turbo" in os.path.basename(path).lower()
     ks = by_type["SGLDiffusionKSampler"]
     assert (ks["steps"], ks["cfg"]) == ((8, 1.0) if turbo else (50, 4.0))
     assert (ks["sampler_name"], ks["scheduler"], ks["denoise"]) == ("euler", "simple", 1.0)
@@ -249,7 +252,38 @@ def test_workflow_validates_in_comfyui(path, comfy, object_info):
 def test_workflow_templates_listed(comfy):
     r = comfy.get("/workflow_templates")
     assert r.status_code == 200
-    assert sorted(r.json().get(cs.PACK_NAME, [])) == ["demo_cpu", "ernie_image_base", "ernie_image_turbo"], r.json()
+    assert sorted(r.json().get(cs.PACK_NAME, [])) == TEMPLATE_NAMES, r.json()
+
+
+def template_url(name: str, ext: str) -> str:
+    """Where the frontend (1.32.9, as 1.58) fetches a custom-node template's file: the workflow JSON, and
+    the card's picture, always <name>.jpg (getTemplateThumbnailUrl with mediaSubtype "jpg")."""
+    return f"/api/workflow_templates/{urllib.parse.quote(cs.PACK_NAME)}/{urllib.parse.quote(name)}.{ext}"
+
+
+def card_description(name: str) -> str:
+    """The card's description as the frontend makes it for a custom-node template (getTemplateDescription:
+    the template's name, the only text /workflow_templates gives, with - and _ as spaces)."""
+    return name.replace("-", " ").replace("_", " ").strip()
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
+def test_template_card_has_a_thumbnail_and_a_description(path, comfy):
+    """Each template card: a real description (the file name says what the workflow is) and a picture
+    next to the JSON that decodes as an image, served where the frontend looks for it."""
+    from PIL import Image
+
+    name = os.path.splitext(os.path.basename(path))[0]
+    words = card_description(name).split()
+    assert len(words) >= 4 and ("ERNIE" in words or "demo" in words), words
+    thumb = os.path.splitext(path)[0] + ".jpg"
+    with Image.open(thumb) as im:
+        im.load()
+        assert im.format == "JPEG" and min(im.size) >= 256, (im.format, im.size)
+    r = comfy.get(template_url(name, "jpg"))
+    assert r.status_code == 200 and r.headers["Content-Type"] == "image/jpeg", (r.status_code, r.headers)
+    with open(thumb, "rb") as f:
+        assert r.content == f.read()
 
 
 def test_demo_workflow_runs_on_cpu_and_the_judge_accepts_it(comfy, object_info):
@@ -271,11 +305,15 @@ def test_demo_workflow_runs_on_cpu_and_the_judge_accepts_it(comfy, object_info):
     assert image.shape == (64, 64, 3)
     verdict = judge(image, prompt)
     assert verdict["pass"], verdict
+    # the template card's picture is this very output (8x, nearest; JPEG): one pixel per 8x8 block
+    thumb = np.asarray(Image.open(os.path.splitext(DEMO_WORKFLOW)[0] + ".jpg").convert("RGB"), dtype=np.float32)
+    blocks = thumb.reshape(64, 8, 64, 8, 3).mean(axis=(1, 3))
+    assert np.abs(blocks - image.astype(np.float32)).mean() < 3.0
     stats = entry["outputs"][by_type["SGLDiffusionKSampler"]]["sgld_stats"][0]
     steps = api[by_type["SGLDiffusionKSampler"]]["inputs"]["steps"]
     assert stats["steps_total"] == steps and 0 < stats["steps_computed"] < steps  # the quality preset caches some
     for path in WORKFLOWS:
-        r = comfy.get(f"/api/workflow_templates/{cs.PACK_NAME}/{os.path.basename(path)}")
+        r = comfy.get(template_url(os.path.splitext(os.path.basename(path))[0], "json"))
         assert r.status_code == 200
         with open(path) as f:
             assert r.json() == json.load(f)
@@ -514,3 +552,121 @@ def test_model_cache_replaced_and_freed(comfy):
     assert len(_loaded(comfy)) == 1
     want = direct_sample(os.path.join(comfy.base, "models", "diffusion_models", TINY), seed=64, dtype="fp32")
     assert torch.equal(cs.saved_latent(comfy, entry), want)
+
+
+# -- error texts and run warnings --------------------------------------------------------------------
+
+def demo_graph(object_info, *, prompt="a large red circle on the left, on a blue background", negative="",
+               latent_node=None, seed=0, steps=4, cfg=3.0) -> dict:
+    """The demo model (first loader entry) with Demo Text Encode x2 -> KSampler -> SaveLatent."""
+    demo = object_info["SGLDiffusionModelLoader"]["input"]["required"]["unet_name"][0][0]
+    return {
+        "1": {"class_type": "SGLDiffusionModelLoader", "inputs": {"unet_name": demo, "weight_dtype": "default"}},
+        "2": {"class_type": "SGLDiffusionDemoTextEncode", "inputs": {"text": prompt}},
+        "3": {"class_type": "SGLDiffusionDemoTextEncode", "inputs": {"text": negative}},
+        "4": latent_node or {"class_type": "SGLDiffusionDemoEmptyLatent", "inputs": {"batch_size": 1}},
+        "5": {"class_type": "SGLDiffusionKSampler", "inputs": {
+            "model": ["1", 0], "seed": seed, "steps": steps, "cfg": cfg, "sampler_name": "euler", "scheduler": "simple",
+            "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}},
+        "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": "sgld/demo"}},
+    }
+
+
+def test_wrong_latent_hint_fits_the_model(comfy, object_info):
+    """The demo model (48 channels) is told about its own latent node, an ERNIE-Image model about the Flux2 one."""
+    flux2 = {"class_type": "EmptyFlux2LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}}
+    entry = comfy.run(demo_graph(object_info, latent_node=flux2), timeout=120)
+    msg = assert_error(entry, "SGLDiffusionKSampler", "latent has 128 channels", "takes 48", "SGLDiffusion Demo Empty Latent")
+    assert "EmptyFlux2LatentImage" not in msg and "Flux2" not in msg, msg
+    demo_latent = {"class_type": "SGLDiffusionDemoEmptyLatent", "inputs": {"batch_size": 1}}
+    entry = comfy.run(graph(seed=42, latent_node=demo_latent), timeout=120)
+    msg = assert_error(entry, "SGLDiffusionKSampler", "latent has 48 channels", "takes 128", "EmptyFlux2LatentImage")
+    assert "Demo Empty Latent" not in msg, msg
+
+
+def test_unknown_attention_is_named_as_attention(comfy):
+    """attention=bogus: the error names the attention input, not unet_name. (ComfyUI 0.3.75 lists a
+    message from VALIDATE_INPUTS under every input of its signature, so the loader refuses it when it runs.)"""
+    r = comfy.post("/prompt", {"prompt": graph(seed=43, loader_options={"attention": "bogus"}), "client_id": comfy.client_id})
+    assert r.status_code == 200, r.text[:2000]
+    entry = comfy.wait(r.json()["prompt_id"], 60)
+    msg = assert_error(entry, "SGLDiffusionModelLoader", "attention 'bogus' is not one of", "auto", "sdpa")
+    assert "unet_name" not in msg, msg
+
+
+def test_unknown_demo_words_are_run_warnings(comfy, object_info):
+    entry = comfy.run(demo_graph(object_info, prompt="a purple elephant on the left, on a blue background", negative="blurry"),
+                      timeout=120)
+    assert entry["status"]["status_str"] == "success", cs.error_message(entry)
+    warnings = entry["outputs"]["5"]["sgld_stats"][0]["warnings"]
+    assert any(w.startswith("positive prompt: the demo model does not know 'purple', 'elephant'") for w in warnings), warnings
+    assert any(w.startswith("negative prompt: the demo model does not know 'blurry'") for w in warnings), warnings
+
+
+@pytest.mark.parametrize("mask, fragment", [("1101", "has 4 entries for a run of 8 model calls: padded with 4 computed calls"),
+                                            ("110110110111", "has 12 entries for a run of 8 model calls: the last 4 were cut")],
+                         ids=["padded", "cut"])
+def test_steps_mask_fitted_to_the_run_is_a_run_warning(comfy, mask, fragment):
+    g = graph(seed=44, steps=8)
+    g["7"] = {"class_type": "SGLDiffusionCacheDiT", "inputs": {"enabled": True, "preset": "none", "advanced": True,
+                                                               "steps_mask": mask}}
+    g["5"]["inputs"]["cache"] = ["7", 0]
+    entry = comfy.run(g, timeout=120)
+    assert entry["status"]["status_str"] == "success", cs.error_message(entry)
+    stats = entry["outputs"]["5"]["sgld_stats"][0]
+    assert len(stats["step_mask"]) == 8
+    assert any(f"Cache-DiT steps_mask {fragment}" in w for w in stats["warnings"]), stats["warnings"]
+    assert "warnings" not in stats["cache"]
+
+
+def test_denoise_zero_reports_no_steps_and_a_warning(comfy):
+    """denoise 0 (the latent comes back unchanged, as from ComfyUI's KSampler): 0 steps, not -1, and a warning."""
+    entry = comfy.run(graph(seed=45, denoise=0.0), timeout=120)
+    assert entry["status"]["status_str"] == "success", cs.error_message(entry)
+    stats = entry["outputs"]["5"]["sgld_stats"][0]
+    assert stats["steps_total"] == stats["steps_computed"] == stats["steps_cached"] == 0, stats
+    assert stats["step_mask"] == "" and any("denoise is 0" in w for w in stats["warnings"]), stats
+    assert torch.equal(cs.saved_latent(comfy, entry), torch.zeros(1, 128, 8, 8))
+
+
+# -- the last run of each KSampler (for the web panel) -------------------------------------------------
+
+def _run_from_workflow(comfy, prompt: dict, workflow: str):
+    """Queue ``prompt`` as the frontend does, with the workflow (and its id) in extra_pnginfo."""
+    r = comfy.post("/prompt", {"prompt": prompt, "client_id": comfy.client_id,
+                               "extra_data": {"extra_pnginfo": {"workflow": {"id": workflow, "nodes": []}}}})
+    assert r.status_code == 200, r.text[:2000]
+    pid = r.json()["prompt_id"]
+    return comfy.wait(pid, 120), pid
+
+
+def _last_runs(comfy, workflow: str) -> dict:
+    r = comfy.get(f"/sgldiffusion/last_runs?workflow={urllib.parse.quote(workflow)}")
+    assert r.status_code == 200
+    return r.json()["runs"]
+
+
+def test_last_run_is_kept_for_a_cached_rerun_and_a_reload(comfy):
+    """ComfyUI neither runs nor reports a KSampler whose output it reuses, and a reloaded page has no
+    outputs: GET /sgldiffusion/last_runs keeps each KSampler's last run, per workflow id."""
+    import uuid
+
+    wf = str(uuid.uuid4())
+    g = graph(seed=46)
+    entry, pid = _run_from_workflow(comfy, g, wf)
+    assert entry["status"]["status_str"] == "success", cs.error_message(entry)
+    stats = entry["outputs"]["5"]["sgld_stats"][0]
+    runs = _last_runs(comfy, wf)
+    assert set(runs) == {"5"} and runs["5"]["state"] == "done" and runs["5"]["prompt_id"] == pid
+    assert runs["5"]["step_mask"] == stats["step_mask"] and runs["5"]["timeline"] == stats["timeline"]
+
+    entry, _ = _run_from_workflow(comfy, g, wf)  # unchanged: the KSampler's output is reused
+    assert entry["status"]["status_str"] == "success" and "5" not in entry["outputs"], entry["outputs"]
+    assert _last_runs(comfy, wf)["5"]["prompt_id"] == pid  # still the run that made the output
+    assert _last_runs(comfy, "another-workflow") == {}
+
+    g["4"] = {"class_type": "EmptyLatentImage", "inputs": {"width": 128, "height": 128, "batch_size": 1}}
+    entry, pid = _run_from_workflow(comfy, g, wf)
+    assert entry["status"]["status_str"] == "error"
+    rec = _last_runs(comfy, wf)["5"]
+    assert rec["state"] == "failed" and rec["prompt_id"] == pid and "latent has 4 channels" in rec["error"], rec

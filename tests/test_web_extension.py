@@ -1,14 +1,16 @@
 """The web extension (web/sgldiffusion.js) in a real browser against a real ComfyUI (0.3.75, frontend 1.32.x).
 
 Headless Debian chromium (/usr/bin/chromium, installed by scripts/browser.sh; never downloaded) driven by
-Playwright loads the page the fixture serves, loads a workflow (workflows/demo_cpu.json when it exists,
+Playwright loads the page the fixture serves, loads a workflow (the demo workflow when it exists,
 else tests/web_workflow.json with the tiny model), makes sure a Cache-DiT node feeds the KSampler, queues
 it through the frontend (app.queuePrompt), and checks that the KSampler node shows a timeline whose
 computed / cached cells are the run's step mask in /history (web_extension.png). Then: the same graph
-again (ComfyUI reuses the output), the preset widget's hover tooltip, a prompt that fails before the
-KSampler (the old timeline is marked as an earlier prompt's), a run that fails inside the KSampler and
-an interrupted run (no timeline left), and the panel in Vue-nodes mode. Screenshots go to test-artifacts/.
-The whole module takes about 40-60 s on the 2-core machine (ComfyUI start and page load included).
+again (ComfyUI reuses the output), a reloaded page (the pack's record of the last run) and the same
+graph once more there, the preset widget's hover tooltip, a prompt that fails before the KSampler (the
+old timeline is marked as an earlier prompt's), a run that fails inside the KSampler, one that fails
+with a long multi-line message (all of it on the panel) and an interrupted run (no timeline left), a
+run's warnings, and the panel in Vue-nodes mode. Screenshots go to test-artifacts/.
+The whole module takes about 60-90 s on the 2-core machine (ComfyUI start and page load included).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = os.path.join(ROOT, "test-artifacts")
-DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "demo_cpu.json")
+DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "SGLDiffusion demo on CPU (64x64, Cache-DiT).json")
 OWN_WORKFLOW = os.path.join(ROOT, "tests", "web_workflow.json")
 TINY = "tiny-ernie.safetensors"
 KSAMPLER = "SGLDiffusionKSampler"
@@ -228,6 +230,7 @@ QUEUE_VARIANT = """async ([ks, cacheId, change]) => {
   window.__sgld = [];
   const p = await window.app.graphToPrompt();
   const out = p.output;
+  if (change.add) Object.assign(out, change.add);
   if (change.ksampler) Object.assign(out[ks].inputs, change.ksampler);
   if (change.cache) Object.assign(out[cacheId].inputs, change.cache);
   const r = await window.comfyAPI.api.api.queuePrompt(0, p);
@@ -239,7 +242,11 @@ PANEL = """(id) => {
   if (!el) return null;
   const cells = [...el.querySelectorAll(".sgld-timeline .sgld-cell")];
   const r = el.getBoundingClientRect();
-  return {state: el.dataset.state, text: el.innerText,
+  const msg = el.querySelector(".sgld-msg");
+  const m = msg?.getBoundingClientRect();
+  return {state: el.dataset.state, text: el.innerText, msg: msg?.innerText ?? null,
+          msgBox: m ? [m.left, m.top, m.width, m.height] : null, msgScroll: msg ? [msg.scrollHeight, msg.clientHeight] : null,
+          scroll: [el.scrollHeight, el.clientHeight], warnings: [...el.querySelectorAll(".sgld-warn")].map((w) => w.innerText),
           mask: cells.map((c) => c.classList.contains("sgld-computed") ? "x" : (c.classList.contains("sgld-cached") ? "." : "?")).join(""),
           computed: el.querySelectorAll(".sgld-timeline .sgld-computed").length,
           cached: el.querySelectorAll(".sgld-timeline .sgld-cached").length,
@@ -365,6 +372,49 @@ def test_unchanged_graph_shows_the_reused_run(comfy, page):
     assert not [e for e in events(page) if e["type"] == "sgldiffusion.run"]
 
 
+def open_page(page, comfy):
+    """A fresh page (as after pressing F5), with the event recorder."""
+    page.reload()
+    page.wait_for_function("() => window.app?.graph && document.getElementById('sgld-run-style')", timeout=60_000)
+    page.evaluate(RECORD_EVENTS)
+    close_banner(page)
+
+
+def test_reloaded_page_and_cached_rerun_show_the_last_run(comfy, page):
+    """A fresh page knows nothing of earlier runs, and ComfyUI neither runs nor reports a KSampler whose
+    output it reuses: the panel shows the last run as the pack recorded it (GET /sgldiffusion/last_runs)
+    after a reload, and again when the same graph is queued from the fresh page."""
+    ks, _ = ids_from_first_test()
+    before = page.evaluate(PANEL, ks)
+    assert before["state"] == "done" and before["mask"], before
+    name, _ = workflow()
+    # what the user saved: the same graph, same id (through JSON, as a file: no undefined fields)
+    saved = page.evaluate("() => JSON.parse(JSON.stringify(window.app.graph.serialize()))")
+    open_page(page, comfy)
+    page.evaluate(LOAD, [saved, os.path.basename(name)])
+    panel = wait_state(page, ks, "done", 15_000)
+    assert panel["mask"] == before["mask"] and "not run yet" not in panel["text"], panel
+    assert "last run" in panel["text"], panel
+    screenshot(page, "web_extension_reloaded.png")
+
+    page.evaluate(QUEUE_UI)
+    pid = prompt_id(page)
+    entry = comfy.wait(pid, 30)
+    assert entry["status"]["status_str"] == "success" and ks not in entry["outputs"], entry  # reused, not run
+    page.wait_for_function(f"() => document.querySelector('.sgld-run[data-node-id=\"{ks}\"]')?.innerText.includes('reused')",
+                           timeout=30_000)
+    panel = page.evaluate(PANEL, ks)
+    assert panel["state"] == "done" and panel["mask"] == before["mask"], panel
+    assert not [e for e in events(page) if e["type"] == "sgldiffusion.run"]
+
+    # reloaded right after the cached run: still the run that made the output
+    open_page(page, comfy)
+    page.evaluate(LOAD, [saved, os.path.basename(name)])
+    panel = wait_state(page, ks, "done", 15_000)
+    assert panel["mask"] == before["mask"], panel
+    assert not SHARED["errors"], SHARED["errors"]
+
+
 def test_preset_tooltip_on_hover(page):
     cd = cache_node_module()
     bench = cd.preset_benchmarks()
@@ -417,6 +467,47 @@ def test_failed_run_clears_the_timeline(comfy, page):
     assert "no middle blocks" in panel["text"], panel
     close_error_dialog(page)
     screenshot(page, "web_extension_failed.png")
+
+
+LONG_ERROR = "\n".join(
+    [f"line {i} of a long error: the worker reported that the device ran out of memory while computing block {i}"
+     for i in range(1, 12)] + ["the end of the message, line 12"])
+
+
+def test_long_multiline_error_is_shown_whole(comfy, page):
+    """A run that fails with a long multi-line message (a stand-in for a failure deep inside a run: the
+    test pack's SGLDTestFaultyLatent makes the KSampler raise it): the panel grows and shows every line."""
+    ks, cache = ids_from_first_test()
+    fault = {"900": {"class_type": "SGLDTestFaultyLatent", "inputs": {"message": LONG_ERROR}}}
+    pid = page.evaluate(QUEUE_VARIANT, [ks, cache, {"add": fault, "ksampler": {"latent_image": ["900", 0]}}])
+    panel = wait_state(page, ks, "failed", 30_000)
+    err = cs.error_message(comfy.wait(pid, 30))
+    assert err and err["node_type"] == KSAMPLER and err["exception_message"].strip() == LONG_ERROR, err
+    close_error_dialog(page)
+    page.wait_for_timeout(300)  # the panel measures itself once laid out
+    panel = page.evaluate(PANEL, ks)
+    assert panel["msg"] is not None and all(line in panel["msg"] for line in LONG_ERROR.split("\n")), panel
+    for scroll_height, client_height in (panel["scroll"], panel["msgScroll"]):
+        assert scroll_height <= client_height + 1, panel  # nothing cut off, neither in the panel nor in the message
+    box, msg = panel["box"], panel["msgBox"]
+    assert msg[1] + msg[3] <= box[1] + box[3] + 1, panel  # the message's last line inside the panel
+    screenshot(page, "web_extension_long_error.png")
+
+
+def test_run_warnings_on_the_panel(comfy, page):
+    """The run's warnings (here: a custom steps_mask shorter than the run, padded) are in sgld_stats and
+    each one is on the panel."""
+    ks, cache = ids_from_first_test()
+    pid = page.evaluate(QUEUE_VARIANT, [ks, cache, {"ksampler": {"steps": 4}, "cache": {"advanced": True, "steps_mask": "11"}}])
+    entry = comfy.wait(pid, 120)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    stats = entry["outputs"][ks]["sgld_stats"][0]
+    wait_state(page, ks, "done", 30_000)
+    assert any("steps_mask has 2 entries for a run of 4 model calls: padded" in w for w in stats["warnings"]), stats["warnings"]
+    page.wait_for_timeout(300)
+    panel = page.evaluate(PANEL, ks)
+    assert [w.lstrip("⚠ ").replace("\n", " ") for w in panel["warnings"]] == stats["warnings"], panel
+    assert panel["scroll"][0] <= panel["scroll"][1] + 1, panel
 
 
 def test_interrupted_run_clears_the_timeline(comfy, page):

@@ -2,10 +2,13 @@
 //
 // * SGLDiffusion KSampler: after a run, a panel under the widgets with the step timeline (one cell per
 //   model call: filled = computed, hollow = cached by Cache-DiT), the measured speedup, the sampling
-//   time, the attention backend, and the offload and quantization modes. Data: the node's UI output
-//   `sgld_stats` (onExecuted; also re-sent by ComfyUI when it reuses a cached output) and the
-//   `sgldiffusion.run` PromptServer messages (state running / done / failed / interrupted). A run that
-//   fails or is interrupted clears the timeline; results of an earlier prompt are marked as such.
+//   time, the attention backend, the offload and quantization modes and the run's warnings. Data: the
+//   node's UI output `sgld_stats` (onExecuted) and the `sgldiffusion.run` PromptServer messages (state
+//   running / done / failed / interrupted). ComfyUI sends neither for a KSampler whose cached output it
+//   reuses, and a reloaded page has none: then the panel asks the pack for the node's last run
+//   (GET /sgldiffusion/last_runs?workflow=<the graph's id>). A run that fails or is interrupted clears
+//   the timeline; results of an earlier prompt are marked as such. The panel grows to what it shows
+//   (a whole error message, every warning).
 // * SGLDiffusion Cache-DiT: hovering the preset widget shows the speedup and quality measured per preset
 //   (bench/cache_results.md, put into the tooltip by the node), the selected preset marked.
 //
@@ -20,6 +23,8 @@ const KSAMPLER = "SGLDiffusionKSampler";
 const CACHE_NODE = "SGLDiffusionCacheDiT";
 const RUN_EVENT = "sgldiffusion.run";
 const WIDGET = "sgld_run";
+const LAST_RUNS = "/sgldiffusion/last_runs";
+const MARGIN = 4; // the DOM widget's margin inside the node
 
 // -- styles ----------------------------------------------------------------------------------------------------
 const STYLE = `
@@ -37,8 +42,8 @@ const STYLE = `
 .sgld-run .sgld-cached { background: transparent; border: 1px solid #8a8a8a; }
 .sgld-run .sgld-meta, .sgld-run .sgld-legend { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; height: 15px; }
 .sgld-run .sgld-legend i { display: inline-block; width: 8px; height: 8px; margin: 0 3px 0 0; border-radius: 2px; vertical-align: -1px; }
-.sgld-run .sgld-warn { color: #e9b44c; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; height: 15px; }
-.sgld-run .sgld-msg { white-space: normal; overflow: hidden; max-height: 45px; word-break: break-word; }
+.sgld-run .sgld-warn { color: #e9b44c; white-space: pre-wrap; word-break: break-word; }
+.sgld-run .sgld-msg { white-space: pre-wrap; word-break: break-word; }
 `;
 function addStyle() {
   if (document.getElementById("sgld-run-style")) return;
@@ -101,6 +106,8 @@ class RunPanel {
   constructor(node) {
     this.node = node;
     this.el = h("div", "sgld-run");
+    this.body = h("div", "sgld-body"); // its height is what the panel needs
+    this.el.append(this.body);
     this.el.dataset.state = "idle";
     this.stats = null;
     this.state = "idle";
@@ -113,9 +120,23 @@ class RunPanel {
       setValue: () => {},
       getMinHeight: () => this.height,
       getMaxHeight: () => this.height,
+      margin: MARGIN,
     });
     this.widget.serialize = false; // never in widgets_values nor in the API prompt
+    // wrapped text (an error, warnings) is as tall as the node is narrow: measure it once laid out
+    if (typeof ResizeObserver === "function") new ResizeObserver(() => this.fit()).observe(this.body);
     this.render();
+  }
+
+  // The panel's height from what it shows (once the browser has laid it out; else the estimate).
+  fit() {
+    const content = this.body.offsetHeight;
+    if (!content) return;
+    const want = Math.ceil(content) + 8 + 2 * MARGIN; // + the panel's padding and the widget's margin
+    if (Math.abs(want - this.height) > 1) {
+      this.height = want;
+      this.resize();
+    }
   }
 
   set(state, stats, extra = {}) {
@@ -126,25 +147,26 @@ class RunPanel {
   }
 
   render() {
-    const el = this.el;
+    const el = this.body;
     const s = this.stats;
     const state = this.state;
     el.replaceChildren();
-    el.dataset.state = state;
-    el.dataset.nodeId = String(this.node.id);
-    delete el.dataset.computed;
-    delete el.dataset.cached;
+    this.el.dataset.state = state;
+    this.el.dataset.nodeId = String(this.node.id);
+    delete this.el.dataset.computed;
+    delete this.el.dataset.cached;
     const head = h("div", "sgld-head");
     const label = {
       idle: "SGLDiffusion: not run yet",
       running: "running…",
-      done: this.extra?.reused ? "done · reused" : "done",
+      done: this.extra?.reused ? "done · reused" : this.extra?.restored ? "last run" : "done",
       failed: "failed",
       interrupted: "interrupted",
       stale: "earlier prompt's run",
     }[state] ?? state;
     const lab = h("span", "sgld-state", label);
     if (state === "done" && this.extra?.reused) lab.title = "ComfyUI reused this node's cached output: the run shown is the one that made it";
+    if (state === "done" && this.extra?.restored && !this.extra?.reused) lab.title = "this node's last run on the server (before the page was loaded)";
     head.append(lab);
     let height = 24;
     if (state === "running") {
@@ -157,17 +179,15 @@ class RunPanel {
       const p = this.progress;
       const stopped = p ? `stopped at step ${p.value} of ${p.max}` : "stopped before the last step";
       const msg = state === "failed" ? this.extra?.error || "the run raised an error" : `${stopped}; no timeline`;
-      const m = h("div", "sgld-msg", msg);
-      m.title = msg;
-      el.append(m);
-      height += 46;
+      el.append(h("div", "sgld-msg", msg));
+      height += 15 * Math.max(1, Math.ceil(msg.length / 45) + (msg.match(/\n/g) ?? []).length);
     }
     if ((state === "done" || state === "stale") && s) {
       const cells = timelineOf(s);
       const computed = cells.filter(Boolean).length;
       const cached = cells.length - computed;
-      el.dataset.computed = String(computed);
-      el.dataset.cached = String(cached);
+      this.el.dataset.computed = String(computed);
+      this.el.dataset.cached = String(cached);
       const speed = typeof s.speedup === "number" ? `${s.speedup.toFixed(2)}x` : "–";
       head.append(h("span", "sgld-speed", `speedup ${speed} · ${fmtSeconds(s.sampling_seconds)}`));
       const perRow = cells.length <= 64 ? Math.max(cells.length, 1) : 50;
@@ -197,15 +217,14 @@ class RunPanel {
       m.title = meta.join("\n");
       el.append(m);
       height += 36;
-      for (const w of (s.warnings ?? []).slice(0, 2)) {
-        const wl = h("div", "sgld-warn", `⚠ ${w}`);
-        wl.title = w;
-        el.append(wl);
-        height += 15;
+      for (const w of s.warnings ?? []) {
+        el.append(h("div", "sgld-warn", `⚠ ${w}`));
+        height += 15 * Math.max(1, Math.ceil(w.length / 45));
       }
     }
-    this.height = height + 12;
+    this.height = height + 2 * MARGIN; // an estimate until fit() measures the laid-out panel
     this.resize();
+    this.fit();
   }
 
   resize() {
@@ -227,6 +246,47 @@ function panelOf(node, create = true) {
   if (!node) return null;
   if (!node.__sgldPanel && create && typeof node.addDOMWidget === "function") node.__sgldPanel = new RunPanel(node);
   return node.__sgldPanel ?? null;
+}
+
+// -- the last runs kept by the server ---------------------------------------------------------------------------
+// A KSampler whose panel has nothing to show (a fresh page) or whose output ComfyUI reuses (no run, no
+// message): its last run as the server recorded it. `reusedFor`: the prompt that reused the output.
+async function restoreRuns(nodeIds = null, reusedFor = null) {
+  const workflow = app.graph?.id;
+  if (!workflow) return;
+  let runs;
+  try {
+    const r = await api.fetchApi(`${LAST_RUNS}?workflow=${encodeURIComponent(workflow)}`, { cache: "no-store" });
+    if (!r.ok) return;
+    runs = (await r.json()).runs ?? {};
+  } catch (e) {
+    return; // an older pack or an unreachable server: the panel stays as it is
+  }
+  for (const node of ourNodes()) {
+    const id = String(node.id);
+    const rec = runs[id];
+    const panel = panelOf(node);
+    if (!rec || !panel || (nodeIds && !nodeIds.includes(id))) continue;
+    if (reusedFor) {
+      // ComfyUI reused this node's output for `reusedFor`; what the panel shows of this page stays
+      if (panel.stats && (panel.state === "done" || panel.state === "stale")) continue;
+      if (rec.state !== "done") continue; // a failed run leaves no output to reuse
+      panel.prompt = reusedFor;
+      panel.set("done", rec, { reused: true });
+    } else if (panel.state === "idle") {
+      panel.prompt = rec.prompt_id ?? null;
+      if (rec.state === "done") panel.set("done", rec, { restored: true });
+      else if (rec.state === "failed") panel.set("failed", null, { error: rec.error });
+      else if (rec.state === "interrupted") panel.set("interrupted", null);
+    }
+  }
+}
+
+let restoreTimer = null;
+function scheduleRestore() {
+  // one request for all the nodes of a graph being configured
+  clearTimeout(restoreTimer);
+  restoreTimer = setTimeout(() => restoreRuns(), 50);
 }
 
 // -- server messages -------------------------------------------------------------------------------------------
@@ -256,7 +316,7 @@ function onPromptStopped(kind, detail) {
     const here = where !== null && String(where) === String(node.id);
     if (here || (panel.state === "running")) {
       if (kind === "interrupted") panel.set("interrupted", null);
-      else panel.set("failed", null, { error: detail?.exception_message || panel.extra?.error || "the run raised an error" });
+      else panel.set("failed", null, { error: (here && detail?.exception_message) || panel.extra?.error || "the run raised an error" });
       panel.prompt = pid;
     } else if (panel.stats && panel.prompt !== pid && panel.state === "done") {
       panel.set("stale");
@@ -293,10 +353,16 @@ app.registerExtension({
       currentPrompt = e.detail?.prompt_id ?? null;
     });
     api.addEventListener("execution_cached", (e) => {
+      const pid = e.detail?.prompt_id ?? currentPrompt;
+      const ours = [];
       for (const id of e.detail?.nodes ?? []) {
-        const panel = panelOf(findNode(id), false);
-        if (panel) panel.reusedFor = e.detail?.prompt_id ?? currentPrompt;
+        const node = findNode(id);
+        const panel = panelOf(node, false);
+        if (panel) panel.reusedFor = pid;
+        if (node && (node.comfyClass ?? node.type) === KSAMPLER) ours.push(String(id));
       }
+      // reused without a run and without a message: a panel with nothing of this page gets the server's record
+      if (ours.length) restoreRuns(ours, pid);
     });
     api.addEventListener("execution_success", (e) => {
       // ComfyUI reused the node's cached output (it may not even re-send it): what it shows is this prompt's result
@@ -348,6 +414,11 @@ app.registerExtension({
     }
   },
 
+  // a workflow was loaded (page load, tab switch, template): its KSamplers show their last runs
+  async afterConfigureGraph() {
+    scheduleRestore();
+  },
+
   nodeCreated(node) {
     if ((node.comfyClass ?? node.type) !== KSAMPLER) return;
     const panel = panelOf(node);
@@ -358,6 +429,7 @@ app.registerExtension({
       node[hook] = function () {
         const r = orig?.apply(this, arguments);
         panel.el.dataset.nodeId = String(this.id);
+        if (hook === "onConfigure") scheduleRestore();
         return r;
       };
     }

@@ -8,7 +8,7 @@ which wins over the DBCache defaults (SGLang's: F1B0, warm-up 4, rdt 0.24, MC 3,
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import List, Mapping, Optional
 
 from . import masks
@@ -128,16 +128,18 @@ class CacheConfig:
             raise CacheConfigError(
                 f"cache option 'fn' + 'bn' = {fn} + {bn} leaves no middle blocks to cache in a model of "
                 f"{num_layers} blocks; allowed: fn >= 1, bn >= 0, fn + bn < {num_layers}")
-        mask, note = None, None
+        mask, note, warnings = None, None, []
         if self.steps_mask is not None and str(self.steps_mask).strip():
-            mask = masks.fit_mask(masks.parse_mask(self.steps_mask), calls)
+            given = masks.parse_mask(self.steps_mask)
+            mask = masks.fit_mask(given, calls)
+            warnings = fit_warnings(given, mask)
         elif self.preset_name is not None:
             mask = masks.preset_mask(self.preset_name, calls)
             note = masks.mask_note(self.preset_name, calls)
         return ResolvedCache(fn=fn, bn=bn, warmup=self.knob("warmup"), rdt=float(self.knob("rdt")), mc=self.knob("mc"),
                              max_cached_steps=self.knob("max_cached_steps"), taylorseer=bool(self.knob("taylorseer")),
                              ts_order=int(self.knob("ts_order")), scm_policy=self.knob("scm_policy"), mask=mask,
-                             preset=self.preset_name, note=note, calls=int(calls))
+                             preset=self.preset_name, note=note, calls=int(calls), warnings=warnings)
 
     def describe(self) -> str:
         if not self.enabled:
@@ -151,6 +153,22 @@ class CacheConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def fit_warnings(given: List[int], used: List[int]) -> List[str]:
+    """What ``masks.fit_mask`` changed in a custom steps_mask, for the run's warnings."""
+    out = []
+    if len(given) > len(used):
+        out.append(f"Cache-DiT steps_mask has {len(given)} entries for a run of {len(used)} model calls: "
+                   f"the last {len(given) - len(used)} were cut")
+    elif len(given) < len(used):
+        out.append(f"Cache-DiT steps_mask has {len(given)} entries for a run of {len(used)} model calls: "
+                   f"padded with {len(used) - len(given)} computed calls")
+    ends = [name for name, i in (("first", 0), ("last", len(used) - 1)) if used and i < len(given) and not given[i]]
+    if ends:
+        what = "the first and the last model call are" if len(ends) == 2 else f"the {ends[0]} model call is"
+        out.append(f"Cache-DiT steps_mask: {what} always computed (a 0 there was made a 1)")
+    return out
 
 
 @dataclass
@@ -168,6 +186,7 @@ class ResolvedCache:
     preset: Optional[str]
     note: Optional[str]
     calls: int
+    warnings: List[str] = field(default_factory=list)  # how a custom steps_mask was fitted to the run
 
     def tag(self) -> str:
         """cache-dit style name: F1B0_W4MC3_R0.24[_SCM..._static][_T1O1]."""

@@ -154,4 +154,5 @@ class DBCacheRunner:
             "cached": len(self.computed) - computed,
             "reasons": dict(Counter(self.reasons)),
             "diffs": diffs,
+            "warnings": list(self.rc.warnings),
         }

@@ -2,7 +2,10 @@
 
 ``SGLDTestTextFeatures`` returns CONDITIONING shaped like ComfyUI's ERNIE-Image text encoder output,
 ``[[tensor [1, T, C], {}]]``, filled with seeded noise; tests rebuild the same tensor with
-:func:`text_features`. Imports only torch, so tests can load this file outside ComfyUI.
+:func:`text_features`. ``SGLDTestFaultyLatent`` returns a LATENT whose samples raise ``message`` when
+the KSampler first uses them: a stand-in for a failure deep inside a run (out of memory, a driver
+error) with a long multi-line message, which this machine cannot produce on purpose. Imports only
+torch, so tests can load this file outside ComfyUI.
 """
 import torch
 
@@ -29,5 +32,32 @@ class SGLDTestTextFeatures:
         return ([[text_features(seed, tokens, dim), {}]],)
 
 
-NODE_CLASS_MAPPINGS = {"SGLDTestTextFeatures": SGLDTestTextFeatures}
-NODE_DISPLAY_NAME_MAPPINGS = {"SGLDTestTextFeatures": "SGLD Test Text Features"}
+class FaultySamples:
+    """Latent samples that raise RuntimeError(message) on first use."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def dim(self):
+        raise RuntimeError(self.message)
+
+    @property
+    def shape(self):
+        raise RuntimeError(self.message)
+
+
+class SGLDTestFaultyLatent:
+    CATEGORY = "_for_testing/sgldiffusion"
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"message": ("STRING", {"multiline": True, "default": "a failure"})}}
+
+    def make(self, message):
+        return ({"samples": FaultySamples(message)},)
+
+
+NODE_CLASS_MAPPINGS = {"SGLDTestTextFeatures": SGLDTestTextFeatures, "SGLDTestFaultyLatent": SGLDTestFaultyLatent}
+NODE_DISPLAY_NAME_MAPPINGS = {"SGLDTestTextFeatures": "SGLD Test Text Features", "SGLDTestFaultyLatent": "SGLD Test Faulty Latent"}
