@@ -287,7 +287,7 @@ def test_template_card_has_a_thumbnail_and_a_description(path, comfy):
 
 
 def test_demo_workflow_runs_on_cpu_and_the_judge_accepts_it(comfy, object_info):
-    """workflows/demo_cpu.json as shipped: the embedded demo model, Cache-DiT on, a 64x64 picture
+    """the demo workflow (workflows/SGLDiffusion demo on CPU ...json) as shipped: the embedded demo model, Cache-DiT on, a 64x64 picture
     that the demo judge accepts for the workflow's own prompt."""
     import numpy as np
     from PIL import Image
