@@ -86,8 +86,8 @@ class Checkpoint:
             self.files = [SafetensorsFile(path)]
             meta = self.files[0].metadata.get(CONFIG_METADATA_KEY)
             if meta:
-                self.config_source = f"{path}: metadata '{CONFIG_METADATA_KEY}'"
-                self.config_overrides = load_json_object(meta, self.config_source)
+                self.config_source = f"metadata '{CONFIG_METADATA_KEY}'"
+                self.config_overrides = load_json_object(meta, f"{path}: {self.config_source}")
         # key (without prefix) -> (file, key in file)
         self.index: Dict[str, Tuple[SafetensorsFile, str]] = {}
         all_keys = [(f, k) for f in self.files for k in f.keys()]

@@ -507,8 +507,8 @@ class QuantPlan:
         if not present:
             if scaled:
                 want = layer + (".weight_scale" if style == "sgld" or not legacy else ".scale_weight")
-                raise CheckpointError(f"{_where(ckpt, wkey)}: fp8 weight without its scale '{want}' (the file's other "
-                                      "fp8 weights are scaled; only an fp8 file without any scale reads as scale 1)")
+                raise CheckpointError(f"{_where(ckpt, wkey)}: fp8 weight without its scale '{want}' (this file's fp8 "
+                                      "weights are scaled; only a file without any fp8 scale reads as scale 1)")
             return {"kind": "fp8", "scale_key": None, "shape": wshape}
         skey = present[0]
         sdtype, sshape = _header(ckpt, skey)
