@@ -36,8 +36,10 @@ Checkpoints (read by ``load_quantized``; ``engine.loader.load_model`` routes her
     listed in the file metadata ``_quantization_metadata`` = {"layers": {name: {"format": ...}}}.
     Formats other than float8 (nvfp4, mxfp8, int8 ...) are refused with a CheckpointError.
   Block linears stay quantized (per-tensor scale for ComfyUI files); quantized non-block layers are
-  dequantized to the compute dtype at load. Tensors are read one at a time, so a load holds about
-  one file size.
+  dequantized to the compute dtype at load. Every quantized weight's companions (names, dtypes, shapes,
+  and finite, positive scale values) are checked at load, with a CheckpointError naming the tensor
+  (``QuantPlan``); an fp8 file without any scale is a plain cast and reads as scale 1. Tensors are read
+  one at a time, so a load holds about one file size.
 """
 from __future__ import annotations
 
@@ -469,7 +471,7 @@ class QuantPlan:
                     f"{ckpt.describe()}: layer '{layer}' uses ComfyUI quantization format '{fmt or '?'}', which "
                     "SGLDiffusion does not load (supported: float8_e4m3fn, float8_e5m2); use a bf16 or fp8 file")
             self.sources.add("comfy_quant")
-        fp8_layers = [k[: -len(".weight")] for k in keys if k.endswith(".weight") and _header(ckpt, k)[0] in FP8_STORAGE]
+        fp8_layers = [k[: -len(".weight")] for k in sorted(keys) if k.endswith(".weight") and _header(ckpt, k)[0] in FP8_STORAGE]
         scaled = bool(meta) or legacy or bool(declared) or any(
             layer + s in keys for layer in fp8_layers for s in (".weight_scale", ".scale_weight"))
         for layer in fp8_layers:
@@ -481,7 +483,7 @@ class QuantPlan:
                 self.sources.add("sgld" if meta else "fp8")
             elif not self.sources:
                 self.sources.add("fp8")
-        for k in keys:
+        for k in sorted(keys):  # sorted: the first bad layer reported is the same on every run
             layer = k[: -len(".weight")]
             if (k.endswith(".weight") and _header(ckpt, k)[0] == torch.uint8
                     and (layer + ".weight_scale" in keys or layer + ".weight_zero" in keys)):

@@ -270,7 +270,8 @@ def test_fp8_scales_all_or_none(tmp_path):
     some = dict(plain)
     some["layers.0.mlp.up_proj.weight_scale"] = torch.ones(())
     save_file(some, str(tmp_path / "some.safetensors"))
-    refused(tmp_path / "some.safetensors", "some.safetensors", "without its scale 'layers.", "fp8 weights are scaled")
+    refused(tmp_path / "some.safetensors", "some.safetensors", "tensor 'adaLN_modulation.1.weight': fp8 weight without its scale 'adaLN_modulation.1.weight_scale'",
+            "fp8 weights are scaled")
 
 
 # -- item 8: safetensors the format forbids, and malformed metadata / side files --------------------------------
