@@ -7,14 +7,13 @@ message names the file and what is wrong.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
 from .models.ernie_image import SIGNATURE_KEYS, ErnieImageConfig, ErnieImageTransformer
-from .safetensors_io import CheckpointError, SafetensorsFile, refuse_pickle
+from .safetensors_io import DTYPES, CheckpointError, SafetensorsFile, load_json_object, refuse_pickle
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")
 DTYPE_NAMES = {
@@ -38,6 +37,39 @@ def parse_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
     return DTYPE_NAMES[key]
 
 
+MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json / index files (the 8B index is about 40 KB)
+
+
+def read_json_file(path: str) -> dict:
+    """A JSON object from a small side file (config.json, an index), or a CheckpointError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{path}: larger than {MAX_JSON_BYTES // 2 ** 20} MB, too large for a JSON side file")
+    return load_json_object(raw, path)
+
+
+def is_plain_shard_name(name) -> bool:
+    """A file name in the index's own folder: no folders, no '..', no NUL, ending in .safetensors."""
+    return (isinstance(name, str) and name.endswith(".safetensors") and name == os.path.basename(name)
+            and "/" not in name and "\\" not in name and "\0" not in name and name not in (".", ".."))
+
+
+def shards_of_index(index_path: str) -> List[str]:
+    """The shard file names of a diffusers ``*.safetensors.index.json``, validated."""
+    weight_map = read_json_file(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path}: field 'weight_map' must be a non-empty object of tensor name -> shard file name")
+    for tensor, shard in weight_map.items():
+        if not is_plain_shard_name(shard):
+            raise CheckpointError(f"{index_path}: field 'weight_map': shard {shard!r} of tensor '{tensor}' must be a "
+                                  "file name in the index's folder ending in .safetensors (no path separators or '..')")
+    return sorted(set(weight_map.values()))
+
+
 class Checkpoint:
     """The tensors of one model, possibly spread over shards, with their prefix removed."""
 
@@ -45,6 +77,7 @@ class Checkpoint:
         self.path = path
         self.files: List[SafetensorsFile] = []
         self.config_overrides: dict = {}
+        self.config_source = ""  # where config_overrides came from, for messages
         if os.path.isdir(path):
             self._open_folder(path)
         else:
@@ -53,28 +86,31 @@ class Checkpoint:
             self.files = [SafetensorsFile(path)]
             meta = self.files[0].metadata.get(CONFIG_METADATA_KEY)
             if meta:
-                self.config_overrides = json.loads(meta)
+                self.config_source = f"metadata '{CONFIG_METADATA_KEY}'"
+                self.config_overrides = load_json_object(meta, f"{path}: {self.config_source}")
         # key (without prefix) -> (file, key in file)
         self.index: Dict[str, Tuple[SafetensorsFile, str]] = {}
         all_keys = [(f, k) for f in self.files for k in f.keys()]
         prefix = self._detect_prefix([k for _, k in all_keys])
         for f, k in all_keys:
             if k.startswith(prefix):
-                self.index[k[len(prefix):]] = (f, k)
+                name = k[len(prefix):]
+                if name in self.index:
+                    raise CheckpointError(f"{self.describe()}: tensor '{k}' is in two shards, "
+                                          f"{os.path.basename(self.index[name][0].path)} and {os.path.basename(f.path)}")
+                self.index[name] = (f, k)
         self.prefix = prefix
 
     def _open_folder(self, path: str) -> None:
         folder = os.path.join(path, "transformer") if os.path.isdir(os.path.join(path, "transformer")) else path
         cfg_path = os.path.join(folder, "config.json")
         if os.path.exists(cfg_path):
-            with open(cfg_path) as f:
-                self.config_overrides = json.load(f)
-        index_files = glob.glob(os.path.join(folder, "*.safetensors.index.json"))
+            self.config_source = cfg_path
+            self.config_overrides = read_json_file(cfg_path)
+        index_files = sorted(glob.glob(os.path.join(folder, "*.safetensors.index.json")))
         if index_files:
-            with open(index_files[0]) as f:
-                weight_map = json.load(f).get("weight_map", {})
-            shards = sorted(set(weight_map.values()))
-            missing = [s for s in shards if not os.path.exists(os.path.join(folder, s))]
+            shards = shards_of_index(index_files[0])
+            missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
             if missing:
                 raise CheckpointError(f"{index_files[0]}: shard file '{missing[0]}' named by the index is missing")
         else:
@@ -119,6 +155,8 @@ class Checkpoint:
 
 
 def check_architecture(ckpt: Checkpoint) -> ErnieImageConfig:
+    """The configuration, from the header alone (nothing is built or read yet): the key set, the layer
+    numbering, the shapes and any config the file carries must agree (ErnieImageConfig.from_shapes)."""
     keys = set(ckpt.keys())
     missing_sig = [k for k in SIGNATURE_KEYS if k not in keys]
     if missing_sig:
@@ -128,9 +166,26 @@ def check_architecture(ckpt: Checkpoint) -> ErnieImageConfig:
             f"(the file has {len(keys)} tensors, e.g. {sample})"
         )
     try:
-        return ErnieImageConfig.from_shapes(ckpt.shapes(), ckpt.config_overrides)
-    except (KeyError, IndexError, ValueError, ZeroDivisionError) as e:
-        raise CheckpointError(f"{ckpt.describe()}: not a complete ERNIE-Image diffusion model (cannot read its shape: missing {e})") from None
+        cfg = ErnieImageConfig.from_shapes(ckpt.shapes(), ckpt.config_overrides, ckpt.config_source or "config")
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt.describe()}: not a usable ERNIE-Image diffusion model: {e}") from None
+    check_float_dtypes(ckpt)
+    return cfg
+
+
+def check_float_dtypes(ckpt: "Checkpoint") -> None:
+    """Model weights and biases must be floating point (an integer or bool tensor would fail deep inside torch
+    later); the one exception is an int4 weight, uint8 with its ``_scale`` / ``_zero`` (engine/quant.py)."""
+    for k, (f, fk) in ckpt.index.items():
+        leaf = k.rpartition(".")[2]
+        dt = f.dtype(fk)
+        if leaf not in ("weight", "bias") or dt.is_floating_point:
+            continue
+        if leaf == "weight" and dt == torch.uint8 and (k + "_scale" in ckpt.index or k + "_zero" in ckpt.index):
+            continue
+        name = next(n for n, d in DTYPES.items() if d == dt)
+        raise CheckpointError(f"{f.path}: tensor '{fk}' is stored as {name}, but model weights must be floating point "
+                              "(F32, F16, BF16, F64, or F8 with a scale)")
 
 
 def check_keys(ckpt: Checkpoint, missing: List[str], unexpected: List[str]) -> None:

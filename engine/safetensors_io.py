@@ -2,8 +2,10 @@
 
 Why not ``safetensors.safe_open``: its mmap keeps every touched page resident while a model is
 built, so peak RSS reaches twice the file size; and its errors on damaged files are terse. This
-reader checks the header against the file size first (naming the file and the tensor on failure)
-and reads each tensor straight into its own buffer with ``readinto``.
+reader checks the header as the format's reference reader does (known dtypes, non-negative integer
+shapes, string metadata, tensors that cover the data bytes exactly: no overlaps, gaps, trailing bytes
+or repeated keys), naming the file and the tensor on failure, and reads each tensor straight into its
+own buffer with ``readinto``.
 """
 from __future__ import annotations
 
@@ -21,27 +23,92 @@ DTYPES = {
 }
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
 MAX_HEADER = 100 * 1024 * 1024
+# Opcodes a protocol 0/1 pickle can start with (protocol 2+ starts with b"\x80" and the protocol number).
+PICKLE_0_STARTS = frozenset(b"(}]cNIFLSVXKJMUGTa")
 
 
 class CheckpointError(ValueError):
     """A model file that cannot be used; the message names the file and the problem."""
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs):
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _DuplicateKey(key)
+        obj[key] = value
+    return obj
+
+
+def load_json_object(raw, where: str) -> dict:
+    """Parse ``raw`` (str or bytes) as one JSON object without repeated keys; otherwise a CheckpointError
+    that starts with ``where`` (the file and the field)."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        obj = json.loads(text, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise CheckpointError(f"{where}: key '{e.args[0]}' appears twice") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{where} is not valid JSON (not UTF-8 text)") from None
+    except (ValueError, RecursionError, TypeError) as e:
+        raise CheckpointError(f"{where} is not valid JSON ({str(e)[:120]})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{where} must be a JSON object, not {type(obj).__name__}")
+    return obj
+
+
+def sniff(path: str) -> str:
+    """What a file holds, judged from its first and last bytes (nothing is unpickled):
+    "zip", "pickle", "safetensors" or "other"."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+        f.seek(max(size - 1, 0))
+        last = f.read(1)
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+        return "zip"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "pickle"
+    if len(head) == 9 and head[8:9] == b"{" and 8 + struct.unpack("<Q", head[:8])[0] <= size:
+        return "safetensors"
+    if head[:1] and head[0] in PICKLE_0_STARTS and last == b".":  # a pickle always ends with STOP (".")
+        return "pickle"
+    return "other"
+
+
 def refuse_pickle(path: str) -> None:
-    """Refuse pickle-based checkpoints by name and by content, without unpickling anything."""
+    """Refuse pickle-based checkpoints by name and by content, without unpickling anything. A file with a
+    pickle name whose content is no pickle is told so (it is refused all the same: only .safetensors load)."""
     name = os.path.basename(path)
     if name.lower().endswith(PICKLE_SUFFIXES):
+        kind = sniff(path)
+        if kind == "safetensors":
+            raise CheckpointError(
+                f"{path}: '{name}' holds safetensors data under a pickle file name; rename it to .safetensors "
+                "(files named .ckpt/.pt/.pth/.bin are refused as pickles)")
+        if kind == "other":
+            raise CheckpointError(
+                f"{path}: not a safetensors file (and not a pickle either, though its name says so); only "
+                ".safetensors files are loaded, and pickle checkpoints (.ckpt/.pt/.pth/.bin) are refused")
         raise CheckpointError(
             f"{path}: refusing to load '{name}': pickle-based checkpoints (.ckpt/.pt/.pth/.bin) can run "
             "arbitrary code when loaded. Only .safetensors files are supported; convert it with a trusted tool first."
         )
     with open(path, "rb") as f:
         head = f.read(4)
-    if head[:2] == b"\x80\x02" or head[:1] == b"\x80" and head[1:2] in (b"\x03", b"\x04", b"\x05") or head == b"PK\x03\x04":
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") or head == b"PK\x03\x04":
         raise CheckpointError(
             f"{path}: this file is a pickle / PyTorch zip archive, not safetensors; refusing to load it "
             "(pickles can run arbitrary code). Only .safetensors files are supported."
         )
+
+
+def _is_count(value) -> bool:
+    return type(value) is int and value >= 0
 
 
 class SafetensorsFile:
@@ -62,32 +129,61 @@ class SafetensorsFile:
                 raise CheckpointError(
                     f"{path}: not a safetensors file, or a truncated one (header length {n} does not fit a {size}-byte file)"
                 )
-            try:
-                header = json.loads(f.read(n).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{path}: not a safetensors file (header is not valid JSON: {e})") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{path}: not a safetensors file (header is not a JSON object)")
-        self.metadata: Dict[str, str] = header.pop("__metadata__", None) or {}
+            header = load_json_object(f.read(n), f"{path}: not a safetensors file: the header")
+        meta = header.pop("__metadata__", None)
+        if meta is not None and not isinstance(meta, dict):
+            raise CheckpointError(f"{path}: header field '__metadata__' must be an object of strings, not {type(meta).__name__}")
+        bad = next((k for k, v in (meta or {}).items() if not isinstance(v, str)), None)
+        if bad is not None:
+            raise CheckpointError(f"{path}: header field '__metadata__': the value of '{bad}' must be a string, "
+                                  f"not {type(meta[bad]).__name__}")
+        self.metadata: Dict[str, str] = meta or {}
         self.data_start = 8 + n
         self.entries: Dict[str, Tuple[torch.dtype, Tuple[int, ...], int, int]] = {}
         for key, info in header.items():
-            try:
-                dtype = DTYPES[info["dtype"]]
-                shape = tuple(int(d) for d in info["shape"])
-                begin, end = (int(o) for o in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: not a safetensors file (bad header entry for '{key}')") from None
-            nbytes = dtype.itemsize
-            for d in shape:
-                nbytes *= d
-            if end - begin != nbytes or begin < 0:
-                raise CheckpointError(f"{path}: corrupt header: tensor '{key}' {shape} {info['dtype']} spans {end - begin} bytes, expected {nbytes}")
-            if self.data_start + end > size:
-                raise CheckpointError(
-                    f"{path}: file is truncated: tensor '{key}' ends at byte {self.data_start + end} but the file has {size} bytes"
-                )
-            self.entries[key] = (dtype, shape, begin, end)
+            self.entries[key] = self._entry(key, info, size)
+        self._check_coverage(size)
+
+    def _entry(self, key: str, info, size: int) -> Tuple[torch.dtype, Tuple[int, ...], int, int]:
+        path = self.path
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{path}: not a safetensors file: header entry '{key}' must be an object with "
+                                  "dtype, shape and data_offsets")
+        name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(name, str) or name not in DTYPES:
+            raise CheckpointError(f"{path}: tensor '{key}': dtype {name!r} is not one of {', '.join(DTYPES)}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise CheckpointError(f"{path}: tensor '{key}': shape {shape!r} must be a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{path}: tensor '{key}': data_offsets {offsets!r} must be [begin, end] with "
+                                  "0 <= begin <= end")
+        dtype, (begin, end) = DTYPES[name], offsets
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if end - begin != nbytes:
+            raise CheckpointError(f"{path}: corrupt header: tensor '{key}' {tuple(shape)} {name} spans {end - begin} bytes, expected {nbytes}")
+        if self.data_start + end > size:
+            raise CheckpointError(
+                f"{path}: file is truncated: tensor '{key}' ends at byte {self.data_start + end} but the file has {size} bytes"
+            )
+        return dtype, tuple(shape), begin, end
+
+    def _check_coverage(self, size: int) -> None:
+        """The tensors must tile the data section: each starts where the previous one ends."""
+        pos, prev = 0, None
+        for begin, end, key in sorted((b, e, k) for k, (_, _, b, e) in self.entries.items()):
+            if begin < pos:
+                raise CheckpointError(f"{self.path}: corrupt header: tensor '{key}' (data bytes {begin}-{end}) overlaps "
+                                      f"tensor '{prev}'; tensors may not share bytes")
+            if begin > pos:
+                raise CheckpointError(f"{self.path}: corrupt header: data bytes {pos}-{begin} (before tensor '{key}') "
+                                      "belong to no tensor; the tensors must cover the data exactly")
+            pos, prev = end, key
+        if self.data_start + pos != size:
+            raise CheckpointError(f"{self.path}: corrupt file: {size - self.data_start - pos} bytes after the last tensor "
+                                  "belong to no tensor; the tensors must cover the data exactly")
 
     def keys(self):
         return self.entries.keys()

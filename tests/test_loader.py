@@ -167,11 +167,12 @@ def test_other_architecture_names_missing_key(tmp_path):
 
 def test_missing_and_unexpected_keys_are_named(tmp_path):
     sd = random_state_dict(CFG, 0)
-    del sd["layers.1.self_attention.to_k.weight"]
-    sd["layers.1.self_attention.to_qkv.weight"] = torch.zeros(3, 3)
+    for i in range(CFG.num_layers):  # the same in every layer (one odd layer is refused earlier, see test_checkpoint_validation)
+        del sd[f"layers.{i}.self_attention.to_k.weight"]
+        sd[f"layers.{i}.self_attention.to_qkv.weight"] = torch.zeros(3, 3)
     p = tmp_path / "odd.safetensors"
     save_file(sd, str(p))
-    with pytest.raises(CheckpointError, match=r"odd.safetensors: .*1 missing \(first: layers.1.self_attention.to_k.weight\); 1 unexpected \(first: layers.1.self_attention.to_qkv.weight\)"):
+    with pytest.raises(CheckpointError, match=r"odd.safetensors: .*2 missing \(first: layers.0.self_attention.to_k.weight, layers.1.self_attention.to_k.weight\); 2 unexpected \(first: layers.0.self_attention.to_qkv.weight"):
         load_model(p)
 
 
@@ -179,6 +180,11 @@ def test_shape_mismatch_is_named(tmp_path):
     sd = random_state_dict(CFG, 0)
     sd["layers.0.mlp.up_proj.weight"] = torch.zeros(100, CFG.hidden_size)
     p = tmp_path / "shape.safetensors"
+    save_file(sd, str(p))
+    with pytest.raises(CheckpointError, match=r"shape.safetensors: .*tensor 'layers.1.mlp.up_proj.weight' has shape \(192, 64\), but 'layers.0.mlp.up_proj.weight' has \(100, 64\)"):
+        load_model(p)
+    for i in range(CFG.num_layers):  # the same odd shape in every layer: refused against the configuration
+        sd[f"layers.{i}.mlp.up_proj.weight"] = torch.zeros(100, CFG.hidden_size)
     save_file(sd, str(p))
     with pytest.raises(CheckpointError, match=r"shape.safetensors: tensor 'layers.0.mlp.up_proj.weight' has shape \(100, 64\).*needs \(192, 64\)"):
         load_model(p)
