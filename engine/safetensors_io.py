@@ -71,10 +71,11 @@ def sniff(path: str) -> str:
         last = f.read(1)
     if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
         return "zip"
-    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-        return "pickle"
+    # before the pickle magic: a safetensors header of 640 / 896 / 1152 / 1408 bytes starts with 80 02..80 05 too
     if len(head) == 9 and head[8:9] == b"{" and 8 + struct.unpack("<Q", head[:8])[0] <= size:
         return "safetensors"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "pickle"
     if head[:1] and head[0] in PICKLE_0_STARTS and last == b".":  # a pickle always ends with STOP (".")
         return "pickle"
     return "other"
@@ -98,9 +99,7 @@ def refuse_pickle(path: str) -> None:
             f"{path}: refusing to load '{name}': pickle-based checkpoints (.ckpt/.pt/.pth/.bin) can run "
             "arbitrary code when loaded. Only .safetensors files are supported; convert it with a trusted tool first."
         )
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") or head == b"PK\x03\x04":
+    if sniff(path) in ("pickle", "zip"):
         raise CheckpointError(
             f"{path}: this file is a pickle / PyTorch zip archive, not safetensors; refusing to load it "
             "(pickles can run arbitrary code). Only .safetensors files are supported."

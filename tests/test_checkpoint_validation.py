@@ -617,3 +617,22 @@ def test_fuzzed_header_values_only_ever_give_checkpoint_errors(tmp_path):
 
 def test_checkpoint_error_is_exported():
     assert engine.CheckpointError is CheckpointError and issubclass(CheckpointError, ValueError)
+
+
+@pytest.mark.parametrize("header_len", [640, 896, 1152, 1408])
+def test_safetensors_whose_header_length_looks_like_pickle_magic_loads(tmp_path, header_len):
+    """A header of 640 / 896 / 1152 / 1408 bytes makes a file start with 80 02 .. 80 05, the pickle protocol
+    magic: such a safetensors file (a small LoRA often is one) is still read, not refused as a pickle."""
+    from engine.safetensors_io import SafetensorsFile
+
+    path = str(tmp_path / "small.safetensors")
+    t = {"a.weight": torch.ones(2, 2)}
+    for pad in range(header_len):
+        save_file(t, path, metadata={"pad": "x" * pad})
+        with open(path, "rb") as f:
+            if struct.unpack("<Q", f.read(8))[0] == header_len:
+                break
+    with open(path, "rb") as f:
+        head = f.read(2)
+    assert head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+    assert list(SafetensorsFile(path).keys()) == ["a.weight"]
