@@ -23,7 +23,10 @@ Scale: ``alpha / rank`` (rank = rows of down) with alpha from the file's ``.alph
 diffusers files without them, from the PEFT config that diffusers stores in the file metadata
 (``lora_adapter_metadata``: ``lora_alpha``, ``alpha_pattern``, ``use_rslora`` -> alpha / sqrt(rank)) or
 from an ``adapter_config.json`` beside the file (PEFT ``save_pretrained``); else 1.0 (alpha = rank);
-times the strength of the LoRA.
+times the strength of the LoRA. Nothing from a file is evaluated as a regex: ``alpha_pattern`` keys must be
+plain module-name patterns (letters, digits, ``_``, ``-``, ``.`` and ``\\.``), matched as PEFT's
+``(.*\\.)?(key)$`` matches them but one character at a time; the config is at most 1 MiB. Strengths,
+alphas and the LoRA tensors must be finite (LoRAError naming the file and key).
 Not applied and REPORTED (never silently dropped): keys that match no module, DoRA ``dora_scale``
 (diffusers drops it too), LoCon ``lora_mid``, text-encoder keys (``lora_te*``, ``text_encoder.``).
 A file none of whose keys matches (a LoRA for another architecture) is refused with a LoRAError that
@@ -48,6 +51,10 @@ Application (``LoRAState.apply``), for several LoRAs with their strengths at onc
     activation dtype on the compute device; removing the LoRA swaps the class back.
   * layer-wise offload (engine/offload.py): merges happen inside ``offload.updating()``, i.e. into the
     CPU masters, and the device buffers are refilled; so what is streamed is the merged weight.
+  * all or nothing: each layer's restore record (or side-path record) exists before the layer changes, and
+    an UlpDiff knows how far a merge or restore of its rows got; any exception during the change (a bad
+    LoRA, out of memory, KeyboardInterrupt) restores the base bit-exactly before it propagates, and then no
+    LoRA is active. A set refused by the checks before the change leaves the previous set as it was.
   * torch.compile (engine/compile.py): block weights are graph inputs and merging is in place, so a
     merged LoRA swap, a strength change or a removal never recompiles (tested). Side paths on quantized
     layers change what a block computes: the first set compiles one more block graph per distinct
@@ -530,7 +537,7 @@ class LoRAState:
     of the original (about 4 bytes per weight), merged from directly.
 
     ``apply`` is transactional: a layer's restore record (``backups``) or side-path record (``hooks``)
-    exists before the layer changes, so these two always name every touched layer; any exception
+    exists before the layer changes, so these two always name every layer that may differ from the base; any exception
     (a bad LoRA, out of memory, KeyboardInterrupt) restores the base bit-exactly before it propagates,
     and the state is then "no LoRA" (``applied == ()``). ``applied`` is None while a change is under way."""
 
@@ -544,11 +551,6 @@ class LoRAState:
     @property
     def backup_bytes(self) -> int:
         return sum(_nbytes(r) for r in self.backups.values())
-
-    @property
-    def touched(self) -> List[str]:
-        """The layers that may differ from the base now (merged or with a side path)."""
-        return sorted(set(self.backups) | set(self.hooks))
 
     def _updating(self):
         from .offload import get_offload
@@ -784,12 +786,13 @@ def normalize(loras: Optional[Iterable]) -> List[Tuple[str, float]]:
         if isinstance(item, str):
             item = parse_spec(item)
         path, strength = item
+        name = getattr(path, "path", path)
         try:
             strength = float(strength)
         except (TypeError, ValueError):
-            raise LoRAError(f"{path}: LoRA strength '{strength}' is not a number") from None
+            raise LoRAError(f"{name}: LoRA strength '{strength}' is not a number") from None
         if not math.isfinite(strength):
-            raise LoRAError(f"{path}: LoRA strength {strength} is not a finite number")
+            raise LoRAError(f"{name}: LoRA strength {strength} is not a finite number")
         out.append((path if isinstance(path, LoRAFile) else os.fspath(path), strength))
     return out
 

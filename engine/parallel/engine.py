@@ -181,7 +181,10 @@ class ParallelEngine(Engine):
             self.lora_report = list(self._worker_call(("loras", items)) or [])
         except ValueError:  # the workers' answer: they refused the set (nothing changed) or rolled back to the
             self.loras, self.lora_report = [], []  # base; make every rank the base, so this engine knows what is active
-            self._worker_call(("loras", []))
+            try:
+                self._worker_call(("loras", []))
+            except Exception:  # workers gone: the next run reloads them with no LoRA; report the first error
+                pass
             raise
         self.loras = items
         return list(self.lora_report)
