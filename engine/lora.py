@@ -23,7 +23,10 @@ Scale: ``alpha / rank`` (rank = rows of down) with alpha from the file's ``.alph
 diffusers files without them, from the PEFT config that diffusers stores in the file metadata
 (``lora_adapter_metadata``: ``lora_alpha``, ``alpha_pattern``, ``use_rslora`` -> alpha / sqrt(rank)) or
 from an ``adapter_config.json`` beside the file (PEFT ``save_pretrained``); else 1.0 (alpha = rank);
-times the strength of the LoRA.
+times the strength of the LoRA. Nothing from a file is evaluated as a regex: ``alpha_pattern`` keys must be
+plain module-name patterns (letters, digits, ``_``, ``-``, ``.`` and ``\\.``), matched as PEFT's
+``(.*\\.)?(key)$`` matches them but one character at a time; the config is at most 1 MiB. Strengths,
+alphas and the LoRA tensors must be finite (LoRAError naming the file and key).
 Not applied and REPORTED (never silently dropped): keys that match no module, DoRA ``dora_scale``
 (diffusers drops it too), LoCon ``lora_mid``, text-encoder keys (``lora_te*``, ``text_encoder.``).
 A file none of whose keys matches (a LoRA for another architecture) is refused with a LoRAError that
@@ -48,6 +51,10 @@ Application (``LoRAState.apply``), for several LoRAs with their strengths at onc
     activation dtype on the compute device; removing the LoRA swaps the class back.
   * layer-wise offload (engine/offload.py): merges happen inside ``offload.updating()``, i.e. into the
     CPU masters, and the device buffers are refilled; so what is streamed is the merged weight.
+  * all or nothing: each layer's restore record (or side-path record) exists before the layer changes, and
+    an UlpDiff knows how far a merge or restore of its rows got; any exception during the change (a bad
+    LoRA, out of memory, KeyboardInterrupt) restores the base bit-exactly before it propagates, and then no
+    LoRA is active. A set refused by the checks before the change leaves the previous set as it was.
   * torch.compile (engine/compile.py): block weights are graph inputs and merging is in place, so a
     merged LoRA swap, a strength change or a removal never recompiles (tested). Side paths on quantized
     layers change what a block computes: the first set compiles one more block graph per distinct
@@ -60,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -239,43 +247,104 @@ PEFT_METADATA_KEY = "lora_adapter_metadata"  # diffusers' save_lora_weights: the
 PEFT_FORMATS = ("peft", "peft_default", "mochi", "diffusers_v3", "diffusers_old", "transformers")
 
 
+# PEFT configs from a file are bounded and never evaluated as code: at most this many bytes of JSON, this
+# many ``alpha_pattern`` entries of at most this many characters, each a plain module-name pattern.
+MAX_PEFT_CONFIG_BYTES = 1 << 20
+MAX_ALPHA_PATTERNS = 1024
+MAX_PATTERN_CHARS = 256
+# letters, digits, '_', '-', '.' (any one character, as in PEFT's regex) and '\.' (a literal dot): no
+# quantifier, group or alternation, so matching is one comparison per character (no backtracking)
+PLAIN_PATTERN = re.compile(r"(?:[A-Za-z0-9_\-.]|\\\.)+")
+ALLOWED_PATTERN = ("letters, digits, '_', '-', '.' and '\\.' (a module-name suffix such as 'to_q' or "
+                   "'layers.3.mlp.gate_proj'); regular expressions from a file are not evaluated")
+
+
+def _finite_number(value, where: str) -> float:
+    """A number from a LoRA file that must be finite (alpha): else LoRAError naming where it is."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LoRAError(f"{where} is {value!r}, not a number")
+    if not math.isfinite(value):
+        raise LoRAError(f"{where} is {value!r}: it must be a finite number")
+    return float(value)
+
+
+@dataclass
+class AlphaPattern:
+    """One PEFT ``alpha_pattern`` entry, matched as PEFT does (``re.match(rf"(.*\\.)?({key})$", module)``) but
+    without a regex engine: the pattern is fixed-length, so it must match the module name's last characters
+    ('.' any character, '\\.' a dot), preceded by a dot or nothing."""
+
+    key: str
+    alpha: float
+    chars: Tuple[Optional[str], ...]  # None = any character
+
+    def matches(self, module: str) -> bool:
+        n = len(self.chars)
+        if len(module) < n or (len(module) > n and module[-n - 1] != "."):
+            return False
+        return all(c is None or c == m for c, m in zip(self.chars, module[-n:]))
+
+
+def _alpha_patterns(raw, where: str) -> List[AlphaPattern]:
+    if raw in (None, {}):
+        return []
+    if not isinstance(raw, dict):
+        raise LoRAError(f"{where} 'alpha_pattern' is a {type(raw).__name__}, not an object of module pattern -> alpha")
+    if len(raw) > MAX_ALPHA_PATTERNS:
+        raise LoRAError(f"{where} 'alpha_pattern' has {len(raw)} entries; at most {MAX_ALPHA_PATTERNS} are read")
+    out = []
+    for key, alpha in raw.items():
+        if len(key) > MAX_PATTERN_CHARS or not PLAIN_PATTERN.fullmatch(key):
+            shown = key if len(key) <= 80 else key[:80] + "..."
+            raise LoRAError(f"{where} 'alpha_pattern' has the key {shown!r}, which is not a plain module-name pattern "
+                            f"(at most {MAX_PATTERN_CHARS} characters: {ALLOWED_PATTERN})")
+        chars = tuple("." if tok == "\\." else (None if tok == "." else tok) for tok in re.findall(r"\\\.|.", key))
+        out.append(AlphaPattern(key, _finite_number(alpha, f"{where} 'alpha_pattern' value of {key!r}"), chars))
+    return out
+
+
 def peft_config(path: str, metadata: Dict[str, str]) -> Optional[dict]:
     """The PEFT LoraConfig of a file: diffusers' ``lora_adapter_metadata`` (keys ``transformer.lora_alpha``
-    ...) or ``adapter_config.json`` beside the file. None when there is none."""
+    ...) or ``adapter_config.json`` beside the file. None when there is none. Checked here: ``lora_alpha``
+    is a finite number, ``alpha_pattern`` (replaced by a list of AlphaPattern) holds plain patterns only."""
     import json
 
-    cfg = None
+    cfg, where = None, ""
     raw = metadata.get(PEFT_METADATA_KEY)
     if raw:
+        where = f"{path}: metadata '{PEFT_METADATA_KEY}'"
+        if len(raw) > MAX_PEFT_CONFIG_BYTES:
+            raise LoRAError(f"{where} is {len(raw)} bytes; a PEFT config is at most {MAX_PEFT_CONFIG_BYTES} bytes")
         try:
             d = json.loads(raw)
-        except ValueError:
-            raise LoRAError(f"{path}: metadata '{PEFT_METADATA_KEY}' is not valid JSON") from None
+        except (ValueError, RecursionError):
+            raise LoRAError(f"{where} is not valid JSON") from None
         if isinstance(d, dict):
             sub = {k.split(".", 1)[1]: v for k, v in d.items() if k.startswith("transformer.")}
             cfg = sub or d
     side = os.path.join(os.path.dirname(os.path.abspath(path)), "adapter_config.json")
     if cfg is None and os.path.isfile(side):
+        where = side + ":"
+        if os.path.getsize(side) > MAX_PEFT_CONFIG_BYTES:
+            raise LoRAError(f"{side}: this PEFT adapter config is larger than {MAX_PEFT_CONFIG_BYTES} bytes")
         try:
             with open(side) as fh:
                 cfg = json.load(fh)
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             raise LoRAError(f"{side}: cannot read this PEFT adapter config (not JSON)") from None
     if not isinstance(cfg, dict) or "lora_alpha" not in cfg:
         return None
+    cfg = dict(cfg, lora_alpha=_finite_number(cfg["lora_alpha"], f"{where} 'lora_alpha'"),
+               alpha_pattern=_alpha_patterns(cfg.get("alpha_pattern"), where))
     return cfg
 
 
 def _peft_alpha(cfg: dict, module: str) -> float:
-    """PEFT: ``alpha_pattern`` keys match the end of a module name, else ``lora_alpha``."""
-    for pat, a in (cfg.get("alpha_pattern") or {}).items():
-        try:
-            hit = re.fullmatch(rf"(.*\.)?({pat})", module) is not None
-        except re.error:
-            hit = module.endswith(pat)
-        if hit:
-            return float(a)
-    return float(cfg["lora_alpha"])
+    """PEFT: the first ``alpha_pattern`` entry matching the end of the module name, else ``lora_alpha``."""
+    for pat in cfg["alpha_pattern"]:
+        if pat.matches(module):
+            return pat.alpha
+    return cfg["lora_alpha"]
 
 
 def read_lora(path: str, model: nn.Module) -> LoRAFile:
@@ -334,6 +403,8 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
             if a.numel() != 1:
                 raise LoRAError(f"{path}: '{g['alpha']}' should be a scalar, it has shape {tuple(a.shape)}")
             e.alpha = float(a.float().reshape(()))
+            if not math.isfinite(e.alpha):
+                raise LoRAError(f"{path}: '{g['alpha']}' is {e.alpha}: a LoRA alpha must be a finite number")
         if "diff" in g:
             d = tensors[g["diff"]]
             if d.numel() != _numel(wshape):
@@ -358,6 +429,10 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
         if e.up is None and e.diff is None:  # an alpha alone
             unmatched.append(g["alpha"])
             continue
+        for part in ("up", "down", "diff"):
+            if part in g and not _all_finite(tensors[g[part]]):
+                raise LoRAError(f"{path}: '{g[part]}' holds NaN or infinite values: the LoRA file is damaged "
+                                "(a LoRA trained with a diverged loss?)")
         formats.add(e.fmt)
         nbytes += sum(t.numel() * t.element_size() for t in (e.up, e.down, e.diff) if t is not None)
         entries[mod_name] = e
@@ -374,6 +449,12 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
     for msg in lf.report():
         log.warning("%s", msg)
     return lf
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    if t.is_floating_point() and t.element_size() == 1:  # fp8: isfinite is not implemented for every fp8 dtype
+        t = t.float()
+    return bool(torch.isfinite(t).all())
 
 
 def _weight_shape(mod: nn.Module) -> tuple:
@@ -412,20 +493,27 @@ class UlpDiff:
     """What turns a merged 16-bit weight back into its original, exactly, in about half the bytes of a copy:
     per element the difference of the two bit patterns (int16 views) as an int8, and, sparsely, the
     original values where that difference does not fit (sign changes, changes of 2x or more).
-    Integer arithmetic: the restore is bit-exact whatever GEMM kernels or thread counts did the merge."""
+    Integer arithmetic: the restore is bit-exact whatever GEMM kernels or thread counts did the merge.
+
+    Merging and restoring go a block of rows at a time, and ``state`` says at every moment what the
+    weight holds, so an interrupted merge or restore can always be undone (``LoRAState._restore``):
+    rows ``[lo, hi)`` are merged (original = bits - d), the other rows are original, except the one
+    block being written (``pending``: its first row and its original rows); the exceptions, written
+    last, hold original values (writing them again anywhere is harmless). ``state`` is replaced as one
+    tuple (one assignment: an exception cannot land half-way)."""
 
     def __init__(self, numel: int, dtype: torch.dtype):
         self.dtype = dtype
         self.d = torch.empty(numel, dtype=torch.int8)
-        self.idx: List[torch.Tensor] = []  # flat int32 indices of the exceptions
-        self.vals: List[torch.Tensor] = []  # their original values
+        self.exc: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (flat int32 indices, their original values)
+        self.state: Tuple[int, int, Optional[Tuple[int, torch.Tensor]]] = (0, 0, None)  # (lo, hi, pending)
 
     @property
     def nbytes(self) -> int:
-        return self.d.numel() + sum(t.numel() * 4 for t in self.idx) + sum(t.numel() * t.element_size() for t in self.vals)
+        return self.d.numel() + sum(i.numel() * 4 + v.numel() * v.element_size() for i, v in self.exc)
 
     def exceptions(self) -> int:
-        return sum(t.numel() for t in self.idx)
+        return sum(i.numel() for i, _ in self.exc)
 
 
 def restore_mode() -> str:
@@ -446,13 +534,18 @@ class LoRAState:
 
     16-bit weights (bf16 / fp16, the release's dtype): an ``UlpDiff`` (about 1 byte per weight); the
     layer is restored in place, then merged again for a new set or strength. float32 weights: a copy
-    of the original (about 4 bytes per weight), merged from directly."""
+    of the original (about 4 bytes per weight), merged from directly.
+
+    ``apply`` is transactional: a layer's restore record (``backups``) or side-path record (``hooks``)
+    exists before the layer changes, so these two always name every layer that may differ from the base; any exception
+    (a bad LoRA, out of memory, KeyboardInterrupt) restores the base bit-exactly before it propagates,
+    and the state is then "no LoRA" (``applied == ()``). ``applied`` is None while a change is under way."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.backups: Dict[str, object] = {}  # module name -> UlpDiff or original weight (CPU)
         self.hooks: Dict[str, type] = {}  # module name -> its class before the side path (quantized layers)
-        self.applied: Tuple = ()  # ((LoRAFile, strength), ...)
+        self.applied: Optional[Tuple] = ()  # ((LoRAFile, strength), ...); None while changing
         self.last_seconds = 0.0
 
     @property
@@ -474,15 +567,10 @@ class LoRAState:
             return torch.device(off.device)
         return self.model.final_linear.weight.device
 
-    @torch.no_grad()
-    def apply(self, loras: Sequence[Tuple[LoRAFile, float]]) -> None:
-        """Make exactly ``loras`` (with their strengths) active; ``[]`` restores the base bit-exactly."""
-        import time
-
+    def _plan(self, loras, modules) -> Dict[str, List[Tuple[LoRAEntry, float]]]:
+        """module name -> [(entry, strength)], checked against the model (nothing is changed here)."""
         from .quant import QUANT_MODULES
 
-        t0 = time.perf_counter()
-        modules = target_modules(self.model)
         plan: Dict[str, List[Tuple[LoRAEntry, float]]] = {}
         for lf, strength in loras:
             if float(strength) == 0.0:
@@ -490,41 +578,85 @@ class LoRAState:
             for name, e in lf.entries.items():
                 if name not in modules:
                     raise LoRAError(f"{lf.path}: layer '{name}' is not in this model")
-                if e.diff is not None and isinstance(modules[name], QUANT_MODULES):
+                mod = modules[name]
+                if e.diff is not None and isinstance(mod, QUANT_MODULES):
                     raise LoRAError(f"{lf.path}: a full weight difference ('.diff') cannot be applied to the quantized "
                                     f"layer '{name}'; load the model without quantization to use this LoRA")
+                wshape = _weight_shape(mod)
+                got = [e.diff.numel()] if e.diff is not None else [int(e.up.shape[0]), _numel(e.down.shape[1:])]
+                want = [_numel(wshape)] if e.diff is not None else [wshape[0], _numel(wshape[1:])]
+                if got != want:
+                    raise LoRAError(f"{lf.path}: the update of layer '{name}' is {got} but the layer's weight is "
+                                    f"{tuple(wshape)}: this LoRA was read against a model of another size")
                 plan.setdefault(name, []).append((e, float(strength)))
+        return plan
+
+    @torch.no_grad()
+    def apply(self, loras: Sequence[Tuple[LoRAFile, float]]) -> None:
+        """Make exactly ``loras`` (with their strengths) active; ``[]`` restores the base bit-exactly.
+        All or nothing: on any exception the base is restored (then ``applied == ()``) and it propagates."""
+        import time
+
+        t0 = time.perf_counter()
+        modules = target_modules(self.model)
+        plan = self._plan(loras, modules)
         compact_ok = restore_mode() == "compact"
+        self.applied = None
+        try:
+            with self._updating():
+                self._change(plan, modules, compact_ok)
+            self.applied = tuple((lf, float(s)) for lf, s in loras)
+        except BaseException:
+            with self._updating():  # offload: the layer buffers are refilled with the restored masters
+                self._rollback(modules)
+            raise
+        self.last_seconds = time.perf_counter() - t0
+
+    def _change(self, plan, modules, compact_ok: bool) -> None:
+        from .quant import QUANT_MODULES
 
         def compact(name: str) -> bool:
             return compact_ok and modules[name].weight.element_size() == 2
 
-        with self._updating():
-            # 1. back to the original: every layer with a compact record, and copied layers no longer touched
-            #    (or to be recorded compactly now)
-            for name in list(self.backups):
-                rec = self.backups[name]
-                if isinstance(rec, UlpDiff):
-                    self._restore(modules[name].weight, self.backups.pop(name))
-                elif name not in plan or compact(name):
-                    modules[name].weight.copy_(self.backups.pop(name))
-            for name in [n for n in self.hooks if n not in plan or not isinstance(modules[n], QUANT_MODULES)]:
-                self._remove_side(name, modules[name])
-            # 2. touched layers: merged in float32, or a side path when quantized
-            for name, items in plan.items():
-                mod = modules[name]
-                if isinstance(mod, QUANT_MODULES):
-                    self._set_side(name, mod, items)
-                    continue
-                w = mod.weight
-                if compact(name):
-                    self.backups[name] = self._merge(w, w, items, UlpDiff(w.numel(), w.dtype))
-                else:
-                    if name not in self.backups:
-                        self.backups[name] = w.detach().to("cpu", copy=True)
-                    self._merge(w, self.backups[name], items)
-        self.applied = tuple((lf, float(s)) for lf, s in loras)
-        self.last_seconds = time.perf_counter() - t0
+        # 1. back to the original: every layer with a compact record, and copied layers no longer touched
+        #    (or to be recorded compactly now); a record is dropped only once its layer is restored
+        for name in list(self.backups):
+            rec = self.backups[name]
+            if isinstance(rec, UlpDiff):
+                self._restore(modules[name].weight, rec)
+                del self.backups[name]
+            elif name not in plan or compact(name):
+                modules[name].weight.copy_(rec)
+                del self.backups[name]
+        for name in [n for n in self.hooks if n not in plan or not isinstance(modules[n], QUANT_MODULES)]:
+            self._remove_side(name, modules[name])
+        # 2. touched layers: merged in float32, or a side path when quantized; the record first
+        for name, items in plan.items():
+            mod = modules[name]
+            if isinstance(mod, QUANT_MODULES):
+                self._set_side(name, mod, items)
+                continue
+            w = mod.weight
+            if compact(name):
+                rec = self.backups[name] = UlpDiff(w.numel(), w.dtype)
+                self._merge(w, w, items, rec)
+            else:
+                if name not in self.backups:
+                    self.backups[name] = w.detach().to("cpu", copy=True)
+                self._merge(w, self.backups[name], items)
+
+    def _rollback(self, modules) -> None:
+        """Every touched layer back to the base (whatever point a merge or restore had reached), records dropped."""
+        for name in list(self.backups):
+            rec = self.backups[name]
+            if isinstance(rec, UlpDiff):
+                self._restore(modules[name].weight, rec)
+            else:
+                modules[name].weight.copy_(rec)
+            del self.backups[name]
+        for name in list(self.hooks):
+            self._remove_side(name, modules[name])
+        self.applied = ()
 
     @staticmethod
     def _rows(w2: torch.Tensor) -> int:
@@ -535,7 +667,7 @@ class LoRAState:
     def _merge(cls, w: torch.Tensor, base: torch.Tensor, items, record: Optional[UlpDiff] = None):
         """w = dtype(base + sum s * scale * up @ down), in float32, a block of rows at a time (MERGE_CHUNK_BYTES
         of float32: cache-sized on CPUs, a bounded temporary on GPUs). ``base`` may be ``w`` itself; then
-        ``record`` (an UlpDiff) gets what restores it."""
+        ``record`` (an UlpDiff) gets what restores it, before each block of rows is written."""
         dev = w.device
         out = w.shape[0]
         w2, base2 = w.view(out, -1), base.view(out, -1)
@@ -562,27 +694,41 @@ class LoRAState:
                 d8 = d16.to(torch.int8)
                 pos = (d8.to(torch.int16) != d16).reshape(-1).nonzero().reshape(-1)
                 if pos.numel():
-                    record.idx.append((pos + i * cols).to(torch.int32).cpu())
-                    record.vals.append(src.reshape(-1)[pos].cpu())
+                    record.exc.append(((pos + i * cols).to(torch.int32).cpu(), src.reshape(-1)[pos].cpu()))
                 record.d[i * cols:(i + rows) * cols].copy_(d8.reshape(-1))
-            w2[i:i + rows].copy_(new)
+                lo, hi, _ = record.state
+                record.state = (lo, hi, (i, src.clone()))  # src may be a view of w: keep the originals
+                w2[i:i + rows].copy_(new)
+                record.state = (lo, i + new.shape[0], None)
+            else:
+                w2[i:i + rows].copy_(new)
         return record
 
     @classmethod
     def _restore(cls, w: torch.Tensor, record: UlpDiff) -> None:
-        """Undo a merge recorded in ``record``: bit patterns minus the int8 differences (modulo 2**16), then the
-        exceptions (whatever the subtraction gave there is overwritten)."""
+        """Undo a merge recorded in ``record``, from whatever point a merge or an earlier restore reached:
+        the block being written gets its originals back, the merged rows their bit patterns minus the int8
+        differences (modulo 2**16), then the exceptions (whatever the subtraction gave there is overwritten)."""
         out = w.shape[0]
         w2 = w.view(out, -1)
         cols = w2.shape[1]
         bits = w2.view(torch.int16)
+        lo, hi, pending = record.state
+        if pending is not None:
+            i, orig = pending
+            w2[i:i + orig.shape[0]].copy_(orig)
+            record.state = (lo, hi, None)
         rows = cls._rows(w2)
-        for i in range(0, out, rows):
-            cur = bits[i:i + rows]
-            d = record.d[i * cols:(i + cur.shape[0]) * cols].to(w.device).view(cur.shape)
-            cur.sub_(d.to(torch.int16))
+        while lo < hi:
+            end = min(hi, lo + rows)
+            d = record.d[lo * cols:end * cols].to(w.device).view(end - lo, cols)
+            orig = bits[lo:end] - d.to(torch.int16)
+            record.state = (end, hi, (lo, orig.view(w.dtype)))
+            bits[lo:end].copy_(orig)
+            lo = end
+            record.state = (lo, hi, None)
         flat = w.view(-1)
-        for idx, vals in zip(record.idx, record.vals):
+        for idx, vals in record.exc:
             flat[idx.to(w.device, torch.int64)] = vals.to(w.device)
 
     def _set_side(self, name: str, mod: nn.Module, items) -> None:
@@ -594,22 +740,22 @@ class LoRAState:
             ups.append(e.up.float().flatten(1) * (s * e.scale))
         a = torch.cat(downs, 0).to(dev, dtype)
         b = torch.cat(ups, 1).to(dev, dtype)
+        if name not in self.hooks:  # recorded before the module changes
+            self.hooks[name] = type(mod)
         old = getattr(mod, "_sgld_lora_side", None)
         if old is not None and old[0].shape == a.shape and old[1].shape == b.shape:
             old[0].copy_(a)  # same shapes: in place (no new graph under torch.compile)
             old[1].copy_(b)
         else:
             mod._sgld_lora_side = (a, b)
-        if name not in self.hooks:
-            base_cls = type(mod)
-            mod.__class__ = _side_class(base_cls)
-            self.hooks[name] = base_cls
+        mod.__class__ = _side_class(self.hooks[name])
 
     def _remove_side(self, name: str, mod: nn.Module) -> None:
-        base_cls = self.hooks.pop(name, None)
+        base_cls = self.hooks.get(name)
         if base_cls is not None:
             mod.__class__ = base_cls
         mod.__dict__.pop("_sgld_lora_side", None)
+        self.hooks.pop(name, None)  # forgotten only once the module is back
 
 
 def lora_state(model: nn.Module) -> LoRAState:
@@ -640,10 +786,13 @@ def normalize(loras: Optional[Iterable]) -> List[Tuple[str, float]]:
         if isinstance(item, str):
             item = parse_spec(item)
         path, strength = item
+        name = getattr(path, "path", path)
         try:
             strength = float(strength)
         except (TypeError, ValueError):
-            raise LoRAError(f"{path}: LoRA strength '{strength}' is not a number") from None
+            raise LoRAError(f"{name}: LoRA strength '{strength}' is not a number") from None
+        if not math.isfinite(strength):
+            raise LoRAError(f"{name}: LoRA strength {strength} is not a finite number")
         out.append((path if isinstance(path, LoRAFile) else os.fspath(path), strength))
     return out
 
@@ -653,9 +802,13 @@ def parse_spec(spec: str) -> Tuple[str, float]:
     head, sep, tail = spec.rpartition(":")
     if sep and head:
         try:
-            return head, float(tail)
+            strength = float(tail)
         except ValueError:
-            pass
+            return spec, 1.0
+        if not math.isfinite(strength):
+            raise LoRAError(f"LoRA '{spec}': the strength '{tail}' is not a finite number (FILE:STRENGTH, e.g. "
+                            f"{head}:0.8)")
+        return head, strength
     return spec, 1.0
 
 
@@ -694,8 +847,14 @@ def set_loras(engine, loras: Optional[Iterable]) -> List[str]:
     files = [(p if isinstance(p, LoRAFile) else read_cached(engine, p), s) for p, s in items]
     st = lora_state(engine.model)
     want = tuple((id(lf), s) for lf, s in files)
-    if want != tuple((id(lf), s) for lf, s in st.applied):
-        st.apply(files)
+    if st.applied is None or want != tuple((id(lf), s) for lf, s in st.applied):
+        try:
+            st.apply(files)
+        except BaseException:
+            # rolled back to the base (or, for a refused set, nothing changed): say what is active now
+            engine.loras = [(lf.path, s) for lf, s in st.applied or ()]
+            engine.lora_report = [m for lf, _ in st.applied or () for m in lf.report()]
+            raise
         log.info("LoRA: %s in %.2f s (%d layers merged, %d side paths, %.1f MiB of original weights kept)",
                  ", ".join(f"{lf.name} x{s:g}" for lf, s in files) or "base restored", st.last_seconds,
                  len(st.backups), len(st.hooks), st.backup_bytes / 2 ** 20)
@@ -706,8 +865,9 @@ def set_loras(engine, loras: Optional[Iterable]) -> List[str]:
 
 
 def check_lora(engine, path: str) -> List[str]:
-    """Read (and cache) a LoRA against the engine's model without applying it: raises LoRAError for a
-    file that cannot be used, returns the report of keys that would not be applied."""
+    """``Engine.check_lora`` (callers use the method: a ParallelEngine asks its workers). Read (and cache) a
+    LoRA against the engine's model without applying it: raises LoRAError for a file that cannot be used,
+    returns the report of keys that would not be applied."""
     check_engine(engine)
     return read_cached(engine, os.fspath(path)).report()
 

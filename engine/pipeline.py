@@ -144,6 +144,14 @@ class Engine:
 
         return set_loras(self, loras)
 
+    def check_lora(self, path) -> List[str]:
+        """Read a LoRA file against this model without applying it (LoRAError for a file that cannot be
+        used); returns the messages about its keys that would not be applied. Callers ask the engine, so a
+        ParallelEngine can ask its workers."""
+        from .lora import check_lora
+
+        return check_lora(self, path)
+
     def release(self) -> int:
         """Give back the device memory this engine can free without unloading the model: the layer
         buffers of layer-wise offload (allocated again at the next run). Returns the bytes freed.

@@ -8,6 +8,7 @@ using the same base with different LoRAs hold the base weights once.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import folder_paths
@@ -68,13 +69,15 @@ class SGLDiffusionLoraLoader:
     def load(self, model, lora_name, strength=1.0):
         if not hasattr(model, "with_lora"):
             raise ValueError(f"{NODE}: 'model' must come from SGLDiffusion Model Loader (got {type(model).__name__})")
+        if not math.isfinite(float(strength)):
+            raise ValueError(f"{NODE}: strength is {strength}; it must be a finite number (-100 to 100)")
         path = resolve(lora_name)
         try:
-            # read it now against the model (not applied yet), so a wrong file is reported on this node
-            from ..engine.lora import check_lora
+            # read it now against the model (not applied yet), so a wrong file is reported on this node;
+            # the engine's method: a multi-GPU engine reads it on its workers
             from .model_cache import get_engine
 
-            for msg in check_lora(get_engine(model), path):
+            for msg in get_engine(model).check_lora(path):
                 log.warning("%s: %s", NODE, msg)
         except CheckpointError as e:
             raise ValueError(f"{NODE}: {e}") from None

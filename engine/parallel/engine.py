@@ -177,25 +177,40 @@ class ParallelEngine(Engine):
     # -- LoRA: merged on every rank (sequence / CFG parallel hold the full weights) ---------------------
     def set_loras(self, loras) -> List[str]:
         """``Engine.set_loras`` on the workers: exactly these LoRAs active, the same list again is free."""
-        from ..lora import LoRAError, normalize
+        from ..lora import normalize
 
         items = [(getattr(p, "path", p), float(s)) for p, s in normalize(loras)]
         if items == list(self.loras):
             return list(self.lora_report)
-        if items and self.plan.tp > 1:
-            raise LoRAError("LoRA with tensor parallel (tp > 1) is not supported yet: each rank holds a slice of the "
-                            "layers; use ulysses_degree / ring_degree / cfg_parallel, or one GPU")
+        if items:
+            self._refuse_tp()
         self._ensure()
-        self.lora_report = list(self._worker_call(("loras", items)) or [])
+        try:
+            self.lora_report = list(self._worker_call(("loras", items)) or [])
+        except ValueError:  # the workers' answer: they refused the set (nothing changed) or rolled back to the
+            self.loras, self.lora_report = [], []  # base; make every rank the base, so this engine knows what is active
+            try:
+                self._worker_call(("loras", []))
+            except Exception:  # workers gone: the next run reloads them with no LoRA; report the first error
+                pass
+            raise
         self.loras = items
         return list(self.lora_report)
 
     def check_lora(self, path) -> List[str]:
-        """Read a LoRA against the model on the workers without applying it (``engine.lora.check_lora``)."""
+        """``Engine.check_lora`` on the workers: read a LoRA against the model without applying it."""
         import os
 
+        self._refuse_tp()
         self._ensure()
         return list(self._worker_call(("check_lora", os.fspath(path))) or [])
+
+    def _refuse_tp(self) -> None:
+        from ..lora import LoRAError
+
+        if self.plan.tp > 1:
+            raise LoRAError("LoRA with tensor parallel (tp > 1) is not supported yet: each rank holds a slice of the "
+                            "layers; use ulysses_degree / ring_degree / cfg_parallel, or one GPU")
 
     def _worker_call(self, msg):
         """A request whose user errors (a bad LoRA file) come back as the engine's own exception types."""
