@@ -70,6 +70,7 @@ import logging
 import math
 import os
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -542,11 +543,15 @@ class LoRAState:
     and the state is then "no LoRA" (``applied == ()``). ``applied`` is None while a change is under way."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        self._model = weakref.ref(model)  # the model holds this state: a strong reference would be a cycle
         self.backups: Dict[str, object] = {}  # module name -> UlpDiff or original weight (CPU)
         self.hooks: Dict[str, type] = {}  # module name -> its class before the side path (quantized layers)
         self.applied: Optional[Tuple] = ()  # ((LoRAFile, strength), ...); None while changing
         self.last_seconds = 0.0
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model()
 
     @property
     def backup_bytes(self) -> int:

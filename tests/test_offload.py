@@ -556,11 +556,15 @@ def test_remove_frees_buffers_masters_and_the_offloader_without_gc(no_gc):
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"])
-def test_released_and_dropped_engine_frees_everything_without_gc(no_gc, quant):
+@pytest.mark.parametrize("with_lora", [False, True], ids=["", "lora"])
+def test_released_and_dropped_engine_frees_everything_without_gc(no_gc, quant, with_lora, tmp_path):
     """What the ComfyUI model cache does: Engine.release(), then drop the engine. The offloader, the
-    model, the slots and the masters are freed by reference counting, without gc.collect()."""
+    model, the slots and the masters are freed by reference counting, without gc.collect(); also with a
+    LoRA applied (the model holds its LoRA state, which must not hold the model back)."""
     with torch.inference_mode():
         eng = Engine(random_model(CFG, seed=0), EngineConfig(quant=quant, offload="layerwise"))
+        if with_lora:
+            eng.set_loras([(write_tiny_lora(tmp_path / "l.safetensors", eng.model), 1.0)])
         sample(eng)
     off = eng.offload
     refs = [weakref.ref(off), weakref.ref(eng.model), weakref.ref(eng)]
