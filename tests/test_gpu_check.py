@@ -145,11 +145,10 @@ def test_a_dying_worker_is_reported_and_the_rows_after_it_still_run(tmp_path):
 
 
 def test_a_run_cut_short_keeps_every_finished_row(tmp_path):
-    """Kill the whole check (bash, timeout, python) once a few rows are in: they are all on disk."""
+    """Kill the whole check (bash, timeout, python, tee) once a few rows are in: they are all on disk."""
     jsonl = tmp_path / "out" / "gpu_check.jsonl"
     proc = subprocess.Popen(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--size", "tiny"], cwd=ROOT,
-                            env=check_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            env=check_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
@@ -158,14 +157,32 @@ def test_a_run_cut_short_keeps_every_finished_row(tmp_path):
             time.sleep(0.2)
         assert proc.poll() is None, "the check ended before it could be cut short"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the test's own process group: bash, timeout, python, tee
-        proc.wait()
+        kill_tree(proc)
     md, recs = read_report(tmp_path)
     assert "env" in recs[0] and "torch" in md.splitlines()[2]
     names = [r["row"] for r in rows_of(recs)]
     assert names[:4] == ["build", "eager", "diffusers", "diffusers"] and "turbo" in names
     assert not any("footer" in r for r in recs)  # it really was cut short
     assert_every_row_accounted_for(md, recs)
+
+
+def kill_tree(proc):
+    """SIGKILL the check and everything under it, by process id (``timeout`` puts python in a process
+    group of its own, so the group of bash would not reach it)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(procs, timeout=10)
+    assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_forward_flops_count_every_gemm_and_the_attention():
