@@ -37,6 +37,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,9 +106,9 @@ class Report:
         assert status in STATUSES, status
         rec = {"row": name, "status": status, "what": what or name, "s_per_step": _round(s_step),
                "s_per_image": _round(s_image), "peak_gib": _round(peak, 2), "start_gib": _round(start, 2),
-               "notes": notes, "process": self.process, "t": round(time.perf_counter() - T0, 1), **extra}
-        shown = notes if status == "measured" else f"**{status}**: {notes}"
-        line = (f"| {name} | {rec['what']} | {_cell(s_step)} | {_cell(s_image)} | {_cell(peak, 1)} | "
+               "notes": notes, "process": self.process, "time": round(time.time(), 1), **extra}
+        shown = (notes if status == "measured" else f"**{status}**: {notes}").replace("|", "\\|")
+        line = (f"| {name} | {rec['what'].replace('|', '/')} | {_cell(s_step)} | {_cell(s_image)} | {_cell(peak, 1)} | "
                 f"{_cell(start, 1)} | {shown} |")
         self._append(self.md, line + "\n")
         self._append(self.jsonl, json.dumps(rec) + "\n")
@@ -363,7 +364,7 @@ def row_diffusers(ctx):
     ctx.report.row("diffusers", "measured", f"DiT forward, diffusers {diffusers.__version__} ErnieImageTransformer2DModel",
                    sd, None, ctx.peak(), start,
                    f"{limit_note(ctx, sd)}; same weights ({'shared storage' if shared else 'COPIED'}) and inputs; "
-                   f"max|ours - diffusers| / max|diffusers| {parity:.1e}",
+                   f"max abs(ours - diffusers) / max abs(diffusers) {parity:.1e}",
                    ours_s=_round(so), diffusers_s=_round(sd), ratio=_round(ratio), parity=parity)
     ctx.report.row("diffusers", "measured", "DiT forward, ours, interleaved with diffusers", so, None, ctx.peak(), start,
                    f"**ours / diffusers {ratio:.2f}x** (target <= 0.85x); {limit_note(ctx, so)}", ratio=_round(ratio))
@@ -433,7 +434,7 @@ def run_worker(ctx, name, timeout_s):
     reader.start()
     try:
         rc = proc.wait(timeout=max(1.0, timeout_s))
-        why = None if rc == 0 else (f"the worker died of {signal.Signals(-rc).name}" if rc < 0 else f"the worker exited with code {rc}")
+        why = None if rc == 0 else (f"the worker died of {_signal_name(-rc)}" if rc < 0 else f"the worker exited with code {rc}")
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
         rc, why = None, f"the worker was stopped after {timeout_s:.0f} s (its share of the budget)"
@@ -446,6 +447,13 @@ def run_worker(ctx, name, timeout_s):
         ctx.report.row(name, "failed", f"{name} (subprocess)", notes=f"{why} after {time.perf_counter() - started:.0f} s"
                        + (f"; last line: {last[:200]}" if last else "") + f"; {wrote} row(s) of it finished",
                        worker_rc=rc)
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def _kill_tree(proc):
@@ -765,6 +773,7 @@ def main(argv=None):
             share = max(est, share - 40)  # leave all-on a chance; compiled comes first
         run_worker(ctx, name, min(share, 300))
     ctx.release()
+    shutil.rmtree(os.path.dirname(args.ref), ignore_errors=True)
     report.footer(f"wall time {time.perf_counter() - T0:.0f} s (python; set-up before it is in gpu_check.log)")
     return 0
 
