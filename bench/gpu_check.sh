@@ -1,59 +1,107 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (bench/gpu_check.py): ERNIE-Image 8B shape, random weights, 1024x1024;
-# s/step and peak VRAM for bf16 eager, sage, flash, fp8, int4, bf16 compiled, and whole Turbo (8 steps)
-# and Base (50 steps, cfg 4) runs, in under 8 minutes. Prints a markdown table (also $OUT/gpu_check.md).
+# The one prepared GPU check (bench/gpu_check.py says what it measures and in which order): ERNIE-Image
+# 8B shape, random bf16 weights, 1024x1024, diffusers side by side, Turbo / Base images, fp8, int4,
+# offload, then sage, flash, compiled and all-on each in a subprocess of its own. Hard stop at
+# $GPU_CHECK_TIMEOUT seconds (default 450), set-up included; every finished row is already in
+# $OUT/gpu_check.md and $OUT/gpu_check.jsonl (appended and fsync'd as measured), the whole output in
+# $OUT/gpu_check.log.
 #
-#   bash bench/gpu_check.sh                 # on a GPU machine, from a fresh checkout
-#   bash bench/gpu_check.sh --size tiny     # anywhere (CPU smoke run)
-#   bash bench/gpu_check.sh --offload       # only the layer-wise offload figures (resident vs offload,
-#                                           # bf16/fp8, Turbo/Base step, peak VRAM; ~2-3 min on an H200)
+# The run, from a session that has the GPU machine (the wheels first, here, where PyPI is reachable):
+#     bash scripts/gpu_wheels.sh          # .whl/: sageattention 1.0.6 + diffusers 0.42.1, about 6 MiB
+#     run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=480)
+# 480 s = the 450 s hard stop + 30 s of slack; with the machine's start (1-2 min) that leaves about 5
+# minutes of the 15 for a rerun of the rows that failed, e.g.
+#     run(command="bash bench/gpu_check.sh --only sage,compiled --budget 200", carry=[".whl"], timeout_s=260)
+# then give_back. The rehearsal, anywhere (CI runs it: tests/test_gpu_check.py):
+#     bash bench/gpu_check.sh --size tiny
 #
-# Set-up needs no network: it uses the first Python that imports torch ($PYTHON, .venv, python3,
-# python); when none does, it tries pip with --no-index from local wheel folders ($WHEELS,
-# $PIP_FIND_LINKS, ~/wheels, /wheels, /opt/wheels). Optional kernels (sageattention, flash-attn,
-# triton) are used when that Python has them and reported as missing otherwise. The engine itself
-# needs only torch.
-set -u
+# Set-up (no network): the first Python that imports torch ($PYTHON, .venv/bin/python, python3,
+# python); the machine's torch is never replaced. Wheels in $GPU_CHECK_WHEELS (default .whl/) are
+# installed with pip --no-index --no-deps --target into a fresh folder put first on PYTHONPATH,
+# whatever torch is there (torch, triton and nvidia-* wheels are refused). Without --size tiny (or
+# --device cpu) a machine where torch.cuda.is_available() is False fails here, loudly, instead of
+# measuring a CPU.
+set -uo pipefail
 cd "$(dirname "$0")/.."
+TOTAL="${GPU_CHECK_TIMEOUT:-450}"
+export OUT="${OUT:-${TMPDIR:-/tmp}/sgld_gpu_check_out}"
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+: > "$LOG"
+say() { echo "gpu_check: $*" | tee -a "$LOG"; }
+fail() {  # the reason goes to the report too, so that it comes back with $OUT
+  echo "gpu_check: FAILED: $*" | tee -a "$LOG" >&2
+  printf '# gpu_check\n\n- **FAILED** (set-up): %s\n' "$*" > "$OUT/gpu_check.md"
+  exit 2
+}
 
-has_torch() { "$1" -c "import torch" >/dev/null 2>&1; }
+REHEARSAL=0
+prev=""
+for a in "$@"; do
+  case "$prev $a" in "--size tiny"|"--device cpu") REHEARSAL=1 ;; esac
+  case "$a" in --size=tiny|--device=cpu) REHEARSAL=1 ;; esac
+  prev="$a"
+done
 
 PY=""
 for c in "${PYTHON:-}" .venv/bin/python python3 python; do
   [ -n "$c" ] || continue
   command -v "$c" >/dev/null 2>&1 || [ -x "$c" ] || continue
-  if has_torch "$c"; then PY="$c"; break; fi
+  if "$c" -c "import torch" >/dev/null 2>&1; then PY="$c"; break; fi
 done
+[ -n "$PY" ] || fail "no Python that imports torch (tried \$PYTHON, .venv/bin/python, python3, python)"
 
-if [ -z "$PY" ]; then
-  BASE=$(command -v python3 || command -v python || true)
-  if [ -z "$BASE" ]; then echo "gpu_check: no Python found"; exit 1; fi
-  for d in "${WHEELS:-}" "${PIP_FIND_LINKS:-}" "$HOME/wheels" /wheels /opt/wheels; do
-    [ -n "$d" ] && [ -d "$d" ] || continue
-    echo "gpu_check: installing torch from local wheels in $d (no network)"
-    "$BASE" -m venv --system-site-packages "${TMPDIR:-/tmp}/sgld_gpu_check_venv" >/dev/null 2>&1 || true
-    VPY="${TMPDIR:-/tmp}/sgld_gpu_check_venv/bin/python"; [ -x "$VPY" ] || VPY="$BASE"
-    "$VPY" -m pip install --no-index --find-links "$d" torch >/dev/null 2>&1 || true
-    for extra in sageattention flash-attn triton; do
-      "$VPY" -m pip install --no-index --find-links "$d" "$extra" >/dev/null 2>&1 || true
-    done
-    if has_torch "$VPY"; then PY="$VPY"; break; fi
+WHEELS="${GPU_CHECK_WHEELS:-.whl}"
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  SITE="${TMPDIR:-/tmp}/sgld_gpu_check_site"
+  rm -rf "$SITE"
+  todo=()
+  for f in "$WHEELS"/*.whl; do
+    case "$(basename "$f")" in
+      torch-*|triton-*|nvidia_*|nvidia-*) say "not installing $(basename "$f"): the machine's torch stack stays" ;;
+      *) todo+=("$f") ;;
+    esac
   done
-fi
-if [ -z "$PY" ]; then
-  echo "gpu_check: no Python with torch on this machine and no local torch wheel; nothing measured"
-  exit 1
+  if [ "${#todo[@]}" -gt 0 ]; then
+    say "installing ${#todo[@]} carried wheel(s) from $WHEELS into $SITE (no index, no dependencies)"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+      --target "$SITE" "${todo[@]}" >>"$LOG" 2>&1 || fail "pip could not install the wheels in $WHEELS (see $LOG)"
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    export SGLD_GPU_CHECK_SITE="$SITE"
+  fi
+else
+  say "no wheels in $WHEELS: sageattention / diffusers only if this Python has them (bash scripts/gpu_wheels.sh fetches them)"
 fi
 
-"$PY" - <<'PYEOF'
-import torch
-print(f"gpu_check: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
-      + (f" ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else ""))
+# one probe (after the wheels: PYTHONPATH is final): exit 3 when CUDA is not available
+"$PY" - >>"$LOG.probe" 2>&1 <<'PYEOF'
+import sys, torch
+cuda = torch.cuda.is_available()
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available: {cuda}"
+      + (f" ({torch.cuda.get_device_name(0)})" if cuda else ""))
+sys.exit(0 if cuda else 3)
 PYEOF
+probe=$?
+say "$(tail -n 1 "$LOG.probe")"
+rm -f "$LOG.probe"
+case "$probe" in
+  0) ;;
+  3) [ "$REHEARSAL" = 1 ] || fail "torch.cuda.is_available() is False on a GPU run ($PY); nothing measured. The CPU rehearsal is: bash bench/gpu_check.sh --size tiny" ;;
+  *) fail "$PY could not run the torch probe (exit $probe)" ;;
+esac
 
 # Inductor / Triton caches outside the checkout; a second run on the same machine reuses the kernels.
 CACHE="${TMPDIR:-/tmp}/sgld_gpu_check"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$CACHE/inductor}"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$CACHE/triton}"
-# hard stop a little under 8 minutes, whatever happens inside
-exec timeout -k 10 "${GPU_CHECK_TIMEOUT:-470}" "$PY" bench/gpu_check.py "$@"
+export PYTHONUNBUFFERED=1
+LEFT=$((TOTAL - SECONDS))
+BUDGET=$((LEFT - 30))  # rows start only while this much is left; the rest is for the row in flight
+[ "$BUDGET" -gt 0 ] || fail "no time left after set-up (${SECONDS} s of GPU_CHECK_TIMEOUT=${TOTAL})"
+say "set-up took ${SECONDS} s; rows get ${BUDGET} s, hard stop in ${LEFT} s"
+timeout -k 10 "$LEFT" "$PY" bench/gpu_check.py --budget "$BUDGET" "$@" 2>&1 | tee -a "$LOG"
+rc=${PIPESTATUS[0]}
+if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+  say "hard stop at ${TOTAL} s: every row that finished is in $OUT/gpu_check.md"
+fi
+exit "$rc"

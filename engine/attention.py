@@ -4,9 +4,18 @@ boolean key mask [B, S] (True = attend) and returns [B, S, heads, head_dim].
 Backends
   sdpa   ``torch.nn.functional.scaled_dot_product_attention`` (default on CPU; on CUDA torch picks
          its own flash / cuDNN / memory-efficient kernel). Handles the key mask natively.
-  sage   SageAttention (``sageattention.sageattn``, INT8 QK / FP8 PV kernels): CUDA only, on the
-         architectures its dispatcher supports (sm80, sm86, sm89, sm90, sm120, sm121), fp16/bf16,
-         head_dim <= 128.
+  sage   SageAttention (``sageattention.sageattn``, INT8 QK kernels): CUDA only, fp16/bf16. What it
+         computes exactly depends on the installed version (``sage_limits``, read from the package
+         metadata): 1.x (the only version on PyPI, 1.0.6; Triton kernels, sm80-sm90) asserts
+         head_dim in {64, 96, 128} and does not mask its last key block of 64: padding lanes are
+         loaded as zero keys, score 0, and join the softmax (about 4e-2 relative error at 300 keys,
+         5e-3 at 4128). It takes no mask or bias and returns no log-sum-exp, and at head_dim 128
+         there is no spare channel to carry a bias, so no padding can be made exact from outside
+         (padded keys always add positive weight that cannot be removed without the normaliser).
+         So a call whose key length is not a multiple of 64 runs sdpa instead (exact), counted in
+         ``sage_calls``. 2.x (built from source) pads head_dim up to 128 itself; its CUDA kernels
+         (sm80, sm89, sm90, sm120) mask the key tail, its Triton path (sm86) does not. 1.x smooths K
+         in place (``k -= k.mean``), so the op passes it a copy: the caller's K is never changed.
   flash  FlashAttention 2 (``flash_attn.flash_attn_func``): CUDA sm80+, fp16/bf16, head_dim <= 256.
   math   a pure-PyTorch reference (softmax in float32); slow, for tests and debugging.
   auto   the best that can run: sage, then flash, then sdpa.
@@ -28,10 +37,13 @@ External kernels are registered as ``torch.library.custom_op`` with a fake imple
 """
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import math
+import re
+import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +51,12 @@ import torch.nn.functional as F
 log = logging.getLogger("sgld.attention")
 
 BACKENDS = ("auto", "sdpa", "sage", "flash", "math")
-# SageAttention's sageattn() dispatches on these compute capabilities and raises on others.
+# SageAttention 2.x's sageattn() dispatches on these compute capabilities and raises on others.
 SAGE_CAPABILITIES = {(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (12, 1)}
+# 1.x is Triton only; its README lists Ampere, Ada and Hopper parts.
+SAGE1_CAPABILITIES = {(8, 0), (8, 6), (8, 7), (8, 9), (9, 0)}
+# 2.x capabilities whose sageattn() runs a CUDA kernel that masks the key tail (sm86 runs Triton).
+SAGE2_MASKED_TAIL = {(8, 0), (8, 9), (9, 0), (12, 0), (12, 1)}
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -85,10 +101,95 @@ def _per_sample(kernel: Callable, q, k, v, key_mask) -> torch.Tensor:
 
 
 # -- SageAttention ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SageLimits:
+    """What one sageattention version computes exactly (see the module docstring)."""
+
+    version: str
+    head_dims: Tuple[int, ...]  # head sizes it takes (2.x pads the others up to 128 itself)
+    key_block: int  # exact only when the key length is a multiple of this (1: any length)
+    copies_key: bool  # it smooths K in place, so it must get a copy
+    capabilities: FrozenSet[Tuple[int, int]]
+
+    def describe(self) -> str:
+        tail = (f"key lengths not a multiple of {self.key_block} use sdpa (its last key block is not masked)"
+                if self.key_block > 1 else "any key length")
+        return f"sageattention {self.version}: head_dim {self.head_dim_text()}, {tail}"
+
+    def head_dim_text(self) -> str:
+        return "/".join(map(str, self.head_dims)) if len(self.head_dims) < 8 else f"<= {max(self.head_dims)}"
+
+
+def _major(version: str) -> Optional[int]:
+    m = re.match(r"\s*(\d+)\.", version or "")
+    return int(m.group(1)) if m else None
+
+
+def sage_limits(version: str, capability: Optional[Tuple[int, int]] = None) -> SageLimits:
+    """The exactness limits of sageattention ``version`` on a GPU of ``capability`` (None: unknown).
+    Read from each version's source; an unknown version gets 1.x's limits, the strictest."""
+    major = _major(version)
+    if major == 2:
+        masked = capability is not None and tuple(capability) in SAGE2_MASKED_TAIL
+        return SageLimits(version, tuple(range(1, 129)), 1 if masked else 64, False, frozenset(SAGE_CAPABILITIES))
+    return SageLimits(version, (64, 96, 128), 64, True, frozenset(SAGE1_CAPABILITIES))
+
+
+def sage_route(limits: SageLimits, head_dim: int, key_len: Optional[int] = None) -> Optional[str]:
+    """None when sageattn computes this call exactly, else why it must go to sdpa (``key_len`` None:
+    only the head size is checked, as at selection)."""
+    if head_dim not in limits.head_dims:
+        return f"sageattention {limits.version} takes head_dim {limits.head_dim_text()}, not {head_dim}"
+    if key_len is not None and key_len % limits.key_block:
+        return (f"sageattention {limits.version} does not mask its last key block: {key_len} keys is not a "
+                f"multiple of {limits.key_block}")
+    return None
+
+
+def installed_version(module: str, dist: Optional[str] = None) -> str:
+    """The imported package's version: its ``__version__``, else the installed distribution's metadata
+    (sageattention 1.0.6 has no ``__version__``), else "unknown"."""
+    mod = sys.modules.get(module)
+    ver = getattr(mod, "__version__", None) if mod is not None else None
+    if ver:
+        return str(ver)
+    for name in (dist or module, module.replace("_", "-")):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+# Calls of the sage op by where they ran (``sage`` kernel or exact ``sdpa`` fallback); the GPU check
+# reports these so that a sage timing says how much of it was sage.
+sage_calls: Dict[str, int] = {"sage": 0, "sdpa": 0}
+_limits_cache: Dict[tuple, SageLimits] = {}
+
+
+def _current_sage_limits(device: torch.device) -> SageLimits:
+    mod = sys.modules.get("sageattention")
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    key = (id(mod), cap)
+    if key not in _limits_cache:
+        _limits_cache.clear()
+        _limits_cache[key] = sage_limits(installed_version("sageattention"), cap)
+    return _limits_cache[key]
+
+
 def _sage_kernel(q, k, v):
+    """One unpadded call: sageattn where it is exact for these shapes, else sdpa (no mask needed)."""
     from sageattention import sageattn
 
-    return sageattn(q.contiguous(), k.contiguous(), v.contiguous(), tensor_layout="NHD", is_causal=False)
+    limits = _current_sage_limits(q.device)
+    why = sage_route(limits, q.shape[-1], k.shape[1])
+    if why is not None:
+        sage_calls["sdpa"] += 1
+        _warn_once(f"sage-route:{why.split(':')[0]}", f"attention 'sage': {why}; these calls use sdpa")
+        return sdpa(q, k, v)
+    sage_calls["sage"] += 1
+    k = k.clone() if limits.copies_key else k.contiguous()  # 1.x: ``k -= mean`` in place (smooth_k)
+    return sageattn(q.contiguous(), k, v.contiguous(), tensor_layout="NHD", is_causal=False)
 
 
 @torch.library.custom_op("sgld::sage_attention", mutates_args=())
@@ -153,11 +254,11 @@ FUNCTIONS: Dict[str, Callable] = {"sdpa": sdpa, "sage": sage, "flash": flash, "m
 def _package_version(module: str) -> Tuple[bool, str]:
     """Import a kernel package; (ok, version or the reason it cannot be used)."""
     try:
-        mod = __import__(module)
-    except (ImportError, OSError, RuntimeError) as e:  # missing, or a wheel built for another torch/CUDA
+        __import__(module)
+    except (ImportError, OSError, RuntimeError, AssertionError) as e:  # missing, or built for another torch/CUDA
         detail = (str(e).splitlines() or [""])[0][:160]
         return False, f"the '{module}' package does not import ({type(e).__name__}: {detail})"
-    return True, str(getattr(mod, "__version__", "?"))
+    return True, installed_version(module)
 
 
 def check_backend(name: str, device="cpu", dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> Tuple[bool, str]:
@@ -178,10 +279,16 @@ def check_backend(name: str, device="cpu", dtype: torch.dtype = torch.bfloat16, 
     if name == "sage":
         if head_dim > 128:
             return False, f"head_dim {head_dim} > 128"
-        if cap not in SAGE_CAPABILITIES:
-            return False, f"sageattn has no kernel for compute capability sm{cap[0]}{cap[1]}"
         ok, ver = _package_version("sageattention")
-        return (True, f"sageattention {ver} on sm{cap[0]}{cap[1]}") if ok else (False, ver)
+        if not ok:
+            return False, ver
+        limits = sage_limits(ver, cap)
+        if cap not in limits.capabilities:
+            return False, f"sageattention {ver} has no kernel for compute capability sm{cap[0]}{cap[1]}"
+        why = sage_route(limits, head_dim)
+        if why is not None:
+            return False, why
+        return True, f"{limits.describe()}, on sm{cap[0]}{cap[1]}"
     if head_dim > 256:
         return False, f"head_dim {head_dim} > 256"
     if cap < (8, 0):

@@ -126,20 +126,48 @@ def _setup_logging() -> None:
 
 
 def _random_engine(size: str, dtype, device, config=None):
+    """A random model of a named size, materialized once in ``dtype`` (no float32 copy) where it will
+    live: on ``device``, or in CPU memory when layer-wise offload streams it from there (so the whole
+    model never has to fit on the GPU first)."""
+    from . import offload
     from .pipeline import Engine
-    from .random_weights import SIZES, random_model
+    from .random_weights import SIZES, random_model_on_device
 
     if size not in SIZES:
         raise SystemExit(f"sgld bench: --size '{size}' is unknown; choose one of {', '.join(SIZES)}")
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: torch.float32}.get(dtype)
     if dt is None:
         raise SystemExit(f"sgld bench: --dtype '{dtype}' is not supported; choose one of bf16, fp16, fp32")
-    if size == "8b":
-        from .loader import build_model
-        model = build_model(SIZES[size], device).to(dt).eval().requires_grad_(False)  # random init, on device
-    else:
-        model = random_model(SIZES[size], seed=0, dtype=dt).to(device)
-    return Engine(model, config, source=f"random:{size}")
+    decision, build_on = None, device
+    if config is not None and config.offload != "none":
+        decision = offload.choose_offload(config.offload, device, _random_model_bytes(SIZES[size], dt, config.quant))
+        if decision[0] == "layerwise":
+            build_on = "cpu"
+    model = random_model_on_device(SIZES[size], build_on, dt, seed=0)
+    return Engine(model, config, source=f"random:{size}", offload_decision=decision)
+
+
+def _random_model_bytes(cfg, dtype: torch.dtype, quant) -> int:
+    """Bytes of a random model at rest once quantized (as offload.estimate_checkpoint_bytes counts a file)."""
+    from .loader import build_model
+    from .quant import is_block_linear, parse_format
+
+    kind, group = parse_format(quant)
+    total = 0
+    for name, p in build_model(cfg, "meta").named_parameters():
+        n = p.numel()
+        if kind and name.endswith(".weight") and is_block_linear(name.rsplit(".", 1)[0]):
+            total += n if kind == "fp8" else n // 2 + n * 4 // max(1, group)
+        else:
+            total += n * dtype.itemsize
+    return total
+
+
+def _reset_peak_memory(dev: torch.device) -> None:
+    """Start the peak-memory window of the timed part (the build's peak is not the run's)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
 
 
 def cmd_bench(args) -> dict:
@@ -170,6 +198,8 @@ def cmd_bench(args) -> dict:
         forward = getattr(eng, "model_forward", eng.model)  # parallel: one call through the workers
         forward(xt, tb, tt, ln)
         sync()
+        resident_gb = torch.cuda.memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else None
+        _reset_peak_memory(dev)  # after the build and the warm-up: the peak of the timed forwards and run
         times = []
         for _ in range(max(1, args.repeat)):
             s = time.perf_counter()
@@ -195,7 +225,8 @@ def cmd_bench(args) -> dict:
     if getattr(eng, "warnings", None):
         result["warnings"] = list(eng.warnings)
     if dev.type == "cuda":
-        result["peak_vram_gb"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+        result["peak_vram_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2 ** 30, 2)
+        result["resident_vram_gb"] = round(resident_gb, 2)  # allocated when timing started (weights + buffers)
     if args.json:
         print(json.dumps(result))
     else:

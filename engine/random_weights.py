@@ -58,3 +58,29 @@ def save_random_checkpoint(path: str, cfg: ErnieImageConfig, seed: int = 0, dtyp
 
     sd = {prefix + k: v.contiguous() for k, v in random_state_dict(cfg, seed, dtype).items()}
     save_file(sd, path, metadata={"ernie_image_config": json.dumps({"rope_axes_dim": list(cfg.rope_axes_dim)})})
+
+
+def random_model_on_device(cfg: ErnieImageConfig, device="cpu", dtype: torch.dtype = torch.float32,
+                           seed: int = 0) -> ErnieImageTransformer:
+    """A random model built on the meta device and materialized once, in ``dtype``, on ``device``:
+    no float32 copy and no CPU copy (the 8B shape in bf16 is 16 GB on the GPU, never 32 GB). The
+    weights have ``random_state_dict``'s scales but come from ``device``'s generator, so they are
+    deterministic per device and seed, not equal to ``random_model``'s."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = ErnieImageTransformer(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm_q.weight", "norm_k.weight", "_ln.weight")):
+                p.normal_(1.0, 0.1, generator=g)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.02, generator=g)
+            else:
+                fan_in = 1
+                for d in p.shape[1:]:
+                    fan_in *= d
+                scale = 0.3 if name.startswith(("adaLN_modulation", "final_norm")) else 1.0
+                p.normal_(0.0, scale / fan_in ** 0.5, generator=g)
+    return model.eval().requires_grad_(False)

@@ -74,21 +74,102 @@ def test_unpadded_per_sample_equals_masked_sdpa():
     assert rel(A._per_sample(_maskless, q, k, v, holes), A.sdpa(q, k, v, holes)) < 1e-6
 
 
-def test_sage_op_with_a_fake_kernel_unpads_per_sample(monkeypatch):
-    """The registered custom op runs the kernel per sample on its valid keys (the real sageattn is GPU only)."""
-    calls = []
+def _fake_sage_1_0_6(calls):
+    """A stand-in for sageattention 1.0.6's ``sageattn`` (the real kernel is Triton on a CUDA GPU, which
+    this machine has not): its input checks and its in-place key smoothing (``k -= k.mean``), then
+    exact attention. The smoothing shifts every score of a query by the same amount, so the result is
+    unchanged; what changes is the caller's K, unless the op passes a copy."""
 
-    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, **kw):
+    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, smooth_k=True, **kw):
         assert tensor_layout == "NHD" and not is_causal
+        assert q.shape[-1] in (64, 96, 128), "headdim should be in [64, 96, 128]."
         calls.append((q.shape[1], k.shape[1]))
+        if smooth_k:
+            k -= k.mean(dim=1, keepdim=True)
         return _maskless(q, k, v)
 
-    monkeypatch.setitem(sys.modules, "sageattention", types.SimpleNamespace(sageattn=sageattn, __version__="fake"))
-    q, k, v = qkv(s=30)
-    mask = prefix_mask(2, 30, [30, 21])
+    return types.SimpleNamespace(sageattn=sageattn, __version__="1.0.6")
+
+
+def test_sage_op_with_a_fake_kernel_unpads_per_sample(monkeypatch):
+    """The registered custom op runs the kernel per sample on its valid keys."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "sageattention", _fake_sage_1_0_6(calls))
+    q, k, v = qkv(s=128, d=64)
+    mask = prefix_mask(2, 128, [128, 64])
     out = torch.ops.sgld.sage_attention(q, k, v, mask)
     assert rel(out, A.sdpa(q, k, v, mask)) < 1e-5
-    assert calls == [(30, 30), (30, 21)]
+    assert calls == [(128, 128), (128, 64)]
+
+
+def test_sage_op_leaves_the_callers_key_unchanged(monkeypatch):
+    """sageattention 1.x subtracts the key mean in place; the op is declared ``mutates_args=()`` (and
+    torch.compile relies on that), so the caller's K must come back bit-identical."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "sageattention", _fake_sage_1_0_6(calls))
+    q, k, v = qkv(s=128, d=64)
+    before = [t.clone() for t in (q, k, v)]
+    for mask in (None, prefix_mask(2, 128, [128, 64])):  # the whole batch, and sliced per sample
+        torch.ops.sgld.sage_attention(q, k, v, mask)
+        assert all(torch.equal(a, b) for a, b in zip((q, k, v), before))
+    assert calls  # the kernel really ran
+
+
+def test_sage_routes_key_lengths_its_version_cannot_mask_to_sdpa(monkeypatch):
+    """With 1.0.6, a sample whose key count is not a multiple of 64 would let zero-padded keys into the
+    softmax: it goes to sdpa (exact); the others still run the kernel. Counted in ``sage_calls``."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "sageattention", _fake_sage_1_0_6(calls))
+    monkeypatch.setitem(A.sage_calls, "sage", 0)
+    monkeypatch.setitem(A.sage_calls, "sdpa", 0)
+    q, k, v = qkv(s=128, d=64)
+    mask = prefix_mask(2, 128, [128, 100])
+    out = torch.ops.sgld.sage_attention(q, k, v, mask)
+    assert rel(out, A.sdpa(q, k, v, mask)) < 1e-5
+    assert calls == [(128, 128)]  # the 100-key sample did not reach the kernel
+    assert A.sage_calls == {"sage": 1, "sdpa": 1}
+    q, k, v = qkv(s=128, d=80)  # head_dim 1.0.6 asserts against: sdpa, not an AssertionError
+    assert rel(torch.ops.sgld.sage_attention(q, k, v, None), A.sdpa(q, k, v)) < 1e-5
+    assert calls == [(128, 128)]
+
+
+@pytest.mark.parametrize("version,cap,head_dim,keys,ok", [
+    ("1.0.6", (9, 0), 128, 4224, True),     # 4096 image + 128 text tokens: 66 blocks of 64
+    ("1.0.6", (9, 0), 128, 4128, False),    # 4096 + 32: the last block is half padding
+    ("1.0.6", (9, 0), 128, 300, False),
+    ("1.0.6", (9, 0), 96, 640, True),
+    ("1.0.6", (9, 0), 80, 640, False),      # asserts head_dim in {64, 96, 128}
+    ("1.0.6", (9, 0), 256, 640, False),
+    ("2.2.0", (9, 0), 80, 300, True),       # 2.x pads head_dim; its sm90 CUDA kernel masks the tail
+    ("2.2.0", (8, 6), 128, 300, False),     # sm86 runs 2.x's Triton kernel: tail not masked
+    ("2.2.0", None, 128, 300, False),       # capability unknown: the stricter rule
+    ("2.2.0", (9, 0), 192, 640, False),
+    ("unknown", (9, 0), 128, 300, False),   # an unreadable version gets 1.x's limits
+    ("3.0.0", (9, 0), 128, 4224, True),
+])
+def test_sage_route_follows_the_installed_versions_limits(version, cap, head_dim, keys, ok):
+    limits = A.sage_limits(version, cap)
+    why = A.sage_route(limits, head_dim, keys)
+    assert (why is None) == ok, why
+    if not ok:
+        assert version in why
+
+
+def test_sage_selection_reports_the_version_and_its_limits(monkeypatch):
+    """The attention description names the installed version (from the package metadata when the
+    module has no ``__version__``, as 1.0.6 has none) and what it routes to sdpa."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fake = _fake_sage_1_0_6([])
+    monkeypatch.setitem(sys.modules, "sageattention", fake)
+    ch = A.select_backend("sage", "cuda", torch.bfloat16, 128)
+    assert ch.name == "sage" and "sageattention 1.0.6" in ch.describe()
+    assert "not a multiple of 64 use sdpa" in ch.describe()
+    ch = A.select_backend("sage", "cuda", torch.bfloat16, 80)
+    assert ch.name == "sdpa" and "head_dim 64/96/128, not 80" in ch.warnings[0]
+    del fake.__version__
+    monkeypatch.setattr(A.importlib.metadata, "version", lambda name: "1.0.6" if name == "sageattention" else "0")
+    assert A.installed_version("sageattention") == "1.0.6"
 
 
 def test_selection_on_this_machine_and_fallback_warnings(caplog):

@@ -1,0 +1,270 @@
+"""The GPU check (bench/gpu_check.sh) rehearsed on the CPU, so that it cannot rot between GPU windows:
+the same script, rows and code paths as the H200 run (the wheel install, diffusers side by side, the
+subprocess per risky row, incremental reports), at the tiny shape. Also ``sgld bench``'s random model
+(built in its dtype, peak stats reset before timing) and the FLOP count the check compares with."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import gpu_check  # noqa: E402
+
+STATUSES = ("measured", "skipped", "failed", "n/a")
+
+
+def make_wheel(folder, name="sgld_probe_wheel", version="0.1"):
+    """A real (tiny, pure-Python) wheel for the install step: pip installs it like the carried ones."""
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": "VALUE = 42\n", f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: sgld-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+        z.writestr(f"{dist}/RECORD", "".join(f"{k},,\n" for k in files) + f"{dist}/RECORD,,\n")
+    return path
+
+
+def check_env(tmp_path, wheels=None):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path), "PYTHON": sys.executable,
+           "PYTHONPATH": ROOT, "GPU_CHECK_WHEELS": str(wheels or tmp_path / "no-wheels")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def run_check(tmp_path, *args, wheels=None, timeout=600):
+    return subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), *args], cwd=ROOT,
+                          env=check_env(tmp_path, wheels), capture_output=True, text=True, timeout=timeout)
+
+
+def read_report(tmp_path):
+    out = tmp_path / "out"
+    md = (out / "gpu_check.md").read_text()
+    recs = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines() if line.strip()]
+    return md, recs
+
+
+def rows_of(recs):
+    return [r for r in recs if "row" in r]
+
+
+def assert_every_row_accounted_for(md, recs):
+    rows = rows_of(recs)
+    for r in rows:
+        assert r["status"] in STATUSES, r
+        if r["status"] == "measured":
+            assert r["s_per_step"] is not None or r["s_per_image"] is not None or r["row"] == "build", r
+        else:
+            assert r["notes"].strip(), f"{r['row']} is {r['status']} without a reason"
+    table = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| row |")]
+    assert len(table) == len(rows)  # md and jsonl carry the same rows
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rehearsal; a GPU machine runs the real check")
+def test_cpu_rehearsal_runs_every_row_of_the_gpu_check(tmp_path):
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    make_wheel(wheels)
+    (wheels / "torch-0.0.1-py3-none-any.whl").write_text("never opened: the machine's torch stays")
+    t0 = time.perf_counter()
+    proc = run_check(tmp_path, "--size", "tiny", wheels=wheels)
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md, recs = read_report(tmp_path)
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    print(f"rehearsal wall time {wall:.0f} s")
+
+    # the environment comes first, with the carried wheel installed (and the torch wheel refused)
+    assert md.startswith("# gpu_check") and "env" in recs[0]
+    env = recs[0]["env"]
+    assert env["torch"] == torch.__version__ and "versions" in env
+    assert env["carried"] == ["sgld_probe_wheel 0.1"]
+    assert "carried wheels installed in" in md and "sgld_probe_wheel 0.1" in md
+    assert "not installing torch-0.0.1-py3-none-any.whl" in log
+
+    assert_every_row_accounted_for(md, recs)
+    rows = rows_of(recs)
+    by_name = {}
+    for r in rows:
+        by_name.setdefault(r["row"], []).append(r)
+    assert set(by_name) == set(gpu_check.ALL_ROWS)
+    measured = {n for n, rs in by_name.items() if any(r["status"] == "measured" for r in rs)}
+    assert measured == set(gpu_check.ALL_ROWS) - {"sage", "flash"}, {n: [r["notes"] for r in rs] for n, rs in by_name.items()}
+
+    # diffusers side by side: both timed, on shared weights, and they agree
+    d = [r for r in by_name["diffusers"] if "diffusers_s" in r][0]
+    assert d["ratio"] > 0 and d["parity"] < 2e-2 and "shared storage" in d["notes"]
+    # the risky rows ran in subprocesses of their own; sage says why it cannot run here
+    for name in ("sage", "compiled", "all-on"):
+        assert all(r["process"].startswith("worker pid") for r in by_name[name]), by_name[name]
+    assert by_name["sage"][0]["status"] == "n/a" and "CUDA" in by_name["sage"][0]["notes"]
+    assert "sdist" in by_name["flash"][0]["notes"]
+    assert len(by_name["compiled"]) == 3  # the forward, then Turbo uncached and with Cache-DiT fast
+    assert recs[-1].get("footer", "").startswith("wall time")
+
+
+def test_a_gpu_run_without_cuda_fails_loudly(tmp_path):
+    """Without --size tiny the check is a GPU run: no CUDA means a clear failure, not a CPU run."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = run_check(tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert "FAILED: torch.cuda.is_available() is False on a GPU run" in proc.stderr
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "FAILED" in md and "| eager |" not in md  # nothing was measured
+    direct = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), "--size", "small",
+                             "--out", str(tmp_path / "direct")], capture_output=True, text=True, timeout=120,
+                            env=check_env(tmp_path))
+    assert direct.returncode == 2 and "torch.cuda.is_available() is False" in direct.stderr
+
+
+def test_a_dying_worker_is_reported_and_the_rows_after_it_still_run(tmp_path):
+    """A device-side fault cannot be made on a CPU: ``--crash-row`` makes the sage worker abort instead.
+    The parent reports the death and the compiled row, in a fresh process, still runs."""
+    proc = run_check(tmp_path, "--size", "tiny", "--only", "sage,compiled", "--crash-row", "sage")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md, recs = read_report(tmp_path)
+    assert_every_row_accounted_for(md, recs)
+    rows = rows_of(recs)
+    sage = [r for r in rows if r["row"] == "sage"]
+    assert len(sage) == 1 and sage[0]["status"] == "failed" and "SIGABRT" in sage[0]["notes"]
+    assert sage[0]["process"] == "main"
+    compiled = [r for r in rows if r["row"] == "compiled"]
+    assert compiled and all(r["status"] == "measured" and r["process"].startswith("worker") for r in compiled)
+    skipped = {r["row"] for r in rows if r["status"] == "skipped"}
+    assert "turbo" in skipped and "not in --only" in [r for r in rows if r["row"] == "turbo"][0]["notes"]
+
+
+def test_a_run_cut_short_keeps_every_finished_row(tmp_path):
+    """Kill the whole check (bash, timeout, python, tee) once a few rows are in: they are all on disk."""
+    jsonl = tmp_path / "out" / "gpu_check.jsonl"
+    proc = subprocess.Popen(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--size", "tiny"], cwd=ROOT,
+                            env=check_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if jsonl.exists() and '"row": "turbo"' in jsonl.read_text():
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the check ended before it could be cut short"
+    finally:
+        kill_tree(proc)
+    md, recs = read_report(tmp_path)
+    assert "env" in recs[0] and "torch" in md.splitlines()[2]
+    names = [r["row"] for r in rows_of(recs)]
+    assert names[:4] == ["build", "eager", "diffusers", "diffusers"] and "turbo" in names
+    assert not any("footer" in r for r in recs)  # it really was cut short
+    assert_every_row_accounted_for(md, recs)
+
+
+def kill_tree(proc):
+    """SIGKILL the check and everything under it, by process id (``timeout`` puts python in a process
+    group of its own, so the group of bash would not reach it)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(procs, timeout=10)
+    assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_forward_flops_count_every_gemm_and_the_attention():
+    """The physical-limit figure's FLOPs: 2 x in x out per token for every linear layer of the model
+    (counted from the module tree here) plus QK^T and PV; 77 TFLOP at 8B, 1024x1024, 128 text tokens."""
+    from engine.loader import build_model
+    from engine.random_weights import SIZES
+
+    for size, n_img, n_txt in (("8b", 4096, 128), ("small", 256, 32)):
+        cfg = SIZES[size]
+        model = build_model(cfg, "meta")
+        s = n_img + n_txt
+        gemm = 0
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and name.startswith("layers."):
+                gemm += 2 * s * mod.in_features * mod.out_features
+        gemm += 2 * n_img * cfg.in_channels * cfg.hidden_size + 2 * n_img * cfg.hidden_size * cfg.out_channels
+        gemm += 2 * n_txt * cfg.text_in_dim * cfg.hidden_size
+        attn = cfg.num_layers * 2 * 2 * s * s * cfg.head_dim * cfg.num_attention_heads
+        assert gpu_check.forward_flops(cfg, n_img, n_txt) == gemm + attn
+        assert gpu_check.attention_flops(cfg, n_img, n_txt) == attn
+    assert 76e12 < gpu_check.forward_flops(SIZES["8b"], 4096, 128) < 78e12
+
+
+def test_the_wheels_folder_is_ignored_by_git():
+    """.whl/ (about 6 MiB of carried wheels) travels with `carry`, never in a commit."""
+    r = subprocess.run(["git", "check-ignore", "-q", ".whl/diffusers-0.42.1-py3-none-any.whl"], cwd=ROOT)
+    assert r.returncode == 0
+
+
+# -- sgld bench's random model (issue 18 point 4) -------------------------------------------------------------
+def test_bench_random_model_is_built_in_its_dtype_without_a_float32_copy():
+    """Every tensor the build makes (watched through torch's dispatcher, not patched) is bf16 or small:
+    the old path drew float32 weights and cast them, 2x the model's bytes (32 GB at 8B)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from engine.cli import _random_engine
+    from engine.config import EngineConfig
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.made += [(t.dtype, t.numel()) for t in tree_leaves(out)
+                          if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+            return out
+
+    with Allocations() as seen:
+        eng = _random_engine("small", "bf16", "cpu", EngineConfig(dtype="bf16"))
+    params = list(eng.model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in params)
+    biggest = max(p.numel() for p in params)
+    assert sum(n for dt, n in seen.made if dt == torch.bfloat16) >= sum(p.numel() for p in params)
+    big_fp32 = [n for dt, n in seen.made if dt == torch.float32 and n >= biggest // 16]
+    assert not big_fp32, f"float32 tensors of {big_fp32[:5]} elements were made during the build"
+    x = torch.ones(1, eng.model.config.in_channels, 4, 4)
+    with torch.no_grad():  # the weights are real numbers, not the empty memory of to_empty
+        out = eng.model(x, torch.tensor([500.0]), torch.ones(1, 3, eng.model.config.text_in_dim), torch.tensor([3]))
+    assert torch.isfinite(out).all() and out.abs().max() > 0
+
+
+def test_bench_resets_the_peak_memory_window_after_the_build_and_warm_up(monkeypatch, capsys):
+    """``peak_vram_gb`` is the timed part's peak, not the build's. CUDA's peak counters do not exist on a
+    CPU, so the test watches the seam that resets them (``_reset_peak_memory``, a no-op off CUDA): it must
+    run once, after the model exists and the warm-up forward ran, before every timed forward."""
+    from engine import cli
+    from engine.models.ernie_image import ErnieImageTransformer
+
+    forwards, resets = [], []
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda mod, inp: forwards.append(1) if isinstance(mod, ErnieImageTransformer) else None)
+    real = cli._reset_peak_memory
+    monkeypatch.setattr(cli, "_reset_peak_memory", lambda dev: (resets.append(len(forwards)), real(dev)))
+    try:
+        assert cli.main(["bench", "--size", "tiny", "--steps", "2", "--repeat", "3", "--json"]) == 0
+    finally:
+        handle.remove()
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert resets == [1]  # after the build and the one warm-up forward
+    assert len(forwards) == 1 + 3 + 2  # warm-up, the timed forwards, the 2-step run: all inside the window
+    assert res["forward_ms_min"] > 0
