@@ -62,8 +62,9 @@ def load_json_object(raw, where: str) -> dict:
 
 
 def sniff(path: str) -> str:
-    """What a file holds, judged from its first and last bytes (nothing is unpickled):
-    "zip", "pickle", "safetensors" or "other"."""
+    """What a file holds, judged from its first and last bytes (nothing is unpickled): "zip", "pickle"
+    (protocol 2+ magic), "pickle0" (looks like a protocol 0/1 pickle: a weak sign), "safetensors" (the
+    layout, possibly truncated) or "other"."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(9)
@@ -72,12 +73,12 @@ def sniff(path: str) -> str:
     if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
         return "zip"
     # before the pickle magic: a safetensors header of 640 / 896 / 1152 / 1408 bytes starts with 80 02..80 05 too
-    if len(head) == 9 and head[8:9] == b"{" and 8 + struct.unpack("<Q", head[:8])[0] <= size:
+    if len(head) == 9 and head[8:9] == b"{":
         return "safetensors"
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "pickle"
     if head[:1] and head[0] in PICKLE_0_STARTS and last == b".":  # a pickle always ends with STOP (".")
-        return "pickle"
+        return "pickle0"
     return "other"
 
 
@@ -85,8 +86,8 @@ def refuse_pickle(path: str) -> None:
     """Refuse pickle-based checkpoints by name and by content, without unpickling anything. A file with a
     pickle name whose content is no pickle is told so (it is refused all the same: only .safetensors load)."""
     name = os.path.basename(path)
+    kind = sniff(path)
     if name.lower().endswith(PICKLE_SUFFIXES):
-        kind = sniff(path)
         if kind == "safetensors":
             raise CheckpointError(
                 f"{path}: '{name}' holds safetensors data under a pickle file name; rename it to .safetensors "
@@ -99,7 +100,7 @@ def refuse_pickle(path: str) -> None:
             f"{path}: refusing to load '{name}': pickle-based checkpoints (.ckpt/.pt/.pth/.bin) can run "
             "arbitrary code when loaded. Only .safetensors files are supported; convert it with a trusted tool first."
         )
-    if sniff(path) in ("pickle", "zip"):
+    if kind in ("pickle", "zip"):  # under another name only the strong signs count
         raise CheckpointError(
             f"{path}: this file is a pickle / PyTorch zip archive, not safetensors; refusing to load it "
             "(pickles can run arbitrary code). Only .safetensors files are supported."
