@@ -14,6 +14,7 @@ from .sampling import MAX_IMAGE_SIDE, SAMPLERS, SCHEDULERS
 
 MAX_THREADS = 1024  # --threads: generous; more only oversubscribes the cores
 
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="weight dtype: bf16, fp16, fp32 (default: as stored; fp32 for random models)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -268,8 +269,8 @@ def _ernie_parts(args) -> GenerateParts:
 def cmd_generate(args) -> dict:
     """A picture from a prompt (the embedded demo model, or ERNIE-Image files): PNG with ComfyUI-style text metadata."""
     t0 = time.perf_counter()
-    external = any(getattr(args, n, None) for n in ("model", "text_encoder", "vae"))
-    steps, cfg = check_generate_args(args, external)
+    external = uses_ernie_files(args)
+    steps, cfg = check_generate_args(args)
     parts = (_ernie_parts if external else _demo_parts)(args)
     eng = parts.engine
     if args.loras:
@@ -351,12 +352,17 @@ def check_output_path(option: str, path: str, extensions: tuple) -> None:
         raise ValueError(f"{option} '{path}': the folder '{existing}' is not writable")
 
 
-def check_generate_args(args, external: bool) -> tuple:
-    """Every option checked before anything loads (ValueError naming the option and what is allowed).
-    Returns the run's (steps, cfg): the given values or the model's defaults."""
+def uses_ernie_files(args) -> bool:
+    return any(getattr(args, n, None) for n in ("model", "text_encoder", "vae"))
+
+
+def check_generate_args(args) -> tuple:
+    """Every option of ``sgld generate`` checked before anything loads (ValueError naming the option and
+    what is allowed). Returns the run's (steps, cfg): the given values or the model's defaults."""
     from .models import demo as demo_pkg
     from .pipeline import check_sampling_settings, check_seed
 
+    external = uses_ernie_files(args)
     if external:
         for name in ("width", "height"):
             value = getattr(args, name)
@@ -406,7 +412,6 @@ def check_common_args(args) -> None:
         backend = getattr(torch, dev.type, None)
         if backend is None or not getattr(backend, "is_available", lambda: False)():
             raise ValueError(f"--device {device}: no '{dev.type}' device is available here (use cpu or cuda)")
-
 
 
 def cmd_quantize(args) -> dict:
