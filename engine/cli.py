@@ -10,6 +10,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .sampling import MAX_IMAGE_SIDE, SAMPLERS, SCHEDULERS
+
+MAX_THREADS = 1024  # --threads: generous; more only oversubscribes the cores
+
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="weight dtype: bf16, fp16, fp32 (default: as stored; fp32 for random models)")
@@ -59,12 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Make an image from a prompt (the embedded demo model by default).")
     g.add_argument("--prompt", required=True)
     g.add_argument("--negative", default="")
-    g.add_argument("--out", default="out.png", help="PNG file to write")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--steps", type=int, default=None)
-    g.add_argument("--cfg", type=float, default=None)
-    g.add_argument("--sampler", default="euler")
-    g.add_argument("--scheduler", default="simple")
+    g.add_argument("--out", default="out.png", help="PNG file to write (replaced whole: written to a temporary file first)")
+    g.add_argument("--seed", type=int, default=0, help="noise seed, 0 to 2**64-1 (ComfyUI's range)")
+    g.add_argument("--steps", type=int, default=None, help="sampling steps, 1 to 10000 (default: the model's, demo 30, ERNIE-Image 50)")
+    g.add_argument("--cfg", type=float, default=None, help="guidance scale, 0 to 100 (default: the model's, demo 3, ERNIE-Image 4)")
+    g.add_argument("--sampler", default="euler", choices=SAMPLERS)
+    g.add_argument("--scheduler", default="simple", choices=SCHEDULERS)
     g.add_argument("--json", action="store_true", help="print one line of JSON with settings and timings")
     g.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH",
                    help="apply a LoRA (.safetensors; diffusers/PEFT, ai-toolkit, kohya or ComfyUI keys) at STRENGTH "
@@ -73,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder")
     ext.add_argument("--text-encoder", help="text encoder folder (HF text_encoder/; tokenizer inside or in the sibling tokenizer/)")
     ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/)")
-    ext.add_argument("--width", type=int, default=1024)
-    ext.add_argument("--height", type=int, default=1024)
+    ext.add_argument("--width", type=int, default=None,
+                     help=f"image width in pixels, up to {MAX_IMAGE_SIDE} (default 1024; the demo makes 64x64 only)")
+    ext.add_argument("--height", type=int, default=None, help="image height in pixels (as --width)")
     _add_common(g)
     from .cache import add_cli_arguments
 
@@ -254,20 +259,26 @@ class GenerateParts(NamedTuple):
 
 
 def _demo_parts(args) -> GenerateParts:
+    import dataclasses
+
     from .models import demo as demo_pkg
     from .pipeline import Engine
 
-    demo = demo_pkg.load_demo(dtype=args.dtype or torch.float32, cached=False)
+    demo = demo_pkg.load_demo(dtype=args.dtype or torch.float32, cached=False)  # its text encoder and tokenizer
     for name in ("prompt", "negative"):
         warning = demo.tokenizer.unknown_words_warning(getattr(args, name), where=f" in --{name}")
         if warning:
             print(f"sgld: warning: {warning}", file=sys.stderr)
-    eng = Engine(demo.dit, engine_config(args, cache=_cache_config(args)), source=demo.path)
+    # the DiT through the same router as ERNIE-Image files: several ranks (--num-gpus, --tp, ...) run it
+    # in worker processes; the demo is stored in fp16 and runs in fp32 unless --dtype says otherwise
+    config = dataclasses.replace(engine_config(args, cache=_cache_config(args)), dtype=args.dtype or "fp32")
+    eng = Engine.from_file(demo.path, config)
     return GenerateParts(eng, lambda p: demo.encode([p]), demo.empty_latent(1), lambda z: demo.decode(z)[0], demo.path,
                          demo_pkg.DEFAULT_STEPS, demo_pkg.DEFAULT_CFG)
 
 
 ERNIE_STEPS, ERNIE_CFG = 50, 4.0  # ERNIE-Image Base's defaults (Turbo: --steps 8 --cfg 1)
+ERNIE_SIZE = 1024  # default --width / --height for ERNIE-Image files
 
 
 def _ernie_parts(args) -> GenerateParts:
@@ -279,7 +290,7 @@ def _ernie_parts(args) -> GenerateParts:
     from .pipeline import Engine
 
     vae = Flux2VAE.from_folder(args.vae, device=args.device)
-    latent = vae.empty_latent(args.width, args.height)
+    latent = vae.empty_latent(args.width or ERNIE_SIZE, args.height or ERNIE_SIZE)
     te = TextEncoder.from_folder(args.text_encoder, device=args.device)
     eng = Engine.from_file(args.model, engine_config(args, cache=_cache_config(args)))
     return GenerateParts(eng, lambda p: [te.encode(p)], latent, lambda z: vae.decode(z)[0].numpy(), args.model,
@@ -289,30 +300,37 @@ def _ernie_parts(args) -> GenerateParts:
 def cmd_generate(args) -> dict:
     """A picture from a prompt (the embedded demo model, or ERNIE-Image files): PNG with ComfyUI-style text metadata."""
     t0 = time.perf_counter()
-    external = any(getattr(args, n, None) for n in ("model", "text_encoder", "vae"))
+    external = uses_ernie_files(args)
+    steps, cfg = check_generate_args(args)
     parts = (_ernie_parts if external else _demo_parts)(args)
     eng = parts.engine
     if args.loras:
         eng.set_loras(args.loras)
     cond, uncond = parts.encode(args.prompt), parts.encode(args.negative)
     load_s = time.perf_counter() - t0
-    steps = args.steps or parts.default_steps
-    cfg = parts.default_cfg if args.cfg is None else args.cfg
     settings = {"prompt": args.prompt, "negative": args.negative, "seed": args.seed, "steps": steps, "cfg": cfg,
                 "sampler": args.sampler, "scheduler": args.scheduler, "model": os.path.basename(parts.model_path)}
     bar = None if args.json else _progress_bar(steps)
-    latent = eng.sample(parts.empty_latent, cond, uncond, seed=args.seed, steps=steps, cfg=cfg, sampler=args.sampler,
-                        scheduler=args.scheduler, callback=(lambda i, n, x, d: bar.update(1)) if bar else None)
-    if bar:
-        bar.close()
+    try:
+        latent = eng.sample(parts.empty_latent, cond, uncond, seed=args.seed, steps=steps, cfg=cfg, sampler=args.sampler,
+                            scheduler=args.scheduler, callback=(lambda i, n, x, d: bar.update(1)) if bar else None)
+    finally:
+        if bar:
+            bar.close()
     image = parts.decode(latent)
     stats = eng.last_run.to_dict()
-    _save_png(image, args.out, settings, stats)
+    try:
+        _save_png(image, args.out, settings, stats)
+    except OSError as e:
+        raise ValueError(f"--out '{args.out}': could not write it: {e.strerror or e}") from None
     result = {**settings, "out": args.out, "load_seconds": round(load_s, 3),
               "sampling_seconds": stats["sampling_seconds"], "steps_total": stats["steps_total"],
               "steps_computed": stats["steps_computed"], "step_mask": stats["step_mask"]}
     if "speedup" in stats:
         result["speedup"] = stats["speedup"]
+    if getattr(eng, "plan", None) is not None:  # several ranks: which, and the worker processes that ran the DiT
+        result["parallel"] = eng.plan.describe()
+        result["worker_pids"] = list(eng.pids)
     if args.json:
         print(json.dumps(result))
     else:
@@ -334,20 +352,103 @@ def _progress_bar(total: int):
 
 
 def _save_png(image, path: str, settings: dict, stats: dict) -> None:
-    """Like ComfyUI's SaveImage: the settings as JSON in the PNG's "prompt" text chunk."""
+    """Like ComfyUI's SaveImage: the settings as JSON in the PNG's "prompt" text chunk. Written whole or not
+    at all (a temporary file in the same folder, then renamed): the previous picture survives any failure."""
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
+
+    from .atomic_file import atomic_write
 
     info = PngInfo()
     info.add_text("prompt", json.dumps(settings))
     info.add_text("sgld", json.dumps({k: stats[k] for k in ("steps_total", "steps_computed", "step_mask")}))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    Image.fromarray(image).save(path, pnginfo=info)
+    with atomic_write(path, suffix=".png.part") as f:
+        Image.fromarray(image).save(f, format="PNG", pnginfo=info)
+
+
+def check_output_path(option: str, path: str, extensions: tuple) -> None:
+    """Refuse an output path that cannot be written, before any work (a folder, a missing or read-only
+    parent, a parent that is a file, a name without one of ``extensions``)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{option} '{path}' is a folder; give a file name ending in {' or '.join(extensions)}")
+    if not path.lower().endswith(extensions):
+        raise ValueError(f"{option} '{path}' must end in {' or '.join(extensions)} (the format this command writes)")
+    existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(existing):  # folders that do not exist yet are created
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{option} '{path}': '{existing}' is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} '{path}': the folder '{existing}' is not writable")
+
+
+def uses_ernie_files(args) -> bool:
+    return any(getattr(args, n, None) for n in ("model", "text_encoder", "vae"))
+
+
+def check_generate_args(args) -> tuple:
+    """Every option of ``sgld generate`` checked before anything loads (ValueError naming the option and
+    what is allowed). Returns the run's (steps, cfg): the given values or the model's defaults."""
+    from .models import demo as demo_pkg
+    from .pipeline import check_sampling_settings, check_seed
+
+    external = uses_ernie_files(args)
+    if external:
+        for name in ("width", "height"):
+            value = getattr(args, name)
+            if value is not None and not 1 <= value <= MAX_IMAGE_SIDE:
+                raise ValueError(f"--{name} must be from 1 to {MAX_IMAGE_SIDE} pixels (got {value}; ERNIE-Image's "
+                                 "largest documented size is 2048x2048)")
+    else:
+        for name in ("width", "height"):
+            value = getattr(args, name)
+            if value is not None and value != demo_pkg.IMAGE_SIZE:
+                raise ValueError(f"--{name} {value}: the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} "
+                                 "pictures only (other sizes need ERNIE-Image files: --model --text-encoder --vae)")
+    steps = args.steps if args.steps is not None else (ERNIE_STEPS if external else demo_pkg.DEFAULT_STEPS)
+    cfg = args.cfg if args.cfg is not None else (ERNIE_CFG if external else demo_pkg.DEFAULT_CFG)
+    check_sampling_settings(steps=steps, cfg=cfg, names={"steps": "--steps", "cfg": "--cfg"})
+    check_seed(args.seed, "--seed")
+    check_output_path("--out", args.out, (".png",))
+    engine_config(args)  # the parallel degrees against each other (ParallelConfigError)
+    return steps, cfg
+
+
+def check_common_args(args) -> None:
+    """The options every command shares, checked before anything loads: --device names a device this machine
+    has, --threads is 0 (torch's choice) or a count, the parallel degrees and --resident-layers are counts."""
+    for name in ("tp", "ulysses_degree", "ring_degree", "resident_layers"):
+        value = getattr(args, name, 1)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    gpus = getattr(args, "num_gpus", None)
+    if gpus is not None and gpus < 1:
+        raise ValueError(f"--num-gpus must be at least 1 (got {gpus}; leave it out for the product of the degrees)")
+    threads = getattr(args, "threads", 0)
+    if threads < 0 or threads > MAX_THREADS:
+        raise ValueError(f"--threads must be 0 (torch's choice) or a count from 1 to {MAX_THREADS} (got {threads})")
+    device = getattr(args, "device", "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device '{device}' is not a torch device (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {device}: no CUDA GPU is available here (use --device cpu)")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"--device {device}: this machine has {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
+    elif dev.type != "cpu":
+        backend = getattr(torch, dev.type, None)
+        if backend is None or not getattr(backend, "is_available", lambda: False)():
+            raise ValueError(f"--device {device}: no '{dev.type}' device is available here (use cpu or cuda)")
 
 
 def cmd_quantize(args) -> dict:
     from .quant import quantize_file
 
+    check_output_path("output", args.output, (".safetensors",))
     t0 = time.perf_counter()
     summary = quantize_file(args.input, args.output, args.format, dtype=args.dtype)
     summary["seconds"] = round(time.perf_counter() - t0, 2)
@@ -363,12 +464,25 @@ def cmd_quantize(args) -> dict:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging()
+    try:
+        check_common_args(args)
+    except ValueError as e:
+        print(f"sgld {args.command}: error: {e}", file=sys.stderr)
+        return 2
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
     elif args.command == "generate" and args.device == "cpu":
         # the demo model's matrices are tiny: a second thread costs more in synchronisation than it
         # computes, and on a busy machine it waits for a core (measured 10-20x slower)
         torch.set_num_threads(1)
+    try:
+        return _run_command(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT; --out keeps its old content
+        print(f"sgld {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run_command(args) -> int:
     from .loader import CheckpointError
     from .parallel.pool import ParallelWorkerError
     from .pipeline import InputError
@@ -381,7 +495,7 @@ def main(argv=None) -> int:
             cmd_generate(args)
         elif args.command == "quantize":
             cmd_quantize(args)
-    except (CheckpointError, InputError, ValueError, ParallelWorkerError) as e:
+    except (CheckpointError, InputError, ValueError, ParallelWorkerError, OSError) as e:
         print(f"sgld {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

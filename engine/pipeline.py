@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
@@ -12,12 +14,59 @@ import torch
 from .config import EngineConfig
 from .loader import load_model
 from .models.ernie_image import ErnieImageTransformer
-from .sampling import (DEFAULT_SHIFT, MULTIPLIER, SAMPLERS, SCHEDULERS, model_calls, noise_scaling,
-                       run_sampler, seeded_noise, sigma_schedule)
+from .sampling import (DEFAULT_SHIFT, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SCHEDULE, MAX_SEED, MAX_SHIFT,
+                       MAX_STEPS, MULTIPLIER, SAMPLERS, SCHEDULERS, model_calls, noise_scaling, run_sampler,
+                       seeded_noise, sigma_schedule, step_of_call)
 
 
 class InputError(ValueError):
     """Inputs that do not fit the model (latent shape, conditioning); the message says which and why."""
+
+
+class ModelOutputError(InputError):
+    """The model's output held NaN or inf (damaged weights, an overflowing dtype): the run stops at that
+    step instead of making a blank picture. An InputError, so the nodes and the CLI report it as one."""
+
+
+def _integer(name: str, value, lo: int, hi: int) -> int:
+    try:
+        v = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        v = None
+    if v is None or not lo <= v <= hi:
+        raise InputError(f"{name} must be an integer from {lo} to {hi} (got {value!r})")
+    return v
+
+
+def _number(name: str, value, lo: float, hi: float, above_lo: bool = False) -> float:
+    try:
+        v = None if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        v = None
+    if v is None or not math.isfinite(v) or not (v > lo if above_lo else v >= lo) or v > hi:
+        raise InputError(f"{name} must be a finite number {'above' if above_lo else 'from'} {lo:g} to {hi:g} (got {value!r})")
+    return v
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """0 .. 2**64-1, the seeds ComfyUI gives and torch.Generator.manual_seed takes."""
+    return _integer(name, seed, 0, MAX_SEED)
+
+
+def check_sampling_settings(*, steps, cfg, denoise=1.0, shift=DEFAULT_SHIFT, names=None) -> None:
+    """Refuse settings that would make a blank picture (NaN, inf, out of range) or unbounded work, before any
+    work: InputError naming the setting and what is allowed (limits: engine/sampling.py). ``names``: how the
+    caller spells each setting (the CLI: ``{"cfg": "--cfg", ...}``)."""
+    def name(key):
+        return (names or {}).get(key, key)
+
+    steps = _integer(name("steps"), steps, 1, MAX_STEPS)
+    _number(name("cfg"), cfg, 0.0, MAX_CFG)
+    _number(name("shift"), shift, 0.0, MAX_SHIFT, above_lo=True)
+    denoise = 1.0 if denoise is None else _number(name("denoise"), denoise, 0.0, 1.0)
+    if 0.0 < denoise <= 0.9999 and steps / denoise > MAX_SCHEDULE:  # the schedule is cut from steps / denoise
+        raise InputError(f"{name('steps')} / {name('denoise')} must be at most {MAX_SCHEDULE}: {steps} steps at denoise "
+                         f"{denoise:g} need a schedule of {int(steps / denoise)} (raise denoise or lower steps)")
 
 
 @dataclass
@@ -31,6 +80,15 @@ class RunStats:
     call_seconds: List[float] = field(default_factory=list)  # wall time of each model call
     cache: dict = field(default_factory=dict)  # Cache-DiT summary (engine.cache); empty when off
     warnings: List[str] = field(default_factory=list)  # what this run did other than asked (denoise 0, ...)
+    sampler: str = "euler"
+
+    def nonfinite_output(self) -> "ModelOutputError":
+        """The error for a model call (the last one recorded) whose output held NaN or inf."""
+        call = len(self.call_seconds)
+        return ModelOutputError(
+            f"the model produced NaN/inf at step {step_of_call(self.sampler, call - 1) + 1} of {self.steps} "
+            f"(model call {call} of {self.model_calls}): the weights may be damaged (a checkpoint holding NaN/inf), "
+            "or the dtype overflowed (try fp32 or bf16)")
 
     @property
     def steps_computed(self) -> int:
@@ -204,6 +262,8 @@ class Engine:
                     f"{name} conditioning #{i} has {c.shape[1]} features per token but this model takes {cfg.text_in_dim}: "
                     "was it made by the right text encoder?"
                 )
+            if not torch.isfinite(c).all():
+                raise InputError(f"{name} conditioning #{i} holds NaN or inf values: the text encoder's output is damaged")
             feats.append(c)
         if len(feats) == 1 and batch > 1:
             feats = feats * batch
@@ -222,6 +282,12 @@ class Engine:
         p = cfg.patch_size
         if latent.shape[2] < p or latent.shape[3] < p or latent.shape[2] % p or latent.shape[3] % p:
             raise InputError(f"latent size {tuple(latent.shape[2:])} is not a multiple of the patch size {p}")
+        tokens = (latent.shape[2] // p) * (latent.shape[3] // p)
+        if tokens > MAX_IMAGE_TOKENS:
+            raise InputError(f"latent size {tuple(latent.shape[2:])} makes {tokens} image tokens per sample; the limit is "
+                             f"{MAX_IMAGE_TOKENS} ({MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} pixels for ERNIE-Image)")
+        if not torch.isfinite(latent).all():
+            raise InputError("latent holds NaN or inf values")
 
     # -- sampling --------------------------------------------------------------------------------
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, text: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -245,6 +311,8 @@ class Engine:
             v = self.velocity(xs, sig, text, lens)
             stats.call_seconds.append(time.perf_counter() - t0)
             stats.step_mask.append(bool(runner.computed[-1]) if runner is not None and runner.computed else True)
+            if not torch.isfinite(v).all():  # one cheap check a call: stop at the first bad step
+                raise stats.nonfinite_output()
             denoised = xs - v * sig.view(-1, 1, 1, 1)
             if not use_cfg:
                 return denoised
@@ -260,15 +328,14 @@ class Engine:
             raise InputError(f"sampler '{sampler}' is not supported; choose one of {', '.join(SAMPLERS)}")
         if scheduler not in SCHEDULERS:
             raise InputError(f"scheduler '{scheduler}' is not supported; choose one of {', '.join(SCHEDULERS)}")
-        if int(steps) < 1:
-            raise InputError(f"steps must be at least 1 (got {steps})")
+        check_sampling_settings(steps=steps, cfg=cfg, denoise=denoise, shift=shift)
         self._check_latent(latent)
         b = latent.shape[0]
         cond = self._check_conditioning("positive", cond, b)
         uncond = self._check_conditioning("negative", uncond, b) if uncond is not None and cfg != 1.0 else None
         sigmas = sigma_schedule(int(steps), scheduler, denoise, shift)
         n = max(len(sigmas) - 1, 0)  # denoise 0: no sigmas at all
-        self.last_run = RunStats(steps=n, model_calls=model_calls(sampler, n) if n else 0)
+        self.last_run = RunStats(steps=n, model_calls=model_calls(sampler, n) if n else 0, sampler=sampler)
         if not n:
             self.last_run.warnings.append("denoise is 0: nothing was denoised, the latent is returned unchanged")
         return latent.detach().to("cpu", torch.float32), cond, uncond, sigmas
@@ -276,6 +343,7 @@ class Engine:
     @staticmethod
     def _first_step(latent, sigmas, seed, callback):
         """The starting x (ComfyUI's seeded noise scaled to sigmas[0]) and the sampler's step callback."""
+        check_seed(seed)
         x = noise_scaling(sigmas[0], seeded_noise(latent.shape, seed), latent)
         total = len(sigmas) - 1
         step_cb = None if callback is None else (lambda i, x_i, denoised: callback(i, total, x_i, denoised))

@@ -750,8 +750,9 @@ def write_safetensors_streaming(path: str, specs: List[Tuple[str, torch.dtype, t
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
-    tmp = path + ".part"
-    with open(tmp, "wb") as f:
+    from .atomic_file import atomic_write
+
+    with atomic_write(path) as f:  # a unique temporary file, renamed when complete, removed on any failure
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for key, dt, shape in specs:
@@ -759,7 +760,6 @@ def write_safetensors_streaming(path: str, specs: List[Tuple[str, torch.dtype, t
             if t.dtype != dt or tuple(t.shape) != tuple(shape):
                 raise RuntimeError(f"internal: '{key}' produced {t.dtype} {tuple(t.shape)}, header says {dt} {tuple(shape)}")
             f.write(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    os.replace(tmp, path)
 
 
 def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dtype] = None) -> dict:

@@ -18,6 +18,17 @@ PRESETS = {"base": {"steps": 50, "cfg": 4.0}, "turbo": {"steps": 8, "cfg": 1.0}}
 DEFAULT_SHIFT = 3.0  # ComfyUI's ERNIE-Image shift (diffusers uses 4.0)
 MULTIPLIER = 1000.0  # sigma -> model timestep
 
+# Input limits, in one place (Engine.sample, the CLI and the nodes check against these before any work).
+# Generous: ComfyUI's KSampler allows 1..10000 steps, cfg 0..100, seeds 0..2**64-1 and shift 0..100;
+# ERNIE-Image's largest documented size is 2048x2048.
+MAX_STEPS = 10000
+MAX_SCHEDULE = 10000  # steps / denoise: the full schedule a denoise < 1 run takes its last steps from
+MAX_CFG = 100.0
+MAX_SHIFT = 100.0
+MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's largest value
+MAX_IMAGE_SIDE = 4096  # pixels (ERNIE-Image files: twice the largest documented size)
+MAX_IMAGE_TOKENS = (MAX_IMAGE_SIDE // 16) ** 2  # image tokens per sample (ERNIE-Image: 1 token per 16x16 px)
+
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 StepCallback = Callable[[int, torch.Tensor, torch.Tensor], None]  # (step index, x, denoised)
 
@@ -82,14 +93,18 @@ def sigma_schedule(steps: int, scheduler: str = "simple", denoise: float = 1.0, 
     """Sigmas for a run, ending in 0; with denoise < 1 only the last ``steps`` of a longer schedule."""
     if scheduler not in SCHEDULERS:
         raise ValueError(f"scheduler '{scheduler}' is not supported; choose one of {', '.join(SCHEDULERS)}")
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1 (got {steps})")
+    if not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"steps must be from 1 to {MAX_STEPS} (got {steps})")
+    if denoise is not None and not math.isfinite(denoise):
+        raise ValueError(f"denoise must be a finite number from 0 to 1 (got {denoise})")
     make = {"simple": _simple, "normal": _normal, "beta": _beta}[scheduler]
     fs = FlowSigmas(shift)
     if denoise is None or denoise > 0.9999:
         return make(fs, steps)
     if denoise <= 0.0:
         return torch.FloatTensor([])
+    if steps / denoise > MAX_SCHEDULE:  # the full schedule is built: bound it before it is
+        raise ValueError(f"steps / denoise must be at most {MAX_SCHEDULE} (got {steps} / {denoise})")
     return make(fs, int(steps / denoise))[-(steps + 1):]
 
 
@@ -193,6 +208,11 @@ SAMPLER_FUNCTIONS = {
 def model_calls(sampler: str, steps: int) -> int:
     """Forward passes per branch a sampler makes for ``steps`` steps (heun: two, except the last)."""
     return 2 * steps - 1 if sampler == "heun" else steps
+
+
+def step_of_call(sampler: str, call: int) -> int:
+    """The step (0-based) that a sampler's model call (0-based) belongs to (heun: two calls a step)."""
+    return call // 2 if sampler == "heun" else call
 
 
 def run_sampler(name: str, denoiser: Denoiser, x: torch.Tensor, sigmas: torch.Tensor,

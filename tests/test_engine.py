@@ -117,10 +117,78 @@ def test_callback_sees_every_step_and_can_interrupt(eng):
     (dict(cond=[torch.zeros(2, 48)] * 3), "positive conditioning has 3 entries for a latent batch of 2"),
     (dict(sampler="lms"), "sampler 'lms' is not supported"),
     (dict(scheduler="karras"), "scheduler 'karras' is not supported"),
-    (dict(steps=0), "steps must be at least 1"),
+    (dict(steps=0), r"steps must be an integer from 1 to 10000 \(got 0\)"),
+    # non-finite and out-of-range numbers (a blank picture otherwise) and unbounded work, refused up front
+    (dict(steps=10001), r"steps must be an integer from 1 to 10000 \(got 10001\)"),
+    (dict(steps=2.5), r"steps must be an integer"),
+    (dict(cfg=float("nan")), r"cfg must be a finite number from 0 to 100 \(got nan\)"),
+    (dict(cfg=float("inf")), r"cfg must be a finite number from 0 to 100 \(got inf\)"),
+    (dict(cfg=-1.0), r"cfg must be a finite number from 0 to 100 \(got -1.0\)"),
+    (dict(cfg=101.0), r"cfg must be a finite number from 0 to 100"),
+    (dict(shift=0.0), r"shift must be a finite number above 0 to 100 \(got 0.0\)"),
+    (dict(shift=-3.0), r"shift must be a finite number above 0 to 100"),
+    (dict(shift=float("nan")), r"shift must be a finite number above 0 to 100 \(got nan\)"),
+    (dict(denoise=float("nan")), r"denoise must be a finite number from 0 to 1 \(got nan\)"),
+    (dict(denoise=1.5), r"denoise must be a finite number from 0 to 1 \(got 1.5\)"),
+    (dict(denoise=-0.1), r"denoise must be a finite number from 0 to 1"),
+    (dict(denoise=1e-6), r"steps / denoise must be at most 10000: 2 steps at denoise 1e-06 need a schedule of 2000000"),
+    (dict(seed=2 ** 64), r"seed must be an integer from 0 to 18446744073709551615 \(got 18446744073709551616\)"),
+    (dict(seed=-1), r"seed must be an integer from 0 to 18446744073709551615 \(got -1\)"),
+    (dict(latent=torch.zeros(1, 16, 257, 256)), r"latent size \(257, 256\) makes 65792 image tokens per sample; the limit "
+                                                r"is 65536 \(4096x4096 pixels for ERNIE-Image\)"),
+    (dict(latent=torch.full((1, 16, 4, 4), float("nan"))), "latent holds NaN or inf values"),
+    (dict(cond=[torch.full((3, 48), float("inf"))]), "positive conditioning #0 holds NaN or inf values"),
 ])
 def test_bad_inputs_are_explained(eng, kwargs, match):
     args = dict(latent=torch.zeros(2, CFG.in_channels, 4, 4), cond=[feats(3, 1)], uncond=None, seed=0, steps=2, cfg=1.0)
     args.update(kwargs)
-    with pytest.raises(InputError, match=match):
-        eng.sample(args.pop("latent"), args.pop("cond"), args.pop("uncond"), **args)
+    calls = []
+    handle = eng.model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(InputError, match=match):
+            eng.sample(args.pop("latent"), args.pop("cond"), args.pop("uncond"), **args)
+    finally:
+        handle.remove()
+    assert calls == []  # refused before any model call
+
+
+def test_the_largest_seed_and_schedule_are_accepted(eng):
+    latent = torch.zeros(1, CFG.in_channels, 4, 4)
+    eng.sample(latent, [feats(3, 1)], seed=2 ** 64 - 1, steps=1, cfg=1.0)
+    eng.sample(latent, [feats(3, 1)], seed=0, steps=2, cfg=1.0, denoise=2 / 10000)  # a schedule of exactly 10000
+    assert eng.last_run.steps == 2
+
+
+@pytest.fixture(scope="module")
+def nan_checkpoint(tmp_path_factory):
+    """A real checkpoint with one damaged (NaN) weight in the last block's MLP."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from engine.random_weights import save_random_checkpoint
+
+    d = tmp_path_factory.mktemp("nan")
+    save_random_checkpoint(str(d / "good.safetensors"), CFG, seed=5)
+    with safe_open(str(d / "good.safetensors"), "pt") as f:
+        meta = f.metadata()
+    sd = load_file(str(d / "good.safetensors"))
+    sd["layers.1.mlp.linear_fc2.weight"][3, 7] = float("nan")
+    save_file(sd, str(d / "nan.safetensors"), metadata=meta)
+    return str(d / "nan.safetensors")
+
+
+@pytest.mark.parametrize("sampler", ["euler", "heun"])
+def test_a_model_that_produces_nan_stops_at_the_first_bad_step(nan_checkpoint, sampler):
+    """Under inference_mode, as ComfyUI runs the KSampler node; an InputError subclass, so the node and the CLI
+    report it as one."""
+    from engine.pipeline import ModelOutputError
+
+    bad = Engine.from_file(nan_checkpoint, EngineConfig(dtype="fp32"))
+    with torch.inference_mode(), pytest.raises(ModelOutputError) as err:
+        bad.sample(torch.zeros(1, CFG.in_channels, 4, 4), [feats(3, 1)], [feats(2, 2)], seed=0, steps=6, cfg=3.0,
+                   sampler=sampler)
+    calls = 11 if sampler == "heun" else 6
+    assert str(err.value).startswith(f"the model produced NaN/inf at step 1 of 6 (model call 1 of {calls}): "
+                                     "the weights may be damaged")
+    assert isinstance(err.value, InputError)
+    assert len(bad.last_run.call_seconds) == 1  # stopped at once, not after the whole run

@@ -143,3 +143,31 @@ def test_bad_external_inputs_get_clear_errors(ernie_files, tmp_path):
     r = run([*base, "--text-encoder", ernie_files["model"], *vae])
     assert r.returncode == 2 and "is not a folder" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_size_over_the_limit_is_refused_before_anything_loads(ernie_files, tmp_path):
+    """--width 100000 used to allocate about 40 GB at the first step; now one line before loading."""
+    r = run(["--prompt", "a cat", "--model", ernie_files["model"], "--text-encoder", ernie_files["te"],
+             "--vae", ernie_files["vae"], "--width", "100000", "--out", str(tmp_path / "x.png")])
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("sgld generate: error: --width must be from 1 to 4096 pixels (got 100000; ERNIE-Image's "
+                                "largest documented size is 2048x2048)")
+
+
+def test_a_damaged_model_stops_the_run_with_a_clear_error_and_writes_nothing(ernie_files, tmp_path):
+    """A DiT with one NaN weight used to write a blank picture (exit 0) whose metadata held NaN."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(ernie_files["model"], "pt") as f:
+        meta = f.metadata()
+    sd = load_file(ernie_files["model"])
+    sd["layers.0.self_attention.to_v.weight"][0, 0] = float("nan")
+    save_file(sd, str(tmp_path / "nan.safetensors"), metadata=meta)
+    out = tmp_path / "x.png"
+    r = run(["--prompt", "a red cat", "--model", str(tmp_path / "nan.safetensors"), "--text-encoder", ernie_files["te"],
+             "--vae", ernie_files["vae"], "--width", "32", "--height", "32", "--steps", "3", "--out", str(out)])
+    assert r.returncode == 2, r.stderr
+    assert ("sgld generate: error: the model produced NaN/inf at step 1 of 3 (model call 1 of 3): the weights may be "
+            "damaged") in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()

@@ -116,3 +116,20 @@ def test_unknown_names_are_refused():
         sampling.sigma_schedule(5, "karras")
     with pytest.raises(ValueError, match="sampler 'lms' is not supported"):
         sampling.run_sampler("lms", toy_denoiser, torch.zeros(1), torch.ones(2))
+
+
+def test_schedule_length_is_bounded_before_it_is_built():
+    """denoise=1e-6 used to build a schedule of steps / denoise entries (minutes, about a GB); now refused at once."""
+    with pytest.raises(ValueError, match=r"steps / denoise must be at most 10000 \(got 20 / 1e-06\)"):
+        sampling.sigma_schedule(20, "simple", denoise=1e-6)
+    with pytest.raises(ValueError, match=r"steps must be from 1 to 10000 \(got 10001\)"):
+        sampling.sigma_schedule(10001)
+    with pytest.raises(ValueError, match=r"denoise must be a finite number from 0 to 1 \(got nan\)"):
+        sampling.sigma_schedule(5, denoise=float("nan"))
+    assert len(sampling.sigma_schedule(10, "simple", denoise=10 / 10000)) == 11  # the limit itself is allowed
+
+
+def test_step_of_each_model_call():
+    calls = sampling.model_calls("heun", 4)
+    assert [sampling.step_of_call("heun", c) for c in range(calls)] == [0, 0, 1, 1, 2, 2, 3]
+    assert [sampling.step_of_call("euler", c) for c in range(4)] == [0, 1, 2, 3]

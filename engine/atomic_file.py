@@ -1,0 +1,34 @@
+"""Whole-or-nothing file writes: a reader (or the next run) sees the old file or the complete new one,
+never a part, whatever happens during the write (full disk, Ctrl-C, two writers on one path)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, suffix: str = ".part"):
+    """Yield a binary file under a unique temporary name in ``path``'s folder (the same file system, so the
+    rename is atomic); on success it replaces ``path``, on any failure or interrupt it is removed and
+    ``path`` keeps its old content. The new file gets the usual permissions (0666 less the umask)."""
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
+                               suffix=suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
