@@ -19,6 +19,7 @@ import comfy.utils
 
 from ..engine import CheckpointError, InputError
 from ..engine.cache import CacheConfigError
+from ..engine.parallel import ParallelConfigError, ParallelWorkerError
 from ..engine.pipeline import latent_hint
 from ..engine.sampling import SAMPLERS, SCHEDULERS
 from .demo import WARNINGS_KEY
@@ -236,7 +237,7 @@ class SGLDiffusionKSampler:
             raise ValueError(f"{NODE}: 'model' must come from SGLDiffusion Model Loader (got {type(model).__name__})")
         try:
             engine = model.engine()
-        except CheckpointError as e:
+        except (CheckpointError, ParallelConfigError, ParallelWorkerError) as e:
             raise ValueError(f"{NODE}: {e}") from None
         samples = latent_samples(latent_image, engine.model.config.in_channels)
         cond = conditioning_features("positive", positive)
@@ -248,7 +249,7 @@ class SGLDiffusionKSampler:
         try:
             out = engine.sample(samples, cond, uncond, seed=seed, steps=steps, cfg=cfg, sampler=sampler_name,
                                 scheduler=scheduler, denoise=denoise, callback=reporter, **kwargs)
-        except (InputError, CacheConfigError) as e:
+        except (InputError, CacheConfigError, ParallelWorkerError) as e:  # ComfyUI shows the class: keep it plain
             raise ValueError(f"{NODE}: {e}") from None
         result = dict(latent_image)
         result["samples"] = out.to(comfy.model_management.intermediate_device())

@@ -99,7 +99,10 @@ class ComfyServer:
         return requests.get(self.url + path, timeout=timeout, **kw)
 
     def post(self, path: str, payload=None, timeout: float = 30) -> requests.Response:
-        return requests.post(self.url + path, json=payload if payload is not None else {}, timeout=timeout)
+        # json.dumps, not requests' json=: a test may send NaN, which a browser's graph can hold and
+        # ComfyUI's parser accepts, but requests refuses to encode
+        return requests.post(self.url + path, data=json.dumps(payload if payload is not None else {}), timeout=timeout,
+                             headers={"Content-Type": "application/json"})
 
     def queue(self, prompt: dict) -> str:
         r = self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})

@@ -117,3 +117,31 @@ def test_bad_parallel_options_are_the_loaders_value_errors(comfy):
         assert "ulysses_degree = 8 does not divide" in msg, msg
     assert comfy.alive()
     run_ok(comfy, graph(6))  # the server keeps serving
+
+
+def test_worker_killed_mid_run_is_the_ksamplers_value_error_and_the_next_run_works(comfy):
+    """A rank dies while SGLDiffusion KSampler samples: the node fails with a plain ValueError naming the
+    node and the dead rank (not a path-mangled engine exception type), and the next run restarts the pool."""
+    import signal
+
+    run_ok(comfy, graph(7, num_gpus=2))  # workers up, weights loaded
+    pids = worker_pids(comfy)
+    prompt = cs.tiny_graph(TINY, seed=8, steps=400, loader_options={"num_gpus": 2})
+    ws = comfy.websocket()
+    try:
+        prompt_id = comfy.queue(prompt)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until the KSampler reports progress: the ranks are computing
+            msg = ws.recv()
+            if isinstance(msg, str) and '"progress"' in msg and prompt_id in msg:
+                break
+        os.kill(pids[1], signal.SIGKILL)
+        entry = comfy.wait(prompt_id, timeout=120)
+    finally:
+        ws.close()
+    err = cs.error_message(entry)
+    assert err is not None and err["node_type"] == "SGLDiffusionKSampler", entry["status"]
+    assert err["exception_type"] == "ValueError", err["exception_type"]
+    assert err["exception_message"].startswith("SGLDiffusion KSampler: parallel run failed"), err["exception_message"]
+    assert f"worker rank 1 (pid {pids[1]})" in err["exception_message"], err["exception_message"]
+    run_ok(comfy, graph(9, num_gpus=2))

@@ -491,6 +491,9 @@ BAD = {
                        [f"{DIM + 16} features per token", f"takes {DIM}"]),
     "cache-too-many-fixed-blocks": (dict(cache={"enabled": True, "preset": "fast", "advanced": True, "Fn": 2, "Bn": 0}),
                                     "SGLDiffusionKSampler", ["SGLDiffusion KSampler:", "leaves no middle blocks to cache"]),
+    # NaN passes ComfyUI's own min/max check of a FLOAT widget (every comparison with NaN is false)
+    "cfg-nan": (dict(cfg=float("nan")), "SGLDiffusionKSampler", ["SGLDiffusion KSampler:", "cfg must be a finite number"]),
+    "denoise-nan": (dict(denoise=float("nan")), "SGLDiffusionKSampler", ["SGLDiffusion KSampler:", "denoise must be a finite"]),
 }
 
 
