@@ -58,6 +58,7 @@ from engine import offload as O  # noqa: E402
 from engine import quant as Q  # noqa: E402
 from engine.cache import CacheConfig  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.fuse import fuse_projections  # noqa: E402
 from engine.pipeline import Engine  # noqa: E402
 from engine.random_weights import SIZES, random_model_on_device  # noqa: E402
 
@@ -230,7 +231,10 @@ def attention_flops(cfg, n_img, n_txt, batch=1) -> float:
 
 
 def build(cfg, dev, dtype):
-    return random_model_on_device(cfg, dev, dtype, seed=0)
+    """The random model in the layout an Engine runs (q/k/v and gate/up fused, engine/fuse.py)."""
+    model = random_model_on_device(cfg, dev, dtype, seed=0)
+    fuse_projections(model)
+    return model
 
 
 def inputs(ctx, batch=1, seed=0, short_second=False):
@@ -342,7 +346,8 @@ def row_diffusers(ctx):
 
     ours = ctx.model()
     ref = diffusers_model(ctx.cfg, ours)
-    shared = {p.data_ptr() for p in ours.parameters()} >= {p.data_ptr() for p in ref.parameters()}
+    storages = lambda m: {p.untyped_storage().data_ptr() for p in m.parameters()}  # noqa: E731 (fused parts: views)
+    shared = storages(ours) >= storages(ref)
     inp = ctx.state["inp1"]
     start = ctx.start_window()
     times = {"ours": [], "diffusers": []}

@@ -198,11 +198,21 @@ class LoRAFile:
 
 
 def target_modules(model: nn.Module) -> Dict[str, nn.Module]:
-    """Modules a LoRA can adapt: linears, convs, and quantized linears (by their names in the model)."""
+    """What a LoRA can adapt, by checkpoint name: linears, convs, quantized linears, and the parts of fused
+    projections (``engine.fuse.RowView``: ``to_q`` is rows of ``qkv``)."""
+    from .fuse import RowView, linear_parts
     from .quant import QUANT_MODULES
 
-    return {name: m for name, m in model.named_modules()
-            if name and isinstance(m, (nn.Linear, nn.Conv2d) + tuple(QUANT_MODULES))}
+    kinds = (nn.Linear, nn.Conv2d, RowView) + tuple(QUANT_MODULES)
+    return {name: m for name, m in linear_parts(model).items()
+            if name and isinstance(m, kinds) and getattr(m, "fused_parts", None) is None}
+
+
+def _is_quantized(target) -> bool:
+    from .fuse import RowView
+    from .quant import QUANT_MODULES
+
+    return isinstance(target.module if isinstance(target, RowView) else target, QUANT_MODULES)
 
 
 def key_map(model: nn.Module) -> Dict[str, str]:
@@ -574,8 +584,6 @@ class LoRAState:
 
     def _plan(self, loras, modules) -> Dict[str, List[Tuple[LoRAEntry, float]]]:
         """module name -> [(entry, strength)], checked against the model (nothing is changed here)."""
-        from .quant import QUANT_MODULES
-
         plan: Dict[str, List[Tuple[LoRAEntry, float]]] = {}
         for lf, strength in loras:
             if float(strength) == 0.0:
@@ -584,7 +592,7 @@ class LoRAState:
                 if name not in modules:
                     raise LoRAError(f"{lf.path}: layer '{name}' is not in this model")
                 mod = modules[name]
-                if e.diff is not None and isinstance(mod, QUANT_MODULES):
+                if e.diff is not None and _is_quantized(mod):
                     raise LoRAError(f"{lf.path}: a full weight difference ('.diff') cannot be applied to the quantized "
                                     f"layer '{name}'; load the model without quantization to use this LoRA")
                 wshape = _weight_shape(mod)
@@ -618,8 +626,6 @@ class LoRAState:
         self.last_seconds = time.perf_counter() - t0
 
     def _change(self, plan, modules, compact_ok: bool) -> None:
-        from .quant import QUANT_MODULES
-
         def compact(name: str) -> bool:
             return compact_ok and modules[name].weight.element_size() == 2
 
@@ -633,12 +639,12 @@ class LoRAState:
             elif name not in plan or compact(name):
                 modules[name].weight.copy_(rec)
                 del self.backups[name]
-        for name in [n for n in self.hooks if n not in plan or not isinstance(modules[n], QUANT_MODULES)]:
+        for name in [n for n in self.hooks if n not in plan or not _is_quantized(modules[n])]:
             self._remove_side(name, modules[name])
         # 2. touched layers: merged in float32, or a side path when quantized; the record first
         for name, items in plan.items():
             mod = modules[name]
-            if isinstance(mod, QUANT_MODULES):
+            if _is_quantized(mod):
                 self._set_side(name, mod, items)
                 continue
             w = mod.weight
@@ -736,7 +742,8 @@ class LoRAState:
         for idx, vals in record.exc:
             flat[idx.to(w.device, torch.int64)] = vals.to(w.device)
 
-    def _set_side(self, name: str, mod: nn.Module, items) -> None:
+    def _set_side(self, name: str, target, items) -> None:
+        mod, rows = _side_module(target)
         dev = self._compute_device()
         dtype = self.model.dtype if hasattr(self.model, "dtype") else torch.float32
         downs, ups = [], []
@@ -746,21 +753,50 @@ class LoRAState:
         a = torch.cat(downs, 0).to(dev, dtype)
         b = torch.cat(ups, 1).to(dev, dtype)
         if name not in self.hooks:  # recorded before the module changes
-            self.hooks[name] = type(mod)
-        old = getattr(mod, "_sgld_lora_side", None)
-        if old is not None and old[0].shape == a.shape and old[1].shape == b.shape:
-            old[0].copy_(a)  # same shapes: in place (no new graph under torch.compile)
-            old[1].copy_(b)
-        else:
-            mod._sgld_lora_side = (a, b)
-        mod.__class__ = _side_class(self.hooks[name])
+            self.hooks[name] = getattr(type(mod), "_sgld_lora_base", type(mod))
+        mod.__dict__.setdefault("_sgld_lora_parts", {})[name] = (rows, a, b)
+        _install_side(mod, self.hooks[name])
 
-    def _remove_side(self, name: str, mod: nn.Module) -> None:
+    def _remove_side(self, name: str, target) -> None:
+        mod, _ = _side_module(target)
         base_cls = self.hooks.get(name)
+        (mod.__dict__.get("_sgld_lora_parts") or {}).pop(name, None)
         if base_cls is not None:
-            mod.__class__ = base_cls
-        mod.__dict__.pop("_sgld_lora_side", None)
+            _install_side(mod, base_cls)
         self.hooks.pop(name, None)  # forgotten only once the module is back
+
+
+def _side_module(target) -> Tuple[nn.Module, Tuple[int, int]]:
+    """The module whose forward gets the side path, and the target's output rows in it (a fused part's)."""
+    from .fuse import RowView
+
+    if isinstance(target, RowView):
+        return target.module, (target.start, target.stop)
+    return target, (0, target.out_features)
+
+
+def _install_side(mod: nn.Module, base_cls: type) -> None:
+    """The module's side path from its parts (one per LoRA target in it: a fused module has several):
+    A = every part's down stacked along the rank, B = each part's up in its own output rows (zeros elsewhere)."""
+    parts = mod.__dict__.get("_sgld_lora_parts") or {}
+    if not parts:
+        mod.__class__ = base_cls
+        mod.__dict__.pop("_sgld_lora_side", None)
+        mod.__dict__.pop("_sgld_lora_parts", None)
+        return
+    a = torch.cat([pa for _, pa, _ in parts.values()], 0)
+    b = a.new_zeros(mod.out_features, a.shape[0])
+    r = 0
+    for (start, stop), pa, pb in parts.values():
+        b[start:stop, r:r + pa.shape[0]] = pb
+        r += pa.shape[0]
+    old = mod.__dict__.get("_sgld_lora_side")
+    if old is not None and old[0].shape == a.shape and old[1].shape == b.shape:
+        old[0].copy_(a)  # same shapes: in place (no new graph under torch.compile)
+        old[1].copy_(b)
+    else:
+        mod._sgld_lora_side = (a, b)
+    mod.__class__ = _side_class(base_cls)
 
 
 def lora_state(model: nn.Module) -> LoRAState:

@@ -12,6 +12,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .config import EngineConfig
+from .fuse import fuse_projections, fused_groups
 from .loader import load_model
 from .models.ernie_image import ErnieImageTransformer
 from .sampling import (DEFAULT_SHIFT, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SCHEDULE, MAX_SEED, MAX_SHIFT,
@@ -152,6 +153,9 @@ class Engine:
         self.notes: List[str] = []
         if self.config.quant:
             self.warnings += quant.quantize_model(model, self.config.quant)
+        fuse_projections(model)  # q/k/v and gate/up as one GEMM each (after quantization: rows concatenate exactly)
+        fused, groups = fused_groups(model)
+        self.notes.append(f"fused projections: {fused} of {groups} q/k/v and gate/up groups run as one GEMM each")
         # Layer-wise offload (after quantization: the quantized bytes are what is offloaded; before the
         # fast-path probe and the attention choice, which look at the compute device).
         self.offload = None

@@ -61,7 +61,8 @@ FP8_MAX = 448.0
 FP8_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2)
 FORMATS = ("fp8", "int4", "int4-g64")
 BLOCK_LINEARS = ("self_attention.to_q", "self_attention.to_k", "self_attention.to_v", "self_attention.to_out.0",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.linear_fc2")
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.linear_fc2",
+                 "self_attention.qkv", "mlp.gate_up")  # the last two: fused by engine/fuse.py
 BLOCK_LINEAR_RE = re.compile(r"^layers\.\d+\.(" + "|".join(re.escape(n) for n in BLOCK_LINEARS) + r")$")
 SGLD_META_KEY = "sgld_quant"
 COMFY_META_KEY = "_quantization_metadata"

@@ -18,7 +18,7 @@ except ImportError:
     import pack_modules
 
 from engine import Engine, EngineConfig
-from engine.lora import LoRAError, parse_spec, read_lora
+from engine.lora import LoRAError, parse_spec, read_lora, target_modules
 from engine.random_weights import SIZES, random_model
 
 CFG = SIZES["tiny"]
@@ -170,7 +170,7 @@ def test_stacked_strengths_switch_and_exact_restore(tmp_path, dtype, restore, mo
     monkeypatch.setenv("SGLD_LORA_RESTORE", restore)
     eng = tiny_engine(dtype)
     with torch.no_grad():  # elements a LoRA flips in sign or changes by 2x or more: the sparse exceptions
-        eng.model.layers[0].self_attention.to_q.weight[:4] = torch.tensor([0.0, -0.0, 1e-4, -3e-3]).to(dtype)[:, None]
+        target_modules(eng.model)["layers.0.self_attention.to_q"].weight[:4] = torch.tensor([0.0, -0.0, 1e-4, -3e-3]).to(dtype)[:, None]
     h0 = weights_hash(eng.model)
     base = {k: v.clone() for k, v in eng.model.state_dict().items()}
     pa = make_pairs(MODULES[:4], seed=2)
@@ -193,7 +193,7 @@ def test_stacked_strengths_switch_and_exact_restore(tmp_path, dtype, restore, mo
     assert not st.backups and st.backup_bytes == 0  # nothing kept once the base is back
     fresh = tiny_engine(dtype)
     with torch.no_grad():
-        fresh.model.layers[0].self_attention.to_q.weight.copy_(base["layers.0.self_attention.to_q.weight"])
+        target_modules(fresh.model)["layers.0.self_attention.to_q"].weight.copy_(base["layers.0.self_attention.to_q.weight"])
     fresh.set_loras([(a, 0.3)])
     assert weights_hash(fresh.model) == h_a03  # a switch gives what a fresh application gives
     eng.set_loras([(a, 1.0), (b, -0.5)])
@@ -281,16 +281,19 @@ def test_quantized_layers_get_an_unmerged_side_path(tmp_path, quant):
     path = write_lora(tmp_path / "q.safetensors", pairs, "diffusers")
     eng.set_loras([(path, 0.8)])
     st = eng.model.__dict__["_sgld_lora"]
-    q = [m for m in MODULES if isinstance(eng.model.get_submodule(m), QUANT_MODULES)]
+    targets = target_modules(eng.model)  # checkpoint names; to_q and gate_proj are rows of fused modules
+    physical = {m: getattr(targets[m], "module", targets[m]) for m in MODULES}
+    q = [m for m in MODULES if isinstance(physical[m], QUANT_MODULES)]
     assert sorted(st.hooks) == sorted(q) and len(q) == 4  # block linears: side path; the rest merged
-    assert type(eng.model.get_submodule(q[0])).__name__.endswith("WithLoRA")
+    assert all(type(physical[m]).__name__.endswith("WithLoRA") for m in q)
     assert sorted(st.backups) == sorted(set(MODULES) - set(q))
-    # each quantized layer computes dequantized W x + 0.8 B A x
-    xin = torch.randn(3, shape_of(q[0])[1])
-    mod = eng.model.get_submodule(q[0])
-    a, b = pairs[q[0]]
-    ref = F.linear(xin, mod.dequantize()) + 0.8 * F.linear(F.linear(xin, a.bfloat16().float()), b.bfloat16().float())
-    torch.testing.assert_close(mod(xin), ref, rtol=1e-5, atol=1e-5)
+    # each quantized layer computes dequantized W x + 0.8 B A x (in its own rows of a fused module)
+    for name in q:
+        xin = torch.randn(3, shape_of(name)[1])
+        mod, rows = physical[name], slice(getattr(targets[name], "start", 0), getattr(targets[name], "stop", None))
+        a, b = pairs[name]
+        ref = F.linear(xin, mod.dequantize()[rows]) + 0.8 * F.linear(F.linear(xin, a.bfloat16().float()), b.bfloat16().float())
+        torch.testing.assert_close(mod(xin)[:, rows], ref, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         y1 = eng.model(*x)
     assert (y1 - y0).abs().max() > 1e-3
@@ -459,10 +462,10 @@ def test_node_chain_two_graphs_share_one_base(pack, tmp_path):
     model = e0.model
     base_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     st = model.__dict__["_sgld_lora"]
-    numel = sum(model.get_submodule(m).weight.numel() for m in MODULES[:3])
+    numel = sum(target_modules(model)[m].weight.numel() for m in MODULES[:3])
     assert numel <= st.backup_bytes < 2 * numel  # bf16: ~1 byte per touched weight restores it, not a 2-byte copy
-    stores = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
-    assert len(stores) == len(model.state_dict())  # no tensor duplicated inside the model
+    stores = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
+    assert sum(stores.values()) == base_bytes  # no tensor duplicated inside the model (fused parts share a storage)
     print(f"\nmemory: 2 graphs with different LoRAs hold {(base_bytes + st.backup_bytes) / 2**20:.3f} MiB "
           f"(base {base_bytes / 2**20:.3f} MiB once + {st.backup_bytes / 2**20:.3f} MiB to restore the "
           f"{2 * numel / 2**20:.3f} MiB of touched layers) vs {2 * base_bytes / 2**20:.3f} MiB for two copies")
@@ -649,8 +652,8 @@ def test_sgld_generate_lora_flag(tmp_path, capsys):
     dit = load_demo().dit
     g = torch.Generator().manual_seed(14)
     sd = {}
-    for n, m in dit.named_modules():
-        if isinstance(m, torch.nn.Linear) and n.startswith("layers."):
+    for n, m in target_modules(dit).items():  # checkpoint names, whether or not an engine fused the DiT
+        if n.startswith("layers."):
             sd[f"transformer.{n}.lora_A.weight"] = torch.randn(4, m.in_features, generator=g) / m.in_features ** 0.5
             sd[f"transformer.{n}.lora_B.weight"] = torch.randn(m.out_features, 4, generator=g) * 0.3
     path = str(tmp_path / "demo_lora.safetensors")

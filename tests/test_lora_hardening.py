@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 import engine.lora as lora_mod
 from engine import Engine, EngineConfig
-from engine.lora import LoRAError, LoRAState, normalize, parse_spec, read_lora
+from engine.lora import LoRAError, LoRAState, normalize, parse_spec, read_lora, target_modules
 from engine.random_weights import random_model
 
 try:
@@ -53,7 +53,12 @@ def differing(model, ref: dict) -> list:
 
 
 def side_paths(model) -> list:
-    return [n for n, m in model.named_modules() if type(m).__name__.endswith("WithLoRA") or "_sgld_lora_side" in m.__dict__]
+    """Checkpoint names of the linears with a LoRA side path (a fused q/k/v or gate/up module: its parts')."""
+    out = []
+    for n, m in model.named_modules():
+        if type(m).__name__.endswith("WithLoRA") or "_sgld_lora_side" in m.__dict__:
+            out += list(m.__dict__.get("_sgld_lora_parts") or [n])
+    return out
 
 
 def assert_base(eng, base: dict):
@@ -379,8 +384,8 @@ def _peft_file(path, modules, config=None, rank=4, seed=0, dtype=torch.float32):
 def _demo_modules():
     from engine.models.demo import load_demo
 
-    return {n: (m.out_features, m.in_features) for n, m in load_demo().dit.named_modules()
-            if isinstance(m, torch.nn.Linear) and n.startswith("layers.")}
+    return {n: (m.out_features, m.in_features) for n, m in target_modules(load_demo().dit).items()
+            if n.startswith("layers.")}
 
 
 def test_redos_alpha_pattern_is_refused_by_sgld_generate(tmp_path):

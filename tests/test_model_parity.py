@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from engine.fuse import fuse_projections
 from engine.models.ernie_image import ErnieImageConfig
 from engine.random_weights import random_model, random_state_dict
 
@@ -42,12 +43,16 @@ def inputs(cfg, h, w, lens, dtype, seed=0):
     return x, t, text.to(dtype), torch.tensor(lens)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["release-layout", "fused"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_matches_diffusers(name, dtype, tol):
+def test_matches_diffusers(name, dtype, tol, fused):
+    """Both layouts: the release's (as loaded) and q/k/v + gate/up fused (engine/fuse.py, what an Engine runs)."""
     cfg, h, w, lens = CONFIGS[name]
     sd = random_state_dict(cfg, seed=3)
     ours = random_model(cfg, seed=3, dtype=dtype)
+    if fused:
+        assert fuse_projections(ours) == 2 * cfg.num_layers
     ref = diffusers_model(cfg, sd, dtype)
     x, t, text, text_lens = inputs(cfg, h, w, lens, dtype)
     with torch.no_grad():

@@ -448,10 +448,13 @@ def write_tiny_lora(path, model, rank=2, seed=0):
     """A diffusers-format LoRA on two block linears and one non-block linear of ``model``."""
     from safetensors.torch import save_file
 
+    from engine.lora import target_modules
+
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for name in ("layers.1.self_attention.to_q", "layers.4.mlp.up_proj", "text_proj"):
-        out_f, in_f = model.get_submodule(name).weight.shape[:2]
+        target = target_modules(model)[name]  # checkpoint names (a fused q/k/v part too)
+        out_f, in_f = target.out_features, target.in_features
         sd[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * 0.3
         sd[f"transformer.{name}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.3
     save_file(sd, str(path))  # a 640-byte header: starts like pickle magic (test_checkpoint_validation)

@@ -199,9 +199,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: "BlockContext") -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.norm_q(self.to_q(x).view(b, s, self.heads, -1))
-        k = self.norm_k(self.to_k(x).view(b, s, self.heads, -1))
-        v = self.to_v(x).view(b, s, self.heads, -1)
+        if "qkv" in self._modules:  # fused by engine/fuse.py: one GEMM
+            q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).unbind(2)
+        else:
+            q, k, v = (lin(x).view(b, s, self.heads, -1) for lin in (self.to_q, self.to_k, self.to_v))
+        q, k = self.norm_q(q), self.norm_k(k)
         q, k = apply_rope(q, ctx.rope), apply_rope(k, ctx.rope)
         out = ctx.attention(q, k, v, ctx.key_mask)  # [B, S, heads, head_dim]
         return self.to_out[0](out.reshape(b, s, -1))
@@ -215,7 +217,11 @@ class GeGLU(nn.Module):
         self.linear_fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.up_proj(x) * F.gelu(self.gate_proj(x)))
+        if "gate_up" in self._modules:  # fused by engine/fuse.py: one GEMM
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.linear_fc2(up * F.gelu(gate))
 
 
 class ErnieImageBlock(nn.Module):
