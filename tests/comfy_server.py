@@ -138,6 +138,26 @@ class ComfyServer:
         return ws
 
 
+def pids_gone(pids, timeout: float = 15.0) -> bool:
+    """Every process of ``pids`` has exited and been reaped (a zombie still counts as there)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while any(psutil.pid_exists(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def base_with_tiny_model(base: str, name: str = "tiny.safetensors") -> str:
+    """``base`` laid out for a server (make_base_dir) with a tiny random checkpoint in diffusion_models and
+    an empty models/loras; returns the checkpoint's path."""
+    make_base_dir(base)
+    os.makedirs(os.path.join(base, "models", "loras"), exist_ok=True)
+    return write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", name))
+
+
 def error_message(entry: dict) -> Optional[dict]:
     """The ``execution_error`` / ``execution_interrupted`` payload of a history entry, if any."""
     for kind, data in entry.get("status", {}).get("messages", []):

@@ -514,6 +514,21 @@ def _fuzz_bases(tmp_path):
     return [plain, q, q4, comfy]
 
 
+def load_or_refuse(path, data: bytes, outcomes: dict, case: str) -> None:
+    """Write ``data`` to ``path`` and load it: it loads, or a one-line CheckpointError names the file; any
+    other exception fails the test."""
+    path.write_bytes(data)
+    try:
+        load_model(path)
+        outcomes["loaded"] += 1
+    except CheckpointError as e:
+        assert path.name in str(e) and "\n" not in str(e), str(e)
+        outcomes["refused"] += 1
+    except Exception as e:  # pragma: no cover - the failure being tested for
+        pytest.fail(f"{case}: {type(e).__name__}: {e}")
+    os.remove(path)
+
+
 def test_fuzzed_headers_only_ever_give_checkpoint_errors(tmp_path):
     rng = random.Random(1234)
     bases = _fuzz_bases(tmp_path)
@@ -539,17 +554,7 @@ def test_fuzzed_headers_only_ever_give_checkpoint_errors(tmp_path):
                 del data[i]
             else:
                 data.insert(i, rng.randrange(32, 127))
-        p = tmp_path / f"fuzz-{case}.safetensors"
-        p.write_bytes(bytes(data))
-        try:
-            load_model(p)
-            outcomes["loaded"] += 1
-        except CheckpointError as e:
-            assert f"fuzz-{case}.safetensors" in str(e) and "\n" not in str(e), str(e)
-            outcomes["refused"] += 1
-        except Exception as e:  # pragma: no cover - the failure being tested for
-            pytest.fail(f"case {case} ({base.name}): {type(e).__name__}: {e}")
-        os.remove(p)
+        load_or_refuse(tmp_path / f"fuzz-{case}.safetensors", bytes(data), outcomes, f"case {case} ({base.name})")
     assert outcomes["refused"] > 200, outcomes
 
 
@@ -601,17 +606,8 @@ def test_fuzzed_header_values_only_ever_give_checkpoint_errors(tmp_path):
         else:
             _mutate_json(header, rng)
         raw = json.dumps(header).encode()
-        p = tmp_path / f"fuzzv-{case}.safetensors"
-        p.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
-        try:
-            load_model(p)
-            outcomes["loaded"] += 1
-        except CheckpointError as e:
-            assert f"fuzzv-{case}.safetensors" in str(e) and "\n" not in str(e), str(e)
-            outcomes["refused"] += 1
-        except Exception as e:  # pragma: no cover - the failure being tested for
-            pytest.fail(f"case {case}: {type(e).__name__}: {e}")
-        os.remove(p)
+        load_or_refuse(tmp_path / f"fuzzv-{case}.safetensors", struct.pack("<Q", len(raw)) + raw + body, outcomes,
+                       f"case {case}")
     assert outcomes["refused"] > 150, outcomes
 
 

@@ -57,16 +57,6 @@ def worker_pids(comfy) -> list:
     return pids
 
 
-def gone(pids, timeout: float = 15.0) -> bool:
-    """Every pid has exited and been reaped (a zombie would still be there)."""
-    deadline = time.monotonic() + timeout
-    while any(psutil.pid_exists(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def loader_error(entry: dict) -> str:
     """The loader's error as the ComfyUI user sees it: a plain ValueError that names the node."""
     assert entry["status"]["status_str"] == "error", entry["status"]
@@ -84,7 +74,7 @@ def test_workers_stop_when_the_loader_goes_back_to_one_gpu(comfy):
     parallel = cs.saved_latent(comfy, run_ok(comfy, graph(1, num_gpus=2)))
     pids = worker_pids(comfy)
     single = cs.saved_latent(comfy, run_ok(comfy, graph(1, num_gpus=1)))  # same loader node, new inputs
-    assert gone(pids), f"worker processes {pids} still run after the loader switched to num_gpus=1"
+    assert cs.pids_gone(pids), f"worker processes {pids} still run after the loader switched to num_gpus=1"
     assert [m["worker_pids"] for m in loaded(comfy)] == [[]]
     assert (parallel - single).abs().max() <= 1e-4 * single.abs().max()
 
@@ -93,7 +83,7 @@ def test_workers_stop_on_free_and_the_next_run_starts_them(comfy):
     run_ok(comfy, graph(2, num_gpus=2))
     pids = worker_pids(comfy)
     assert comfy.post("/free", {"unload_models": True, "free_memory": True}).status_code == 200
-    assert gone(pids), f"worker processes {pids} still run after POST /free"
+    assert cs.pids_gone(pids), f"worker processes {pids} still run after POST /free"
     deadline = time.monotonic() + 15
     while loaded(comfy) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -593,9 +593,8 @@ def test_lora_loader_node_on_two_ranks_in_comfyui(tmp_path):
 
     if not os.path.exists(os.path.join(cs.COMFY_DIR, ".sgld-ready")):
         pytest.skip("ComfyUI is not installed (scripts/comfyui.sh)")
-    base = cs.make_base_dir(str(tmp_path / "comfy"))
-    ckpt = cs.write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", "tiny.safetensors"))
-    os.makedirs(os.path.join(base, "models", "loras"), exist_ok=True)
+    base = str(tmp_path / "comfy")
+    ckpt = cs.base_with_tiny_model(base)
     a = write_lora(os.path.join(base, "models", "loras", "a.safetensors"), make_pairs(BLOCK_LINEARS, seed=12), "ai_toolkit")
     server = cs.start_server(base)
     try:

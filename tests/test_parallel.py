@@ -21,6 +21,11 @@ from engine.parallel import (ParallelConfigError, ParallelEngine, ParallelWorker
 from engine.parallel.plan import cpu_rank_limit
 from engine.random_weights import SIZES, save_random_checkpoint
 
+try:  # tests/ may or may not be a package
+    from .comfy_server import pids_gone
+except ImportError:
+    from comfy_server import pids_gone
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODES = {"ulysses2": dict(ulysses_degree=2), "ring2": dict(ring_degree=2), "tp2": dict(tp=2), "cfg2": dict(cfg_parallel=True)}
@@ -147,18 +152,6 @@ def test_worker_killed_mid_run_fails_fast_and_next_run_works(setup):
     eng.close()
 
 
-def _gone(pids, timeout=10.0) -> bool:
-    """Every process of ``pids`` has exited and been reaped (a zombie still counts as there)."""
-    import psutil
-
-    deadline = time.monotonic() + timeout
-    while any(psutil.pid_exists(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def test_stopped_worker_is_named_within_30_s_and_next_run_works(setup):
     """A worker that stops answering (SIGSTOP) is found by its missing heartbeat, with the default
     limit and a call timeout (60 s here) far away: the error names rank 1 and its pid in < 30 s."""
@@ -176,7 +169,7 @@ def test_stopped_worker_is_named_within_30_s_and_next_run_works(setup):
             _run(eng, inputs, CacheConfig(enabled=False), callback=stop_rank1)
         assert time.monotonic() - t0 < 30
         assert "the process is stopped" in str(err.value)
-        assert not eng.transport.pool.alive and _gone(pids)  # the stopped worker was killed too
+        assert not eng.transport.pool.alive and pids_gone(pids)  # the stopped worker was killed too
     finally:
         try:
             os.kill(pids[1], signal.SIGCONT)
@@ -214,14 +207,14 @@ def test_close_stops_the_workers_of_the_last_engine(setup):
     pids = a.pids
     assert len(pids) == 2 and b.pids == pids
     a.close()
-    assert not _gone(pids, timeout=0.5) and b.pids == pids  # b still uses them
+    assert not pids_gone(pids, timeout=0.5) and b.pids == pids  # b still uses them
     b.release()
-    assert _gone(pids) and a.pids == [] and b.pids == []
+    assert pids_gone(pids) and a.pids == [] and b.pids == []
     assert _close(_run(b, inputs, CacheConfig(enabled=False)), refs["off"][0])
     new = b.pids
     assert len(new) == 2 and not set(new) & set(pids)
     b.close()
-    assert _gone(new)
+    assert pids_gone(new)
 
 
 @pytest.mark.parametrize("ending", ["exit", "sigkill"])
@@ -245,7 +238,7 @@ def test_workers_end_with_the_parent_process(setup, ending):
         if ending == "sigkill":
             proc.kill()
         assert proc.wait(timeout=60) in (0, -signal.SIGKILL)
-        assert _gone(pids)
+        assert pids_gone(pids)
     finally:
         proc.kill()
         proc.wait()
