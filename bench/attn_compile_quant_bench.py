@@ -18,11 +18,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import attention as A  # noqa: E402
-from engine import quant as Q  # noqa: E402
-from engine.compile import compile_blocks, graph_count, reset_counters  # noqa: E402
-from engine.loader import build_model  # noqa: E402
-from engine.random_weights import SIZES, random_model  # noqa: E402
+from engine.features import attention as A  # noqa: E402
+from engine.features import quant as Q  # noqa: E402
+from engine.features.compile import compile_blocks, graph_count, reset_counters  # noqa: E402
+from engine.io.checkpoint import build_model  # noqa: E402
+from engine.models.random_weights import SIZES, random_model  # noqa: E402
 
 VARIANTS = [  # (attention, compile, quant)
     ("sdpa", False, None),

@@ -3,7 +3,7 @@
 Runs both in one process, interleaved (ours fused, ours in the release layout, theirs, ...),
 single-threaded, and measures the process's CPU time (not wall time), so other work on a shared
 machine hardly moves the figures; reports the minimum over repeats, the ratios and the parity error.
-"fused" is what an Engine runs (q/k/v and gate/up as one GEMM each, engine/fuse.py); "release" is
+"fused" is what an Engine runs (q/k/v and gate/up as one GEMM each, engine/features/fuse.py); "release" is
 the model as loaded, with the checkpoint's separate projections.
 
     .venv/bin/python bench/forward_bench.py [--sizes small medium] [--dtypes fp32 bf16] [--tokens 1024]
@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from diffusers import ErnieImageTransformer2DModel  # noqa: E402
 
-from engine.fuse import fuse_projections  # noqa: E402
-from engine.random_weights import SIZES, random_model, random_state_dict  # noqa: E402
+from engine.features.fuse import fuse_projections  # noqa: E402
+from engine.models.random_weights import SIZES, random_model, random_state_dict  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

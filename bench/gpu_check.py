@@ -53,14 +53,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from engine import attention as A  # noqa: E402
-from engine import offload as O  # noqa: E402
-from engine import quant as Q  # noqa: E402
-from engine.cache import CacheConfig  # noqa: E402
+from engine.features import attention as A  # noqa: E402
+from engine.features import offload as O  # noqa: E402
+from engine.features import quant as Q  # noqa: E402
+from engine.features.cache import CacheConfig  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.fuse import fuse_projections  # noqa: E402
-from engine.pipeline import Engine  # noqa: E402
-from engine.random_weights import SIZES, random_model_on_device  # noqa: E402
+from engine.features.fuse import fuse_projections  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.models.random_weights import SIZES, random_model_on_device  # noqa: E402
 
 PHYSICAL_TFLOPS = 790.0  # dense bf16 GEMM rate measured on these H200s (device KINDS.md)
 PLANNING_TFLOPS = 600.0  # what a well-fed forward achieves; only for the time budget
@@ -231,7 +231,7 @@ def attention_flops(cfg, n_img, n_txt, batch=1) -> float:
 
 
 def build(cfg, dev, dtype):
-    """The random model in the layout an Engine runs (q/k/v and gate/up fused, engine/fuse.py)."""
+    """The random model in the layout an Engine runs (q/k/v and gate/up fused, engine/features/fuse.py)."""
     model = random_model_on_device(cfg, dev, dtype, seed=0)
     fuse_projections(model)
     return model
@@ -544,7 +544,7 @@ def _raw_sage_errors(q, k, v, s, short) -> str:
 def worker_compiled(ctx, fmt=None, attention="sdpa"):
     """Regional compile of the block (one graph for all layers); then a Turbo run, uncached and with
     Cache-DiT fast, on the compiled model (same shapes: no recompile)."""
-    from engine.compile import compile_blocks, graph_count, reset_counters
+    from engine.features.compile import compile_blocks, graph_count, reset_counters
 
     name = "all-on" if fmt else "compiled"
     m = ctx.model(fmt)
@@ -602,7 +602,7 @@ def plan(ctx):
     """(name, need seconds, function, risky?) in running order. ``need`` is called just before the row."""
     f = ctx.forward_estimate
     c = ctx.args.repeat + 1
-    from engine.cache import masks
+    from engine.features.cache import masks
 
     def run_need(steps, batch, preset):
         computed = sum(masks.preset_mask(preset, steps)) if preset else steps
@@ -674,7 +674,7 @@ def environment(args, dev, cfg, ctx):
 
 
 def build_model_meta(cfg):
-    from engine.loader import build_model
+    from engine.io.checkpoint import build_model
 
     return build_model(cfg, "meta")
 

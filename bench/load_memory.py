@@ -21,7 +21,7 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
 from engine import load_model
-from engine.loader import Checkpoint, check_architecture
+from engine.io.checkpoint import Checkpoint, check_architecture
 from engine.models.ernie_image import ErnieImageTransformer
 
 def status_kb(field):
@@ -49,7 +49,7 @@ print(json.dumps({"baseline_mb": base / 1024, "peak_mb": peak / 1024, "seconds":
 def main():
     import torch
     from engine.models.ernie_image import ErnieImageConfig
-    from engine.random_weights import save_random_checkpoint
+    from engine.models.random_weights import save_random_checkpoint
 
     cfg = ErnieImageConfig(hidden_size=1024, num_layers=24, num_attention_heads=16, ffn_hidden_size=3072,
                            in_channels=128, out_channels=128, text_in_dim=1024, rope_axes_dim=(16, 24, 24))

@@ -8,7 +8,7 @@ t(36) = t(a) + (36 - a) * (t(b) - t(a)) / (b - a). The LoRA targets the 7 linear
 (to_q/k/v, to_out.0, gate/up_proj, linear_fc2) plus the non-block linears (text_proj, time_embedding,
 adaLN_modulation.1, final_norm.linear, final_linear): the widest coverage trainers produce.
 
-Each timing is the median of ``--repeat`` runs of ``Engine.set_loras`` (engine/lora.py):
+Each timing is the median of ``--repeat`` runs of ``Engine.set_loras`` (engine/features/lora.py):
   apply       base -> LoRA at strength 1 (fp32 merge a block of rows at a time, int8 restore record)
   strength    LoRA at 1 -> the same LoRA at 0.5 (restore, then merge again)
   switch      LoRA A -> LoRA B (same layers)
@@ -38,7 +38,7 @@ FULL_LAYERS = 36
 
 
 def lora_state_dict(model, rank: int, seed: int) -> dict:
-    from engine.lora import target_modules
+    from engine.features.lora import target_modules
 
     g = torch.Generator().manual_seed(seed)
     sd = {}
@@ -61,8 +61,8 @@ def measure(layers: int, repeat: int, tmp: str) -> dict:
     from safetensors.torch import save_file
 
     from engine import Engine
-    from engine.loader import build_model
-    from engine.lora import lora_state, read_lora
+    from engine.io.checkpoint import build_model
+    from engine.features.lora import lora_state, read_lora
     from engine.models.ernie_image import ErnieImageConfig
 
     cfg = ErnieImageConfig(num_layers=layers)

@@ -15,10 +15,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import quant as Q  # noqa: E402
+from engine.features import quant as Q  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.models.demo import DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_STEPS, data, judge, load_demo  # noqa: E402
-from engine.pipeline import Engine  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

@@ -4,7 +4,7 @@ Public API: ``load_model``, ``Engine``, ``EngineConfig``. Importable as the top-
 ``engine`` (from the repository root) and as a subpackage of the ComfyUI pack.
 """
 from .config import EngineConfig
-from .loader import CheckpointError, load_model
-from .pipeline import Engine, InputError, RunStats
+from .io.checkpoint import CheckpointError, load_model
+from .engine import Engine, InputError, RunStats
 
 __all__ = ["CheckpointError", "Engine", "EngineConfig", "InputError", "RunStats", "load_model"]

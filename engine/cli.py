@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"image width in pixels, up to {MAX_IMAGE_SIDE} (default 1024; the demo makes 64x64 only)")
     ext.add_argument("--height", type=int, default=None, help="image height in pixels (as --width)")
     _add_common(g)
-    from .cache import add_cli_arguments
+    from .features.cache import add_cli_arguments
 
     add_cli_arguments(g)
 
@@ -134,9 +134,9 @@ def _random_engine(size: str, dtype, device, config=None):
     """A random model of a named size, materialized once in ``dtype`` (no float32 copy) where it will
     live: on ``device``, or in CPU memory when layer-wise offload streams it from there (so the whole
     model never has to fit on the GPU first)."""
-    from . import offload
-    from .pipeline import Engine
-    from .random_weights import SIZES, random_model_on_device
+    from .features import offload
+    from .engine import Engine
+    from .models.random_weights import SIZES, random_model_on_device
 
     if size not in SIZES:
         raise SystemExit(f"sgld bench: --size '{size}' is unknown; choose one of {', '.join(SIZES)}")
@@ -154,8 +154,8 @@ def _random_engine(size: str, dtype, device, config=None):
 
 def _random_model_bytes(cfg, dtype: torch.dtype, quant) -> int:
     """Bytes of a random model at rest once quantized (as offload.estimate_checkpoint_bytes counts a file)."""
-    from .loader import build_model
-    from .quant import is_block_linear, parse_format
+    from .io.checkpoint import build_model
+    from .features.quant import is_block_linear, parse_format
 
     kind, group = parse_format(quant)
     total = 0
@@ -176,7 +176,7 @@ def _reset_peak_memory(dev: torch.device) -> None:
 
 
 def cmd_bench(args) -> dict:
-    from .pipeline import Engine
+    from .engine import Engine
 
     t0 = time.perf_counter()
     config = engine_config(args)
@@ -242,7 +242,7 @@ def cmd_bench(args) -> dict:
 
 def lora_specs(args) -> list:
     """``--lora FILE:STRENGTH`` (repeatable) -> [(path, strength), ...] for ``Engine.set_loras``."""
-    from .lora import parse_spec
+    from .features.lora import parse_spec
 
     return [parse_spec(s) for s in getattr(args, "lora", None) or []]
 
@@ -262,7 +262,7 @@ def _demo_parts(args) -> GenerateParts:
     import dataclasses
 
     from .models import demo as demo_pkg
-    from .pipeline import Engine
+    from .engine import Engine
 
     demo = demo_pkg.load_demo(dtype=args.dtype or torch.float32, cached=False)  # its text encoder and tokenizer
     for name in ("prompt", "negative"):
@@ -282,12 +282,12 @@ ERNIE_SIZE = 1024  # default --width / --height for ERNIE-Image files
 
 
 def _ernie_parts(args) -> GenerateParts:
-    """The same parts from ERNIE-Image files (engine/external.py)."""
+    """The same parts from ERNIE-Image files (engine/models/external.py)."""
     missing = [f"--{n.replace('_', '-')}" for n in ("model", "text_encoder", "vae") if not getattr(args, n)]
     if missing:
         raise ValueError(f"--model, --text-encoder and --vae go together; missing {', '.join(missing)}")
-    from .external import Flux2VAE, TextEncoder
-    from .pipeline import Engine
+    from .models.external import Flux2VAE, TextEncoder
+    from .engine import Engine
 
     vae = Flux2VAE.from_folder(args.vae, device=args.device)
     latent = vae.empty_latent(args.width or ERNIE_SIZE, args.height or ERNIE_SIZE)
@@ -340,7 +340,7 @@ def cmd_generate(args) -> dict:
 
 
 def _cache_config(args):
-    from .cache import from_cli_args
+    from .features.cache import from_cli_args
 
     return from_cli_args(args)
 
@@ -357,7 +357,7 @@ def _save_png(image, path: str, settings: dict, stats: dict) -> None:
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
 
-    from .atomic_file import atomic_write
+    from .io.atomic import atomic_write
 
     info = PngInfo()
     info.add_text("prompt", json.dumps(settings))
@@ -391,7 +391,7 @@ def check_generate_args(args) -> tuple:
     """Every option of ``sgld generate`` checked before anything loads (ValueError naming the option and
     what is allowed). Returns the run's (steps, cfg): the given values or the model's defaults."""
     from .models import demo as demo_pkg
-    from .pipeline import check_sampling_settings, check_seed
+    from .engine import check_sampling_settings, check_seed
 
     external = uses_ernie_files(args)
     if external:
@@ -446,7 +446,7 @@ def check_common_args(args) -> None:
 
 
 def cmd_quantize(args) -> dict:
-    from .quant import quantize_file
+    from .features.quant import quantize_file
 
     check_output_path("output", args.output, (".safetensors",))
     t0 = time.perf_counter()
@@ -483,9 +483,9 @@ def main(argv=None) -> int:
 
 
 def _run_command(args) -> int:
-    from .loader import CheckpointError
+    from .io.checkpoint import CheckpointError
     from .parallel.pool import ParallelWorkerError
-    from .pipeline import InputError
+    from .engine import InputError
 
     try:
         if args.command == "bench":

@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .cache import CacheConfig
+    from .features.cache import CacheConfig
 
 
 @dataclass
@@ -14,15 +14,15 @@ class EngineConfig:
     device: str = "cpu"
     # Cache-DiT (engine.cache.CacheConfig); None = the SGLANG_CACHE_DIT_* environment decides per run.
     cache: Optional["CacheConfig"] = None
-    # Attention backend (engine/attention.py): "auto" = sage, then flash, then sdpa (what can run here).
+    # Attention backend (engine/features/attention.py): "auto" = sage, then flash, then sdpa (what can run here).
     attention: str = "auto"
-    # Regional torch.compile of the repeated block (engine/compile.py): False | True (= "static") |
+    # Regional torch.compile of the repeated block (engine/features/compile.py): False | True (= "static") |
     # "static" (one graph per resolution) | "dynamic" (one extra, dynamic-shape graph for all new resolutions).
     compile: Union[bool, str] = False
-    # Weight-only quantization of the blocks' linear layers (engine/quant.py): None | "fp8" | "int4" (groups of
+    # Weight-only quantization of the blocks' linear layers (engine/features/quant.py): None | "fp8" | "int4" (groups of
     # 128) | "int4-g64". Pre-quantized files (sgld quantize, ComfyUI fp8) load quantized whatever this says.
     quant: Optional[str] = None
-    # Layer-wise offload (engine/offload.py): "none" | "layerwise" (block weights in pinned CPU memory, streamed
+    # Layer-wise offload (engine/features/offload.py): "none" | "layerwise" (block weights in pinned CPU memory, streamed
     # through ``resident_layers`` device buffers) | "auto" (layer-wise when the GPU's free memory is below the
     # model plus working memory).
     offload: str = "none"
@@ -70,7 +70,7 @@ class EngineConfig:
         if isinstance(self.resident_layers, bool) or not isinstance(self.resident_layers, int) or self.resident_layers < 1:
             raise ValueError(f"EngineConfig.resident_layers '{self.resident_layers}' is not supported; "
                              "choose an integer >= 1 (device buffers for layer-wise offload, default 2)")
-        from .parallel.plan import make_plan  # degrees: integers that multiply to num_gpus (ParallelConfigError)
+        from .parallel.plan import make_plan  # degrees: integers that multiply to num_gpus (ParallelConfigError
 
         make_plan(self.tp, self.ulysses_degree, self.ring_degree, self.cfg_parallel, self.num_gpus)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 
-from ..engine.cache import ALL_PRESETS, DEFAULTS, CacheConfig, CacheConfigError, mask_str, preset_mask
+from ..engine.features.cache import ALL_PRESETS, DEFAULTS, CacheConfig, CacheConfigError, mask_str, preset_mask
 
 NODE = "SGLDiffusion Cache-DiT"
 PRESET_CHOICES = ["balanced", "quality", "fast"] + [p for p in ALL_PRESETS if p not in ("quality", "balanced", "fast")] + ["none"]

@@ -18,9 +18,9 @@ import comfy.model_management
 import comfy.utils
 
 from ..engine import CheckpointError, InputError
-from ..engine.cache import CacheConfigError
+from ..engine.features.cache import CacheConfigError
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
-from ..engine.pipeline import latent_hint
+from ..engine.engine import latent_hint
 from ..engine.sampling import SAMPLERS, SCHEDULERS
 from .demo import WARNINGS_KEY
 
@@ -167,7 +167,7 @@ def run_stats(engine, node_id, warnings=()) -> dict:
     model = getattr(engine, "model", None)
     if model is not None and hasattr(model, "named_modules"):
         try:
-            from ..engine.quant import model_quant_format
+            from ..engine.features.quant import model_quant_format
 
             quant = model_quant_format(model)  # what the blocks really hold (pre-quantized files too)
         except Exception:

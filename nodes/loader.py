@@ -62,7 +62,7 @@ def torch_device() -> str:
 def attention_choices() -> list:
     """'auto' and the backends that can run on ComfyUI's device (others would fall back to sdpa)."""
     try:
-        from ..engine.attention import available_backends
+        from ..engine.features.attention import available_backends
 
         return ["auto"] + [b for b in available_backends(torch_device()) if b != "auto"]
     except Exception:
@@ -138,7 +138,7 @@ class SGLDiffusionModelLoader:
              cfg_parallel=False, unique_id=None):
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"SGLDiffusion Model Loader: weight_dtype '{weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
-        from ..engine.attention import BACKENDS
+        from ..engine.features.attention import BACKENDS
 
         if attention not in BACKENDS:
             raise ValueError(f"SGLDiffusion Model Loader: attention '{attention}' is not one of {', '.join(BACKENDS)}")

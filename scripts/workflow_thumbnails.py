@@ -47,7 +47,7 @@ def demo_image(settings: dict):
     import torch
 
     from engine import Engine, EngineConfig
-    from engine.cache import CacheConfig
+    from engine.features.cache import CacheConfig
     from engine.models.demo import DEMO_WEIGHTS, DemoModel, load_demo
 
     demo = load_demo()

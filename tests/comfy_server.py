@@ -243,7 +243,7 @@ def tiny_config():
     """The engine's tiny test size, with ERNIE-Image's 128 latent channels (ComfyUI's Flux2 latent)."""
     import dataclasses
 
-    from engine.random_weights import SIZES
+    from engine.models.random_weights import SIZES
 
     return dataclasses.replace(SIZES["tiny"], in_channels=128, out_channels=128)
 
@@ -253,7 +253,7 @@ def text_dim() -> int:
 
 
 def write_tiny_checkpoint(path: str, seed: int = 0) -> str:
-    from engine.random_weights import save_random_checkpoint
+    from engine.models.random_weights import save_random_checkpoint
 
     save_random_checkpoint(path, tiny_config(), seed=seed)
     return path

@@ -11,7 +11,7 @@ if ROOT not in sys.path:
 @pytest.fixture
 def tiny_checkpoint(tmp_path):
     """A tiny random ERNIE-Image checkpoint (real architecture) written to a temp file."""
-    from engine.random_weights import SIZES, save_random_checkpoint
+    from engine.models.random_weights import SIZES, save_random_checkpoint
 
     path = tmp_path / "tiny-ernie.safetensors"
     save_random_checkpoint(str(path), SIZES["tiny"], seed=0)

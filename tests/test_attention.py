@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import attention as A
+from engine.features import attention as A
 from engine.config import EngineConfig
-from engine.pipeline import Engine
-from engine.random_weights import SIZES, random_model
+from engine.engine import Engine
+from engine.models.random_weights import SIZES, random_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

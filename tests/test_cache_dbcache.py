@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine.cache import CacheConfig, DBCacheRunner, TaylorSeer, mask_str, preset_mask
+from engine.features.cache import CacheConfig, DBCacheRunner, TaylorSeer, mask_str, preset_mask
 from engine.models.ernie_image import run_all_blocks
-from engine.pipeline import Engine
-from engine.random_weights import SIZES, random_model
+from engine.engine import Engine
+from engine.models.random_weights import SIZES, random_model
 
 torch.set_num_threads(2)
 ENV_VARS = ("ENABLED", "SCM_PRESET", "FN", "BN", "WARMUP", "RDT", "MC", "TAYLORSEER", "TS_ORDER", "SCM_POLICY")

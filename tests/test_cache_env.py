@@ -1,7 +1,7 @@
 """SGLANG_CACHE_DIT_* parsing, CacheConfig validation and precedence."""
 import pytest
 
-from engine.cache import CacheConfig, CacheConfigError, config_from_dict, from_env, resolve_config
+from engine.features.cache import CacheConfig, CacheConfigError, config_from_dict, from_env, resolve_config
 
 
 def env(**kw):

@@ -1,9 +1,8 @@
 """Step computation masks and presets (engine.cache.masks)."""
 import pytest
 
-from engine.cache import (ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask,
-                          preset_mask)
-from engine.cache.masks import fit_mask
+from engine.features.cache import (ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask, preset_mask)
+from engine.features.cache.masks import fit_mask
 
 
 @pytest.mark.parametrize("preset", ALL_PRESETS)

@@ -4,9 +4,8 @@ import os
 
 import pytest
 
-from engine.cache import (CacheConfig, CacheConfigError, add_cli_arguments, estimated_speedup, from_cli_args,
-                          measured_speedup)
-from engine.cache.docs import render
+from engine.features.cache import (CacheConfig, CacheConfigError, add_cli_arguments, estimated_speedup, from_cli_args, measured_speedup)
+from engine.features.cache.docs import render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,8 +47,8 @@ def test_docs_are_generated_from_the_code():
 
 
 def test_run_line():
-    from engine.cache import run_line
-    from engine.pipeline import RunStats
+    from engine.features.cache import run_line
+    from engine.engine import RunStats
 
     st = RunStats(steps=4, model_calls=4, step_mask=[True, False, True, True], call_seconds=[1.0, 0.1, 1.0, 1.0],
                   cache={"preset": "fast", "computed": 3, "cached": 1, "calls": 4, "mask": "1011", "note": None})

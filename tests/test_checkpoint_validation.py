@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 import engine
 from engine import CheckpointError, load_model
-from engine import quant as Q
+from engine.features import quant as Q
 from engine.models.ernie_image import MAX_LAYERS, ErnieImageConfig
-from engine.random_weights import SIZES, random_state_dict, save_random_checkpoint
+from engine.models.random_weights import SIZES, random_state_dict, save_random_checkpoint
 
 CFG = SIZES["tiny"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,7 +149,7 @@ def sgld_files(tmp_path_factory):
 
 def rewrite(src, dst, change):
     """Copy a safetensors file with ``change(state_dict)`` applied, keeping its metadata."""
-    from engine.safetensors_io import SafetensorsFile
+    from engine.io.safetensors import SafetensorsFile
 
     sd = load_file(str(src))
     change(sd)
@@ -442,12 +442,12 @@ def test_reference_reader_refuses_the_same_layouts(tmp_path):
 def test_valid_edge_layouts_still_load(tmp_path):
     """Header padding with spaces (as writers align to 8 bytes), zero-size tensors and a shard index work."""
     sd = random_state_dict(CFG, 0)
-    from engine.quant import write_safetensors_streaming
+    from engine.features.quant import write_safetensors_streaming
 
     p = tmp_path / "padded.safetensors"
     specs = [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()] + [("extra_empty", torch.float32, (0, 5))]
     write_safetensors_streaming(str(p), specs, lambda k: sd.get(k, torch.zeros(0, 5)), {})
-    from engine.safetensors_io import SafetensorsFile
+    from engine.io.safetensors import SafetensorsFile
 
     assert SafetensorsFile(str(p)).shape("extra_empty") == (0, 5)
     save_file(sd, str(tmp_path / "plain.safetensors"))
@@ -619,7 +619,7 @@ def test_checkpoint_error_is_exported():
 def test_safetensors_whose_header_length_looks_like_pickle_magic_loads(tmp_path, header_len):
     """A header of 640 / 896 / 1152 / 1408 bytes makes a file start with 80 02 .. 80 05, the pickle protocol
     magic: such a safetensors file (a small LoRA often is one) is still read, not refused as a pickle."""
-    from engine.safetensors_io import SafetensorsFile
+    from engine.io.safetensors import SafetensorsFile
 
     path = str(tmp_path / "small.safetensors")
     t = {"a.weight": torch.ones(2, 2)}

@@ -44,7 +44,7 @@ def test_bench_bad_model_is_a_clear_error(tmp_path):
 def test_engine_imports_as_top_level_package():
     r = subprocess.run([sys.executable, "-c", "import engine; print(engine.Engine.__module__)"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == "engine.pipeline"
+    assert r.returncode == 0 and r.stdout.strip() == "engine.engine"
 
 
 def test_engine_imports_as_subpackage_of_a_folder_with_another_name(tmp_path):
@@ -54,13 +54,13 @@ def test_engine_imports_as_subpackage_of_a_folder_with_another_name(tmp_path):
     os.symlink(os.path.join(ROOT, "engine"), pack / "engine")
     (pack / "__init__.py").write_text("")
     code = ("import importlib, sys; sys.path.insert(0, sys.argv[1]); "
-            "m = importlib.import_module('Some-Other_Name.engine.pipeline'); print(m.Engine.__module__); "
+            "m = importlib.import_module('Some-Other_Name.engine.engine'); print(m.Engine.__module__); "
             "print('engine' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=str(tmp_path), capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     # it resolved inside the pack, without falling back to a top-level `engine`
-    assert r.stdout.split() == ["Some-Other_Name.engine.pipeline", "False"]
+    assert r.stdout.split() == ["Some-Other_Name.engine.engine", "False"]
 
 
 def test_engine_never_imports_comfyui():

@@ -254,8 +254,8 @@ def test_two_concurrent_generate_commands_on_one_path(tmp_path):
 @pytest.mark.parametrize("failure", [RuntimeError("the input file went away"), KeyboardInterrupt()])
 def test_a_failed_safetensors_write_keeps_the_old_file_and_removes_its_part_file(tmp_path, failure):
     """`sgld quantize`'s writer: a tensor that cannot be produced (or Ctrl-C) half-way through."""
-    from engine.quant import write_safetensors_streaming
-    from engine.safetensors_io import SafetensorsFile
+    from engine.features.quant import write_safetensors_streaming
+    from engine.io.safetensors import SafetensorsFile
 
     out = tmp_path / "model-fp8.safetensors"
     specs = [("a", torch.float32, (4, 4)), ("b", torch.float32, (8,))]
@@ -276,7 +276,7 @@ def test_a_failed_safetensors_write_keeps_the_old_file_and_removes_its_part_file
 
 def test_safetensors_writers_use_unique_temporary_files(tmp_path):
     """Two writers of one path each write their own temporary file; the one that finishes last wins whole."""
-    from engine.atomic_file import atomic_write
+    from engine.io.atomic import atomic_write
 
     out = tmp_path / "x.safetensors"
     with atomic_write(str(out)) as first:

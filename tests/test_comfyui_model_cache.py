@@ -52,7 +52,7 @@ def mc(monkeypatch, tmp_path):
     assert mod.install_memory_hooks() is True  # idempotent: wrapped once
     assert mm.free_memory.__wrapped__.__name__ == "free_memory" and not hasattr(mm.free_memory.__wrapped__, "__wrapped__")
 
-    from engine.random_weights import SIZES, save_random_checkpoint
+    from engine.models.random_weights import SIZES, save_random_checkpoint
 
     path = str(tmp_path / "tiny.safetensors")
     save_random_checkpoint(path, SIZES["tiny"], seed=0)

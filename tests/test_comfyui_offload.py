@@ -23,7 +23,7 @@ BLOCKS = 4  # more blocks than the 2 default layer buffers: blocks really stream
 
 
 def write_checkpoint(path: str) -> str:
-    from engine.random_weights import save_random_checkpoint
+    from engine.models.random_weights import save_random_checkpoint
 
     save_random_checkpoint(path, dataclasses.replace(cs.tiny_config(), num_layers=BLOCKS), seed=3)
     return path

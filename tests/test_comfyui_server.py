@@ -455,7 +455,7 @@ CACHE_RUNS = {
 @pytest.mark.parametrize("case", list(CACHE_RUNS))
 def test_cache_node_passes_through(comfy, case):
     """SGLDiffusion Cache-DiT -> KSampler's cache input: same latent as Engine.sample(cache=...) directly."""
-    from engine.cache import CacheConfig
+    from engine.features.cache import CacheConfig
 
     node_inputs = CACHE_RUNS[case]
     g = graph(seed=71, steps=8)

@@ -8,12 +8,12 @@ import shutil
 import pytest
 import torch
 
-from engine import compile as C
-from engine import quant as Q
+from engine.features import compile as C
+from engine.features import quant as Q
 from engine.config import EngineConfig
-from engine.pipeline import Engine
+from engine.engine import Engine
 from engine.models.ernie_image import run_all_blocks
-from engine.random_weights import SIZES, random_model
+from engine.models.random_weights import SIZES, random_model
 
 CFG = SIZES["tiny"]
 needs_cc = pytest.mark.skipif(not (shutil.which("gcc") or shutil.which("cc")), reason="CPU inductor needs a C compiler")
@@ -60,7 +60,7 @@ def test_inductor_equals_eager_one_graph_no_recompile_when_blocks_are_skipped():
         model.block_runner = run_all_blocks
         assert C.graph_count() == 1
     # the real Cache-DiT runner inside Engine.sample (CFG batch of the same shapes), steps skipped
-    from engine.cache import CacheConfig
+    from engine.features.cache import CacheConfig
 
     cond, uncond = [a[2][0]], [a[2][1, :4]]
     lat = torch.zeros(1, CFG.in_channels, 6, 6)

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from engine import Engine, load_model
-from engine.models.demo import (DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_STEPS, DEMO_WEIGHTS, is_demo_file, judge,
-                                load_demo)
+from engine.models.demo import (DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_STEPS, DEMO_WEIGHTS, is_demo_file, judge, load_demo)
 
 # (prompt, seed) pairs checked at FEW_STEPS; all passed when the weights were trained.
 FEW_STEPS = 12

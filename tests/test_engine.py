@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, InputError
-from engine.random_weights import SIZES
+from engine.models.random_weights import SIZES
 from engine.sampling import noise_scaling, seeded_noise, sigma_schedule
 
 CFG = SIZES["tiny"]
@@ -11,7 +11,7 @@ CFG = SIZES["tiny"]
 
 @pytest.fixture(scope="module")
 def eng(tmp_path_factory):
-    from engine.random_weights import save_random_checkpoint
+    from engine.models.random_weights import save_random_checkpoint
 
     path = tmp_path_factory.mktemp("m") / "tiny.safetensors"
     save_random_checkpoint(str(path), CFG, seed=5)
@@ -165,7 +165,7 @@ def nan_checkpoint(tmp_path_factory):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from engine.random_weights import save_random_checkpoint
+    from engine.models.random_weights import save_random_checkpoint
 
     d = tmp_path_factory.mktemp("nan")
     save_random_checkpoint(str(d / "good.safetensors"), CFG, seed=5)
@@ -181,7 +181,7 @@ def nan_checkpoint(tmp_path_factory):
 def test_a_model_that_produces_nan_stops_at_the_first_bad_step(nan_checkpoint, sampler):
     """Under inference_mode, as ComfyUI runs the KSampler node; an InputError subclass, so the node and the CLI
     report it as one."""
-    from engine.pipeline import ModelOutputError
+    from engine.engine import ModelOutputError
 
     bad = Engine.from_file(nan_checkpoint, EngineConfig(dtype="fp32"))
     with torch.inference_mode(), pytest.raises(ModelOutputError) as err:

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
-from engine.random_weights import SIZES, save_random_checkpoint  # noqa: E402
+from engine.models.random_weights import SIZES, save_random_checkpoint  # noqa: E402
 
 WORDS = ["a", "red", "cat", "on", "the", "mat", "blue", "sky"]
 
@@ -87,7 +87,7 @@ def test_generate_from_ernie_files_writes_png_and_json(ernie_files, tmp_path):
 
 def test_text_features_are_the_input_of_the_last_layer_with_bos(ernie_files):
     import transformers
-    from engine.external import TextEncoder
+    from engine.models.external import TextEncoder
 
     te = TextEncoder.from_folder(ernie_files["te"])
     ids = te.token_ids("a blue sky")
@@ -104,7 +104,7 @@ def test_text_features_are_the_input_of_the_last_layer_with_bos(ernie_files):
 def test_vae_decode_inverts_the_patchify_and_normalisation(ernie_files):
     """Encode an image the reference way (VAE encode, patchify 2x2, BN-normalise), decode with ours:
     the result matches decoding the raw VAE latent directly."""
-    from engine.external import BN_EPS, Flux2VAE
+    from engine.models.external import BN_EPS, Flux2VAE
 
     vae = Flux2VAE.from_folder(ernie_files["vae"])
     x = torch.rand(1, 3, 32, 32) * 2 - 1

@@ -1,14 +1,14 @@
-"""Fused projections (engine/fuse.py): q/k/v and gate/up as one GEMM each, with the checkpoint's names
+"""Fused projections (engine/features/fuse.py): q/k/v and gate/up as one GEMM each, with the checkpoint's names
 kept wherever they are seen from outside (state_dict, load_state_dict, LoRA targets, quantized layers)."""
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from engine import Engine, EngineConfig
-from engine import quant as Q
-from engine.fuse import RowView, fuse_projections, fused_groups, linear_parts
-from engine.lora import target_modules
-from engine.random_weights import SIZES, random_model
+from engine.features import quant as Q
+from engine.features.fuse import RowView, fuse_projections, fused_groups, linear_parts
+from engine.features.lora import target_modules
+from engine.models.random_weights import SIZES, random_model
 
 CFG = SIZES["tiny"]
 
@@ -131,7 +131,7 @@ def test_lora_merged_into_fused_parts_equals_the_release_layout(tmp_path, dtype)
     path = lora_file(tmp_path / "l.safetensors")
     release = random_model(CFG, seed=0, dtype=dtype)
     base = {k: v.clone() for k, v in release.state_dict().items()}
-    from engine.lora import lora_state, read_lora
+    from engine.features.lora import lora_state, read_lora
 
     lora_state(release).apply([(read_lora(path, release), 0.8)])  # the LoRA machinery on the unfused model
     want = {k: v.clone() for k, v in release.state_dict().items()}
@@ -151,7 +151,7 @@ def test_lora_side_path_on_fused_quantized_parts(tmp_path, quant):
     release = Engine(random_model(CFG, seed=0), EngineConfig(quant=quant))
     unfused = random_model(CFG, seed=0)
     Q.quantize_model(unfused, quant)
-    from engine.lora import lora_state, read_lora
+    from engine.features.lora import lora_state, read_lora
 
     base = forward(unfused)
     lora_state(unfused).apply([(read_lora(path, unfused), 0.8)])

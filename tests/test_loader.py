@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 import engine
 from engine import CheckpointError, load_model
-from engine.random_weights import SIZES, random_model, random_state_dict, save_random_checkpoint
+from engine.models.random_weights import SIZES, random_model, random_state_dict, save_random_checkpoint
 
 CFG = SIZES["tiny"]
 

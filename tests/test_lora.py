@@ -1,4 +1,4 @@
-"""LoRA (engine/lora.py): every key format against a merge computed here, stacking and strengths, exact
+"""LoRA (engine/features/lora.py): every key format against a merge computed here, stacking and strengths, exact
 restore (hash of every weight), unmatched keys reported, other architectures and pickles refused,
 FP8/INT4 side path, offload, torch.compile, the ComfyUI handle (one base for two LoRA sets, measured),
 the CLI flag, and a LoRA trained here on the demo model that the demo judge sees."""
@@ -18,8 +18,8 @@ except ImportError:
     import pack_modules
 
 from engine import Engine, EngineConfig
-from engine.lora import LoRAError, parse_spec, read_lora, target_modules
-from engine.random_weights import SIZES, random_model
+from engine.features.lora import LoRAError, parse_spec, read_lora, target_modules
+from engine.models.random_weights import SIZES, random_model
 
 CFG = SIZES["tiny"]
 H, FFN = CFG.hidden_size, CFG.ffn_hidden_size
@@ -270,7 +270,7 @@ def inputs(seed=1, b=1):
 
 @pytest.mark.parametrize("quant", ["fp8", "int4-g64"])
 def test_quantized_layers_get_an_unmerged_side_path(tmp_path, quant):
-    from engine.quant import QUANT_MODULES
+    from engine.features.quant import QUANT_MODULES
 
     eng = tiny_engine(torch.float32, quant=quant)
     h0 = weights_hash(eng.model)
@@ -325,7 +325,7 @@ def test_offload_streams_the_merged_weights(tmp_path, quant):
 
 
 def test_compiled_blocks_do_not_recompile_for_merged_swaps(tmp_path):
-    from engine import compile as C
+    from engine.features import compile as C
 
     eng = tiny_engine(torch.float32)
     C.compile_blocks(eng.model, "static", backend="aot_eager")
@@ -357,7 +357,7 @@ BLOCK_LINEARS = [f"layers.{i}.{n}" for i in range(CFG.num_layers) for n in (
 
 def test_compiled_quantized_blocks_see_the_side_path(tmp_path):
     """A forward hook would be ignored by a compiled block (dynamo skips hook guards); the class swap is not."""
-    from engine import compile as C
+    from engine.features import compile as C
 
     eng = tiny_engine(torch.float32, quant="fp8")
     C.compile_blocks(eng.model, "static", backend="aot_eager")
@@ -423,7 +423,7 @@ def pack(monkeypatch, tmp_path):
     pack_modules.install_pack(monkeypatch, PACK)
     mc = importlib.import_module(PACK + ".nodes.model_cache")
     lora_node = importlib.import_module(PACK + ".nodes.lora")
-    from engine.random_weights import save_random_checkpoint
+    from engine.models.random_weights import save_random_checkpoint
 
     path = str(tmp_path / "tiny.safetensors")
     save_random_checkpoint(path, CFG, seed=0, dtype=torch.bfloat16)
@@ -501,7 +501,7 @@ def train_demo_lora(demo, steps=200, batch=2, rank=4, lr=3e-3, seed=0):
 
     from engine.models.demo import codec, data
     from engine.models.demo.train import sample_sigma
-    from engine.pipeline import pad_text
+    from engine.engine import pad_text
 
     dit = demo.dit
     g = torch.Generator().manual_seed(seed)

@@ -21,10 +21,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import engine.lora as lora_mod
+import engine.features.lora as lora_mod
 from engine import Engine, EngineConfig
-from engine.lora import LoRAError, LoRAState, normalize, parse_spec, read_lora, target_modules
-from engine.random_weights import random_model
+from engine.features.lora import LoRAError, LoRAState, normalize, parse_spec, read_lora, target_modules
+from engine.models.random_weights import random_model
 
 try:
     from .test_lora import (BLOCK_LINEARS, CFG, MODULES, _text_features, inputs, make_pairs, pack,  # noqa: F401
@@ -209,7 +209,7 @@ def test_exception_at_each_layer_rolls_back_to_the_base(tmp_path, monkeypatch, o
 
 class AlarmInterrupt:
     """SIGALRM handler: raises KeyboardInterrupt only when the signal lands inside ``LoRAState.apply`` (or
-    what it calls), and notes where: the innermost function of engine/lora.py, its row index (``i`` in a
+    what it calls), and notes where: the innermost function of engine/features/lora.py, its row index (``i`` in a
     merge, ``lo`` in a restore), and whether the change of the weights had begun (``_change`` running)."""
 
     def __init__(self):
@@ -331,7 +331,7 @@ def test_parallel_engine_is_the_base_after_a_refused_set(tmp_path):
     """ParallelEngine.set_loras: a worker's refusal leaves every rank at the base and the parent says so, so a
     later set of the same LoRAs is sent again (not skipped as "already active")."""
     from engine.parallel import shutdown_pools
-    from engine.random_weights import save_random_checkpoint
+    from engine.models.random_weights import save_random_checkpoint
 
     import engine.parallel.pool as pool_mod
 
@@ -416,7 +416,7 @@ def test_redos_alpha_pattern_in_adapter_config_is_refused(tmp_path):
           "base_model.model.layers.0.self_attention.to_q.lora_B.weight": torch.randn(CFG.hidden_size, 4)}
     save_file(sd, str(peft_dir / "adapter_model.safetensors"))
     (peft_dir / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "alpha_pattern": {REDOS: 2}}))
-    script = ("import sys; from engine.lora import read_lora, LoRAError; from engine.random_weights import SIZES, "
+    script = ("import sys; from engine.features.lora import read_lora, LoRAError; from engine.models.random_weights import SIZES, "
               "random_model\ntry:\n    read_lora(sys.argv[1], random_model(SIZES['tiny']))\nexcept LoRAError as e:\n"
               "    print(e)\n    sys.exit(3)\n")
     proc = subprocess.run([sys.executable, "-c", script, str(peft_dir / "adapter_model.safetensors")], cwd=ROOT,

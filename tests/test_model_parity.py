@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from engine.fuse import fuse_projections
+from engine.features.fuse import fuse_projections
 from engine.models.ernie_image import ErnieImageConfig
-from engine.random_weights import random_model, random_state_dict
+from engine.models.random_weights import random_model, random_state_dict
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -47,7 +47,7 @@ def inputs(cfg, h, w, lens, dtype, seed=0):
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_matches_diffusers(name, dtype, tol, fused):
-    """Both layouts: the release's (as loaded) and q/k/v + gate/up fused (engine/fuse.py, what an Engine runs)."""
+    """Both layouts: the release's (as loaded) and q/k/v + gate/up fused (engine/features/fuse.py, what an Engine runs)."""
     cfg, h, w, lens = CONFIGS[name]
     sd = random_state_dict(cfg, seed=3)
     ours = random_model(cfg, seed=3, dtype=dtype)

@@ -1,4 +1,4 @@
-"""Layer-wise offload on the CPU (engine/offload.py): the CPU is both the storage and the compute
+"""Layer-wise offload on the CPU (engine/features/offload.py): the CPU is both the storage and the compute
 device, so the same code path runs with the stream / event operations as no-ops. Checked: output
 bit-equal to the model without offload (plain, Cache-DiT, fp8, compiled), the bytes resident on the
 "device" at every block step (peak <= non-block weights + resident_layers x one block), only the
@@ -13,11 +13,11 @@ import weakref
 import pytest
 import torch
 
-from engine import offload as O
-from engine.cache import CacheConfig
+from engine.features import offload as O
+from engine.features.cache import CacheConfig
 from engine.config import EngineConfig
-from engine.pipeline import Engine
-from engine.random_weights import SIZES, random_model
+from engine.engine import Engine
+from engine.models.random_weights import SIZES, random_model
 
 CFG = dataclasses.replace(SIZES["tiny"], num_layers=6)  # more blocks than buffers
 
@@ -166,7 +166,7 @@ def test_fp8_blocks_are_offloaded_as_quantized_bytes():
 def test_compiled_blocks_trace_the_computation_not_the_transfers():
     """Regional compile on an offloaded model: one graph for all blocks, no graph break, no recompile
     when blocks are skipped; equal to eager (aot_eager backend: cheap, and bit-exact on CPU)."""
-    from engine import compile as C
+    from engine.features import compile as C
 
     torch._dynamo.reset()
     ref = random_model(CFG, seed=0)
@@ -223,7 +223,7 @@ def test_from_file_release_invalidate_remove(tiny_checkpoint):
     plain = Engine.from_file(path)
     eng = Engine.from_file(path, EngineConfig(offload="layerwise", resident_layers=1))
     off = eng.offload
-    from engine.quant import weight_bytes
+    from engine.features.quant import weight_bytes
 
     assert O.estimate_checkpoint_bytes(path) == weight_bytes(plain.model)
     assert O.estimate_checkpoint_bytes(path, quant="fp8") < weight_bytes(plain.model)
@@ -448,7 +448,7 @@ def write_tiny_lora(path, model, rank=2, seed=0):
     """A diffusers-format LoRA on two block linears and one non-block linear of ``model``."""
     from safetensors.torch import save_file
 
-    from engine.lora import target_modules
+    from engine.features.lora import target_modules
 
     g = torch.Generator().manual_seed(seed)
     sd = {}
@@ -477,7 +477,7 @@ def test_offload_under_inference_mode_equals_resident(tmp_path, quant, built_und
     Old code: a model loaded under inference mode has inference-tensor Parameters; pointing their
     ``.data`` at the offload buffers left them without a version counter, and F.linear raised
     "Inference tensors do not track version counter"."""
-    from engine.random_weights import save_random_checkpoint
+    from engine.models.random_weights import save_random_checkpoint
 
     path = str(tmp_path / "six-blocks.safetensors")
     save_random_checkpoint(path, CFG, seed=0)
@@ -582,8 +582,8 @@ def test_released_and_dropped_engine_frees_everything_without_gc(no_gc, quant, w
 FRESH_PROCESS = """
 import gc, sys, weakref, torch
 sys.path.insert(0, {root!r})
-from engine import offload as O
-from engine.random_weights import SIZES, random_model
+from engine.features import offload as O
+from engine.models.random_weights import SIZES, random_model
 assert "torch._dynamo" not in sys.modules
 gc.disable()
 model = random_model(SIZES["tiny"], seed=0)

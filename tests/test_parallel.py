@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.cache import CacheConfig
-from engine.parallel import (ParallelConfigError, ParallelEngine, ParallelWorkerError, make_plan, shutdown_pools,
-                             validate)
+from engine.features.cache import CacheConfig
+from engine.parallel import (ParallelConfigError, ParallelEngine, ParallelWorkerError, make_plan, shutdown_pools, validate)
 from engine.parallel.plan import cpu_rank_limit
-from engine.random_weights import SIZES, save_random_checkpoint
+from engine.models.random_weights import SIZES, save_random_checkpoint
 
 try:  # tests/ may or may not be a package
     from .comfy_server import pids_gone
@@ -105,7 +104,7 @@ def _write_lora(path, cfg, seed=0, rank=4):
 
 def test_lora_on_the_workers(setup, tmp_path):
     """LoRAs merge on every rank (sequence/CFG parallel) like on one process; TP refuses them clearly."""
-    from engine.lora import LoRAError
+    from engine.features.lora import LoRAError
 
     path, inputs, refs = setup
     lora = _write_lora(tmp_path / "l.safetensors", SIZES["tiny"])
@@ -331,7 +330,7 @@ def test_plan_layout_and_degrees():
 
 def test_attention_primitives_in_process():
     """LSE merge of key blocks equals full masked attention (no process group needed)."""
-    from engine.attention import sdpa
+    from engine.features.attention import sdpa
     from engine.parallel.comm import attention_with_lse, merge_lse
 
     g = torch.Generator().manual_seed(0)

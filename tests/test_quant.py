@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine import quant as Q
+from engine.features import quant as Q
 from engine.config import EngineConfig
-from engine.loader import CheckpointError, build_model, load_model
-from engine.lora import target_modules
-from engine.pipeline import Engine
-from engine.random_weights import SIZES, random_model, random_state_dict
+from engine.io.checkpoint import CheckpointError, build_model, load_model
+from engine.features.lora import target_modules
+from engine.engine import Engine
+from engine.models.random_weights import SIZES, random_model, random_state_dict
 
 CFG = SIZES["tiny"]
 
@@ -173,7 +173,7 @@ def test_scaled_mm_path_matches_dequantize():
 # -- files ----------------------------------------------------------------------------------------------------
 @pytest.fixture
 def bf16_file(tmp_path):
-    from engine.random_weights import save_random_checkpoint
+    from engine.models.random_weights import save_random_checkpoint
 
     p = tmp_path / "ernie-bf16.safetensors"
     save_random_checkpoint(str(p), CFG, seed=0, dtype=torch.bfloat16)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import attention as attention_backends
+from ..features import attention as attention_backends
 
 ARCHITECTURE = "ernie-image"
 # Keys that identify an ERNIE-Image DiT state dict (as ComfyUI and other tools detect it).
@@ -199,7 +199,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: "BlockContext") -> torch.Tensor:
         b, s, _ = x.shape
-        if "qkv" in self._modules:  # fused by engine/fuse.py: one GEMM
+        if "qkv" in self._modules:  # fused by engine/features/fuse.py: one GEMM
             q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).unbind(2)
         else:
             q, k, v = (lin(x).view(b, s, self.heads, -1) for lin in (self.to_q, self.to_k, self.to_v))
@@ -217,7 +217,7 @@ class GeGLU(nn.Module):
         self.linear_fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if "gate_up" in self._modules:  # fused by engine/fuse.py: one GEMM
+        if "gate_up" in self._modules:  # fused by engine/features/fuse.py: one GEMM
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

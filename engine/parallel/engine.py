@@ -19,7 +19,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..config import EngineConfig
-from ..pipeline import Engine, RunStats
+from ..engine import Engine, RunStats
 from ..sampling import DEFAULT_SHIFT, run_sampler
 from .plan import ParallelPlan, check_devices, check_model, make_plan
 from .worker import pack, unpack
@@ -143,7 +143,7 @@ class ParallelEngine(Engine):
 
     @classmethod
     def from_file(cls, path: str, config: EngineConfig, transport=None, available_gpus: Optional[int] = None) -> "ParallelEngine":
-        from ..loader import Checkpoint, check_architecture, parse_dtype
+        from ..io.checkpoint import Checkpoint, check_architecture, parse_dtype
 
         ckpt = Checkpoint(str(path))
         mcfg = check_architecture(ckpt)
@@ -177,7 +177,7 @@ class ParallelEngine(Engine):
     # -- LoRA: merged on every rank (sequence / CFG parallel hold the full weights) ---------------------
     def set_loras(self, loras) -> List[str]:
         """``Engine.set_loras`` on the workers: exactly these LoRAs active, the same list again is free."""
-        from ..lora import normalize
+        from ..features.lora import normalize
 
         items = [(getattr(p, "path", p), float(s)) for p, s in normalize(loras)]
         if items == list(self.loras):
@@ -206,7 +206,7 @@ class ParallelEngine(Engine):
         return list(self._worker_call(("check_lora", os.fspath(path))) or [])
 
     def _refuse_tp(self) -> None:
-        from ..lora import LoRAError
+        from ..features.lora import LoRAError
 
         if self.plan.tp > 1:
             raise LoRAError("LoRA with tensor parallel (tp > 1) is not supported yet: each rank holds a slice of the "
@@ -217,8 +217,8 @@ class ParallelEngine(Engine):
         res = self.transport.request(msg)
         if isinstance(res, dict) and "error" in res:
             kind, text = res["error"]
-            from ..lora import LoRAError
-            from ..safetensors_io import CheckpointError
+            from ..features.lora import LoRAError
+            from ..io.safetensors import CheckpointError
 
             raise {"LoRAError": LoRAError, "CheckpointError": CheckpointError}.get(kind, ValueError)(text)
         return res
@@ -275,7 +275,7 @@ class ParallelEngine(Engine):
         latent, cond, uncond, sigmas = self._start_run(latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift)
         if len(sigmas) < 2:
             return latent.clone()
-        from ..cache import resolve_config
+        from ..features.cache import resolve_config
 
         cc = resolve_config(cache if cache is not None else getattr(self.config, "cache", None))
         rc = cc.resolve(self.last_run.model_calls, self.model.config.num_layers) if cc.enabled else None

@@ -28,7 +28,7 @@ import torch
 
 def random_checkpoint(size: str, dtype=None) -> str:
     """A random model of a named size written once to a temporary file (parallel workers load files)."""
-    from ..random_weights import SIZES, save_random_checkpoint
+    from ..models.random_weights import SIZES, save_random_checkpoint
 
     if size not in SIZES:
         raise SystemExit(f"sgld: --size '{size}' is unknown; choose one of {', '.join(SIZES)}")
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from ..config import EngineConfig
-    from ..loader import Checkpoint, check_architecture, parse_dtype
+    from ..io.checkpoint import Checkpoint, check_architecture, parse_dtype
     from .engine import LocalTransport, ParallelEngine
     from .plan import ParallelConfigError, check_model, make_plan
     from .worker import WorkerState
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         uncond = None
     cache = None
     if args.cache:
-        from ..cache import CacheConfig
+        from ..features.cache import CacheConfig
 
         cache = CacheConfig(preset=args.cache)
     latent = torch.zeros(1, mcfg.in_channels, args.height // 16, args.width // 16)

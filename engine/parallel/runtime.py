@@ -59,7 +59,7 @@ def make_tp_skeleton(cfg, tp: int):
     """An ERNIE-Image model on the meta device whose block linears have their TP-shard shapes."""
     from torch import nn
 
-    from ..loader import build_model
+    from ..io.checkpoint import build_model
 
     model = build_model(cfg, "meta")
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
@@ -78,9 +78,9 @@ def make_tp_skeleton(cfg, tp: int):
 
 def load_tp_shard(path: str, tp: int, index: int, dtype=None, device="cpu"):
     """Read a checkpoint and keep only this TP rank's slices (one tensor in memory at a time)."""
-    from ..loader import Checkpoint, check_architecture, parse_dtype
-    from ..safetensors_io import CheckpointError
-    from .. import quant as quantization
+    from ..io.checkpoint import Checkpoint, check_architecture, parse_dtype
+    from ..io.safetensors import CheckpointError
+    from ..features import quant as quantization
 
     ckpt = Checkpoint(str(path))
     cfg = check_architecture(ckpt)
@@ -122,7 +122,7 @@ def install_tp_hooks(model, group) -> list:
 
 # -- Cache-DiT under parallelism ------------------------------------------------------------------------
 def make_parallel_cache_runner(rc, branches: int, groups: Groups):
-    from ..cache import DBCacheRunner
+    from ..features.cache import DBCacheRunner
 
     class ParallelDBCacheRunner(DBCacheRunner):
         """DBCache whose skip/compute decision is the same on every rank.

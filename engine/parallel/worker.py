@@ -83,7 +83,7 @@ class WorkerState:
 
     def cmd_load(self, spec: dict):
         """spec: path, config (EngineConfig), plan (ParallelPlan)."""
-        from ..pipeline import Engine
+        from ..engine import Engine
         from .comm import build_groups, destroy_groups
         from .runtime import ParallelModel, load_tp_shard
 
@@ -122,7 +122,7 @@ class WorkerState:
 
         model = self.engine.model
         if isinstance(rc, dict):
-            from ..cache.config import ResolvedCache
+            from ..features.cache.config import ResolvedCache
 
             rc = ResolvedCache(**rc)
         runner = make_parallel_cache_runner(rc, branches, self.groups) if rc is not None else None
@@ -162,7 +162,7 @@ class WorkerState:
             return {"error": (type(e).__name__, str(e))}
 
     def cmd_check_lora(self, path):
-        from ..lora import check_lora
+        from ..features.lora import check_lora
 
         try:
             return check_lora(self.engine, path)

@@ -58,7 +58,7 @@ class DemoModel:
     def engine(self):
         """An ``engine.Engine`` on this model's DiT (created on first use)."""
         if self._engine is None:
-            from ...pipeline import Engine
+            from ...engine import Engine
 
             self._engine = Engine(self.dit, source=self.path)
         return self._engine
@@ -106,7 +106,7 @@ class DemoModel:
 def is_demo_file(path: str) -> bool:
     """True if ``path`` is a safetensors file carrying the demo model's text encoder and vocabulary."""
     try:
-        from ...safetensors_io import SafetensorsFile
+        from ...io.safetensors import SafetensorsFile
         from .weights_io import DEMO_METADATA_KEY
 
         return DEMO_METADATA_KEY in SafetensorsFile(path).metadata
@@ -119,7 +119,7 @@ _CACHE = {}
 
 def load_demo(path: Optional[str] = None, dtype: Union[str, torch.dtype] = torch.float32, cached: bool = True) -> DemoModel:
     """Load the demo model (the shipped weights by default) on the CPU; cached per (path, dtype)."""
-    from ...loader import load_model
+    from ...io.checkpoint import load_model
     from .weights_io import read_demo_parts
 
     path = os.fspath(path or DEMO_WEIGHTS)

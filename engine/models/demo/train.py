@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...models.ernie_image import ErnieImageConfig, ErnieImageTransformer
+from ..ernie_image import ErnieImageConfig, ErnieImageTransformer
 from . import codec, data
 from .text_encoder import DemoTextEncoder, TextEncoderConfig, WordTokenizer
 
@@ -171,7 +171,7 @@ def main(argv=None) -> None:
     init_dit(dit)
     te = DemoTextEncoder(te_cfg)
     if args.init_from:
-        from ...loader import load_model
+        from ...io.checkpoint import load_model
         from .weights_io import read_demo_parts
 
         _, te_state = read_demo_parts(args.init_from)

@@ -36,7 +36,7 @@ def save_demo(path: str, dit, te, tok, te_cfg, info: Optional[dict] = None, dtyp
 
 def read_demo_parts(path: str):
     """(demo_config dict, text-encoder state dict in float32) from a demo file."""
-    from ...safetensors_io import CheckpointError, SafetensorsFile
+    from ...io.safetensors import CheckpointError, SafetensorsFile
 
     f = SafetensorsFile(path)
     raw = f.metadata.get(DEMO_METADATA_KEY)

@@ -12,8 +12,8 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .models.ernie_image import SIGNATURE_KEYS, ErnieImageConfig, ErnieImageTransformer
-from .safetensors_io import DTYPES, CheckpointError, SafetensorsFile, load_json_object, refuse_pickle
+from ..models.ernie_image import SIGNATURE_KEYS, ErnieImageConfig, ErnieImageTransformer
+from .safetensors import DTYPES, CheckpointError, SafetensorsFile, load_json_object, refuse_pickle
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")
 DTYPE_NAMES = {
@@ -175,7 +175,7 @@ def check_architecture(ckpt: Checkpoint) -> ErnieImageConfig:
 
 def check_float_dtypes(ckpt: "Checkpoint") -> None:
     """Model weights and biases must be floating point (an integer or bool tensor would fail deep inside torch
-    later); the one exception is an int4 weight, uint8 with its ``_scale`` / ``_zero`` (engine/quant.py)."""
+    later); the one exception is an int4 weight, uint8 with its ``_scale`` / ``_zero`` (engine/features/quant.py)."""
     for k, (f, fk) in ckpt.index.items():
         leaf = k.rpartition(".")[2]
         dt = f.dtype(fk)
@@ -210,11 +210,11 @@ def load_model(path: str, dtype: Union[None, str, torch.dtype] = None, device: U
     """Load an ERNIE-Image DiT from a .safetensors file or a diffusers folder, in eval mode.
 
     ``quant`` ("fp8" | "int4" | "int4-g64"): quantize the blocks' linear layers while loading.
-    Pre-quantized files (``sgld quantize``, ComfyUI fp8) always load quantized (engine/quant.py)."""
+    Pre-quantized files (``sgld quantize``, ComfyUI fp8) always load quantized (engine/features/quant.py)."""
     path = os.fspath(path)
     ckpt = Checkpoint(path)
     cfg = check_architecture(ckpt)
-    from . import quant as quantization
+    from ..features import quant as quantization
 
     if quant is not None or quantization.is_quantized_checkpoint(ckpt):
         return quantization.load_quantized(ckpt, cfg, dtype=parse_dtype(dtype), device=device, quant=quant)

@@ -7,7 +7,7 @@ Layout
   * Non-block weights (embedders, modulation, final layer: ~2% of the model) move to the device for good.
   * Each block ``model.layers[i]`` gets one flat CPU byte buffer (its *master*; pinned when the compute
     device is a CUDA GPU) holding its parameters back to back (256-byte aligned); quantized layers
-    (engine/quant.py) keep their quantized bytes. The model keeps its classes, names and state_dict.
+    (engine/features/quant.py) keep their quantized bytes. The model keeps its classes, names and state_dict.
   * ``resident_layers`` device buffers (*slots*, default 2) of one block's size. Loading block i is ONE
     host-to-device copy of its master on a copy stream; offloading it is only pointing its parameters
     back at the master. With more than two slots, blocks ``0 .. resident_layers - 3`` stay loaded (blocks
@@ -137,7 +137,7 @@ def _choose_auto(device, model_bytes: int, free_bytes: Optional[int], resident_b
 
 def estimate_checkpoint_bytes(path: str, dtype=None, quant: Optional[str] = None) -> int:
     """Bytes the model will take at rest once loaded (headers only, nothing is read)."""
-    from .loader import Checkpoint, parse_dtype
+    from ..io.checkpoint import Checkpoint, parse_dtype
     from . import quant as Q
 
     ckpt = Checkpoint(path)

@@ -12,12 +12,10 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .config import EngineConfig
-from .fuse import fuse_projections, fused_groups
-from .loader import load_model
+from .features.fuse import fuse_projections, fused_groups
+from .io.checkpoint import load_model
 from .models.ernie_image import ErnieImageTransformer
-from .sampling import (DEFAULT_SHIFT, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SCHEDULE, MAX_SEED, MAX_SHIFT,
-                       MAX_STEPS, MULTIPLIER, SAMPLERS, SCHEDULERS, model_calls, noise_scaling, run_sampler,
-                       seeded_noise, sigma_schedule, step_of_call)
+from .sampling import (DEFAULT_SHIFT, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SCHEDULE, MAX_SEED, MAX_SHIFT, MAX_STEPS, MULTIPLIER, SAMPLERS, SCHEDULERS, model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule, step_of_call)
 
 
 class InputError(ValueError):
@@ -100,7 +98,7 @@ class RunStats:
         """Measured model-call speedup of the cache against computing every call (1.0 when off)."""
         if not self.cache:
             return 1.0
-        from .cache import measured_speedup
+        from .features.cache import measured_speedup
         return measured_speedup(self.call_seconds, self.step_mask)
 
     def to_dict(self) -> dict:
@@ -146,8 +144,8 @@ class Engine:
         # Options applied once at load: quantization, attention backend, regional compile.
         # ``warnings``: what was requested but could not be done here (shown by the node and CLI);
         # ``notes``: what was chosen and why.
-        from . import attention as attention_backends
-        from . import quant
+        from .features import attention as attention_backends
+        from .features import quant
 
         self.warnings: List[str] = []
         self.notes: List[str] = []
@@ -172,13 +170,13 @@ class Engine:
             self.attention_backend = getattr(model.attention, "__name__", "custom")
             self.notes.append(f"attention: {self.attention_backend} (installed on the model; '{choice.name}' not applied)")
         if self.config.compile:
-            from .compile import compile_blocks
+            from .features.compile import compile_blocks
 
             self.warnings += compile_blocks(model, self.config.compile)
 
     def _apply_offload(self, decision: Optional[tuple]) -> None:
         """``config.offload``: "none" | "layerwise" | "auto" (decided here unless from_file decided)."""
-        from . import offload
+        from .features import offload
 
         mode = getattr(self.config, "offload", "none")
         if mode == "none":
@@ -188,7 +186,7 @@ class Engine:
             dev = torch.device(self.config.device)
             on_dev = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
                          if t.device == dev or (dev.type == "cuda" and t.is_cuda and dev.index is None))
-            from .quant import weight_bytes
+            from .features.quant import weight_bytes
             decision = offload.choose_offload(mode, dev, weight_bytes(model), resident_bytes=on_dev)
         choice, why = decision
         if why and mode == "auto":
@@ -198,11 +196,11 @@ class Engine:
             self.notes.append(self.offload.describe())
 
     def set_loras(self, loras) -> List[str]:
-        """Make exactly these LoRAs active: ``[(path, strength), ...]`` (engine/lora.py). Merged in float32
+        """Make exactly these LoRAs active: ``[(path, strength), ...]`` (engine/features/lora.py). Merged in float32
         into plain weights (originals of the touched layers kept, so ``set_loras([])`` restores the base
         bit-exactly without re-reading the checkpoint), a low-rank side path on FP8 / INT4 layers.
         The same list again does nothing. Returns messages about LoRA keys that were not applied."""
-        from .lora import set_loras
+        from .features.lora import set_loras
 
         return set_loras(self, loras)
 
@@ -210,7 +208,7 @@ class Engine:
         """Read a LoRA file against this model without applying it (LoRAError for a file that cannot be
         used); returns the messages about its keys that would not be applied. Callers ask the engine, so a
         ParallelEngine can ask its workers."""
-        from .lora import check_lora
+        from .features.lora import check_lora
 
         return check_lora(self, path)
 
@@ -235,7 +233,7 @@ class Engine:
         device = config.device
         if getattr(config, "offload", "none") != "none":
             # decide before loading: an offloaded model is loaded into CPU memory, never whole on the GPU
-            from . import offload
+            from .features import offload
 
             decision = offload.choose_offload(config.offload, config.device,
                                               offload.estimate_checkpoint_bytes(path, config.dtype, config.quant))
@@ -368,7 +366,7 @@ class Engine:
         if len(sigmas) < 2:
             return latent.clone()
         x, step_cb = self._first_step(latent, sigmas, seed, callback)
-        from .cache import make_runner
+        from .features.cache import make_runner
         runner = make_runner(cache if cache is not None else getattr(self.config, "cache", None), self.model,
                              self.last_run.model_calls, branches=2 if uncond is not None else 1)
         start = time.perf_counter()

@@ -33,7 +33,7 @@ Inputs that a selected backend cannot take at call time (e.g. float32 activation
 a warning logged once.
 
 External kernels are registered as ``torch.library.custom_op`` with a fake implementation, so
-``torch.compile`` treats them as opaque ops instead of breaking the graph (engine/compile.py).
+``torch.compile`` treats them as opaque ops instead of breaking the graph (engine/features/compile.py).
 """
 from __future__ import annotations
 

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from .config import (DEFAULTS, ENV_NAMES, ENV_PREFIX, PRESET_KNOBS, CacheConfig, CacheConfigError, ResolvedCache,
-                     add_cli_arguments, config_from_dict, from_cli_args, from_env, resolve_config)
+from .config import (DEFAULTS, ENV_NAMES, ENV_PREFIX, PRESET_KNOBS, CacheConfig, CacheConfigError, ResolvedCache, add_cli_arguments, config_from_dict, from_cli_args, from_env, resolve_config)
 from .dbcache import DBCacheRunner
-from .masks import (ALIASES, ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask,
-                    preset_mask)
+from .masks import (ALIASES, ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask, preset_mask)
 from .taylorseer import TaylorSeer
 
 

@@ -45,17 +45,17 @@ Application (``LoRAState.apply``), for several LoRAs with their strengths at onc
     - float32 weights (and every dtype with ``SGLD_LORA_RESTORE=copy``): a CPU copy of each touched
       original, merged from directly (faster strength changes, twice the memory of the record).
     Layers no longer touched are restored and their record dropped; with no LoRA nothing is kept.
-  * FP8 / INT4 layers (engine/quant.py): never merged (re-quantizing would lose the base); a low-rank
+  * FP8 / INT4 layers (engine/features/quant.py): never merged (re-quantizing would lose the base); a low-rank
     side path instead: the module's class is swapped for a subclass whose forward adds
     ``(x @ A^T) @ (s * alpha / r * B)^T`` (the LoRAs of one layer concatenated along the rank), in the
     activation dtype on the compute device; removing the LoRA swaps the class back.
-  * layer-wise offload (engine/offload.py): merges happen inside ``offload.updating()``, i.e. into the
+  * layer-wise offload (engine/features/offload.py): merges happen inside ``offload.updating()``, i.e. into the
     CPU masters, and the device buffers are refilled; so what is streamed is the merged weight.
   * all or nothing: each layer's restore record (or side-path record) exists before the layer changes, and
     an UlpDiff knows how far a merge or restore of its rows got; any exception during the change (a bad
     LoRA, out of memory, KeyboardInterrupt) restores the base bit-exactly before it propagates, and then no
     LoRA is active. A set refused by the checks before the change leaves the previous set as it was.
-  * torch.compile (engine/compile.py): block weights are graph inputs and merging is in place, so a
+  * torch.compile (engine/features/compile.py): block weights are graph inputs and merging is in place, so a
     merged LoRA swap, a strength change or a removal never recompiles (tested). Side paths on quantized
     layers change what a block computes: the first set compiles one more block graph per distinct
     layout of adapted layers in a block (a LoRA on every block linear: one), a set of another rank
@@ -78,7 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .safetensors_io import CheckpointError, SafetensorsFile
+from ..io.safetensors import CheckpointError, SafetensorsFile
 
 log = logging.getLogger("sgld.lora")
 
@@ -199,7 +199,7 @@ class LoRAFile:
 
 def target_modules(model: nn.Module) -> Dict[str, nn.Module]:
     """What a LoRA can adapt, by checkpoint name: linears, convs, quantized linears, and the parts of fused
-    projections (``engine.fuse.RowView``: ``to_q`` is rows of ``qkv``)."""
+    projections (``engine.features.fuse.RowView``: ``to_q`` is rows of ``qkv``)."""
     from .fuse import RowView, linear_parts
     from .quant import QUANT_MODULES
 

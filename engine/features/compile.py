@@ -4,7 +4,7 @@ Each ``model.layers[i]`` gets ``nn.Module.compile``. All blocks share one code o
 parameters are graph inputs (dynamo inlines built-in nn.Modules), so the 36 layers of the 8B model
 use ONE compiled graph: compile time is one block's, not the model's. Embedding, unembedding and
 the block loop stay eager, which is what lets wrappers change the loop without recompiling:
-Cache-DiT (engine/cache) skipping middle blocks on some steps just calls fewer compiled blocks.
+Cache-DiT (engine/features/cache) skipping middle blocks on some steps just calls fewer compiled blocks.
 
 Modes
   device   GPU: inductor ``max-autotune-no-cudagraphs`` (autotuned GEMM / Triton kernels; CUDA graphs
@@ -21,8 +21,8 @@ Modes
   The recompile limit is raised to ``RECOMPILE_LIMIT`` so that a handful of resolutions stays
   compiled instead of silently falling back to eager at torch's default of 8.
 
-Attention kernels outside torch (sage, flash) are custom ops (engine/attention.py), so they stay in
-the graph; FP8 / INT4 linears (engine/quant.py) trace as plain torch ops and their dequantization
+Attention kernels outside torch (sage, flash) are custom ops (engine/features/attention.py), so they stay in
+the graph; FP8 / INT4 linears (engine/features/quant.py) trace as plain torch ops and their dequantization
 is fused by inductor.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ from typing import Dict
 
 import torch
 
-from .models.ernie_image import ErnieImageConfig, ErnieImageTransformer
+from .ernie_image import ErnieImageConfig, ErnieImageTransformer
 
 SIZES: Dict[str, ErnieImageConfig] = {
     # 2 layers, 4 heads of 16: the unit-test size.

@@ -25,7 +25,7 @@ Compute
   INT4 on GPUs also uses the dequantize path: torch's int4 kernels (``_weight_int4pack_mm``) are
   built for small-batch decoding and lose to a dense bf16 GEMM at DiT token counts (4k+ tokens).
 
-Checkpoints (read by ``load_quantized``; ``engine.loader.load_model`` routes here)
+Checkpoints (read by ``load_quantized``; ``engine.io.checkpoint.load_model`` routes here)
   sgld (``sgld quantize``): file metadata ``sgld_quant`` = JSON {"format", "group_size", "version"};
     fp8 layers: ``X.weight`` F8_E4M3 [out, in] + ``X.weight_scale`` F32 [out];
     int4 layers: ``X.weight`` U8 [out, in/2] + ``X.weight_scale`` / ``X.weight_zero`` BF16 [out, in/group].
@@ -62,7 +62,7 @@ FP8_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2)
 FORMATS = ("fp8", "int4", "int4-g64")
 BLOCK_LINEARS = ("self_attention.to_q", "self_attention.to_k", "self_attention.to_v", "self_attention.to_out.0",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.linear_fc2",
-                 "self_attention.qkv", "mlp.gate_up")  # the last two: fused by engine/fuse.py
+                 "self_attention.qkv", "mlp.gate_up")  # the last two: fused by engine/features/fuse.py
 BLOCK_LINEAR_RE = re.compile(r"^layers\.\d+\.(" + "|".join(re.escape(n) for n in BLOCK_LINEARS) + r")$")
 SGLD_META_KEY = "sgld_quant"
 COMFY_META_KEY = "_quantization_metadata"
@@ -388,14 +388,14 @@ def _header(ckpt, key: str) -> Tuple[torch.dtype, tuple]:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    from .safetensors_io import DTYPES
+    from ..io.safetensors import DTYPES
 
     return next(n for n, d in DTYPES.items() if d == dtype)
 
 
 def _parse_comfy_quant(ckpt, key: str) -> dict:
     """A ComfyUI ``X.comfy_quant`` tensor: uint8 bytes of a JSON object such as {"format": "float8_e4m3fn"}."""
-    from .safetensors_io import CheckpointError, load_json_object
+    from ..io.safetensors import CheckpointError, load_json_object
 
     dtype, shape = _header(ckpt, key)
     if dtype != torch.uint8 or len(shape) != 1 or shape[0] > MAX_COMFY_QUANT_BYTES:
@@ -405,7 +405,7 @@ def _parse_comfy_quant(ckpt, key: str) -> dict:
 
 
 def _parse_sgld_meta(f) -> dict:
-    from .safetensors_io import CheckpointError, load_json_object
+    from ..io.safetensors import CheckpointError, load_json_object
 
     where = f"{f.path}: metadata '{SGLD_META_KEY}'"
     meta = load_json_object(f.metadata[SGLD_META_KEY], where)
@@ -418,7 +418,7 @@ def _parse_sgld_meta(f) -> dict:
 
 
 def _parse_comfy_meta(f) -> dict:
-    from .safetensors_io import CheckpointError, load_json_object
+    from ..io.safetensors import CheckpointError, load_json_object
 
     where = f"{f.path}: metadata '{COMFY_META_KEY}'"
     layers = load_json_object(f.metadata[COMFY_META_KEY], where).get("layers", {})
@@ -438,7 +438,7 @@ class QuantPlan:
     checked as they are read (``read_scales``)."""
 
     def __init__(self, ckpt):
-        from .safetensors_io import CheckpointError
+        from ..io.safetensors import CheckpointError
 
         self.ckpt = ckpt
         self.layers: Dict[str, dict] = {}  # layer name (no prefix) -> {"kind", "scale_key", "zero_key", "shape"}
@@ -497,7 +497,7 @@ class QuantPlan:
 
     def _fp8_layer(self, layer: str, keys, style: str, scaled: bool, legacy: bool) -> dict:
         """Check an fp8 weight's scale from the header. ``style``: "sgld" | "comfy" | "fp8" (no marker)."""
-        from .safetensors_io import CheckpointError
+        from ..io.safetensors import CheckpointError
 
         ckpt, wkey = self.ckpt, layer + ".weight"
         _, wshape = _header(ckpt, wkey)
@@ -530,7 +530,7 @@ class QuantPlan:
         return {"kind": "fp8", "scale_key": skey, "shape": wshape}
 
     def _int4_layer(self, layer: str, keys) -> dict:
-        from .safetensors_io import CheckpointError
+        from ..io.safetensors import CheckpointError
 
         ckpt, wkey = self.ckpt, layer + ".weight"
         skey, zkey = layer + ".weight_scale", layer + ".weight_zero"
@@ -563,7 +563,7 @@ class QuantPlan:
         return scale, zero
 
     def _read_finite(self, key: str, positive: bool) -> torch.Tensor:
-        from .safetensors_io import CheckpointError
+        from ..io.safetensors import CheckpointError
 
         t = _read(self.ckpt, key)
         values = t.float()
@@ -619,8 +619,8 @@ def _compute_dtype(ckpt, plan: QuantPlan, dtype: Optional[torch.dtype]) -> torch
 def load_quantized(ckpt, cfg, dtype: Optional[torch.dtype] = None, device="cpu", quant: Optional[str] = None) -> nn.Module:
     """Build the model from a pre-quantized and/or plain checkpoint, quantizing the block linears to
     ``quant`` (fp8 / int4 / int4-g64) as they are read. Tensors are read one at a time."""
-    from .loader import build_model, check_keys
-    from .safetensors_io import CheckpointError
+    from ..io.checkpoint import build_model, check_keys
+    from ..io.safetensors import CheckpointError
 
     kind, group = parse_format(quant)
     plan = QuantPlan(ckpt)
@@ -751,7 +751,7 @@ def write_safetensors_streaming(path: str, specs: List[Tuple[str, torch.dtype, t
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
-    from .atomic_file import atomic_write
+    from ..io.atomic import atomic_write
 
     with atomic_write(path) as f:  # a unique temporary file, renamed when complete, removed on any failure
         f.write(struct.pack("<Q", len(raw)))
@@ -766,7 +766,7 @@ def write_safetensors_streaming(path: str, specs: List[Tuple[str, torch.dtype, t
 def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dtype] = None) -> dict:
     """``sgld quantize``: read an ERNIE-Image checkpoint (bf16/fp16/fp32, or already quantized) and write its
     block linears as fp8 / int4 in the sgld format (one tensor in memory at a time). Returns a summary."""
-    from .loader import CONFIG_METADATA_KEY, Checkpoint, check_architecture, parse_dtype
+    from ..io.checkpoint import CONFIG_METADATA_KEY, Checkpoint, check_architecture, parse_dtype
 
     kind, group = parse_format(fmt)
     if kind is None:

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .models.ernie_image import Attention, GeGLU
+from ..models.ernie_image import Attention, GeGLU
 from .quant import FP8Linear, Int4Linear
 
 # module class -> (fused child name, the parts it replaces, in output-row order)
