@@ -16,15 +16,7 @@ from .features.fuse import fuse_projections, fused_groups
 from .io.checkpoint import load_model
 from .models.ernie_image import ErnieImageTransformer
 from .sampling import (DEFAULT_SHIFT, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SCHEDULE, MAX_SEED, MAX_SHIFT, MAX_STEPS, MULTIPLIER, SAMPLERS, SCHEDULERS, model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule, step_of_call)
-
-
-class InputError(ValueError):
-    """Inputs that do not fit the model (latent shape, conditioning); the message says which and why."""
-
-
-class ModelOutputError(InputError):
-    """The model's output held NaN or inf (damaged weights, an overflowing dtype): the run stops at that
-    step instead of making a blank picture. An InputError, so the nodes and the CLI report it as one."""
+from .errors import InputError, ModelOutputError
 
 
 def _integer(name: str, value, lo: int, hi: int) -> int:

@@ -77,6 +77,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+from ..errors import LoRAError
 
 from ..io.safetensors import CheckpointError, SafetensorsFile
 
@@ -119,10 +120,6 @@ OTHER_ARCHITECTURES = (
     ("blocks.", "a DiT with 'blocks.N' layers (e.g. Wan, HunyuanVideo, Lumina)"),
     ("layers.", "a DiT with 'layers.N' of another shape (e.g. Z-Image, Lumina2)"),
 )
-
-
-class LoRAError(CheckpointError):
-    """A LoRA file that cannot be applied to this model; the message names the file and the problem."""
 
 
 # -- reading ------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import struct
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
+from ..errors import CheckpointError
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -25,10 +26,6 @@ PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
 MAX_HEADER = 100 * 1024 * 1024
 # Opcodes a protocol 0/1 pickle can start with (protocol 2+ starts with b"\x80" and the protocol number).
 PICKLE_0_STARTS = frozenset(b"(}]cNIFLSVXKJMUGTa")
-
-
-class CheckpointError(ValueError):
-    """A model file that cannot be used; the message names the file and the problem."""
 
 
 class _DuplicateKey(ValueError):

@@ -15,10 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
-
-
-class ParallelConfigError(ValueError):
-    """Degrees that cannot work (world size, heads, GPUs); the message says which and what to change."""
+from ..errors import ParallelConfigError
 
 
 def _as_int(name: str, value, lo: int) -> int:

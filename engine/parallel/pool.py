@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.multiprocessing as mp
 
 from .plan import ParallelConfigError
+from ..errors import ParallelWorkerError
 
 log = logging.getLogger("sgld.parallel")
 
@@ -99,10 +100,6 @@ def _bare_children():
             yield
         finally:
             mp_spawn.get_preparation_data = original
-
-
-class ParallelWorkerError(RuntimeError):
-    """A worker died, failed or stopped answering; the pool was stopped and restarts on the next run."""
 
 
 def free_port() -> int:

@@ -12,16 +12,13 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import List, Mapping, Optional
 
 from . import masks
+from ...errors import CacheConfigError
 
 ENV_PREFIX = "SGLANG_CACHE_DIT_"
 POLICIES = ("static", "dynamic")
 TS_ORDERS = (1, 2)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
-
-
-class CacheConfigError(ValueError):
-    """An invalid cache option; the message names the variable or field and the allowed values."""
 
 
 # DBCache defaults when no preset is chosen (SGLang's integration defaults).
