@@ -13,6 +13,8 @@ import torch
 
 from .config import EngineConfig
 from .features.fuse import fuse_projections, fused_groups
+from .features.lora import LoRAFileCache, active_loras, apply_loras
+from .features.patching import set_slot
 from .io.checkpoint import load_model
 from .models.ernie_image import ErnieImageTransformer
 from .sampling import (DEFAULT_SHIFT, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SCHEDULE, MAX_SEED, MAX_SHIFT, MAX_STEPS, MULTIPLIER, SAMPLERS, SCHEDULERS, model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule, step_of_call)
@@ -133,6 +135,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.source = source
         self.last_run = RunStats()
+        self.lora_files = LoRAFileCache()  # LoRA files read against this model
         # Options applied once at load: quantization, attention backend, regional compile.
         # ``warnings``: what was requested but could not be done here (shown by the node and CLI);
         # ``notes``: what was chosen and why.
@@ -155,7 +158,7 @@ class Engine:
         choice = attention_backends.select_backend(self.config.attention, self.device, model.dtype, model.config.head_dim)
         self.warnings += choice.warnings
         if model.attention in attention_backends.FUNCTIONS.values():
-            model.attention = choice.fn
+            attention_backends.apply_attention(model, choice)
             self.attention_backend = choice.name
             self.notes.append(choice.describe())
         else:  # a wrapper (e.g. sequence parallel) installed its own attention: leave it
@@ -185,24 +188,30 @@ class Engine:
             self.notes.append(why)
         if choice == "layerwise":
             self.offload = offload.apply_layerwise_offload(model, self.config.device, self.config.resident_layers)
-            self.notes.append(self.offload.describe())
+            self.notes.append(self.offload.summary())
 
     def set_loras(self, loras) -> List[str]:
-        """Make exactly these LoRAs active: ``[(path, strength), ...]`` (engine/features/lora.py). Merged in float32
+        """Make exactly these LoRAs active: ``[(path, strength), ...]`` (engine/features/lora). Merged in float32
         into plain weights (originals of the touched layers kept, so ``set_loras([])`` restores the base
         bit-exactly without re-reading the checkpoint), a low-rank side path on FP8 / INT4 layers.
         The same list again does nothing. Returns messages about LoRA keys that were not applied."""
-        from .features.lora import set_loras
-
-        return set_loras(self, loras)
+        return apply_loras(self.model, self.lora_files.files(loras, self.model))
 
     def check_lora(self, path) -> List[str]:
         """Read a LoRA file against this model without applying it (LoRAError for a file that cannot be
         used); returns the messages about its keys that would not be applied. Callers ask the engine, so a
         ParallelEngine can ask its workers."""
-        from .features.lora import check_lora
+        return self.lora_files.read(path, self.model).report()
 
-        return check_lora(self, path)
+    @property
+    def loras(self) -> list:
+        """[(path, strength), ...] active now."""
+        return [(lf.path, s) for lf, s in active_loras(self.model)]
+
+    @property
+    def lora_report(self) -> List[str]:
+        """Messages about the active LoRAs' keys that were not applied."""
+        return [m for lf, _ in active_loras(self.model) for m in lf.report()]
 
     def release(self) -> int:
         """Give back the device memory this engine can free without unloading the model: the layer
@@ -363,14 +372,12 @@ class Engine:
                              self.last_run.model_calls, branches=2 if uncond is not None else 1)
         start = time.perf_counter()
         denoiser = self.make_denoiser(cond, uncond, cfg, runner=runner)
-        default_runner = self.model.block_runner
-        if runner is not None:
-            self.model.block_runner = runner
+        default_runner = set_slot(self.model, "block_runner", runner) if runner is not None else None
         try:
             out = run_sampler(sampler, denoiser, x, sigmas, callback=step_cb, seed=seed)
         finally:
-            self.model.block_runner = default_runner
             if runner is not None:
+                set_slot(self.model, "block_runner", default_runner)
                 self.last_run.cache = runner.summary()
         self.last_run.sampling_seconds = time.perf_counter() - start
         return out

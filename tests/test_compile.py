@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.features import compile as C
+from engine.features import patching
 from engine.features import quant as Q
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -42,8 +43,9 @@ def test_inductor_equals_eager_one_graph_no_recompile_when_blocks_are_skipped():
     eager = random_model(CFG, seed=0)
     model = random_model(CFG, seed=0)
     eng = Engine(model, EngineConfig(compile=True))
-    assert C.is_compiled(model) and model._sgld_compile["shapes"] == "static" and eng.warnings == []
-    assert model._sgld_compile["mode"] == "default"  # CPU: plain inductor (GPU: max-autotune-no-cudagraphs)
+    compiled = patching.get(model, "compile").describe()
+    assert C.is_compiled(model) and compiled["shapes"] == "static" and eng.warnings == []
+    assert compiled["mode"] == "default"  # CPU: plain inductor (GPU: max-autotune-no-cudagraphs)
     C.reset_counters()
     a = inputs(6, 6)
     with torch.no_grad():

@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine import Engine, EngineConfig
+from engine.features import patching
 from engine.features import quant as Q
 from engine.features.fuse import RowView, fuse_projections, fused_groups, linear_parts
 from engine.features.lora import target_modules
@@ -131,9 +132,9 @@ def test_lora_merged_into_fused_parts_equals_the_release_layout(tmp_path, dtype)
     path = lora_file(tmp_path / "l.safetensors")
     release = random_model(CFG, seed=0, dtype=dtype)
     base = {k: v.clone() for k, v in release.state_dict().items()}
-    from engine.features.lora import lora_state, read_lora
+    from engine.features.lora import apply_loras, read_lora
 
-    lora_state(release).apply([(read_lora(path, release), 0.8)])  # the LoRA machinery on the unfused model
+    apply_loras(release, [(read_lora(path, release), 0.8)])  # the LoRA machinery on the unfused model
     want = {k: v.clone() for k, v in release.state_dict().items()}
     eng = Engine(random_model(CFG, seed=0, dtype=dtype))  # an Engine fuses
     assert fused_groups(eng.model) == (4, 4)
@@ -151,16 +152,16 @@ def test_lora_side_path_on_fused_quantized_parts(tmp_path, quant):
     release = Engine(random_model(CFG, seed=0), EngineConfig(quant=quant))
     unfused = random_model(CFG, seed=0)
     Q.quantize_model(unfused, quant)
-    from engine.features.lora import lora_state, read_lora
+    from engine.features.lora import apply_loras, read_lora
 
     base = forward(unfused)
-    lora_state(unfused).apply([(read_lora(path, unfused), 0.8)])
+    apply_loras(unfused, [(read_lora(path, unfused), 0.8)])
     want = forward(unfused)
     release.set_loras([(path, 0.8)])
     assert rel(forward(release.model), want) < 1e-5 and rel(want, base) > 1e-3
     release.set_loras([])
     assert rel(forward(release.model), base) < 1e-6
-    assert not any("_sgld_lora_side" in m.__dict__ for m in release.model.modules())
+    assert not any(patching.feature_state(m, "lora") for m in release.model.modules())
 
 
 def test_engine_under_inference_mode_fuses_into_normal_tensors():

@@ -1,4 +1,4 @@
-"""LoRA (engine/features/lora.py): every key format against a merge computed here, stacking and strengths, exact
+"""LoRA (engine/features/lora): every key format against a merge computed here, stacking and strengths, exact
 restore (hash of every weight), unmatched keys reported, other architectures and pickles refused,
 FP8/INT4 side path, offload, torch.compile, the ComfyUI handle (one base for two LoRA sets, measured),
 the CLI flag, and a LoRA trained here on the demo model that the demo judge sees."""
@@ -18,6 +18,7 @@ except ImportError:
     import pack_modules
 
 from engine import Engine, EngineConfig
+from engine.features import patching
 from engine.features.lora import LoRAError, parse_spec, read_lora, target_modules
 from engine.models.random_weights import SIZES, random_model
 
@@ -189,8 +190,7 @@ def test_stacked_strengths_switch_and_exact_restore(tmp_path, dtype, restore, mo
     h_a03 = weights_hash(eng.model)
     eng.set_loras([])
     assert weights_hash(eng.model) == h0  # bit-exact base
-    st = eng.model.__dict__["_sgld_lora"]
-    assert not st.backups and st.backup_bytes == 0  # nothing kept once the base is back
+    assert patching.get(eng.model, "lora") is None  # nothing kept once the base is back
     fresh = tiny_engine(dtype)
     with torch.no_grad():
         target_modules(fresh.model)["layers.0.self_attention.to_q"].weight.copy_(base["layers.0.self_attention.to_q.weight"])
@@ -204,7 +204,7 @@ def test_stacked_strengths_switch_and_exact_restore(tmp_path, dtype, restore, mo
     eng.set_loras([(a, 1.0), (b, -0.5)])
     assert weights_hash(eng.model) == h_ab
     if restore == "compact":
-        assert sum(r.exceptions() for r in st.backups.values()) > 0
+        assert sum(r.exceptions() for r in patching.get(eng.model, "lora").backups.values()) > 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)  # the restore is integer arithmetic: no GEMM involved
     try:
@@ -258,7 +258,7 @@ def test_other_architectures_pickles_and_wrong_shapes_are_refused(tmp_path):
     save_file(big, str(tmp_path / "big.safetensors"))
     with pytest.raises(LoRAError, match="another size"):
         eng.set_loras([(str(tmp_path / "big.safetensors"), 1.0)])
-    assert eng.model.__dict__.get("_sgld_lora") is None or not eng.model.__dict__["_sgld_lora"].backups
+    assert patching.get(eng.model, "lora") is None
 
 
 def inputs(seed=1, b=1):
@@ -280,11 +280,11 @@ def test_quantized_layers_get_an_unmerged_side_path(tmp_path, quant):
     pairs = make_pairs(MODULES, seed=5)
     path = write_lora(tmp_path / "q.safetensors", pairs, "diffusers")
     eng.set_loras([(path, 0.8)])
-    st = eng.model.__dict__["_sgld_lora"]
+    st = patching.get(eng.model, "lora")
     targets = target_modules(eng.model)  # checkpoint names; to_q and gate_proj are rows of fused modules
     physical = {m: getattr(targets[m], "module", targets[m]) for m in MODULES}
     q = [m for m in MODULES if isinstance(physical[m], QUANT_MODULES)]
-    assert sorted(st.hooks) == sorted(q) and len(q) == 4  # block linears: side path; the rest merged
+    assert sorted(st.side_paths) == sorted(q) and len(q) == 4  # block linears: side path; the rest merged
     assert all(type(physical[m]).__name__.endswith("WithLoRA") for m in q)
     assert sorted(st.backups) == sorted(set(MODULES) - set(q))
     # each quantized layer computes dequantized W x + 0.8 B A x (in its own rows of a fused module)
@@ -298,7 +298,7 @@ def test_quantized_layers_get_an_unmerged_side_path(tmp_path, quant):
         y1 = eng.model(*x)
     assert (y1 - y0).abs().max() > 1e-3
     eng.set_loras([])
-    assert weights_hash(eng.model) == h0 and not st.hooks
+    assert weights_hash(eng.model) == h0 and not st.side_paths and patching.get(eng.model, "lora") is None
     with torch.no_grad():
         assert torch.equal(eng.model(*x), y0)
 
@@ -461,7 +461,7 @@ def test_node_chain_two_graphs_share_one_base(pack, tmp_path):
     # memory: the weights held are the base once plus the originals of the layers the active set touches
     model = e0.model
     base_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    st = model.__dict__["_sgld_lora"]
+    st = patching.get(model, "lora")
     numel = sum(target_modules(model)[m].weight.numel() for m in MODULES[:3])
     assert numel <= st.backup_bytes < 2 * numel  # bf16: ~1 byte per touched weight restores it, not a 2-byte copy
     stores = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
@@ -470,7 +470,7 @@ def test_node_chain_two_graphs_share_one_base(pack, tmp_path):
           f"(base {base_bytes / 2**20:.3f} MiB once + {st.backup_bytes / 2**20:.3f} MiB to restore the "
           f"{2 * numel / 2**20:.3f} MiB of touched layers) vs {2 * base_bytes / 2**20:.3f} MiB for two copies")
     run(base)
-    assert st.backup_bytes == 0
+    assert st.backup_bytes == 0 and patching.get(model, "lora") is None
 
 
 def test_node_reports_wrong_files_on_the_node(pack):

@@ -22,7 +22,10 @@ import torch
 from safetensors.torch import save_file
 
 import engine.features.lora as lora_mod
+import engine.features.lora.peft as peft_mod
+import engine.features.lora.records as records_mod
 from engine import Engine, EngineConfig
+from engine.features import patching
 from engine.features.lora import LoRAError, LoRAState, normalize, parse_spec, read_lora, target_modules
 from engine.models.random_weights import random_model
 
@@ -34,6 +37,7 @@ except ImportError:
                            tiny_engine, write_lora)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LORA_DIR = os.path.dirname(lora_mod.__file__)  # the package engine/features/lora
 ALL_MODULES = sorted(set(MODULES) | set(BLOCK_LINEARS))
 
 
@@ -56,8 +60,9 @@ def side_paths(model) -> list:
     """Checkpoint names of the linears with a LoRA side path (a fused q/k/v or gate/up module: its parts')."""
     out = []
     for n, m in model.named_modules():
-        if type(m).__name__.endswith("WithLoRA") or "_sgld_lora_side" in m.__dict__:
-            out += list(m.__dict__.get("_sgld_lora_parts") or [n])
+        side = patching.feature_state(m, "lora")
+        if type(m).__name__.endswith("WithLoRA") or side is not None:
+            out += list(side.parts if side is not None else [n])
     return out
 
 
@@ -65,8 +70,7 @@ def assert_base(eng, base: dict):
     """Every weight equals the base bit for bit, no side path, and the engine says no LoRA is active."""
     assert differing(eng.model, base) == []
     assert side_paths(eng.model) == []
-    st = eng.model.__dict__["_sgld_lora"]
-    assert st.applied == () and st.backups == {} and st.hooks == {}
+    assert patching.get(eng.model, "lora") is None  # no LoRA state: nothing applied, no record, no side path
     assert eng.loras == [] and eng.lora_report == []
 
 
@@ -103,23 +107,21 @@ class Injected(BaseException):
     """Not an Exception: the rollback must handle every BaseException (KeyboardInterrupt, SystemExit...)."""
 
 
-LAYER_STEPS = ("_restore", "_merge", "_set_side", "_remove_side")  # what apply does to one layer
+LAYER_STEPS = ((records_mod, "restore"), (records_mod, "merge"), (LoRAState, "_set_side"), (LoRAState, "_remove_side"))
+# what apply does to one layer: the record arithmetic (engine/features/lora/records.py) and LoRAState's side paths
 
 
 def _patch_layer_steps(monkeypatch, on_call):
-    """Wrap LoRAState's per-layer steps; ``on_call(step, when, state)`` runs before and after each."""
-    for step in LAYER_STEPS:
-        raw = LoRAState.__dict__[step]
-        if isinstance(raw, classmethod):
-            orig = raw.__func__
-
-            def wrapper(cls, *a, _orig=orig, _step=step, **k):
+    """Wrap the per-layer steps; ``on_call(step, when, state)`` runs before and after each (state: the
+    LoRAState for its methods, None for the record functions)."""
+    for owner, step in LAYER_STEPS:
+        raw = getattr(owner, step)
+        if owner is records_mod:
+            def wrapper(*a, _orig=raw, _step=step, **k):
                 on_call(_step, "before", None)
-                out = _orig(cls, *a, **k)
+                out = _orig(*a, **k)
                 on_call(_step, "after", None)
                 return out
-
-            monkeypatch.setattr(LoRAState, step, classmethod(wrapper))
         else:
             def wrapper(self, *a, _orig=raw, _step=step, **k):
                 on_call(_step, "before", self)
@@ -127,7 +129,7 @@ def _patch_layer_steps(monkeypatch, on_call):
                 on_call(_step, "after", self)
                 return out
 
-            monkeypatch.setattr(LoRAState, step, wrapper)
+        monkeypatch.setattr(owner, step, wrapper)
 
 
 @pytest.mark.parametrize("switch", [False, True], ids=["from_base", "switch"])
@@ -166,9 +168,9 @@ def test_exception_at_each_layer_rolls_back_to_the_base(tmp_path, monkeypatch, o
     n_steps = len(calls)
     assert n_steps >= len(ALL_MODULES)
     if case == "fp8":
-        assert "_set_side" in calls and "_merge" in calls
+        assert "_set_side" in calls and "merge" in calls
     if switch and case in ("bf16", "offload", "bf16-inference"):  # the old set's compact records are undone first
-        assert "_restore" in calls
+        assert "restore" in calls
 
     for k in range(n_steps):
         for when in ("before", "after"):
@@ -179,9 +181,9 @@ def test_exception_at_each_layer_rolls_back_to_the_base(tmp_path, monkeypatch, o
                     count["n"] += 1
                 if phase == when and count["n"] - 1 == k and not count.get("fired"):
                     count["fired"] = True
-                    state = lora_mod.lora_state(model)
+                    state = patching.get(model, "lora")
                     changed = {n.rsplit(".", 1)[0] for n in differing(model, base)} | set(side_paths(model))
-                    touched = set(state.backups) | set(state.hooks)  # what the engine knows is touched
+                    touched = set(state.backups) | set(state.side_paths)  # what the engine knows is touched
                     assert changed <= touched, (k, when, changed - touched)
                     raise Injected(f"layer step {k} ({step}, {when})")
 
@@ -209,7 +211,7 @@ def test_exception_at_each_layer_rolls_back_to_the_base(tmp_path, monkeypatch, o
 
 class AlarmInterrupt:
     """SIGALRM handler: raises KeyboardInterrupt only when the signal lands inside ``LoRAState.apply`` (or
-    what it calls), and notes where: the innermost function of engine/features/lora.py, its row index (``i`` in a
+    what it calls), and notes where: the innermost function of engine/features/lora/, its row index (``i`` in a
     merge, ``lo`` in a restore), and whether the change of the weights had begun (``_change`` running)."""
 
     def __init__(self):
@@ -218,7 +220,7 @@ class AlarmInterrupt:
     def __call__(self, signum, frame):
         frames, f = [], frame
         while f is not None:
-            if f.f_code.co_filename == lora_mod.__file__:
+            if os.path.dirname(f.f_code.co_filename) == LORA_DIR:
                 frames.append(f)
             f = f.f_back
         names = [fr.f_code.co_name for fr in frames]
@@ -255,7 +257,7 @@ def test_keyboard_interrupt_at_random_moments_restores_the_base(tmp_path, monkey
     equals the base bit for bit and the engine says no LoRA; set_loras([]) keeps it so; applying again gives
     the uninterrupted result. An interrupt in apply's few statements around the change (before it began or
     after it ended): the engine holds exactly the set it reports (the old one, none or the new one)."""
-    monkeypatch.setattr(lora_mod, "MERGE_CHUNK_BYTES", 2048)  # 8 rows of 64 float32 per chunk: 8-48 chunks a layer
+    monkeypatch.setattr(records_mod, "MERGE_CHUNK_BYTES", 2048)  # 8 rows of 64 float32 per chunk: 8-48 chunks a layer
     eng = tiny_engine(dtype)
     model = eng.model
     a, b = lora_files(tmp_path)
@@ -298,8 +300,8 @@ def test_keyboard_interrupt_at_random_moments_restores_the_base(tmp_path, monkey
             assert differing(model, merged) == []
         eng.set_loras([])
         assert differing(model, base) == []
-        mid_layer = [w for w in during if w[0] == "_merge" and w[1]]
-        mid_restore = [w for w in during if w[0] == "_restore" and w[2]]
+        mid_layer = [w for w in during if w[0] == "merge" and w[1]]
+        mid_restore = [w for w in during if w[0] == "restore" and w[2]]
         if trials >= 30 and len(mid_layer) >= 5 and (mid_restore or not (switch and dtype == torch.bfloat16)):
             break
     print(f"\n{trials} trials: {len(during)} interrupted while the weights changed ({len(mid_layer)} between row "
@@ -470,7 +472,7 @@ def test_plain_alpha_patterns_follow_peft_semantics(tmp_path):
 def test_peft_metadata_is_bounded(tmp_path):
     model = random_model(CFG)
     shapes = {"layers.0.self_attention.to_q": (CFG.hidden_size, CFG.hidden_size)}
-    many = {f"layers.{i}.self_attention.to_q": 1 for i in range(lora_mod.MAX_ALPHA_PATTERNS + 1)}
+    many = {f"layers.{i}.self_attention.to_q": 1 for i in range(peft_mod.MAX_ALPHA_PATTERNS + 1)}
     path = _peft_file(tmp_path / "many.safetensors", shapes, {"r": 4, "lora_alpha": 8, "alpha_pattern": many})
     with pytest.raises(LoRAError, match=r"many.safetensors: .*'alpha_pattern' has 1025 entries; at most 1024"):
         read_lora(path, model)

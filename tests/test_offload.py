@@ -13,6 +13,7 @@ import weakref
 import pytest
 import torch
 
+from engine.features import patching
 from engine.features import offload as O
 from engine.features.cache import CacheConfig
 from engine.config import EngineConfig
@@ -49,7 +50,7 @@ def resident_probe(model, off):
             if s.buf is not None:
                 storages[storage_key(s.buf)] = s.buf.untyped_storage().nbytes()
         resident = sum(n for k, n in storages.items() if k not in masters)
-        running = block._sgld_offload_index
+        running = patching.state(block)["offload"].index
         bound = [i for i, b in enumerate(model.layers._modules.values())
                  if any(storage_key(p) not in masters for p in b.parameters())]
         steps.append((running, resident, bound))
@@ -399,7 +400,7 @@ def test_stream_event_schedule_has_no_races(resident_layers):
     off._load = load
 
     def hook(block, args):
-        i = block._sgld_offload_index
+        i = patching.state(block)["offload"].index
         slot = next(s for s in off.slots if s.block == i and s.busy)
         log.append(["compute", "compute", None, (slot.index, i)])
 

@@ -1,39 +1,9 @@
-"""Attention backends. Every backend takes q, k, v as [B, S, heads, head_dim] and an optional
-boolean key mask [B, S] (True = attend) and returns [B, S, heads, head_dim].
-
-Backends
-  sdpa   ``torch.nn.functional.scaled_dot_product_attention`` (default on CPU; on CUDA torch picks
-         its own flash / cuDNN / memory-efficient kernel). Handles the key mask natively.
-  sage   SageAttention (``sageattention.sageattn``, INT8 QK kernels): CUDA only, fp16/bf16. What it
-         computes exactly depends on the installed version (``sage_limits``, read from the package
-         metadata): 1.x (the only version on PyPI, 1.0.6; Triton kernels, sm80-sm90) asserts
-         head_dim in {64, 96, 128} and does not mask its last key block of 64: padding lanes are
-         loaded as zero keys, score 0, and join the softmax (about 4e-2 relative error at 300 keys,
-         5e-3 at 4128). It takes no mask or bias and returns no log-sum-exp, and at head_dim 128
-         there is no spare channel to carry a bias, so no padding can be made exact from outside
-         (padded keys always add positive weight that cannot be removed without the normaliser).
-         So a call whose key length is not a multiple of 64 runs sdpa instead (exact), counted in
-         ``sage_calls``. 2.x (built from source) pads head_dim up to 128 itself; its CUDA kernels
-         (sm80, sm89, sm90, sm120) mask the key tail, its Triton path (sm86) does not. 1.x smooths K
-         in place (``k -= k.mean``), so the op passes it a copy: the caller's K is never changed.
-  flash  FlashAttention 2 (``flash_attn.flash_attn_func``): CUDA sm80+, fp16/bf16, head_dim <= 256.
-  math   a pure-PyTorch reference (softmax in float32); slow, for tests and debugging.
-  auto   the best that can run: sage, then flash, then sdpa.
-
-Masks. Neither SageAttention nor ``flash_attn_func`` takes a mask. ERNIE-Image pads only the text
-at the end of the sequence, so a sample's valid keys are always a prefix ``[0, L_i)``. These two
-backends therefore run each padded sample separately with all of its queries against its first
-``L_i`` keys (unpadded per sample). That is exactly what masked SDPA computes, also for the padded
-query rows. A mask that is not such a prefix (no ERNIE-Image input makes one) goes to SDPA.
-
-Selection happens once, at load (``select_backend``), with one log line saying which backend and
-why; a requested backend that cannot run here falls back to ``sdpa`` and the reason is returned as
-a warning (``AttentionChoice.warnings``, collected into ``Engine.warnings`` for the node and CLI).
-Inputs that a selected backend cannot take at call time (e.g. float32 activations) go to SDPA with
-a warning logged once.
-
-External kernels are registered as ``torch.library.custom_op`` with a fake implementation, so
-``torch.compile`` treats them as opaque ops instead of breaking the graph (engine/features/compile.py).
+"""Attention backends (sdpa, sage, flash, math; auto picks the best that runs), chosen once at load and set
+as the model's ``attention`` slot by the "attention" Patch. Every backend takes q, k, v as
+[B, S, heads, head_dim] and an optional boolean key mask [B, S] (True = attend). The kernels without a mask
+run each padded sample on its valid keys (ERNIE-Image pads only the end of the text), which is exactly
+what masked SDPA computes; they are custom ops, so compiled graphs keep them. Each sageattention
+version's exactness limits and the fallbacks: docs/attention_compile_quant.md.
 """
 from __future__ import annotations
 
@@ -47,6 +17,9 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from . import patching
 
 log = logging.getLogger("sgld.attention")
 
@@ -312,6 +285,12 @@ class AttentionChoice:
     def describe(self) -> str:
         return f"attention: {self.name} (requested {self.requested}; {self.reason})"
 
+    @property
+    def version(self) -> str:
+        """The version of what computes it: the kernel package, or torch for sdpa / math."""
+        package = {"sage": "sageattention", "flash": "flash_attn"}.get(self.name)
+        return installed_version(package) if package else f"torch {torch.__version__}"
+
 
 def select_backend(requested: Optional[str] = "auto", device="cpu", dtype: torch.dtype = torch.bfloat16,
                    head_dim: int = 128, log_choice: bool = True) -> AttentionChoice:
@@ -343,3 +322,34 @@ def select_backend(requested: Optional[str] = "auto", device="cpu", dtype: torch
     if log_choice:
         log.info(choice.describe())
     return choice
+
+
+class AttentionBackend(patching.Patch):
+    """The "attention" Patch: the chosen backend in the model's ``attention`` slot, the one before kept."""
+
+    name = "attention"
+
+    def __init__(self, model: nn.Module, choice: AttentionChoice):
+        super().__init__(model)
+        self.choice = choice
+        self.previous = patching.set_slot(model, "attention", choice.fn)
+
+    def remove(self) -> None:
+        model = self.model
+        if model is not None:
+            patching.set_slot(model, "attention", self.previous)
+
+    def describe(self) -> dict:
+        c = self.choice
+        return {"backend": c.name, "requested": c.requested, "reason": c.reason, "version": c.version}
+
+
+def apply_attention(model: nn.Module, choice: AttentionChoice) -> AttentionBackend:
+    """Set ``choice`` (from ``select_backend``) as the model's attention; a backend set before is replaced."""
+    patching.detach(model, "attention")
+    return patching.attach(model, AttentionBackend(model, choice))
+
+
+def remove_attention(model: nn.Module) -> bool:
+    """The model's attention back to what it was before ``apply_attention``. False when none was set."""
+    return patching.detach(model, "attention")

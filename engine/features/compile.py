@@ -1,42 +1,24 @@
-"""Regional torch.compile: the repeated ERNIE-Image block is compiled once and reused by every layer.
-
-Each ``model.layers[i]`` gets ``nn.Module.compile``. All blocks share one code object and their
-parameters are graph inputs (dynamo inlines built-in nn.Modules), so the 36 layers of the 8B model
-use ONE compiled graph: compile time is one block's, not the model's. Embedding, unembedding and
-the block loop stay eager, which is what lets wrappers change the loop without recompiling:
-Cache-DiT (engine/features/cache) skipping middle blocks on some steps just calls fewer compiled blocks.
-
-Modes
-  device   GPU: inductor ``max-autotune-no-cudagraphs`` (autotuned GEMM / Triton kernels; CUDA graphs
-           off because offload, caching and parallel wrappers change what runs between blocks).
-           CPU: plain inductor (C++ kernels; needs a C compiler).
-           ``SGLD_COMPILE_MODE`` overrides the mode (e.g. "default" to skip autotuning).
-  shapes   "static" (``compile=True``): ``dynamic=False``; the first call of a new shape (resolution,
-           batch, text length) compiles exactly one more graph for it, and any shape seen before
-           never recompiles. Best kernels; one compile per resolution you use.
-           "dynamic": the first graph is static and the first new shape compiles ONE extra graph with
-           symbolic sizes that every later resolution reuses (torch's automatic dynamic shapes).
-  A run whose text is padded (CFG with prompts of different lengths) passes an attention mask and
-  one that is not padded passes none; these are separate graphs of the same block.
-  The recompile limit is raised to ``RECOMPILE_LIMIT`` so that a handful of resolutions stays
-  compiled instead of silently falling back to eager at torch's default of 8.
-
-Attention kernels outside torch (sage, flash) are custom ops (engine/features/attention.py), so they stay in
-the graph; FP8 / INT4 linears (engine/features/quant.py) trace as plain torch ops and their dequantization
-is fused by inductor.
+"""Regional torch.compile: the repeated ERNIE-Image block is compiled once and reused by every layer,
+attached as the "compile" Patch. The blocks share one code object and their parameters are graph
+inputs, so the 36 layers use ONE graph; the block loop stays eager, so Cache-DiT skipping blocks, offload
+and LoRA never recompile. Modes and shapes: docs/attention_compile_quant.md.
 """
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import List, Optional, Union
 
 import torch
 from torch import nn
 
+from . import patching
+
 log = logging.getLogger("sgld.compile")
 
-RECOMPILE_LIMIT = 32
+FEATURE = "compile"
+RECOMPILE_LIMIT = 32  # a handful of resolutions stays compiled (torch's default of 8 falls back to eager)
 GPU_MODE = "max-autotune-no-cudagraphs"
 
 
@@ -51,6 +33,26 @@ def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+class CompiledBlocks(patching.Patch):
+    """The "compile" Patch: every block compiled with ``nn.Module.compile`` (torch's own per-module slot)."""
+
+    name = FEATURE
+
+    def __init__(self, model: nn.Module, shapes: str, mode: str, backend: str):
+        super().__init__(model)
+        self.shapes, self.mode, self.backend = shapes, mode, backend
+
+    def remove(self) -> None:
+        model = self.model
+        for block in [] if model is None else model.layers:
+            block._compiled_call_impl = None
+
+    def describe(self) -> dict:
+        model = self.model
+        return {"mode": self.mode, "shapes": self.shapes, "backend": self.backend,
+                "blocks": 0 if model is None else len(model.layers)}
 
 
 def compile_blocks(model: nn.Module, shapes: Union[bool, str] = "static", mode: Optional[str] = "auto",
@@ -70,9 +72,7 @@ def compile_blocks(model: nn.Module, shapes: Union[bool, str] = "static", mode: 
         mode = None
     warnings: List[str] = []
     if device.type == "cpu" and backend == "inductor":
-        from shutil import which
-
-        if not (which("gcc") or which("cc") or which("clang") or which("g++")):
+        if not any(shutil.which(cc) for cc in ("gcc", "cc", "clang", "g++")):
             msg = "compile: no C compiler found for CPU inductor; the model runs eagerly"
             log.warning(msg)
             return [msg]
@@ -81,21 +81,21 @@ def compile_blocks(model: nn.Module, shapes: Union[bool, str] = "static", mode: 
     limit_name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     if getattr(cfg, limit_name) < RECOMPILE_LIMIT:
         setattr(cfg, limit_name, RECOMPILE_LIMIT)
+    patching.detach(model, FEATURE)  # compiled again with these settings
     for block in model.layers:
         block.compile(backend=backend, mode=mode, dynamic=dyn, fullgraph=fullgraph)
-    model._sgld_compile = {"shapes": shapes, "mode": mode or "default", "backend": backend}
+    patching.attach(model, CompiledBlocks(model, shapes, mode or "default", backend))
     log.info("compile: %d blocks share one %s graph (mode %s, %s shapes)", len(model.layers), backend, mode or "default", shapes)
     return warnings
 
 
-def uncompile_blocks(model: nn.Module) -> None:
-    for block in model.layers:
-        block._compiled_call_impl = None
-    model.__dict__.pop("_sgld_compile", None)
+def uncompile_blocks(model: nn.Module) -> bool:
+    """The blocks run eagerly again. False when they were not compiled."""
+    return patching.detach(model, FEATURE)
 
 
 def is_compiled(model: nn.Module) -> bool:
-    return bool(getattr(model, "_sgld_compile", None)) and any(
+    return patching.get(model, FEATURE) is not None and any(
         getattr(b, "_compiled_call_impl", None) is not None for b in model.layers)
 
 

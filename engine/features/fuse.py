@@ -1,17 +1,11 @@
 """Fused projections: q/k/v as one GEMM and gate/up as one, attached when an engine is built.
 
-The model class keeps the release's modules, so checkpoint files, quantization at load and
-tensor-parallel sharding see the checkpoint's names. ``fuse_projections`` then replaces each group
-(``self_attention.to_q/to_k/to_v`` -> ``self_attention.qkv``, ``mlp.gate_proj/up_proj`` ->
-``mlp.gate_up``) by one module of the same kind (``nn.Linear``, ``FP8Linear`` or ``Int4Linear``)
-whose output rows are the parts back to back. This is exact: each output row has its own weights,
-fp8 scale and int4 groups, so concatenating rows changes no value (a per-tensor fp8 scale becomes
-the same scale on every row of its part).
-
-From outside, the checkpoint's names stay: ``state_dict()`` gives each part as a row view of the
-fused tensors under its own key and in the checkpoint's order, ``load_state_dict`` accepts the
-parts, and ``linear_parts(model)`` gives LoRA every checkpoint linear, a fused part as a
-``RowView`` (its rows of the fused module).
+``fuse_projections(model)`` registers the "fuse" Patch: each group (``self_attention.to_q/to_k/to_v``
+-> ``self_attention.qkv``, ``mlp.gate_proj/up_proj`` -> ``mlp.gate_up``) becomes one module of the
+same kind (``nn.Linear``, ``FP8Linear``, ``Int4Linear``) whose output rows are the parts back to
+back: exact, each row keeps its own weights, fp8 scale and int4 groups. The checkpoint's names stay
+outside (state_dict, load_state_dict, LoRA targets through ``linear_parts``); see
+docs/attention_compile_quant.md.
 """
 from __future__ import annotations
 
@@ -21,10 +15,12 @@ import torch
 from torch import nn
 
 from ..models.ernie_image import Attention, GeGLU
+from . import patching
 from .quant import FP8Linear, Int4Linear
 
 # module class -> (fused child name, the parts it replaces, in output-row order)
 GROUPS = {Attention: ("qkv", ("to_q", "to_k", "to_v")), GeGLU: ("gate_up", ("gate_proj", "up_proj"))}
+FEATURE = "fuse"
 
 
 class RowView:
@@ -41,6 +37,11 @@ class RowView:
         return self.module.weight[self.start:self.stop]
 
 
+def fused_parts(module: nn.Module) -> Optional[Tuple[Tuple[str, int], ...]]:
+    """((part name, rows), ...) of a fused module, in row order; None for any other module."""
+    return patching.feature_state(module, FEATURE)
+
+
 def _concat(parts: List[nn.Module]) -> Optional[nn.Module]:
     """One module computing ``torch.cat([p(x) for p in parts], -1)``, or None when the parts differ in kind."""
     first = parts[0]
@@ -50,12 +51,7 @@ def _concat(parts: List[nn.Module]) -> Optional[nn.Module]:
         return None
     bias = None if first.bias is None else torch.cat([p.bias for p in parts])
     if type(first) is nn.Linear:
-        fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=bias is not None,
-                          device="meta")
-        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
-        if bias is not None:
-            fused.bias = nn.Parameter(bias, requires_grad=False)
-        return fused
+        return _linear(torch.cat([p.weight for p in parts]), bias)
     if type(first) is FP8Linear:
         scales = [p.weight_scale.reshape(-1).expand(p.out_features) for p in parts]
         return FP8Linear(torch.cat([p.weight for p in parts]), torch.cat(scales), bias)
@@ -67,59 +63,53 @@ def _concat(parts: List[nn.Module]) -> Optional[nn.Module]:
     return None  # e.g. a LoRA side path or another wrapper: left as it is
 
 
-@torch.no_grad()
-def fuse_projections(model: nn.Module) -> int:
-    """Fuse every q/k/v and gate/up group of ``model`` in place (idempotent). Returns the groups fused."""
-    fused_groups = 0
-    with torch.inference_mode(False):  # normal tensors, whatever mode the engine is built in (ComfyUI)
-        for module in model.modules():
-            group = GROUPS.get(type(module))
-            if group is None or group[0] in module._modules:
-                continue
-            fused_name, part_names = group
-            parts = [module._modules[n] for n in part_names]
-            fused = _concat(parts)
-            if fused is None:
-                continue
-            fused.fused_parts = tuple((n, p.out_features) for n, p in zip(part_names, parts))
-            # the fused child takes the first part's place, so parameters keep the checkpoint's order
-            children = {}
-            for name, child in module._modules.items():
-                if name == part_names[0]:
-                    children[fused_name] = fused
-                elif name not in part_names:
-                    children[name] = child
-            module._modules.clear()
-            module._modules.update(children)
-            module._register_state_dict_hook(_split_state)
-            module._register_load_state_dict_pre_hook(_join_state, with_module=True)
-            fused_groups += 1
-    return fused_groups
+def _linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear
 
 
-def _part_ranges(fused: nn.Module):
+def _rows(fused: nn.Module, start: int, stop: int) -> nn.Module:
+    """The part ``start:stop`` of a fused module as a module of its own (copies: un-fusing)."""
+    bias = None if fused.bias is None else fused.bias[start:stop].clone()
+    if isinstance(fused, FP8Linear):
+        part = FP8Linear(fused.weight[start:stop].clone(), fused.weight_scale[start:stop].clone(), bias)
+        part.use_scaled_mm = fused.use_scaled_mm
+        return part
+    if isinstance(fused, Int4Linear):
+        return Int4Linear(fused.weight[start:stop].clone(), fused.weight_scale[start:stop].clone(),
+                          fused.weight_zero[start:stop].clone(), bias)
+    return _linear(fused.weight[start:stop].clone(), bias)
+
+
+def _part_ranges(parts: Tuple[Tuple[str, int], ...]):
     start = 0
-    for name, rows in fused.fused_parts:
+    for name, rows in parts:
         yield name, start, start + rows
         start += rows
 
 
-def linear_parts(model: nn.Module) -> Dict[str, object]:
-    """Checkpoint linear name -> its module, or a ``RowView`` for a part of a fused module."""
-    out = {}
-    for name, m in model.named_modules():
-        if getattr(m, "fused_parts", None) is None:
-            out[name] = m
-            continue
-        parent = name.rsplit(".", 1)[0]
-        for part, start, stop in _part_ranges(m):
-            out[f"{parent}.{part}"] = RowView(m, start, stop)
-    return out
+class CheckpointNames:
+    """Mixed into a fused group module's class: its state_dict gives the parts' keys (row views of the
+    fused tensors, in the checkpoint's order) and loading joins a checkpoint's part keys."""
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return _split_state(self, out, prefix)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        _join_state(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
 
-def _split_state(module, state_dict, prefix, local_metadata):
-    """state_dict hook: the fused tensors as the parts' keys (row views), in the checkpoint's order."""
-    fused_name = GROUPS[type(module)][0]
+def _keeps_checkpoint_names(base: type) -> type:
+    return type(base.__name__, (CheckpointNames, base), {"__module__": base.__module__, "__qualname__": base.__qualname__})
+
+
+def _split_state(module, state_dict, prefix):
+    fused_name = GROUPS[patching.base_class(module)][0]
     fused = module._modules.get(fused_name)
     if fused is None:
         return state_dict
@@ -131,15 +121,14 @@ def _split_state(module, state_dict, prefix, local_metadata):
         if not k.startswith(head):
             state_dict[k] = v
         elif k == head + fused_items[0][0]:  # where the fused tensors were: each part with all its tensors
-            for part, start, stop in _part_ranges(fused):
+            for part, start, stop in _part_ranges(fused_parts(fused)):
                 for leaf, t in fused_items:
                     state_dict[f"{prefix}{part}.{leaf}"] = t[start:stop] if t.dim() else t
     return state_dict
 
 
-def _join_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    """load_state_dict pre-hook: the parts' keys (a checkpoint's) joined into the fused module's."""
-    fused_name, part_names = GROUPS[type(module)]
+def _join_state(module, state_dict, prefix) -> None:
+    fused_name, part_names = GROUPS[patching.base_class(module)]
     fused = module._modules.get(fused_name)
     if fused is None:
         return
@@ -149,15 +138,100 @@ def _join_state(module, state_dict, prefix, local_metadata, strict, missing_keys
         if all(k in state_dict for k in keys):
             tensors = [state_dict.pop(k) for k in keys]
             if leaf == "weight_scale":  # a per-tensor fp8 scale becomes the same scale on every row of its part
-                tensors = [t.reshape(-1).expand(rows) for t, (_, rows) in zip(tensors, fused.fused_parts)]
+                tensors = [t.reshape(-1).expand(rows) for t, (_, rows) in zip(tensors, fused_parts(fused))]
             state_dict[f"{prefix}{fused_name}.{leaf}"] = torch.cat(tensors)
+
+
+class FusedProjections(patching.Patch):
+    """The "fuse" Patch: which group modules were fused, and their children before (names, in order)."""
+
+    name = FEATURE
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.groups: List[Tuple[nn.Module, Tuple[str, ...]]] = []
+
+    def fuse(self, module: nn.Module) -> bool:
+        fused_name, part_names = GROUPS[patching.base_class(module)]
+        if fused_name in module._modules:
+            return False
+        parts = [module._modules[n] for n in part_names]
+        fused = _concat(parts)
+        if fused is None:
+            return False
+        patching.state(fused)[FEATURE] = tuple((n, p.out_features) for n, p in zip(part_names, parts))
+        # the fused child takes the first part's place, so parameters keep the checkpoint's order
+        children = {}
+        for name, child in module._modules.items():
+            if name == part_names[0]:
+                children[fused_name] = fused
+            elif name not in part_names:
+                children[name] = child
+        before = patching.set_children(module, children)
+        patching.swap_class(module, FEATURE, _keeps_checkpoint_names)
+        self.groups.append((module, tuple(before)))
+        return True
+
+    @torch.no_grad()
+    def remove(self) -> None:
+        """Every fused module split back into its parts (copies of its rows), in the original order."""
+        model = self.model
+        later = [name for name in patching.attached(model) if name in ("offload", "lora", "compile")] if model else []
+        if later:
+            raise ValueError(f"the fused projections cannot be removed while {', '.join(later)} is attached; remove it first")
+        with torch.inference_mode(False):
+            while self.groups:
+                module, order = self.groups.pop()
+                fused_name = GROUPS[patching.base_class(module)][0]
+                fused = module._modules[fused_name]
+                parts = {n: _rows(fused, start, stop) for n, start, stop in _part_ranges(fused_parts(fused))}
+                patching.set_children(module, {n: parts[n] if n in parts else module._modules[n] for n in order})
+                patching.restore_class(module, FEATURE)
+
+    def describe(self) -> dict:
+        model = self.model
+        fused, total = fused_groups(model) if model is not None else (0, 0)
+        return {"groups_fused": fused, "groups": total}
+
+
+@torch.no_grad()
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse every q/k/v and gate/up group of ``model`` in place (idempotent). Returns the groups fused now."""
+    patch = patching.get(model, FEATURE) or FusedProjections(model)
+    count = 0
+    with torch.inference_mode(False):  # normal tensors, whatever mode the engine is built in (ComfyUI)
+        for module in model.modules():
+            if patching.base_class(module) in GROUPS:
+                count += patch.fuse(module)
+    if count and patching.get(model, FEATURE) is None:
+        patching.attach(model, patch)
+    return count
+
+
+def remove_fused_projections(model: nn.Module) -> bool:
+    """Split every fused module back into the checkpoint's linears. False when nothing was fused."""
+    return patching.detach(model, FEATURE)
+
+
+def linear_parts(model: nn.Module) -> Dict[str, object]:
+    """Checkpoint linear name -> its module, or a ``RowView`` for a part of a fused module."""
+    out = {}
+    for name, m in model.named_modules():
+        parts = fused_parts(m)
+        if parts is None:
+            out[name] = m
+            continue
+        parent = name.rsplit(".", 1)[0]
+        for part, start, stop in _part_ranges(parts):
+            out[f"{parent}.{part}"] = RowView(m, start, stop)
+    return out
 
 
 def fused_groups(model: nn.Module) -> Tuple[int, int]:
     """(groups fused, groups in the model)."""
     total = fused = 0
     for module in model.modules():
-        group = GROUPS.get(type(module))
+        group = GROUPS.get(patching.base_class(module))
         if group is not None:
             total += 1
             fused += group[0] in module._modules

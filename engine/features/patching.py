@@ -12,7 +12,8 @@ The primitives:
   made once per base class). Swaps of several features stack; ``restore_class`` takes one off.
   A class swap and not a forward hook: torch.compile guards on a module's class but not on hooks
   added after compiling (docs/architecture.md).
-- ``replace_module(model, name, new)``: a child replaced (quantized linears, fused projections).
+- ``replace_module(model, name, new)``: a child replaced (quantized linears); ``set_children`` for a
+  module whose children change in number (fused projections: q, k, v become one qkv).
 - ``set_slot(model, slot, value)``: one of the model's two documented slots, ``block_runner``
   (what runs the block loop: Cache-DiT) and ``attention`` (the attention function); the value
   before is kept by the caller's patch and given back by ``set_slot`` again.
@@ -119,6 +120,11 @@ def state(module: nn.Module) -> dict:
     return st
 
 
+def feature_state(module: nn.Module, feature: str):
+    """``state(module)[feature]``, or None when the module has none (reads only: nothing is created)."""
+    return (module.__dict__.get(STATE) or {}).get(feature)
+
+
 def clear_state(module: nn.Module, feature: str) -> None:
     st = module.__dict__.get(STATE)
     if st is not None:
@@ -182,6 +188,15 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     parent = model.get_submodule(parent_name) if parent_name else model
     old = parent._modules[child]
     parent._modules[child] = new
+    return old
+
+
+def set_children(module: nn.Module, children: Dict[str, nn.Module]) -> Dict[str, nn.Module]:
+    """Give ``module`` exactly these children, in this order (fused projections: three parts become one
+    child in the first part's place); returns the children before, for the caller's patch to restore."""
+    old = dict(module._modules)
+    module._modules.clear()
+    module._modules.update(children)
     return old
 
 

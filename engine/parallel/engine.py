@@ -113,6 +113,9 @@ class LocalTransport:
 
 
 class ParallelEngine(Engine):
+    loras: list = []  # plain attributes here (set in __init__): an Engine derives them from its model's LoRA patch
+    lora_report: List[str] = []
+
     def __init__(self, path: str, config: EngineConfig, model_config, dtype: torch.dtype, plan: ParallelPlan,
                  backend: str, transport=None, num_params: int = 0):
         # No Engine.__init__: the parent holds no model.

@@ -162,10 +162,8 @@ class WorkerState:
             return {"error": (type(e).__name__, str(e))}
 
     def cmd_check_lora(self, path):
-        from ..features.lora import check_lora
-
         try:
-            return check_lora(self.engine, path)
+            return self.engine.check_lora(path)
         except Exception as e:
             return {"error": (type(e).__name__, str(e))}
 

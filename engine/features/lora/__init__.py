@@ -1,0 +1,15 @@
+"""LoRA for the ERNIE-Image DiT: the published key formats, several LoRAs at once, merged in place with a
+bit-exact restore, or a side path on FP8 / INT4 layers; attached to the model as the "lora" Patch.
+
+formats: key formats, matching and reading a file (``read_lora``); peft: alpha from PEFT configs;
+records: the restore records and the merge / restore arithmetic; state: ``LoRAState`` and the model-level
+API (``apply_loras``, ``active_loras``, ``remove_loras``); files: specs and ``LoRAFileCache``.
+"""
+from ...errors import LoRAError
+from .files import LoRAFileCache, normalize, parse_spec
+from .formats import LoRAEntry, LoRAFile, key_map, read_lora, target_modules
+from .records import UlpDiff, restore_mode
+from .state import LoRAState, active_loras, apply_loras, remove_loras
+
+__all__ = ["LoRAError", "LoRAEntry", "LoRAFile", "LoRAFileCache", "LoRAState", "UlpDiff", "active_loras", "apply_loras",
+           "key_map", "normalize", "parse_spec", "read_lora", "remove_loras", "restore_mode", "target_modules"]

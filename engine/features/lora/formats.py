@@ -1,0 +1,306 @@
+"""Reading a LoRA file against a model: the published key formats, matched against names built from the
+model's own modules (its checkpoint names: a fused part is rows of its fused module), into a ``LoRAFile``.
+Keys that match nothing, and kinds this engine does not apply, are reported, never dropped; a file for
+another architecture or of other shapes is refused (docs/lora.md lists the formats).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ...errors import LoRAError
+from ...io.safetensors import CheckpointError, SafetensorsFile
+from ..fuse import RowView, linear_parts
+from ..quant import QUANT_MODULES
+from .peft import PEFT_FORMATS, peft_alpha, peft_config
+
+log = logging.getLogger("sgld.lora")
+
+# (format, up suffix, down suffix), the longest first (``.lora_B.default.weight`` before ``.lora_B``).
+ADAPTERS: Tuple[Tuple[str, str, str], ...] = (
+    ("peft_default", ".lora_B.default.weight", ".lora_A.default.weight"),
+    ("transformers", ".lora_linear_layer.up.weight", ".lora_linear_layer.down.weight"),
+    ("kohya", ".lora_up.weight", ".lora_down.weight"),
+    ("peft", ".lora_B.weight", ".lora_A.weight"),
+    ("diffusers_v3", ".lora.up.weight", ".lora.down.weight"),
+    ("diffusers_old", "_lora.up.weight", "_lora.down.weight"),
+    ("mochi", ".lora_B", ".lora_A"),
+)
+ALPHA_SUFFIX = ".alpha"
+DIFF_SUFFIX = ".diff"
+# Known LoRA parts this engine does not apply: reported, never silently dropped.
+UNSUPPORTED_SUFFIXES = {
+    ".dora_scale": "DoRA magnitude (dropped, as diffusers does)",
+    ".lora_mid.weight": "LoCon/Tucker mid weight",
+    ".diff_b": "bias difference",
+    ".hada_w1_a": "LoHa", ".hada_w1_b": "LoHa", ".hada_w2_a": "LoHa", ".hada_w2_b": "LoHa",
+    ".lokr_w1": "LoKr", ".lokr_w2": "LoKr", ".lokr_w1_a": "LoKr", ".lokr_w1_b": "LoKr",
+    ".lokr_w2_a": "LoKr", ".lokr_w2_b": "LoKr", ".oft_blocks": "OFT",
+}
+DOTTED_PREFIXES = ("", "diffusion_model.", "model.diffusion_model.", "transformer.", "base_model.model.",
+                   "base_model.model.transformer.", "base_model.model.diffusion_model.", "unet.")
+FLAT_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
+TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder", "te_", "lora_te1_", "lora_te2_", "text_model.")
+# Key fragments of other architectures' LoRAs (for the refusal message).
+OTHER_ARCHITECTURES = (
+    ("double_blocks", "Flux (double/single stream blocks)"), ("single_blocks", "Flux (double/single stream blocks)"),
+    ("single_transformer_blocks", "Flux (diffusers names)"), ("transformer_blocks", "a diffusers DiT such as SD3, Flux, "
+                                                             "Qwen-Image or Wan (transformer_blocks.N)"),
+    ("input_blocks", "a Stable Diffusion / SDXL UNet"), ("down_blocks", "a Stable Diffusion / SDXL UNet (diffusers names)"),
+    ("lora_unet_down", "a Stable Diffusion / SDXL UNet (kohya names)"), ("joint_blocks", "Stable Diffusion 3 (MMDiT)"),
+    ("blocks.", "a DiT with 'blocks.N' layers (e.g. Wan, HunyuanVideo, Lumina)"),
+    ("layers.", "a DiT with 'layers.N' of another shape (e.g. Z-Image, Lumina2)"),
+)
+
+
+
+# -- reading ------------------------------------------------------------------------------------------------
+@dataclass
+class LoRAEntry:
+    """One adapted module of one LoRA file."""
+
+    module: str
+    down: Optional[torch.Tensor] = None  # A [r, in(, kh, kw)]
+    up: Optional[torch.Tensor] = None  # B [out, r(, 1, 1)]
+    alpha: Optional[float] = None
+    diff: Optional[torch.Tensor] = None  # full weight difference (".diff")
+    fmt: str = ""
+    rslora: bool = False  # PEFT use_rslora: scale = alpha / sqrt(rank)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.down is None else int(self.down.shape[0])
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank, or 1.0 without alpha (a ``.diff`` entry: 1.0)."""
+        if self.diff is not None or self.alpha is None or not self.rank:
+            return 1.0
+        return float(self.alpha) / (self.rank ** 0.5 if self.rslora else self.rank)
+
+    def delta(self, weight_shape, device=None) -> torch.Tensor:
+        """The float32 weight difference at strength 1 (already scaled by alpha / rank)."""
+        if self.diff is not None:
+            return self.diff.to(device=device, dtype=torch.float32).reshape(weight_shape)
+        up = self.up.to(device=device, dtype=torch.float32).flatten(1)
+        down = self.down.to(device=device, dtype=torch.float32).flatten(1)
+        return (up @ down).mul_(self.scale).reshape(weight_shape)
+
+
+@dataclass
+class LoRAFile:
+    """A LoRA read against one model: entries per module, and everything that was not applied."""
+
+    path: str
+    entries: Dict[str, LoRAEntry]
+    unmatched: List[str] = field(default_factory=list)  # keys that match no module of the model
+    unsupported: List[Tuple[str, str]] = field(default_factory=list)  # (key, what it is)
+    formats: Tuple[str, ...] = ()
+    metadata: Dict[str, str] = field(default_factory=dict)
+    nbytes: int = 0
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def report(self) -> List[str]:
+        """Messages about keys that were not applied (empty when every key was used)."""
+        out = []
+        if self.unmatched:
+            te = [k for k in self.unmatched if k.startswith(TEXT_ENCODER_PREFIXES)]
+            first = ", ".join(self.unmatched[:4])
+            msg = (f"LoRA {self.name}: {len(self.unmatched)} of its keys match no layer of the ERNIE-Image DiT and were "
+                   f"not applied (first: {first})")
+            if te:
+                msg += f"; {len(te)} of them are text-encoder keys (this engine patches the diffusion model only)"
+            out.append(msg)
+        if self.unsupported:
+            kinds = sorted({w for _, w in self.unsupported})
+            out.append(f"LoRA {self.name}: {len(self.unsupported)} keys of kinds this engine does not apply were ignored "
+                       f"({'; '.join(kinds)}; first: {', '.join(k for k, _ in self.unsupported[:3])})")
+        return out
+
+    def describe(self) -> str:
+        ranks = sorted({e.rank for e in self.entries.values() if e.rank})
+        return (f"{self.name}: {len(self.entries)} layers, format {'/'.join(self.formats) or '?'}, "
+                f"rank {'/'.join(map(str, ranks)) or '-'}")
+
+
+def target_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    """What a LoRA can adapt, by checkpoint name: linears, convs, quantized linears, and the parts of fused
+    projections (``engine.features.fuse.RowView``: ``to_q`` is rows of ``qkv``)."""
+    kinds = (nn.Linear, nn.Conv2d, RowView) + tuple(QUANT_MODULES)
+    return {name: m for name, m in linear_parts(model).items() if name and isinstance(m, kinds)}
+
+
+def is_quantized(target) -> bool:
+    """An FP8 / INT4 layer (or a part of a fused one): never merged, a side path instead."""
+    return isinstance(target.module if isinstance(target, RowView) else target, QUANT_MODULES)
+
+
+def key_map(model: nn.Module) -> Dict[str, str]:
+    """Every accepted LoRA key prefix -> module name (built from the model's own module names)."""
+    out: Dict[str, str] = {}
+    for name in target_modules(model):
+        for p in DOTTED_PREFIXES:
+            out[p + name] = name
+        flat = name.replace(".", "_")
+        for p in FLAT_PREFIXES:
+            out.setdefault(p + flat, name)
+    return out
+
+
+def _split_key(key: str) -> Tuple[str, str, str]:
+    """key -> (prefix, part, fmt) with part in up/down/alpha/diff/unsupported:<what>/'' (unknown)."""
+    for fmt, up, down in ADAPTERS:
+        if key.endswith(up):
+            return key[: -len(up)], "up", fmt
+        if key.endswith(down):
+            return key[: -len(down)], "down", fmt
+    if key.endswith(ALPHA_SUFFIX):
+        return key[: -len(ALPHA_SUFFIX)], "alpha", ""
+    if key.endswith(DIFF_SUFFIX):
+        return key[: -len(DIFF_SUFFIX)], "diff", "diff"
+    for suf, what in UNSUPPORTED_SUFFIXES.items():
+        if key.endswith(suf):
+            return key[: -len(suf)], "unsupported:" + what, ""
+    return key, "", ""
+
+
+def _guess_architecture(keys: Sequence[str]) -> str:
+    joined = "\n".join(keys[:2000])
+    for frag, arch in OTHER_ARCHITECTURES:
+        if frag in joined:
+            return arch
+    if all(k.startswith(TEXT_ENCODER_PREFIXES) for k in keys):
+        return "a text encoder only"
+    return ""
+
+
+def read_lora(path: str, model: nn.Module) -> LoRAFile:
+    """Read a LoRA .safetensors file against ``model`` (tensors stay on the CPU in the file's dtype)."""
+    path = os.fspath(path)
+    try:
+        f = SafetensorsFile(path)
+    except CheckpointError as e:
+        raise LoRAError(str(e)) from None
+    name = os.path.basename(path)
+    keys = list(f.keys())
+    if not keys:
+        raise LoRAError(f"{path}: this LoRA file holds no tensors")
+    kmap = key_map(model)
+    modules = target_modules(model)
+    groups: Dict[str, Dict[str, str]] = {}
+    unknown: List[str] = []
+    unsupported: List[Tuple[str, str]] = []
+    for k in keys:
+        prefix, part, fmt = _split_key(k)
+        if part.startswith("unsupported:"):
+            unsupported.append((k, part.split(":", 1)[1]))
+        elif not part:
+            unknown.append(k)
+        else:
+            groups.setdefault(prefix, {})[part] = k
+            if fmt:
+                groups[prefix]["fmt"] = fmt
+    matched = {p: g for p, g in groups.items() if p in kmap}
+    unmatched = sorted(unknown + [k for p, g in groups.items() if p not in kmap for part, k in g.items() if part != "fmt"])
+    if not matched and any(_split_key(k)[0] in kmap for k, _ in unsupported):
+        kinds = sorted({w for _, w in unsupported})
+        raise LoRAError(f"{path}: this adapter for ERNIE-Image uses {', '.join(kinds)}, which this engine does not apply "
+                        "(supported: LoRA up/down or A/B pairs with alpha, and full .diff weights)")
+    if not matched:
+        arch = _guess_architecture(keys)
+        meta = {k: v for k, v in f.metadata.items() if k in ("ss_base_model_version", "modelspec.architecture", "ss_network_module")}
+        raise LoRAError(
+            f"{path}: not a LoRA for ERNIE-Image: none of its {len(keys)} keys names a layer of the ERNIE-Image DiT "
+            f"(first keys: {', '.join(sorted(keys)[:3])})" + (f"; it looks like a LoRA for {arch}" if arch else "")
+            + (f"; file metadata: {meta}" if meta else "")
+            + ". Use a LoRA trained for ERNIE-Image / ERNIE-Image-Turbo.")
+    tensors = dict(f.tensors([k for g in matched.values() for part, k in g.items() if part != "fmt"]))
+    entries: Dict[str, LoRAEntry] = {}
+    formats = set()
+    nbytes = 0
+    for prefix, g in matched.items():
+        mod_name = kmap[prefix]
+        mod = modules[mod_name]
+        wshape = weight_shape(mod)
+        if mod_name in entries:
+            raise LoRAError(f"{path}: layer '{mod_name}' is adapted twice (keys '{prefix}' and another spelling)")
+        e = LoRAEntry(mod_name)
+        if "alpha" in g:
+            a = tensors[g["alpha"]]
+            if a.numel() != 1:
+                raise LoRAError(f"{path}: '{g['alpha']}' should be a scalar, it has shape {tuple(a.shape)}")
+            e.alpha = float(a.float().reshape(()))
+            if not math.isfinite(e.alpha):
+                raise LoRAError(f"{path}: '{g['alpha']}' is {e.alpha}: a LoRA alpha must be a finite number")
+        if "diff" in g:
+            d = tensors[g["diff"]]
+            if d.numel() != numel(wshape):
+                raise LoRAError(f"{path}: '{g['diff']}' has shape {tuple(d.shape)}, but layer '{mod_name}' of this model "
+                                f"has weight {tuple(wshape)}: this LoRA is for a model of another size")
+            e.diff, e.fmt = d, "diff"
+        if "up" in g or "down" in g:
+            if "up" not in g or "down" not in g:
+                have = g.get("up") or g.get("down")
+                raise LoRAError(f"{path}: '{have}' has no matching {'down (A)' if 'up' in g else 'up (B)'} weight: "
+                                "the LoRA file is incomplete")
+            up, down = tensors[g["up"]], tensors[g["down"]]
+            out_f, in_f = wshape[0], numel(wshape[1:])
+            if up.dim() < 2 or down.dim() < 2 or up.shape[1] != down.shape[0] or numel(up.shape[2:]) != 1:
+                raise LoRAError(f"{path}: '{g['up']}' {tuple(up.shape)} and '{g['down']}' {tuple(down.shape)} are not a "
+                                "low-rank pair (up [out, r], down [r, in])")
+            if up.shape[0] != out_f or numel(down.shape[1:]) != in_f:
+                raise LoRAError(f"{path}: '{g['down']}' / '{g['up']}' make a [{up.shape[0]}, {numel(down.shape[1:])}] update, "
+                                f"but layer '{mod_name}' of this model has weight {tuple(wshape)}: this LoRA is for a "
+                                "model of another size or architecture")
+            e.up, e.down, e.fmt = up, down, g.get("fmt", "")
+        if e.up is None and e.diff is None:  # an alpha alone
+            unmatched.append(g["alpha"])
+            continue
+        for part in ("up", "down", "diff"):
+            if part in g and not all_finite(tensors[g[part]]):
+                raise LoRAError(f"{path}: '{g[part]}' holds NaN or infinite values: the LoRA file is damaged "
+                                "(a LoRA trained with a diverged loss?)")
+        formats.add(e.fmt)
+        nbytes += sum(t.numel() * t.element_size() for t in (e.up, e.down, e.diff) if t is not None)
+        entries[mod_name] = e
+    if not entries:
+        raise LoRAError(f"{path}: no usable LoRA weights (only {len(keys)} alpha / unsupported keys)")
+    pcfg = peft_config(path, f.metadata) if any(e.alpha is None and e.fmt in PEFT_FORMATS for e in entries.values()) else None
+    if pcfg is not None:
+        for e in entries.values():
+            if e.alpha is None and e.up is not None:
+                e.alpha = peft_alpha(pcfg, e.module)
+                e.rslora = bool(pcfg.get("use_rslora"))
+    lf = LoRAFile(path, entries, sorted(unmatched), unsupported, tuple(sorted(formats)), dict(f.metadata), nbytes)
+    log.info("LoRA %s", lf.describe())
+    for msg in lf.report():
+        log.warning("%s", msg)
+    return lf
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    if t.is_floating_point() and t.element_size() == 1:  # fp8: isfinite is not implemented for every fp8 dtype
+        t = t.float()
+    return bool(torch.isfinite(t).all())
+
+
+def weight_shape(mod: nn.Module) -> tuple:
+    if hasattr(mod, "in_features") and not isinstance(mod, (nn.Linear, nn.Conv2d)):  # quantized linear
+        return (mod.out_features, mod.in_features)
+    return tuple(mod.weight.shape)
+
+
+def numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -1,0 +1,94 @@
+"""``offload="auto"``: layer-wise when the free memory of the CUDA device is below the model's bytes plus
+the working memory (activations, other models); and the size of a checkpoint at rest, from its header.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional, Tuple
+
+import torch
+
+log = logging.getLogger("sgld.offload")
+
+MODES = ("none", "layerwise", "auto")
+GiB = 2 ** 30
+# Working memory that "auto" keeps free besides the weights: activations of a 1024^2 CFG batch of the
+# 8B model (~1-2 GiB with memory-efficient attention), the CUDA context and the allocator's slack.
+# Override with SGLD_OFFLOAD_WORKING_GB.
+MIN_WORKING_BYTES = 2 * GiB
+WORKING_FRACTION = 0.15
+
+
+def parse_mode(mode) -> str:
+    """None / False / "off" -> "none"; True -> "layerwise"; else one of MODES (case-insensitive)."""
+    if mode is None or mode is False:
+        return "none"
+    if mode is True:
+        return "layerwise"
+    m = str(mode).strip().lower()
+    if m in ("off", "false", "no", ""):
+        return "none"
+    if m in ("on", "true", "layer", "layer-wise", "layers"):
+        return "layerwise"
+    if m not in MODES:
+        raise ValueError(f"offload '{mode}' is not supported; choose one of {', '.join(MODES)}")
+    return m
+
+
+def working_bytes(model_bytes: int) -> int:
+    env = os.environ.get("SGLD_OFFLOAD_WORKING_GB")
+    if env:
+        return int(float(env) * GiB)
+    return max(MIN_WORKING_BYTES, int(WORKING_FRACTION * model_bytes))
+
+
+def choose_offload(mode, device, model_bytes: int, free_bytes: Optional[int] = None,
+                   resident_bytes: int = 0) -> Tuple[str, str]:
+    """("none" | "layerwise", why). ``auto``: layer-wise when the device's free memory (plus what the
+    model already holds there, ``resident_bytes``) is below ``model_bytes`` + working memory.
+    ``free_bytes`` defaults to ``torch.cuda.mem_get_info``; CPU devices never offload on ``auto``."""
+    mode = parse_mode(mode)
+    if mode != "auto":
+        return mode, ("requested" if mode == "layerwise" else "")
+    choice, why = _choose_auto(device, model_bytes, free_bytes, resident_bytes)
+    log.info("offload %s", why)
+    return choice, why
+
+
+def _choose_auto(device, model_bytes: int, free_bytes: Optional[int], resident_bytes: int) -> Tuple[str, str]:
+    dev = torch.device(device)
+    if free_bytes is None:
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            return "none", f"auto: {dev} is not a CUDA GPU, nothing to offload"
+        free_bytes, _ = torch.cuda.mem_get_info(dev)
+    available = int(free_bytes) + int(resident_bytes)
+    need = int(model_bytes) + working_bytes(model_bytes)
+    gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
+    if available < need:
+        return "layerwise", f"auto: {gib(available)} free on {dev} < model {gib(model_bytes)} + working {gib(need - model_bytes)}"
+    return "none", f"auto: {gib(available)} free on {dev} >= model {gib(model_bytes)} + working {gib(need - model_bytes)}"
+
+
+def estimate_checkpoint_bytes(path: str, dtype=None, quant: Optional[str] = None) -> int:
+    """Bytes the model will take at rest once loaded (headers only, nothing is read)."""
+    from ...io.checkpoint import Checkpoint, parse_dtype
+    from .. import quant as Q
+
+    ckpt = Checkpoint(path)
+    target = parse_dtype(dtype) or ckpt.stored_dtype()
+    kind, group = Q.parse_format(quant)
+    total = 0
+    for k, (f, fk) in ckpt.index.items():
+        src = f.dtype(fk)
+        numel = 1
+        for d in f.shape(fk):
+            numel *= d
+        layer = k.rsplit(".", 1)[0]
+        if kind and k.endswith(".weight") and Q.is_block_linear(layer):
+            total += numel if kind == "fp8" else numel // 2 + numel * 4 // max(1, group)
+        elif src.is_floating_point and src.itemsize >= 2:
+            total += numel * target.itemsize
+        else:  # quantized storage (fp8 / packed int4) stays as stored
+            total += numel * src.itemsize
+    return total
