@@ -2,7 +2,7 @@
 
 At the 8B shape, 1024x1024, sdpa, a forward at batch 1 (= one Turbo step) and at batch 2 (= one Base
 step with CFG), weights bf16 and fp8:
-  off-bf16       resident (the whole model on the GPU, the baseline), then engine/features/offload.py with 2
+  off-bf16       resident (the whole model on the GPU, the baseline), then engine/features/offload/ with 2
                  layer buffers: s/step, peak VRAM, slowdown, bit-equality vs resident, GiB moved per
                  forward, host-to-device GB/s (~20 s)
   off-bf16-8buf  8 buffers (6 blocks kept resident + 2 streaming): VRAM traded for speed (~12 s)

@@ -8,7 +8,7 @@ t(36) = t(a) + (36 - a) * (t(b) - t(a)) / (b - a). The LoRA targets the 7 linear
 (to_q/k/v, to_out.0, gate/up_proj, linear_fc2) plus the non-block linears (text_proj, time_embedding,
 adaLN_modulation.1, final_norm.linear, final_linear): the widest coverage trainers produce.
 
-Each timing is the median of ``--repeat`` runs of ``Engine.set_loras`` (engine/features/lora.py):
+Each timing is the median of ``--repeat`` runs of ``Engine.set_loras`` (engine/features/lora):
   apply       base -> LoRA at strength 1 (fp32 merge a block of rows at a time, int8 restore record)
   strength    LoRA at 1 -> the same LoRA at 0.5 (restore, then merge again)
   switch      LoRA A -> LoRA B (same layers)
@@ -62,7 +62,8 @@ def measure(layers: int, repeat: int, tmp: str) -> dict:
 
     from engine import Engine
     from engine.io.checkpoint import build_model
-    from engine.features.lora import lora_state, read_lora
+    from engine.features import patching
+    from engine.features.lora import read_lora
     from engine.models.ernie_image import ErnieImageConfig
 
     cfg = ErnieImageConfig(num_layers=layers)
@@ -80,7 +81,6 @@ def measure(layers: int, repeat: int, tmp: str) -> dict:
     touched = sorted(files[0].entries)
     h0 = digest(model, touched)
     times = {"apply": [], "strength": [], "switch": [], "remove": []}
-    st = lora_state(model)
     backup = 0
     for _ in range(repeat):
         for key, spec in (("apply", [(files[0], 1.0)]), ("strength", [(files[0], 0.5)]), ("switch", [(files[1], 1.0)]),
@@ -88,7 +88,8 @@ def measure(layers: int, repeat: int, tmp: str) -> dict:
             t = time.perf_counter()
             eng.set_loras(spec)
             times[key].append(time.perf_counter() - t)
-            backup = max(backup, st.backup_bytes)
+            state = patching.get(model, "lora")  # None once the base is back
+            backup = max(backup, state.backup_bytes if state is not None else 0)
         assert digest(model, touched) == h0, "the base did not come back bit-exactly"
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"layers": layers, "read_s": read_s, **{k: statistics.median(v) for k, v in times.items()},

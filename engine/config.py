@@ -22,7 +22,7 @@ class EngineConfig:
     # Weight-only quantization of the blocks' linear layers (engine/features/quant.py): None | "fp8" | "int4" (groups of
     # 128) | "int4-g64". Pre-quantized files (sgld quantize, ComfyUI fp8) load quantized whatever this says.
     quant: Optional[str] = None
-    # Layer-wise offload (engine/features/offload.py): "none" | "layerwise" (block weights in pinned CPU memory, streamed
+    # Layer-wise offload (engine/features/offload): "none" | "layerwise" (block weights in pinned CPU memory, streamed
     # through ``resident_layers`` device buffers) | "auto" (layer-wise when the GPU's free memory is below the
     # model plus working memory).
     offload: str = "none"

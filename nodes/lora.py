@@ -2,7 +2,7 @@
 
 Chainable (each node adds one LoRA to the handle). The returned handle shares the base engine with
 its input (nodes/model_cache.py): the LoRA set is part of the handle and the engine applies it
-(``Engine.set_loras``, engine/features/lora.py) when a sampler asks the handle for its engine, so two graphs
+(``Engine.set_loras``, engine/features/lora) when a sampler asks the handle for its engine, so two graphs
 using the same base with different LoRAs hold the base weights once.
 """
 from __future__ import annotations

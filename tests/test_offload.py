@@ -1,4 +1,4 @@
-"""Layer-wise offload on the CPU (engine/features/offload.py): the CPU is both the storage and the compute
+"""Layer-wise offload on the CPU (engine/features/offload): the CPU is both the storage and the compute
 device, so the same code path runs with the stream / event operations as no-ops. Checked: output
 bit-equal to the model without offload (plain, Cache-DiT, fp8, compiled), the bytes resident on the
 "device" at every block step (peak <= non-block weights + resident_layers x one block), only the

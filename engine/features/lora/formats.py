@@ -190,7 +190,6 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
         f = SafetensorsFile(path)
     except CheckpointError as e:
         raise LoRAError(str(e)) from None
-    name = os.path.basename(path)
     keys = list(f.keys())
     if not keys:
         raise LoRAError(f"{path}: this LoRA file holds no tensors")
