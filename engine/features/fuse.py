@@ -95,8 +95,8 @@ class CheckpointNames:
     """Mixed into a fused group module's class: its state_dict gives the parts' keys (row views of the
     fused tensors, in the checkpoint's order) and loading joins a checkpoint's part keys."""
 
-    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
-        out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+    def state_dict(self, *, destination=None, prefix="", keep_vars=False):  # torch's own calls pass keywords
+        out = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         return _split_state(self, out, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
