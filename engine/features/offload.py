@@ -7,7 +7,7 @@ Layout
   * Non-block weights (embedders, modulation, final layer: ~2% of the model) move to the device for good.
   * Each block ``model.layers[i]`` gets one flat CPU byte buffer (its *master*; pinned when the compute
     device is a CUDA GPU) holding its parameters back to back (256-byte aligned); quantized layers
-    (engine/features/quant.py) keep their quantized bytes. The model keeps its classes, names and state_dict.
+    (engine/features/quant/) keep their quantized bytes. The model keeps its classes, names and state_dict.
   * ``resident_layers`` device buffers (*slots*, default 2) of one block's size. Loading block i is ONE
     host-to-device copy of its master on a copy stream; offloading it is only pointing its parameters
     back at the master. With more than two slots, blocks ``0 .. resident_layers - 3`` stay loaded (blocks
@@ -133,30 +133,6 @@ def _choose_auto(device, model_bytes: int, free_bytes: Optional[int], resident_b
     if available < need:
         return "layerwise", f"auto: {gib(available)} free on {dev} < model {gib(model_bytes)} + working {gib(need - model_bytes)}"
     return "none", f"auto: {gib(available)} free on {dev} >= model {gib(model_bytes)} + working {gib(need - model_bytes)}"
-
-
-def estimate_checkpoint_bytes(path: str, dtype=None, quant: Optional[str] = None) -> int:
-    """Bytes the model will take at rest once loaded (headers only, nothing is read)."""
-    from ..io.checkpoint import Checkpoint, parse_dtype
-    from . import quant as Q
-
-    ckpt = Checkpoint(path)
-    target = parse_dtype(dtype) or ckpt.stored_dtype()
-    kind, group = Q.parse_format(quant)
-    total = 0
-    for k, (f, fk) in ckpt.index.items():
-        src = f.dtype(fk)
-        numel = 1
-        for d in f.shape(fk):
-            numel *= d
-        layer = k.rsplit(".", 1)[0]
-        if kind and k.endswith(".weight") and Q.is_block_linear(layer):
-            total += numel if kind == "fp8" else numel // 2 + numel * 4 // max(1, group)
-        elif src.is_floating_point and src.itemsize >= 2:
-            total += numel * target.itemsize
-        else:  # quantized storage (fp8 / packed int4) stays as stored
-            total += numel * src.itemsize
-    return total
 
 
 # -- stream / event helpers: no-ops off CUDA ------------------------------------------------------------------
@@ -631,4 +607,4 @@ def plan_blocks(model: nn.Module, indices: Iterable[int]) -> None:
 
 
 __all__ = ["MODES", "LayerwiseOffload", "apply_layerwise_offload", "get_offload", "empty_host_cache", "plan_blocks", "choose_offload",
-           "estimate_checkpoint_bytes", "parse_mode", "working_bytes"]
+           "parse_mode", "working_bytes"]
