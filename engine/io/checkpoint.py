@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -139,11 +139,11 @@ class Checkpoint:
                 counts[dt] = counts.get(dt, 0) + 1
         return max(counts, key=counts.get) if counts else default
 
-    def tensors(self, dtype: Optional[torch.dtype] = None):
-        """(key, tensor) for every tensor, in file order, each read into its own buffer (optionally cast)."""
+    def tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(key, tensor) for every tensor, as stored, in file order, each read into its own buffer."""
         for f in self.files:
             mine = {fk: k for k, (ff, fk) in self.index.items() if ff is f}
-            for fk, t in f.tensors(mine.keys(), dtype=dtype):
+            for fk, t in f.tensors(mine.keys()):
                 yield mine[fk], t
 
     def read(self, key: str) -> torch.Tensor:
