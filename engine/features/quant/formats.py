@@ -14,7 +14,7 @@ from .numerics import dequantize_fp8, dequantize_int4
 FP8_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2)
 SGLD_META_KEY = "sgld_quant"
 COMFY_META_KEY = "_quantization_metadata"
-COMFY_FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+COMFY_FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
 # Per-layer tensors of the ComfyUI formats that a weight-only engine does not need.
 IGNORED_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant")
 MAX_COMFY_QUANT_BYTES = 64 * 1024  # a ComfyUI per-layer format tag is a few dozen bytes of JSON
