@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.features import attention as A  # noqa: E402
 from engine.features import quant as Q  # noqa: E402
 from engine.features.compile import compile_blocks, graph_count, reset_counters  # noqa: E402
-from engine.io.checkpoint import build_model  # noqa: E402
+from engine.io.load import build_model  # noqa: E402
 from engine.models.random_weights import SIZES, random_model  # noqa: E402
 
 VARIANTS = [  # (attention, compile, quant)
@@ -38,7 +38,7 @@ VARIANTS = [  # (attention, compile, quant)
 def make(size, attention, compiled, quant):
     m = random_model(SIZES[size], seed=0, dtype=torch.bfloat16)
     if quant:
-        Q.quantize_model(m, quant)
+        Q.apply_quant(m, quant)
     m.attention = A.FUNCTIONS[attention]
     if compiled:
         compile_blocks(m, "static")
@@ -55,7 +55,7 @@ def bytes_rows(size):
     rows = []
     for fmt in ("fp8", "int4", "int4-g64"):
         m = build_model(SIZES[size], "meta").to(torch.bfloat16)
-        Q.quantize_model(m, fmt)
+        Q.apply_quant(m, fmt)
         rows.append(f"| {size} | {fmt} | {Q.weight_bytes(m) / 2**20:,.1f} MiB | {Q.weight_bytes(m) / base:.3f} | "
                     f"{Q.weight_bytes(m, True) / base_lin:.3f} |")
     return base, rows

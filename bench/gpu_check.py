@@ -199,7 +199,7 @@ class Ctx:
             m = self.state["model"] = build(self.cfg, self.dev, self.dtype)
             self.state["fmt"] = None
             if fmt:
-                Q.quantize_model(m, fmt)
+                Q.apply_quant(m, fmt)
                 Q.prepare_fast_paths(m)
                 self.state["fmt"] = fmt
         m.attention = A.sdpa
@@ -402,7 +402,7 @@ def quantized(fmt):
         m = ctx.model()  # bf16
         start = ctx.start_window()
         s = time.perf_counter()
-        Q.quantize_model(m, fmt)
+        Q.apply_quant(m, fmt)
         notes = Q.prepare_fast_paths(m)
         ctx.sync()
         q_s = time.perf_counter() - s
@@ -674,7 +674,7 @@ def environment(args, dev, cfg, ctx):
 
 
 def build_model_meta(cfg):
-    from engine.io.checkpoint import build_model
+    from engine.io.load import build_model
 
     return build_model(cfg, "meta")
 

@@ -61,7 +61,7 @@ def measure(layers: int, repeat: int, tmp: str) -> dict:
     from safetensors.torch import save_file
 
     from engine import Engine
-    from engine.io.checkpoint import build_model
+    from engine.io.load import build_model
     from engine.features import patching
     from engine.features.lora import read_lora
     from engine.models.ernie_image import ErnieImageConfig

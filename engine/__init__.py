@@ -4,7 +4,8 @@ Public API: ``load_model``, ``Engine``, ``EngineConfig``. Importable as the top-
 ``engine`` (from the repository root) and as a subpackage of the ComfyUI pack.
 """
 from .config import EngineConfig
-from .io.checkpoint import CheckpointError, load_model
+from .errors import CheckpointError
+from .features.quant import load_model
 from .engine import Engine, InputError, RunStats
 
 __all__ = ["CheckpointError", "Engine", "EngineConfig", "InputError", "RunStats", "load_model"]

@@ -135,6 +135,7 @@ def _random_engine(size: str, dtype, device, config=None):
     live: on ``device``, or in CPU memory when layer-wise offload streams it from there (so the whole
     model never has to fit on the GPU first)."""
     from .features import offload
+    from .features.quant import estimate_bytes
     from .engine import Engine
     from .models.random_weights import SIZES, random_model_on_device
 
@@ -145,27 +146,11 @@ def _random_engine(size: str, dtype, device, config=None):
         raise SystemExit(f"sgld bench: --dtype '{dtype}' is not supported; choose one of bf16, fp16, fp32")
     decision, build_on = None, device
     if config is not None and config.offload != "none":
-        decision = offload.choose_offload(config.offload, device, _random_model_bytes(SIZES[size], dt, config.quant))
+        decision = offload.choose_offload(config.offload, device, estimate_bytes(SIZES[size], dt, config.quant))
         if decision[0] == "layerwise":
             build_on = "cpu"
     model = random_model_on_device(SIZES[size], build_on, dt, seed=0)
     return Engine(model, config, source=f"random:{size}", offload_decision=decision)
-
-
-def _random_model_bytes(cfg, dtype: torch.dtype, quant) -> int:
-    """Bytes of a random model at rest once quantized (as offload.estimate_checkpoint_bytes counts a file)."""
-    from .io.checkpoint import build_model
-    from .features.quant import is_block_linear, parse_format
-
-    kind, group = parse_format(quant)
-    total = 0
-    for name, p in build_model(cfg, "meta").named_parameters():
-        n = p.numel()
-        if kind and name.endswith(".weight") and is_block_linear(name.rsplit(".", 1)[0]):
-            total += n if kind == "fp8" else n // 2 + n * 4 // max(1, group)
-        else:
-            total += n * dtype.itemsize
-    return total
 
 
 def _reset_peak_memory(dev: torch.device) -> None:

@@ -19,7 +19,7 @@ class EngineConfig:
     # Regional torch.compile of the repeated block (engine/features/compile.py): False | True (= "static") |
     # "static" (one graph per resolution) | "dynamic" (one extra, dynamic-shape graph for all new resolutions).
     compile: Union[bool, str] = False
-    # Weight-only quantization of the blocks' linear layers (engine/features/quant.py): None | "fp8" | "int4" (groups of
+    # Weight-only quantization of the blocks' linear layers (engine/features/quant/): None | "fp8" | "int4" (groups of
     # 128) | "int4-g64". Pre-quantized files (sgld quantize, ComfyUI fp8) load quantized whatever this says.
     quant: Optional[str] = None
     # Layer-wise offload (engine/features/offload): "none" | "layerwise" (block weights in pinned CPU memory, streamed

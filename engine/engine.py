@@ -15,7 +15,7 @@ from .config import EngineConfig
 from .features.fuse import fuse_projections, fused_groups
 from .features.lora import LoRAFileCache, active_loras, apply_loras
 from .features.patching import set_slot
-from .io.checkpoint import load_model
+from .features.quant import plan_load
 from .models.ernie_image import ErnieImageTransformer
 from .sampling import (DEFAULT_SHIFT, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SCHEDULE, MAX_SEED, MAX_SHIFT, MAX_STEPS, MULTIPLIER, SAMPLERS, SCHEDULERS, model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule, step_of_call)
 from .errors import InputError, ModelOutputError
@@ -145,7 +145,7 @@ class Engine:
         self.warnings: List[str] = []
         self.notes: List[str] = []
         if self.config.quant:
-            self.warnings += quant.quantize_model(model, self.config.quant)
+            self.warnings += quant.apply_quant(model, self.config.quant).warnings
         fuse_projections(model)  # q/k/v and gate/up as one GEMM each (after quantization: rows concatenate exactly)
         fused, groups = fused_groups(model)
         self.notes.append(f"fused projections: {fused} of {groups} q/k/v and gate/up groups run as one GEMM each")
@@ -232,15 +232,15 @@ class Engine:
             return ParallelEngine.from_file(path, config)
         decision = None
         device = config.device
+        plan = plan_load(path, config.dtype, config.quant)  # the header, read once
         if getattr(config, "offload", "none") != "none":
             # decide before loading: an offloaded model is loaded into CPU memory, never whole on the GPU
             from .features import offload
 
-            decision = offload.choose_offload(config.offload, config.device,
-                                              offload.estimate_checkpoint_bytes(path, config.dtype, config.quant))
+            decision = offload.choose_offload(config.offload, config.device, plan.bytes_at_rest())
             if decision[0] == "layerwise":
                 device = "cpu"
-        model = load_model(path, dtype=config.dtype, device=device, quant=config.quant)
+        model = plan.read(device)
         return cls(model, config, source=str(path), offload_decision=decision)
 
     @property

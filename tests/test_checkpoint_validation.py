@@ -442,7 +442,7 @@ def test_reference_reader_refuses_the_same_layouts(tmp_path):
 def test_valid_edge_layouts_still_load(tmp_path):
     """Header padding with spaces (as writers align to 8 bytes), zero-size tensors and a shard index work."""
     sd = random_state_dict(CFG, 0)
-    from engine.features.quant import write_safetensors_streaming
+    from engine.io.safetensors import write_safetensors_streaming
 
     p = tmp_path / "padded.safetensors"
     specs = [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()] + [("extra_empty", torch.float32, (0, 5))]

@@ -109,7 +109,7 @@ def test_dynamic_one_extra_graph_for_all_new_resolutions():
 def test_quantized_blocks_trace_without_graph_breaks(fmt):
     torch._dynamo.reset()
     model = random_model(CFG, seed=0, dtype=torch.bfloat16 if fmt == "fp8-scaled_mm" else torch.float32)
-    Q.quantize_model(model, fmt.split("-scaled")[0])
+    Q.apply_quant(model, fmt.split("-scaled")[0])
     for mod in model.modules():  # the GPU fast path (torch._scaled_mm also runs on CPU)
         if isinstance(mod, Q.FP8Linear):
             mod.use_scaled_mm = fmt == "fp8-scaled_mm"

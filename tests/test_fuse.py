@@ -33,7 +33,7 @@ def rel(a, b) -> float:
 def test_fused_model_computes_what_the_release_layout_computes(quant):
     ref = random_model(CFG, seed=0)
     if quant:
-        Q.quantize_model(ref, quant)
+        Q.apply_quant(ref, quant)
     want = forward(ref)
     assert fuse_projections(ref) == 2 * CFG.num_layers and fused_groups(ref) == (4, 4)
     block = ref.layers[0]
@@ -52,7 +52,7 @@ def nn_linear():
 def test_state_dict_keeps_the_checkpoint_names_order_and_values(quant):
     ref = random_model(CFG, seed=0)
     if quant:
-        Q.quantize_model(ref, quant)
+        Q.apply_quant(ref, quant)
     want = {k: v.clone() for k, v in ref.state_dict().items()}
     fuse_projections(ref)
     got = ref.state_dict()
@@ -76,7 +76,7 @@ def test_load_state_dict_takes_the_checkpoint_names(tmp_path):
 def test_per_tensor_fp8_scales_become_row_scales_exactly():
     """ComfyUI's fp8 files carry one scale per tensor: q, k and v each keep theirs, on their rows."""
     model = random_model(CFG, seed=0)
-    Q.quantize_model(model, "fp8")
+    Q.apply_quant(model, "fp8")
     for name in ("to_q", "to_k", "to_v"):
         lin = getattr(model.layers[0].self_attention, name)
         w = lin.dequantize()
@@ -151,7 +151,7 @@ def test_lora_side_path_on_fused_quantized_parts(tmp_path, quant):
     path = lora_file(tmp_path / "l.safetensors")
     release = Engine(random_model(CFG, seed=0), EngineConfig(quant=quant))
     unfused = random_model(CFG, seed=0)
-    Q.quantize_model(unfused, quant)
+    Q.apply_quant(unfused, quant)
     from engine.features.lora import apply_loras, read_lora
 
     base = forward(unfused)

@@ -188,7 +188,7 @@ def kill_tree(proc):
 def test_forward_flops_count_every_gemm_and_the_attention():
     """The physical-limit figure's FLOPs: 2 x in x out per token for every linear layer of the model
     (counted from the module tree here) plus QK^T and PV; 77 TFLOP at 8B, 1024x1024, 128 text tokens."""
-    from engine.io.checkpoint import build_model
+    from engine.io.load import build_model
     from engine.models.random_weights import SIZES
 
     for size, n_img, n_txt in (("8b", 4096, 128), ("small", 256, 32)):

@@ -224,10 +224,10 @@ def test_from_file_release_invalidate_remove(tiny_checkpoint):
     plain = Engine.from_file(path)
     eng = Engine.from_file(path, EngineConfig(offload="layerwise", resident_layers=1))
     off = eng.offload
-    from engine.features.quant import weight_bytes
+    from engine.features.quant import estimate_bytes, weight_bytes
 
-    assert O.estimate_checkpoint_bytes(path) == weight_bytes(plain.model)
-    assert O.estimate_checkpoint_bytes(path, quant="fp8") < weight_bytes(plain.model)
+    assert estimate_bytes(path) == weight_bytes(plain.model)
+    assert estimate_bytes(path, quant="fp8") < weight_bytes(plain.model)
     with torch.no_grad():
         want = plain.model(*x)
         assert torch.equal(eng.model(*x), want)

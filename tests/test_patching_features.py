@@ -56,7 +56,7 @@ def write_lora(path, model) -> str:
 def test_each_feature_is_registered_and_removing_them_leaves_the_original_model(tmp_path, quant):
     model = random_model(CFG, seed=0)
     if quant:
-        Q.quantize_model(model, quant)
+        Q.apply_quant(model, quant)
     before, bits, slots = layout(model), weight_bits(model), (model.block_runner, model.attention)
     y0 = forward(model)
     assert patching.attached(model) == []

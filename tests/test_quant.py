@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 from engine.features import quant as Q
 from engine.config import EngineConfig
-from engine.io.checkpoint import CheckpointError, build_model, load_model
+from engine import CheckpointError, load_model
+from engine.io.load import build_model
 from engine.features.lora import target_modules
 from engine.engine import Engine
 from engine.models.random_weights import SIZES, random_model, random_state_dict
@@ -106,7 +107,7 @@ def test_weight_bytes_at_the_8b_shape():
     assert 15.9e9 < bf16 < 16.2e9
     for fmt, bound in (("fp8", 0.55), ("int4", 0.30), ("int4-g64", 0.30)):
         m = build_model(SIZES["8b"], "meta").to(torch.bfloat16)
-        assert Q.quantize_model(m, fmt) == []
+        assert Q.apply_quant(m, fmt).warnings == []
         assert Q.model_quant_format(m) == fmt[:4] if fmt != "fp8" else "fp8"
         ratio = Q.weight_bytes(m) / bf16
         assert ratio <= bound, (fmt, ratio)
@@ -132,20 +133,20 @@ def test_quantized_tiny_model_bytes_and_error():
 
 def test_int4_group_falls_back_when_128_does_not_divide():
     m = random_model(CFG, seed=0)  # tiny: in_features 64 and 192
-    Q.quantize_model(m, "int4")
+    Q.apply_quant(m, "int4")
     groups = {mod.group_size for mod in m.modules() if isinstance(mod, Q.Int4Linear)}
     assert groups == {64}
 
 
 def test_requantize_and_cpu_has_no_fp8_matmul():
     m = random_model(CFG, seed=0)
-    Q.quantize_model(m, "fp8")
+    Q.apply_quant(m, "fp8")
     notes = Q.prepare_fast_paths(m)
     assert "dequantize" in notes[0] and "CUDA" in notes[0]
     assert not any(mod.use_scaled_mm for mod in m.modules() if isinstance(mod, Q.FP8Linear))
     ok, why = Q.fp8_scaled_mm_supported("cpu")
     assert not ok and "CUDA" in why
-    w = Q.quantize_model(m, "int4-g64")
+    w = Q.apply_quant(m, "int4-g64").warnings
     assert any("re-quantized from fp8 to int4" in x for x in w)
     assert Q.model_quant_format(m) == "int4"
 
@@ -162,7 +163,7 @@ def test_scaled_mm_path_matches_dequantize():
     ref_t = torch.nn.functional.linear(x.float(), Q.dequantize_fp8(q, s_t))
     assert Q.relative_error(Q.fp8_scaled_mm_linear(x, q, s_t, None), ref_t) < 0.05
     m = random_model(CFG, seed=0, dtype=torch.bfloat16)
-    Q.quantize_model(m, "fp8")
+    Q.apply_quant(m, "fp8")
     dequant = forward(m)
     for mod in m.modules():
         if isinstance(mod, Q.FP8Linear):

@@ -1,28 +1,23 @@
-"""Checkpoint -> ERNIE-Image model: one .safetensors file or a diffusers folder.
-
-The model is built on the meta device and each tensor is assigned as it is read, so a load never
-holds two copies of the weights. Every problem with the input is a ``CheckpointError`` whose
-message names the file and what is wrong.
+"""The checkpoint opener: one .safetensors file or a diffusers folder (shards, config.json), its tensors
+without their prefix, and the architecture read from the header alone (engine/io/load.py reads the
+tensors). Every problem with the input is a ``CheckpointError`` whose message names the file and what
+is wrong.
 """
 from __future__ import annotations
 
 import glob
 import os
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from ..models.ernie_image import SIGNATURE_KEYS, ErnieImageConfig, ErnieImageTransformer
-from .safetensors import DTYPES, CheckpointError, SafetensorsFile, load_json_object, refuse_pickle
+from ..models.ernie_image import SIGNATURE_KEYS, ErnieImageConfig
+from .safetensors import COMPUTE_DTYPES, DTYPE_NAMES, CheckpointError, SafetensorsFile, load_json_object, refuse_pickle
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")
-DTYPE_NAMES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32,
-}
 CONFIG_METADATA_KEY = "ernie_image_config"  # optional JSON config stored in a file's metadata
-
-__all__ = ["CheckpointError", "Checkpoint", "load_model", "parse_dtype"]
+# "bf16" and "bfloat16" alike
+DTYPE_CHOICES = {**COMPUTE_DTYPES, **{str(d).replace("torch.", ""): d for d in COMPUTE_DTYPES.values()}}
 
 
 def parse_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
@@ -32,9 +27,9 @@ def parse_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
     key = str(dtype).lower().replace("torch.", "")
     if key in ("default", "auto", "as stored", "stored", "none"):
         return None
-    if key not in DTYPE_NAMES:
+    if key not in DTYPE_CHOICES:
         raise ValueError(f"dtype '{dtype}' is not supported; choose one of bf16, fp16, fp32 or default (as stored)")
-    return DTYPE_NAMES[key]
+    return DTYPE_CHOICES[key]
 
 
 MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json / index files (the 8B index is about 40 KB)
@@ -135,20 +130,36 @@ class Checkpoint:
     def shapes(self) -> Dict[str, Tuple[int, ...]]:
         return {k: f.shape(fk) for k, (f, fk) in self.index.items()}
 
-    def stored_dtype(self) -> torch.dtype:
-        """The dtype of most floating-point weights (the "as stored" choice)."""
+    def stored_dtype(self, skip=(), default: torch.dtype = torch.float32) -> torch.dtype:
+        """The dtype of most floating-point weights (the "as stored" choice), leaving out the keys in ``skip``."""
         counts: Dict[torch.dtype, int] = {}
-        for f, fk in self.index.values():
+        for k, (f, fk) in self.index.items():
             dt = f.dtype(fk)
-            if dt.is_floating_point and dt.itemsize >= 2:
+            if k not in skip and dt.is_floating_point and dt.itemsize >= 2:
                 counts[dt] = counts.get(dt, 0) + 1
-        return max(counts, key=counts.get) if counts else torch.float32
+        return max(counts, key=counts.get) if counts else default
 
-    def tensors(self, dtype: Optional[torch.dtype] = None):
+    def tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(key, tensor) for every tensor, as stored, in file order, each read into its own buffer."""
         for f in self.files:
             mine = {fk: k for k, (ff, fk) in self.index.items() if ff is f}
-            for fk, t in f.tensors(mine.keys(), dtype=dtype):
+            for fk, t in f.tensors(mine.keys()):
                 yield mine[fk], t
+
+    def read(self, key: str) -> torch.Tensor:
+        """One tensor, as stored."""
+        f, fk = self.index[key]
+        return next(f.tensors([fk]))[1]
+
+    def header(self, key: str) -> Tuple[torch.dtype, Tuple[int, ...]]:
+        """(dtype, shape) of a tensor, from the header."""
+        f, fk = self.index[key]
+        return f.dtype(fk), tuple(f.shape(fk))
+
+    def where(self, key: str) -> str:
+        """"<file>: tensor '<key in the file>'", for messages."""
+        f, fk = self.index[key]
+        return f"{f.path}: tensor '{fk}'"
 
     def describe(self) -> str:
         return self.path if len(self.files) == 1 else f"{self.path} ({len(self.files)} shards)"
@@ -175,7 +186,7 @@ def check_architecture(ckpt: Checkpoint) -> ErnieImageConfig:
 
 def check_float_dtypes(ckpt: "Checkpoint") -> None:
     """Model weights and biases must be floating point (an integer or bool tensor would fail deep inside torch
-    later); the one exception is an int4 weight, uint8 with its ``_scale`` / ``_zero`` (engine/features/quant.py)."""
+    later); the one exception is an int4 weight, uint8 with its ``_scale`` / ``_zero`` (engine/features/quant/)."""
     for k, (f, fk) in ckpt.index.items():
         leaf = k.rpartition(".")[2]
         dt = f.dtype(fk)
@@ -183,54 +194,5 @@ def check_float_dtypes(ckpt: "Checkpoint") -> None:
             continue
         if leaf == "weight" and dt == torch.uint8 and (k + "_scale" in ckpt.index or k + "_zero" in ckpt.index):
             continue
-        name = next(n for n, d in DTYPES.items() if d == dt)
-        raise CheckpointError(f"{f.path}: tensor '{fk}' is stored as {name}, but model weights must be floating point "
+        raise CheckpointError(f"{f.path}: tensor '{fk}' is stored as {DTYPE_NAMES[dt]}, but model weights must be floating point "
                               "(F32, F16, BF16, F64, or F8 with a scale)")
-
-
-def check_keys(ckpt: Checkpoint, missing: List[str], unexpected: List[str]) -> None:
-    """Refuse a checkpoint whose tensor names do not match the model, naming the first few of each."""
-    if not missing and not unexpected:
-        return
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} missing (first: {', '.join(missing[:3])})")
-    if unexpected:
-        parts.append(f"{len(unexpected)} unexpected (first: {', '.join(unexpected[:3])})")
-    raise CheckpointError(f"{ckpt.describe()}: tensors do not match the ERNIE-Image architecture: " + "; ".join(parts))
-
-
-def build_model(cfg: ErnieImageConfig, device: Union[str, torch.device] = "meta") -> ErnieImageTransformer:
-    with torch.device(device):
-        return ErnieImageTransformer(cfg)
-
-
-def load_model(path: str, dtype: Union[None, str, torch.dtype] = None, device: Union[str, torch.device] = "cpu",
-               quant: Optional[str] = None) -> ErnieImageTransformer:
-    """Load an ERNIE-Image DiT from a .safetensors file or a diffusers folder, in eval mode.
-
-    ``quant`` ("fp8" | "int4" | "int4-g64"): quantize the blocks' linear layers while loading.
-    Pre-quantized files (``sgld quantize``, ComfyUI fp8) always load quantized (engine/features/quant.py)."""
-    path = os.fspath(path)
-    ckpt = Checkpoint(path)
-    cfg = check_architecture(ckpt)
-    from ..features import quant as quantization
-
-    if quant is not None or quantization.is_quantized_checkpoint(ckpt):
-        return quantization.load_quantized(ckpt, cfg, dtype=parse_dtype(dtype), device=device, quant=quant)
-    target = parse_dtype(dtype) or ckpt.stored_dtype()
-    model = build_model(cfg, "meta")
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    have = set(ckpt.keys())
-    check_keys(ckpt, [k for k in expected if k not in have], sorted(k for k in have if k not in expected))
-    for k, shape in ckpt.shapes().items():
-        if tuple(shape) != expected[k]:
-            raise CheckpointError(
-                f"{ckpt.describe()}: tensor '{k}' has shape {tuple(shape)}, but a model of this configuration needs {expected[k]}"
-            )
-    state = {}
-    for k, t in ckpt.tensors(dtype=target):
-        state[k] = t.to(device) if str(device) != "cpu" else t
-    model.load_state_dict(state, strict=True, assign=True)
-    model.eval().requires_grad_(False)
-    return model

@@ -1,27 +1,33 @@
-"""A strict, streaming safetensors reader.
+"""A strict, streaming safetensors reader, and a streaming writer (atomic).
 
 Why not ``safetensors.safe_open``: its mmap keeps every touched page resident while a model is
 built, so peak RSS reaches twice the file size; and its errors on damaged files are terse. This
 reader checks the header as the format's reference reader does (known dtypes, non-negative integer
 shapes, string metadata, tensors that cover the data bytes exactly: no overlaps, gaps, trailing bytes
 or repeated keys), naming the file and the tensor on failure, and reads each tensor straight into its
-own buffer with ``readinto``.
+own buffer with ``readinto``. The writer takes the tensors one at a time from a function (``sgld
+quantize``: one tensor in memory) and replaces the target only when the file is complete.
 """
 from __future__ import annotations
 
 import json
 import os
 import struct
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from ..errors import CheckpointError
+from .atomic import atomic_write
 
+# The one dtype table: the format's names of torch dtypes (reader, writer, messages), and the user's
+# names of the dtypes a model computes in (parse_dtype, the sgld quantize metadata).
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
 MAX_HEADER = 100 * 1024 * 1024
 # Opcodes a protocol 0/1 pickle can start with (protocol 2+ starts with b"\x80" and the protocol number).
@@ -104,6 +110,14 @@ def refuse_pickle(path: str) -> None:
         )
 
 
+def nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
+    """Bytes of a tensor of ``dtype`` and ``shape``."""
+    n = dtype.itemsize
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def _is_count(value) -> bool:
     return type(value) is int and value >= 0
 
@@ -156,11 +170,10 @@ class SafetensorsFile:
             raise CheckpointError(f"{path}: tensor '{key}': data_offsets {offsets!r} must be [begin, end] with "
                                   "0 <= begin <= end")
         dtype, (begin, end) = DTYPES[name], offsets
-        nbytes = dtype.itemsize
-        for d in shape:
-            nbytes *= d
-        if end - begin != nbytes:
-            raise CheckpointError(f"{path}: corrupt header: tensor '{key}' {tuple(shape)} {name} spans {end - begin} bytes, expected {nbytes}")
+        size_of_tensor = nbytes(dtype, shape)
+        if end - begin != size_of_tensor:
+            raise CheckpointError(f"{path}: corrupt header: tensor '{key}' {tuple(shape)} {name} spans {end - begin} bytes, "
+                                  f"expected {size_of_tensor}")
         if self.data_start + end > size:
             raise CheckpointError(
                 f"{path}: file is truncated: tensor '{key}' ends at byte {self.data_start + end} but the file has {size} bytes"
@@ -206,3 +219,25 @@ class SafetensorsFile:
                 if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                     t = t.to(dtype)
                 yield key, t
+
+
+def write_safetensors_streaming(path: str, specs: List[Tuple[str, torch.dtype, tuple]],
+                                produce: Callable[[str], torch.Tensor], metadata: dict) -> None:
+    """Write a safetensors file whose tensors come one at a time from ``produce(key) -> tensor``
+    (memory: one tensor). ``specs`` fixes the order, dtypes and shapes in the header."""
+    header = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
+    offset = 0
+    for key, dtype, shape in specs:
+        size = nbytes(dtype, shape)
+        header[key] = {"dtype": DTYPE_NAMES[dtype], "shape": [int(d) for d in shape], "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    with atomic_write(path) as f:  # a unique temporary file, renamed when complete, removed on any failure
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for key, dtype, shape in specs:
+            t = produce(key)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise RuntimeError(f"internal: '{key}' produced {t.dtype} {tuple(t.shape)}, header says {dtype} {tuple(shape)}")
+            f.write(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())

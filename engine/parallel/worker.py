@@ -85,7 +85,8 @@ class WorkerState:
         """spec: path, config (EngineConfig), plan (ParallelPlan)."""
         from ..engine import Engine
         from .comm import build_groups, destroy_groups
-        from .runtime import ParallelModel, load_tp_shard
+        from ..features.quant import load_model
+        from .runtime import ParallelModel
 
         self.cmd_unload()
         destroy_groups(self.groups)
@@ -99,7 +100,7 @@ class WorkerState:
         cfg = worker_config(config, self.device)
         if plan.tp > 1:
             t = self.groups.coords[3]
-            model = load_tp_shard(spec["path"], plan.tp, t, dtype=cfg.dtype, device=self.device)
+            model = load_model(spec["path"], dtype=cfg.dtype, device=self.device, quant=cfg.quant, shard=(plan.tp, t))
             self.engine = Engine(model, cfg, source=spec["path"])
         else:
             self.engine = Engine.from_file(spec["path"], cfg)

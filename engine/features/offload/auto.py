@@ -69,26 +69,3 @@ def _choose_auto(device, model_bytes: int, free_bytes: Optional[int], resident_b
         return "layerwise", f"auto: {gib(available)} free on {dev} < model {gib(model_bytes)} + working {gib(need - model_bytes)}"
     return "none", f"auto: {gib(available)} free on {dev} >= model {gib(model_bytes)} + working {gib(need - model_bytes)}"
 
-
-def estimate_checkpoint_bytes(path: str, dtype=None, quant: Optional[str] = None) -> int:
-    """Bytes the model will take at rest once loaded (headers only, nothing is read)."""
-    from ...io.checkpoint import Checkpoint, parse_dtype
-    from .. import quant as Q
-
-    ckpt = Checkpoint(path)
-    target = parse_dtype(dtype) or ckpt.stored_dtype()
-    kind, group = Q.parse_format(quant)
-    total = 0
-    for k, (f, fk) in ckpt.index.items():
-        src = f.dtype(fk)
-        numel = 1
-        for d in f.shape(fk):
-            numel *= d
-        layer = k.rsplit(".", 1)[0]
-        if kind and k.endswith(".weight") and Q.is_block_linear(layer):
-            total += numel if kind == "fp8" else numel // 2 + numel * 4 // max(1, group)
-        elif src.is_floating_point and src.itemsize >= 2:
-            total += numel * target.itemsize
-        else:  # quantized storage (fp8 / packed int4) stays as stored
-            total += numel * src.itemsize
-    return total

@@ -119,7 +119,7 @@ _CACHE = {}
 
 def load_demo(path: Optional[str] = None, dtype: Union[str, torch.dtype] = torch.float32, cached: bool = True) -> DemoModel:
     """Load the demo model (the shipped weights by default) on the CPU; cached per (path, dtype)."""
-    from ...io.checkpoint import load_model
+    from ...io.load import read_model
     from .weights_io import read_demo_parts
 
     path = os.fspath(path or DEMO_WEIGHTS)
@@ -131,7 +131,7 @@ def load_demo(path: Optional[str] = None, dtype: Union[str, torch.dtype] = torch
     te = DemoTextEncoder(TextEncoderConfig(**meta["text_encoder"]))
     te.load_state_dict(te_state, strict=True)
     te.eval().requires_grad_(False)
-    dit = load_model(path, dtype=dtype)
+    dit = read_model(path, dtype=dtype)
     demo = DemoModel(path, dit, te, tok, meta.get("train", {}))
     if cached:
         _CACHE[key] = demo

@@ -171,12 +171,12 @@ def main(argv=None) -> None:
     init_dit(dit)
     te = DemoTextEncoder(te_cfg)
     if args.init_from:
-        from ...io.checkpoint import load_model
+        from ...io.load import read_model
         from .weights_io import read_demo_parts
 
         _, te_state = read_demo_parts(args.init_from)
         te.load_state_dict(te_state)
-        dit.load_state_dict(load_model(args.init_from, dtype=torch.float32).state_dict())
+        dit.load_state_dict(read_model(args.init_from, dtype=torch.float32).state_dict())
         dit.requires_grad_(True).train()
         print(f"initialised from {args.init_from}", flush=True)
     params = list(dit.parameters()) + list(te.parameters())

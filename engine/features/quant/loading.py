@@ -1,0 +1,157 @@
+"""Loading with quantization: the quantizing transform of the one load loop (engine/io/load.py), and
+``load_model``, the public loader (``engine.load_model``).
+
+The transform quantizes the blocks' linear layers as they are read when a format is asked for, and
+reads the layers of a pre-quantized file (sgld, ComfyUI scaled_fp8, ComfyUI mixed) as FP8Linear /
+Int4Linear modules, re-quantized when another format is asked for; quantized layers outside the
+blocks are dequantized to the compute dtype. A pre-quantized file is refused under tensor parallel.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional, Set, Tuple
+
+import torch
+from torch import nn
+
+from ...errors import CheckpointError
+from ...io.checkpoint import Checkpoint
+from ...io.load import LoadPlan, Transform, build_model, open_checkpoint
+from ...io.safetensors import nbytes
+from ...models.ernie_image import ErnieImageConfig
+from .. import patching
+from .formats import QuantPlan
+from .modules import FP8Linear, Int4Linear, is_block_linear, make_quant_linear, quantized_bytes, record_quant
+from .numerics import FP8_DTYPE, dequantize_fp8, parse_format
+
+log = logging.getLogger("sgld.quant")
+
+
+class QuantTransform(Transform):
+    """Quantize-on-read (``quant``) and pre-quantized layers (``plan``, the file's QuantPlan) in the load loop."""
+
+    def __init__(self, plan: Optional[QuantPlan], quant: Optional[str]):
+        self.plan = plan
+        self.kind, self.group = parse_format(quant)
+        self.quant = quant
+        layers = plan.layers if plan is not None else {}
+        self.layer_of = {k: layer for layer in layers for k in plan.keys_of(layer)}  # stored key -> its layer
+        self.ignored = set(plan.ignored) if plan is not None else set()
+        self.parts: Dict[str, Dict[str, torch.Tensor]] = {}  # layer -> its tensors read so far
+
+    def compute_dtype(self, ckpt: Checkpoint) -> torch.dtype:
+        return self.plan.compute_dtype()
+
+    def check(self, ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]]) -> Set[str]:
+        """Pre-quantized layers: their weights must be the model's, in its shapes (as stored, unpacked)."""
+        unexpected = []
+        for layer, info in self.plan.layers.items():
+            wkey = layer + ".weight"
+            if wkey not in expected:
+                unexpected.append(wkey)
+            elif tuple(info["shape"]) != expected[wkey]:
+                stored = "" if info["kind"] == "fp8" else f" (stored packed as {list(ckpt.header(wkey)[1])})"
+                raise CheckpointError(f"{ckpt.describe()}: {info['kind']} tensor '{wkey}' has shape {tuple(info['shape'])}"
+                                      f"{stored}, but a model of this configuration needs {expected[wkey]}")
+        if unexpected:
+            raise CheckpointError(f"{ckpt.describe()}: quantized tensors do not match the ERNIE-Image architecture "
+                                  f"({len(unexpected)} unexpected, first: {unexpected[0]})")
+        return set(self.layer_of) | self.ignored
+
+    def _keeps(self, layer: str) -> bool:
+        """Does a pre-quantized layer stay in its stored format (a block linear, no other format asked)?"""
+        return is_block_linear(layer) and self.kind in (None, self.plan.layers[layer]["kind"])
+
+    def bytes_at_rest(self, key: str, stored: torch.dtype, shape: Tuple[int, ...], dtype: torch.dtype) -> int:
+        if key in self.ignored:
+            return 0
+        layer, _, leaf = key.rpartition(".")
+        if key in self.layer_of:
+            layer = self.layer_of[key]
+            if self._keeps(layer):
+                return nbytes(stored, shape)
+            if key != layer + ".weight":
+                return 0  # a scale or zero of a layer that is dequantized or re-quantized
+            stored, shape = dtype, self.plan.layers[layer]["shape"]  # dequantized
+        if self.kind and leaf == "weight" and is_block_linear(layer):
+            return quantized_bytes(self.kind, self.group, shape, dtype)
+        return super().bytes_at_rest(key, stored, shape, dtype)
+
+    def take(self, model: nn.Module, key: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
+        if key in self.ignored:
+            return {}
+        layer = self.layer_of.get(key)
+        if layer is not None:
+            parts = self.parts.setdefault(layer, {})
+            parts[key] = tensor
+            if len(parts) < len(self.plan.keys_of(layer)):
+                return {}
+            return self._stored_layer(model, layer, self.parts.pop(layer))
+        layer, _, leaf = key.rpartition(".")
+        if self.kind and leaf == "weight" and is_block_linear(layer):
+            module = make_quant_linear(self.kind, self.group, tensor)
+            if module is not None:
+                patching.replace_module(model, layer, module)
+                return {}
+        return {key: tensor}
+
+    def _stored_layer(self, model: nn.Module, layer: str, parts: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """A pre-quantized layer, all its tensors read: a quantized module, or a dense weight for the state."""
+        info, wkey = self.plan.layers[layer], layer + ".weight"
+        if self._keeps(layer):
+            weight = parts[wkey]
+            scale, zero = self.plan.scales(layer, parts)
+            if info["kind"] == "int4":
+                module = Int4Linear(weight, scale, zero)
+            elif weight.dtype != FP8_DTYPE:  # e5m2 storage: re-stored as e4m3 per channel
+                module = FP8Linear.from_dense(dequantize_fp8(weight, scale.float()))
+            else:
+                module = FP8Linear(weight, scale.float())
+            patching.replace_module(model, layer, module)
+            return {}
+        dense = self.plan.dequantize(layer, parts)
+        if is_block_linear(layer):  # stored in another format than the one asked for: re-quantized
+            module = make_quant_linear(self.kind, self.group, dense)
+            if module is not None:
+                patching.replace_module(model, layer, module)
+                return {}
+        return {wkey: dense}  # cast to the compute dtype by the loop
+
+    def finish(self, model: nn.Module) -> None:
+        record_quant(model)
+        if self.plan.quantized or self.kind:
+            log.info("loaded %s: %s%s", self.plan.ckpt.describe(), self.plan.describe(),
+                     f", quantized to {self.quant} at load" if self.kind else "")
+
+
+def plan_load(checkpoint, dtype=None, quant: Optional[str] = None,
+              shard: Optional[Tuple[int, int]] = None) -> LoadPlan:
+    """Everything a load decides from the header (``config``, ``dtype``, ``bytes_at_rest()``), with
+    quantization; ``.read(device)`` then loads. ``checkpoint``: a path or an opened Checkpoint."""
+    ckpt = open_checkpoint(checkpoint)
+    plan = QuantPlan(ckpt)
+    if shard is not None and shard[0] > 1 and plan.quantized:
+        raise CheckpointError(f"{ckpt.describe()}: tensor parallel needs a dense (bf16/fp16/fp32) checkpoint; this one is "
+                              "pre-quantized. Use ulysses_degree / ring_degree / cfg_parallel, or the dense file with quant=...")
+    return LoadPlan(ckpt, dtype, shard, QuantTransform(plan, quant))
+
+
+def load_model(checkpoint, dtype=None, device="cpu", quant: Optional[str] = None,
+               shard: Optional[Tuple[int, int]] = None) -> nn.Module:
+    """Load an ERNIE-Image DiT from a .safetensors file or a diffusers folder (or an opened Checkpoint), in eval mode.
+
+    ``dtype``: bf16 | fp16 | fp32 | None (as stored). ``quant`` ("fp8" | "int4" | "int4-g64"): quantize the
+    blocks' linear layers while loading; pre-quantized files always load quantized. ``shard`` =
+    (tp_degree, tp_index): keep this tensor-parallel rank's slices only."""
+    return plan_load(checkpoint, dtype, quant, shard).read(device)
+
+
+def estimate_bytes(source, dtype=None, quant: Optional[str] = None) -> int:
+    """Bytes of the model at rest once loaded, nothing read: ``source`` a checkpoint (a path or an opened
+    Checkpoint; ``dtype`` None = as stored), or an ErnieImageConfig (a model built in ``dtype``, as
+    ``sgld bench`` builds one)."""
+    if not isinstance(source, ErnieImageConfig):
+        return plan_load(source, dtype, quant).bytes_at_rest()
+    transform = QuantTransform(None, quant)
+    return sum(transform.bytes_at_rest(name, p.dtype, tuple(p.shape), dtype)
+               for name, p in build_model(source).named_parameters())
