@@ -66,6 +66,7 @@ def declared(cls) -> Dict[str, Option]:
 
 
 def default_of(cls, name: str):
+    """The field's default."""
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
@@ -146,17 +147,15 @@ def _from_text(opt: Option, text: str):
 
 
 def text_choices(opt: Option) -> list:
-    """The values as they are typed: the choices' texts, then the text of None (``none``, ``default``)."""
-    if opt.kind is bool and not opt.choices:
-        values = [True, False]
-        texts = {True: "on", False: "off"}
-    else:
-        values, texts = list(opt.choices), {}
+    """The values as they are typed: the choices' texts (a switch's: on, off), then the text of None."""
+    values = ([True, False] if opt.kind is bool and not opt.choices else list(opt.choices)) + (
+        [None] if opt.optional else [])
     out = []
-    for v in values + ([None] if opt.optional else []):
+    for v in values:
         found, text = _lookup(opt.labels, v)
-        text = text if found else texts.get(v, v) if isinstance(v, bool) else v
-        if isinstance(text, str) or (isinstance(text, int) and not isinstance(text, bool)):
+        if not found:
+            text = ("on" if v else "off") if opt.kind is bool and isinstance(v, bool) else v
+        if isinstance(text, (str, int)) and not isinstance(text, bool):  # compile's True has no text ("static")
             out.append(str(text))
     return out
 
@@ -184,6 +183,7 @@ def allowed(opt: Option, typed: bool) -> str:
 
 
 def _error(cls) -> type:
+    """The error a class's options raise: its OPTION_ERROR (CacheConfigError), else ValueError."""
     return getattr(cls, "OPTION_ERROR", ValueError)
 
 
@@ -217,6 +217,7 @@ def _typed(cls, opt: Option, value, where: str):
 
 # -- the command line -------------------------------------------------------------------------------------
 def flag_dest(opt: Option) -> str:
+    """The argparse attribute of the flag (argparse's own rule: --cache-fn -> cache_fn)."""
     return opt.flag.lstrip("-").replace("-", "_")
 
 
@@ -272,6 +273,7 @@ def from_env(cls, env: Mapping[str, str], names: Optional[Iterable[str]] = None)
 
 # -- ComfyUI node inputs ----------------------------------------------------------------------------------
 def widget_default(cls, name: str):
+    """The widget's default: declared, or the text of the field's default."""
     opt = declared(cls)[name]
     if opt.widget_default is not UNSET:
         return opt.widget_default
@@ -285,7 +287,7 @@ def _widget_spec(cls, name: str, opt: Option) -> tuple:
     spec = {"default": default}
     if opt.kind is bool and not opt.optional:
         kind = "BOOLEAN"
-    elif opt.kind is str and opt.choices or opt.kind is bool:
+    elif (opt.kind is str and opt.choices) or opt.kind is bool:
         kind = [default] + [t for t in text_choices(opt) if t != default]
     elif opt.kind in (int, float):
         kind = "INT" if opt.kind is int else "FLOAT"

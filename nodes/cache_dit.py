@@ -101,7 +101,8 @@ class SGLDiffusionCacheDiT:
         inputs = node_inputs(CacheConfig)
         required = inputs["required"]
         required["preset"][1]["tooltip"] = preset_tooltip()
-        required["advanced"] = ("BOOLEAN", {"default": False, "tooltip": "Use the fields below instead of the preset's values."})
+        required["advanced"] = ("BOOLEAN", {"default": False,
+                                            "tooltip": "Use the fields below instead of the preset's values."})
         return {"required": required, "optional": inputs["optional"]}
 
     def build(self, enabled, preset, advanced, **fields):
@@ -110,7 +111,7 @@ class SGLDiffusionCacheDiT:
             return (CacheConfig(enabled=False),)
         try:
             given = from_widgets(CacheConfig, {"enabled": True, "preset": preset, **(fields if advanced else {})}, NODE)
-            cfg = CacheConfig(**given).validate()
+            cfg = CacheConfig(**given)
         except CacheConfigError as e:
             raise ValueError(str(e)) from None  # ComfyUI shows a ValueError without the pack's module path
         return (cfg,)

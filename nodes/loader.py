@@ -66,6 +66,21 @@ def attention_choices() -> list:
         return ["auto", "sdpa"]
 
 
+def engine_config(unet_name: str, widgets: dict) -> EngineConfig:
+    """The loader's inputs -> EngineConfig (an input a saved workflow does not have gets its default);
+    a ValueError naming this node and the input on a bad value."""
+    widgets = {**widget_defaults(EngineConfig), **widgets}
+    if widgets["attention"] not in BACKENDS:  # ComfyUI's list check is off for it (VALIDATE_INPUTS)
+        raise ValueError(f"{NODE}: attention '{widgets['attention']}' is not one of {', '.join(BACKENDS)}")
+    given = from_widgets(EngineConfig, widgets, NODE)
+    if given.get("dtype") is None and unet_name == DEMO_CHOICE:
+        given["dtype"] = "fp32"  # the demo file is stored in fp16; as the engine and CLI, it runs in fp32 on a CPU
+    try:
+        return EngineConfig(**given, device=torch_device())
+    except ValueError as e:
+        raise ValueError(f"{NODE}: {e}") from None
+
+
 class SGLDiffusionModelLoader:
     DESCRIPTION = ("Loads an ERNIE-Image diffusion model (.safetensors from models/diffusion_models) into the "
                    "SGLDiffusion engine. The model stays loaded between runs until the inputs change or ComfyUI frees memory.")
@@ -104,18 +119,9 @@ class SGLDiffusionModelLoader:
             return float("nan")  # never equal: run load() and let it report the problem
 
     def load(self, unet_name, unique_id=None, **widgets):
-        """``widgets``: the engine's options by their widget names; a saved workflow without one gets its default."""
-        widgets = {**widget_defaults(EngineConfig), **widgets}
-        if widgets["attention"] not in BACKENDS:  # ComfyUI's list check is off for it (VALIDATE_INPUTS)
-            raise ValueError(f"{NODE}: attention '{widgets['attention']}' is not one of {', '.join(BACKENDS)}")
-        given = from_widgets(EngineConfig, widgets, NODE)
+        """``widgets``: the engine's options by their widget names."""
+        config = engine_config(unet_name, widgets)
         path = resolve(unet_name)
-        if given.get("dtype") is None and unet_name == DEMO_CHOICE:
-            given["dtype"] = "fp32"  # the demo file is stored in fp16; as the engine and CLI, it runs in fp32 on a CPU
-        try:
-            config = EngineConfig(**given, device=torch_device())
-        except ValueError as e:
-            raise ValueError(f"{NODE}: {e}") from None
         handle = SGLDModel(path, config, name=unet_name, owner=str(unique_id) if unique_id is not None else None)
         try:
             engine = get_engine(handle)  # load now, so a bad file is reported on this node

@@ -41,7 +41,7 @@ def cache_config(args) -> Optional[CacheConfig]:
         return None
     if given.pop("enabled", True) is False:
         return CacheConfig(enabled=False)
-    return CacheConfig(enabled=True, **given).validate()
+    return CacheConfig(enabled=True, **given)
 
 
 def check_output_path(option: str, path: str, extensions: tuple) -> None:

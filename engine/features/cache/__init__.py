@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
-from .config import (DEFAULTS, FROM_PRESET, PRESET_KNOBS, CacheConfig, CacheConfigError, ResolvedCache, config_from_dict, from_env, resolve_config)
+from .config import (DEFAULTS, FROM_PRESET, PRESET_KNOBS, CacheConfig, CacheConfigError, ResolvedCache, config_from_dict,
+                     from_env, resolve_config)
 from .dbcache import DBCacheRunner
 from .masks import (ALIASES, ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask, preset_mask)
 from .taylorseer import TaylorSeer

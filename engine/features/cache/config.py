@@ -218,7 +218,7 @@ def from_env(env: Optional[Mapping[str, str]] = None) -> CacheConfig:
     if not from_env_of(CacheConfig, env, names=("enabled",)).get("enabled", False):
         return CacheConfig(enabled=False)
     given = from_env_of(CacheConfig, env)
-    return CacheConfig(**given).validate()
+    return CacheConfig(**given)
 
 
 def resolve_config(cache: Optional[CacheConfig], env: Optional[Mapping[str, str]] = None) -> CacheConfig:
