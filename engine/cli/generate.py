@@ -178,4 +178,5 @@ def check_generate_args(args) -> tuple:
     check_seed(args.seed, "--seed")
     check_output_path("--out", args.out, (".png",))
     engine_config(args)  # the engine's flags and the parallel degrees against each other
+    cache_config(args)
     return steps, cfg
