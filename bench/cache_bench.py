@@ -12,7 +12,9 @@ model the judge's pass rate. cache-dit is attached to the same DiT through a tra
 ``BlockAdapter`` (our block list wrapped as ``transformer_blocks`` with ForwardPattern.Pattern_3),
 batched CFG (``enable_separate_cfg=False``), ``num_inference_steps`` = model calls.
 
-Outputs: a markdown table (``--out``), raw numbers (``--json``), the pareto plot (``--plot``).
+Outputs: a markdown table (``--out``), raw numbers (``--json``), the pareto plot (``--plot``), and the
+presets' figures that the Cache-DiT node's tooltip shows (``--measured``, engine/features/cache/measured.json,
+shipped with the pack; ``--merge`` of earlier ``--json`` files rewrites it without a rerun).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -32,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from engine.features.cache import CacheConfig, mask_str, preset_mask  # noqa: E402
+from engine.features.cache import ALL_PRESETS, MEASURED_PATH, CacheConfig, mask_str, preset_mask  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.models.random_weights import SIZES, random_model  # noqa: E402
 
@@ -417,11 +420,42 @@ def checks(key: str, rows: List[dict]) -> List[str]:
     return out
 
 
-def merge(paths: List[str], out: str, plot_path: str, header: str = "") -> dict:
+def measured(all_rows: Dict[str, List[dict]]) -> dict:
+    """Per preset of ours, one entry per table: the speedup (in-run where measured), PSNR / SSIM against
+    the uncached image, the judge's pass rate (only where the uncached run passes the judge at all)."""
+    presets = {}
+    for key, rows in all_rows.items():
+        base_judge = next((r.get("pass_rate") for r in rows if r["family"] == "base"), None)
+        blocks = re.search(r"(\d+) blocks", key)
+        model = key.split(" (")[0].split(",")[0].strip() + (f" ({blocks.group(1)} blocks)" if blocks else "")
+        for r in rows:
+            if r["family"] != "ours" or r["name"] not in ALL_PRESETS:
+                continue
+            psnr, in_run = float(r["psnr"]), r.get("speedup_in_run")
+            presets.setdefault(r["name"], []).append({
+                "setting": key, "model": model, "steps": int(key.split(" steps")[0].split(", ")[-1]),
+                "speedup": round(in_run or r["speedup"], 6), "speedup_kind": "in-run" if in_run else "wall",
+                "psnr": round(psnr, 6) if math.isfinite(psnr) else None, "same_image": psnr == float("inf"),
+                "ssim": round(r["ssim"], 6), "computed": r["computed"],
+                "judge": round(r["pass_rate"], 6) if base_judge and r.get("pass_rate") is not None else None})
+    return {"made_by": "bench/cache_bench.py (see bench/cache_results.md)", "presets": presets}
+
+
+def write_measured(all_rows: Dict[str, List[dict]], path: str) -> None:
+    tmp = path + ".part"
+    with open(tmp, "w") as f:
+        json.dump(measured(all_rows), f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def merge(paths: List[str], out: str, plot_path: str, header: str = "", measured_path: str = "") -> dict:
     all_rows = {}
     for p in paths:
         with open(p) as f:
             all_rows.update(json.load(f))
+    if measured_path:
+        write_measured(all_rows, measured_path)
     md = []
     for key, rows in all_rows.items():
         for r in rows:
@@ -431,8 +465,9 @@ def merge(paths: List[str], out: str, plot_path: str, header: str = "") -> dict:
     if header:
         with open(header) as f:
             md = [f.read().rstrip(), ""] + md
-    with open(out, "w") as f:
-        f.write("\n".join(md) + "\n")
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(md) + "\n")
     if plot_path:
         plot(all_rows, plot_path)
     return all_rows
@@ -483,7 +518,9 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "cache_results.md"))
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "cache_results.json"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "bench", "cache_pareto.png"))
-    ap.add_argument("--merge", nargs="+", default=None, help="only merge earlier --json outputs into --out / --plot")
+    ap.add_argument("--measured", default=MEASURED_PATH, help="the presets' figures for the Cache-DiT node ('' = none)")
+    ap.add_argument("--merge", nargs="+", default=None,
+                    help="only merge earlier --json outputs into --out / --plot / --measured ('' = skip one)")
     ap.add_argument("--header", default="", help="with --merge: a markdown file put before the tables")
     ap.add_argument("--timing", type=float, default=0.0,
                     help="only run the alternating uncached/preset timing for this many seconds (random 36-block model)")
@@ -494,7 +531,7 @@ def main(argv=None):
         print(json.dumps(res, indent=1))
         return res
     if args.merge:
-        return merge(args.merge, args.out, args.plot, args.header)
+        return merge(args.merge, args.out, args.plot, args.header, args.measured)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "error")
     configs = our_configs() + ([] if args.no_cachedit else cachedit_configs())
@@ -538,6 +575,8 @@ def main(argv=None):
             print(table(rows, steps, bench.judge is not None), flush=True)
     if all_rows and args.plot:
         plot(all_rows, args.plot)
+    if all_rows and args.measured:
+        write_measured(all_rows, args.measured)
     return all_rows
 
 

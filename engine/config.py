@@ -1,85 +1,106 @@
-"""Typed engine options. Every feature is switched on here; nodes and the CLI only pass options."""
+"""EngineConfig: the options an engine is opened with. Each field is a declared option (engine/options.py):
+the checks here, the CLI's flags and the Model Loader's widgets derive from it. A feature module owns the
+tuple of its choices (attention's BACKENDS, offload's MODES, ...); nothing else repeats them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Optional, Union
 
+from .errors import ParallelConfigError
+from .features.attention import BACKENDS
+from .features.compile import SHAPES
+from .features.offload import MODES
+from .features.quant import FORMATS
+from .options import checked, option
+
 if TYPE_CHECKING:  # pragma: no cover
     from .features.cache import CacheConfig
+
+DTYPES = ("bf16", "fp16", "fp32")
+PARALLEL = "parallel"  # the CLI's argument group of the degrees
 
 
 @dataclass
 class EngineConfig:
-    dtype: Optional[str] = None  # "bf16" | "fp16" | "fp32" | None (as stored)
-    device: str = "cpu"
-    # Cache-DiT (engine.cache.CacheConfig); None = the SGLANG_CACHE_DIT_* environment decides per run.
+    dtype: Optional[str] = option(
+        None, str, "weight dtype: bf16, fp16, fp32 (default: as stored; fp32 for random models)", choices=DTYPES,
+        optional=True, labels={None: "default"}, aliases={"none": None, "bfloat16": "bf16", "float16": "fp16",
+                                                         "float32": "fp32"},
+        any_case=True, flag="--dtype", widget="weight_dtype", widget_required=True,
+        tooltip="Weight dtype in memory; 'default' keeps the file's dtype.")
+    device: str = option("cpu", str, "torch device (default: cpu)", flag="--device")  # nodes: ComfyUI's device
+    # Cache-DiT (engine.features.cache.CacheConfig); None = the SGLANG_CACHE_DIT_* environment decides per run.
     cache: Optional["CacheConfig"] = None
-    # Attention backend (engine/features/attention.py): "auto" = sage, then flash, then sdpa (what can run here).
-    attention: str = "auto"
-    # Regional torch.compile of the repeated block (engine/features/compile.py): False | True (= "static") |
-    # "static" (one graph per resolution) | "dynamic" (one extra, dynamic-shape graph for all new resolutions).
-    compile: Union[bool, str] = False
-    # Weight-only quantization of the blocks' linear layers (engine/features/quant/): None | "fp8" | "int4" (groups of
-    # 128) | "int4-g64". Pre-quantized files (sgld quantize, ComfyUI fp8) load quantized whatever this says.
-    quant: Optional[str] = None
-    # Layer-wise offload (engine/features/offload): "none" | "layerwise" (block weights in pinned CPU memory, streamed
-    # through ``resident_layers`` device buffers) | "auto" (layer-wise when the GPU's free memory is below the
-    # model plus working memory).
-    offload: str = "none"
-    resident_layers: int = 2
-    # Parallelism (engine/parallel, docs/parallel.md): ranks = tp x ulysses_degree x ring_degree x (2 if cfg_parallel).
-    # More than one rank runs the DiT in worker processes (one per GPU; gloo processes on CPU). num_gpus: None =
-    # the product of the degrees; a count with all degrees 1 = Ulysses over that many ranks.
-    tp: int = 1
-    ulysses_degree: int = 1
-    ring_degree: int = 1
-    cfg_parallel: bool = False
-    num_gpus: Optional[int] = None
-
-    ATTENTION_CHOICES = ("auto", "sdpa", "sage", "flash", "math")
-    COMPILE_CHOICES = (False, True, "static", "dynamic")
-    QUANT_CHOICES = (None, "fp8", "int4", "int4-g64")
-    OFFLOAD_CHOICES = ("none", "layerwise", "auto")
+    attention: str = option(
+        "auto", str, "attention backend (default auto: sage, then flash, then sdpa; unavailable ones fall back to "
+        "sdpa with a warning)", choices=BACKENDS, any_case=True, flag="--attention", widget="attention",
+        tooltip="Attention backend. auto: SageAttention, then FlashAttention, then PyTorch SDPA, whichever runs here. "
+                "Only backends that work on this machine are listed.")
+    # False | True (= "static") | "static" (one graph per resolution) | "dynamic" (one extra graph for new sizes)
+    compile: Union[bool, str] = option(
+        False, str, "regional torch.compile of the DiT block (--compile = static: one graph per resolution; "
+        "dynamic: one extra graph covers all new resolutions)", choices=(False, True) + SHAPES, labels={False: "off"},
+        aliases={"false": False, "none": False, "": False, "on": True, "true": True}, any_case=True,
+        flag="--compile", flag_const="static", widget="compile",
+        tooltip="torch.compile of the transformer block. static: one graph per resolution; dynamic: one extra graph "
+                "for all new resolutions. The first run at a size is slower.")
+    # Pre-quantized files (sgld quantize, ComfyUI fp8) load quantized whatever this says.
+    quant: Optional[str] = option(
+        None, str, "weight-only quantization of the block linears at load (pre-quantized files load quantized anyway)",
+        choices=FORMATS, optional=True, labels={None: "none"}, aliases={"off": None, "": None}, any_case=True,
+        flag="--quant", widget="quant",
+        tooltip="Weight-only quantization of the transformer blocks' linear layers (fp8, or int4 in groups of 128 / "
+                "64). Pre-quantized files load quantized whatever this says.")
+    offload: str = option(
+        "none", str, "layer-wise offload: block weights in pinned CPU memory, streamed through --resident-layers "
+        "device buffers (auto: only when the GPU's free memory is below the model + working memory)",
+        choices=MODES, aliases={None: "none", False: "none", "off": "none", "": "none"}, any_case=True,
+        flag="--offload", widget="offload", widget_default="auto",
+        tooltip="Layer-wise offload: transformer blocks stay in CPU memory and stream through a few GPU buffers. "
+                "auto: only when the GPU has too little free memory for the whole model.")
+    resident_layers: int = option(
+        2, int, "device buffers for layer-wise offload (default 2: one computing, one loading)", low=1,
+        flag="--resident-layers", widget="resident_layers", widget_max=64,
+        tooltip="GPU layer buffers used by offload; more = faster, more VRAM.")
+    # Parallelism (engine/parallel, docs/parallel.md): ranks = tp x ulysses_degree x ring_degree x (2 if
+    # cfg_parallel); more than one rank runs the DiT in worker processes (one per GPU; gloo processes on CPU).
+    num_gpus: Optional[int] = option(
+        None, int, "ranks in all (GPUs; on a CPU machine the number of gloo processes); must equal the product of "
+        "the degrees; alone it means Ulysses over that many ranks", optional=True, low=1, flag="--num-gpus",
+        group=PARALLEL, widget="num_gpus", widget_default=1, widget_max=64,
+        tooltip="GPUs working on one image (one worker process each). 1: this process only. The degrees below must "
+                "multiply to it; with all of them at 1, N GPUs means Ulysses over N.")
+    ulysses_degree: int = option(
+        1, int, "Ulysses sequence parallel degree (all-to-all over heads)", low=1, flag="--ulysses-degree",
+        group=PARALLEL, widget="ulysses_degree", widget_max=32,
+        tooltip="Ulysses sequence parallel: attention heads split over this many GPUs (all-to-all).")
+    ring_degree: int = option(
+        1, int, "Ring sequence parallel degree (KV passed around, LSE merge)", low=1, flag="--ring-degree",
+        group=PARALLEL, widget="ring_degree", widget_max=8,
+        tooltip="Ring sequence parallel: keys/values passed around this many GPUs.")
+    tp: int = option(
+        1, int, "tensor parallel degree (heads and MLP split across ranks)", low=1, flag="--tp", group=PARALLEL,
+        widget="tp", widget_max=8, tooltip="Tensor parallel: each block's weights sharded over this many GPUs.")
+    cfg_parallel: bool = option(
+        False, bool, "cond and uncond on different ranks (needs --cfg > 1)", flag="--cfg-parallel", group=PARALLEL,
+        widget="cfg_parallel", tooltip="Run the positive and negative prompt on different GPUs (needs cfg > 1).")
 
     def __post_init__(self):
-        if not isinstance(self.attention, str) or self.attention.lower() not in self.ATTENTION_CHOICES:
-            raise ValueError(f"EngineConfig.attention '{self.attention}' is not supported; "
-                             f"choose one of {', '.join(self.ATTENTION_CHOICES)}")
-        self.attention = self.attention.lower()
-        if isinstance(self.compile, str) and self.compile.lower() in ("off", "false", "none", ""):
-            self.compile = False
-        if isinstance(self.compile, str) and self.compile.lower() in ("on", "true"):
-            self.compile = True
-        if isinstance(self.compile, str):
-            self.compile = self.compile.lower()
-        if not any(self.compile is c or (isinstance(c, str) and self.compile == c) for c in self.COMPILE_CHOICES):
-            raise ValueError(f"EngineConfig.compile '{self.compile}' is not supported; "
-                             "choose one of False, True, 'static', 'dynamic'")
-        if isinstance(self.quant, str) and self.quant.lower() in ("none", "off", ""):
-            self.quant = None
-        if self.quant is not None and (not isinstance(self.quant, str) or self.quant.lower() not in self.QUANT_CHOICES[1:]):
-            raise ValueError(f"EngineConfig.quant '{self.quant}' is not supported; choose one of None, fp8, int4, int4-g64")
-        if self.quant is not None:
-            self.quant = self.quant.lower()
-        if self.offload is None or self.offload is False or (isinstance(self.offload, str) and self.offload.lower() in ("off", "")):
-            self.offload = "none"
-        if not isinstance(self.offload, str) or self.offload.lower() not in self.OFFLOAD_CHOICES:
-            raise ValueError(f"EngineConfig.offload '{self.offload}' is not supported; "
-                             f"choose one of {', '.join(self.OFFLOAD_CHOICES)}")
-        self.offload = self.offload.lower()
-        if isinstance(self.resident_layers, bool) or not isinstance(self.resident_layers, int) or self.resident_layers < 1:
-            raise ValueError(f"EngineConfig.resident_layers '{self.resident_layers}' is not supported; "
-                             "choose an integer >= 1 (device buffers for layer-wise offload, default 2)")
-        from .parallel.plan import make_plan  # degrees: integers that multiply to num_gpus (ParallelConfigError
-
-        make_plan(self.tp, self.ulysses_degree, self.ring_degree, self.cfg_parallel, self.num_gpus)
+        for name, value in checked(self).items():
+            setattr(self, name, value)
+        product = self.tp * self.ulysses_degree * self.ring_degree * (2 if self.cfg_parallel else 1)
+        if self.num_gpus is not None and product != 1 and self.num_gpus != product:
+            raise ParallelConfigError(
+                f"parallel degrees do not multiply to num_gpus: tp {self.tp} x ulysses_degree {self.ulysses_degree} x "
+                f"ring_degree {self.ring_degree} x cfg {2 if self.cfg_parallel else 1} = {product}, but num_gpus = "
+                f"{self.num_gpus}. Set num_gpus to {product}, or change the degrees so that their product is "
+                f"{self.num_gpus}")
 
     @property
     def world_size(self) -> int:
-        """Ranks the parallel fields ask for (1 = the single-process engine)."""
-        from .parallel.plan import make_plan
-
-        return make_plan(self.tp, self.ulysses_degree, self.ring_degree, self.cfg_parallel, self.num_gpus).world_size
+        """Ranks the parallel fields ask for (1 = the single-process engine); a GPU count alone = Ulysses."""
+        product = self.tp * self.ulysses_degree * self.ring_degree * (2 if self.cfg_parallel else 1)
+        return self.num_gpus if product == 1 and self.num_gpus else product
 
     def key(self) -> tuple:
         """A hashable identity, used to cache loaded engines per (file, options)."""

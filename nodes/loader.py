@@ -7,17 +7,16 @@ import os
 import folder_paths
 
 from ..engine import CheckpointError, EngineConfig
+from ..engine.features.attention import BACKENDS, available_backends
 from ..engine.models.demo import DEMO_WEIGHTS
+from ..engine.options import from_widgets, node_inputs, widget_defaults
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
 from .demo import DEMO_CHOICE
 from .model_cache import SGLDModel, get_engine
 
+NODE = "SGLDiffusion Model Loader"
 FOLDER = "diffusion_models"  # ComfyUI maps the legacy "unet" folder into this one
 log = logging.getLogger("sgldiffusion")
-WEIGHT_DTYPES = ["default", "bf16", "fp16", "fp32"]
-COMPILE = ["off", "static", "dynamic"]
-QUANT = ["none", "fp8", "int4", "int4-g64"]
-OFFLOAD = ["auto", "none", "layerwise"]
 
 
 def model_folders() -> list:
@@ -62,11 +61,24 @@ def torch_device() -> str:
 def attention_choices() -> list:
     """'auto' and the backends that can run on ComfyUI's device (others would fall back to sdpa)."""
     try:
-        from ..engine.features.attention import available_backends
-
         return ["auto"] + [b for b in available_backends(torch_device()) if b != "auto"]
     except Exception:
         return ["auto", "sdpa"]
+
+
+def engine_config(unet_name: str, widgets: dict) -> EngineConfig:
+    """The loader's inputs -> EngineConfig (an input a saved workflow does not have gets its default);
+    a ValueError naming this node and the input on a bad value."""
+    widgets = {**widget_defaults(EngineConfig), **widgets}
+    if widgets["attention"] not in BACKENDS:  # ComfyUI's list check is off for it (VALIDATE_INPUTS)
+        raise ValueError(f"{NODE}: attention '{widgets['attention']}' is not one of {', '.join(BACKENDS)}")
+    given = from_widgets(EngineConfig, widgets, NODE)
+    if given.get("dtype") is None and unet_name == DEMO_CHOICE:
+        given["dtype"] = "fp32"  # the demo file is stored in fp16; as the engine and CLI, it runs in fp32 on a CPU
+    try:
+        return EngineConfig(**given, device=torch_device())
+    except ValueError as e:
+        raise ValueError(f"{NODE}: {e}") from None
 
 
 class SGLDiffusionModelLoader:
@@ -80,41 +92,14 @@ class SGLDiffusionModelLoader:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "unet_name": (model_files(), {"tooltip": "The diffusion model file (models/diffusion_models or models/unet)."}),
-                "weight_dtype": (WEIGHT_DTYPES, {"default": "default",
-                                                 "tooltip": "Weight dtype in memory; 'default' keeps the file's dtype."}),
-            },
-            "optional": {
-                "attention": (attention_choices(), {"default": "auto", "tooltip": (
-                    "Attention backend. auto: SageAttention, then FlashAttention, then PyTorch SDPA, whichever runs "
-                    "here. Only backends that work on this machine are listed.")}),
-                "compile": (COMPILE, {"default": "off", "tooltip": (
-                    "torch.compile of the transformer block. static: one graph per resolution; dynamic: one extra "
-                    "graph for all new resolutions. The first run at a size is slower.")}),
-                "quant": (QUANT, {"default": "none", "tooltip": (
-                    "Weight-only quantization of the transformer blocks' linear layers (fp8, or int4 in groups of "
-                    "128 / 64). Pre-quantized files load quantized whatever this says.")}),
-                "offload": (OFFLOAD, {"default": "auto", "tooltip": (
-                    "Layer-wise offload: transformer blocks stay in CPU memory and stream through a few GPU buffers. "
-                    "auto: only when the GPU has too little free memory for the whole model.")}),
-                "resident_layers": ("INT", {"default": 2, "min": 1, "max": 64, "tooltip": (
-                    "GPU layer buffers used by offload; more = faster, more VRAM.")}),
-                "num_gpus": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": (
-                    "GPUs working on one image (one worker process each). 1: this process only. The degrees below "
-                    "must multiply to it; with all of them at 1, N GPUs means Ulysses over N.")}),
-                "ulysses_degree": ("INT", {"default": 1, "min": 1, "max": 32, "tooltip": (
-                    "Ulysses sequence parallel: attention heads split over this many GPUs (all-to-all).")}),
-                "ring_degree": ("INT", {"default": 1, "min": 1, "max": 8, "tooltip": (
-                    "Ring sequence parallel: keys/values passed around this many GPUs.")}),
-                "tp": ("INT", {"default": 1, "min": 1, "max": 8, "tooltip": (
-                    "Tensor parallel: each block's weights sharded over this many GPUs.")}),
-                "cfg_parallel": ("BOOLEAN", {"default": False, "tooltip": (
-                    "Run the positive and negative prompt on different GPUs (needs cfg > 1).")}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
+        """The engine's options as EngineConfig declares them (their widget names, defaults and tooltips);
+        the attention list narrowed to the backends that run here."""
+        inputs = node_inputs(EngineConfig)
+        attention = inputs["optional"]["attention"]
+        inputs["optional"]["attention"] = (attention_choices(), attention[1])
+        unet = (model_files(), {"tooltip": "The diffusion model file (models/diffusion_models or models/unet)."})
+        return {"required": {"unet_name": unet, **inputs["required"]}, "optional": inputs["optional"],
+                "hidden": {"unique_id": "UNIQUE_ID"}}
 
     @classmethod
     def VALIDATE_INPUTS(cls, unet_name, attention="auto"):
@@ -133,33 +118,16 @@ class SGLDiffusionModelLoader:
         except Exception:
             return float("nan")  # never equal: run load() and let it report the problem
 
-    def load(self, unet_name, weight_dtype="default", attention="auto", compile="off", quant="none",
-             offload="auto", resident_layers=2, num_gpus=1, ulysses_degree=1, ring_degree=1, tp=1,
-             cfg_parallel=False, unique_id=None):
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"SGLDiffusion Model Loader: weight_dtype '{weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
-        from ..engine.features.attention import BACKENDS
-
-        if attention not in BACKENDS:
-            raise ValueError(f"SGLDiffusion Model Loader: attention '{attention}' is not one of {', '.join(BACKENDS)}")
+    def load(self, unet_name, unique_id=None, **widgets):
+        """``widgets``: the engine's options by their widget names."""
+        config = engine_config(unet_name, widgets)
         path = resolve(unet_name)
-        try:
-            # the demo file is stored in fp16; its default is fp32, as the engine and CLI run it on a CPU
-            default = "fp32" if unet_name == DEMO_CHOICE else None
-            config = EngineConfig(dtype=default if weight_dtype == "default" else weight_dtype, device=torch_device(),
-                                  attention=attention, compile=False if compile == "off" else compile,
-                                  quant=None if quant == "none" else quant, offload=offload,
-                                  resident_layers=int(resident_layers), num_gpus=int(num_gpus),
-                                  ulysses_degree=int(ulysses_degree), ring_degree=int(ring_degree), tp=int(tp),
-                                  cfg_parallel=bool(cfg_parallel))
-        except ValueError as e:
-            raise ValueError(f"SGLDiffusion Model Loader: {e}") from None
         handle = SGLDModel(path, config, name=unet_name, owner=str(unique_id) if unique_id is not None else None)
         try:
             engine = get_engine(handle)  # load now, so a bad file is reported on this node
         except (CheckpointError, ParallelConfigError, ParallelWorkerError) as e:
             # a ValueError: ComfyUI shows the exception's class with its module path (the pack's folder)
-            raise ValueError(f"SGLDiffusion Model Loader: {e}") from None
+            raise ValueError(f"{NODE}: {e}") from None
         for w in getattr(engine, "warnings", []):
-            log.warning("SGLDiffusion Model Loader: %s", w)
+            log.warning("%s: %s", NODE, w)
         return (handle,)

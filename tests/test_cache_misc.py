@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from engine.features.cache import (CacheConfig, CacheConfigError, add_cli_arguments, estimated_speedup, from_cli_args, measured_speedup)
+from engine.cli.common import add_cache_arguments, cache_config
+from engine.features.cache import CacheConfig, CacheConfigError, estimated_speedup, measured_speedup
 from engine.features.cache.docs import render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -12,8 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def parse(*argv):
     p = argparse.ArgumentParser()
-    add_cli_arguments(p)
-    return from_cli_args(p.parse_args(list(argv)))
+    add_cache_arguments(p)
+    return cache_config(p.parse_args(list(argv)))
 
 
 def test_cli_flags():

@@ -65,7 +65,9 @@ if not torch.cuda.is_available():
 
 def check(argv):
     """What `sgld generate` checks before it loads anything (cli.main runs these first), in this process."""
-    from engine.cli import build_parser, check_common_args, check_generate_args
+    from engine.cli import build_parser
+    from engine.cli.common import check_common_args
+    from engine.cli.generate import check_generate_args
 
     args = build_parser().parse_args(["generate", "--prompt", PROMPT, *argv])
     check_common_args(args)
@@ -169,7 +171,7 @@ def test_a_failed_png_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path,
     """A full disk in the middle of the write (PIL's save writes part of the file, then fails)."""
     from PIL import Image
 
-    from engine.cli import _save_png
+    from engine.cli.generate import _save_png
 
     out = tmp_path / "pic.png"
     _save_png(_image(10), str(out), {"seed": 1}, {"steps_total": 1, "steps_computed": 1, "step_mask": "x"})
@@ -195,7 +197,7 @@ def test_two_writers_on_one_path_give_one_whole_picture(tmp_path, monkeypatch):
 
     from PIL import Image
 
-    from engine.cli import _save_png
+    from engine.cli.generate import _save_png
 
     original = Image.Image.save
     both_open = threading.Barrier(2, timeout=30)

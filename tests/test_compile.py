@@ -135,7 +135,8 @@ def test_compile_option_validation():
 
 
 def test_cli_compile_flag_maps_to_the_config():
-    from engine.cli import build_parser, engine_config
+    from engine.cli import build_parser
+    from engine.cli.common import engine_config
 
     p = build_parser()
     assert engine_config(p.parse_args(["bench", "--compile"])).compile == "static"

@@ -220,7 +220,7 @@ def test_bench_random_model_is_built_in_its_dtype_without_a_float32_copy():
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from engine.cli import _random_engine
+    from engine.cli.bench import _random_engine
     from engine.config import EngineConfig
 
     class Allocations(TorchDispatchMode):
@@ -253,13 +253,14 @@ def test_bench_resets_the_peak_memory_window_after_the_build_and_warm_up(monkeyp
     CPU, so the test watches the seam that resets them (``_reset_peak_memory``, a no-op off CUDA): it must
     run once, after the model exists and the warm-up forward ran, before every timed forward."""
     from engine import cli
+    from engine.cli import bench as bench_command
     from engine.models.ernie_image import ErnieImageTransformer
 
     forwards, resets = [], []
     handle = torch.nn.modules.module.register_module_forward_pre_hook(
         lambda mod, inp: forwards.append(1) if isinstance(mod, ErnieImageTransformer) else None)
-    real = cli._reset_peak_memory
-    monkeypatch.setattr(cli, "_reset_peak_memory", lambda dev: (resets.append(len(forwards)), real(dev)))
+    real = bench_command._reset_peak_memory
+    monkeypatch.setattr(bench_command, "_reset_peak_memory", lambda dev: (resets.append(len(forwards)), real(dev)))
     try:
         assert cli.main(["bench", "--size", "tiny", "--steps", "2", "--repeat", "3", "--json"]) == 0
     finally:

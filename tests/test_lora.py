@@ -389,9 +389,10 @@ def test_parse_spec_and_cli_flag(tmp_path, monkeypatch):
     assert parse_spec(r"C:\loras\a.safetensors") == (r"C:\loras\a.safetensors", 1.0)
     assert parse_spec("dir/x:y.safetensors:-1") == ("dir/x:y.safetensors", -1.0)
     from engine import cli
+    from engine.cli.generate import lora_specs
 
     args = cli.build_parser().parse_args(["generate", "--prompt", "p", "--lora", "a.safetensors:0.5", "--lora", "b.safetensors"])
-    assert cli.lora_specs(args) == [("a.safetensors", 0.5), ("b.safetensors", 1.0)]
+    assert lora_specs(args) == [("a.safetensors", 0.5), ("b.safetensors", 1.0)]
 
 
 # -- ComfyUI node: the handle carries the LoRAs, the base engine is shared ------------------------------------

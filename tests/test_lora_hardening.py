@@ -504,6 +504,7 @@ def test_non_finite_strengths_are_refused(tmp_path, bad):
 
 def test_non_finite_strength_on_the_cli(tmp_path):
     from engine import cli
+    from engine.cli.generate import lora_specs
 
     a, _ = lora_files(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--prompt", "a red circle", "--steps", "1",
@@ -512,7 +513,7 @@ def test_non_finite_strength_on_the_cli(tmp_path):
     assert proc.returncode == 2
     assert "strength 'nan' is not a finite number" in proc.stderr.strip().splitlines()[-1]
     assert not os.path.exists(tmp_path / "x.png")
-    assert cli.lora_specs(cli.build_parser().parse_args(["generate", "--prompt", "p", "--lora", f"{a}:-0.5"])) == [(a, -0.5)]
+    assert lora_specs(cli.build_parser().parse_args(["generate", "--prompt", "p", "--lora", f"{a}:-0.5"])) == [(a, -0.5)]
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

@@ -59,7 +59,8 @@ def test_each_feature_is_registered_and_removing_them_leaves_the_original_model(
         Q.apply_quant(model, quant)
     before, bits, slots = layout(model), weight_bits(model), (model.block_runner, model.attention)
     y0 = forward(model)
-    assert patching.attached(model) == []
+    base = ["quant"] if quant else []  # quantizing is the model's starting point here; it stays
+    assert patching.attached(model) == base
 
     assert fuse_projections(model) == 2 * CFG.num_layers
     A.apply_attention(model, A.select_backend("math", "cpu", log_choice=False))
@@ -68,11 +69,12 @@ def test_each_feature_is_registered_and_removing_them_leaves_the_original_model(
     compile_blocks(model, "static", backend="aot_eager")
     lora = read_lora(write_lora(tmp_path / "l.safetensors", model), model)
     apply_loras(model, [(lora, 0.8)])
-    assert patching.attached(model) == ["fuse", "attention", "offload", "compile", "lora"]
+    assert patching.attached(model) == base + ["fuse", "attention", "offload", "compile", "lora"]
     assert not torch.equal(forward(model), y0)
 
     described = {p.name: p.describe() for p in patching.patches(model)}
     json.dumps(described)  # plain data
+    assert described.get("quant", {}).get("format") == quant
     assert described["fuse"] == {"groups_fused": 2 * CFG.num_layers, "groups": 2 * CFG.num_layers}
     assert described["attention"]["backend"] == "math" and described["attention"]["requested"] == "math"
     assert described["attention"]["version"].startswith("torch ") and described["attention"]["reason"]
@@ -84,11 +86,11 @@ def test_each_feature_is_registered_and_removing_them_leaves_the_original_model(
     assert described["lora"]["bytes_kept"] > 0 and active_loras(model) == [(lora, 0.8)]
     with pytest.raises(ValueError, match="cannot be removed while offload, compile, lora is attached"):
         remove_fused_projections(model)  # refused, nothing changed
-    assert patching.attached(model)[0] == "fuse"
+    assert patching.attached(model)[len(base)] == "fuse"
 
     assert remove_loras(model) and uncompile_blocks(model) and remove_offload(model)
     assert A.remove_attention(model) and remove_fused_projections(model)
-    assert patching.attached(model) == [] and not remove_loras(model)
+    assert patching.attached(model) == base and not remove_loras(model)
     assert [n for n, m in model.named_modules() if patching.STATE in m.__dict__] == []
     assert layout(model) == before and (model.block_runner, model.attention) == slots
     assert all(b._compiled_call_impl is None for b in model.layers)

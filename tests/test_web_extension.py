@@ -14,9 +14,11 @@ The whole module takes about 60-90 s on the 2-core machine (ComfyUI start and pa
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -63,36 +65,37 @@ def test_web_directory_has_the_extension_and_icon():
         assert needle in js
 
 
-TABLE = """# Cache-DiT benchmark
-
-## demo (4 blocks, hidden 256, 64x64, CFG 3.0), 50 steps, 64 pairs
-
-| configuration | family | computed calls | mask | speedup (wall, side by side) | speedup (in-run) | PSNR dB | min PSNR | SSIM | judge pass % |
-|---|---|---|---|---|---|---|---|---|---|
-| uncached | base | 50.0 |  | 1.00x | 1.00x | inf | inf | 1.0000 | 90.6 |
-| quality | ours | 28.0 | 28/50 | 1.30x | 1.62x | 38.10 | 30.00 | 0.9900 | 90.6 |
-| balanced | ours | 23.0 | 23/50 | 2.50x | 1.98x | 33.52 | 25.00 | 0.9800 | 89.1 |
-| cache-dit SCM fast static +TS | cache-dit | 19.0 | 19/50 | 2.40x | 2.40x | 29.41 | 23.63 | 0.9268 | 80.0 |
-
-- `balanced` 1.98x; target 2.0x: NOT met
-
-## random tiny (36 blocks, hidden 64, 16x16 latent, CFG 4), 8 steps, 2 pairs
-
-| configuration | family | computed calls | mask | speedup (wall) | PSNR dB | min PSNR | SSIM | judge pass % |
-|---|---|---|---|---|---|---|---|---|
-| uncached | base | 8.0 |  | 1.00x | inf | inf | 1.0000 | 0.0 |
-| balanced | ours | 7.0 | `11111011` | 1.16x | 41.16 | 40.93 | 0.9791 | 0.0 |
-| quality | ours | 8.0 | `11111111` | 1.01x | inf | inf | 1.0000 | 0.0 |
-"""
+def _row(name, family, speedup, in_run, psnr, ssim, judge, computed):
+    """One configuration as bench/cache_bench.py's --json holds it."""
+    return {"name": name, "family": family, "note": "", "speedup": speedup, "speedup_in_run": in_run, "psnr": psnr,
+            "psnr_min": psnr, "ssim": ssim, "pass_rate": judge, "computed": computed, "mask": ""}
 
 
-def test_preset_benchmarks_from_the_table(tmp_path):
+BENCH_ROWS = {  # two settings: the in-run speedup and the judge measured in the first only
+    "demo (4 blocks, hidden 256, 64x64, CFG 3.0), 50 steps, 64 pairs": [
+        _row("uncached", "base", 1.0, 1.0, float("inf"), 1.0, 90.6, 50.0),
+        _row("quality", "ours", 1.30, 1.62, 38.10, 0.99, 90.6, 28.0),
+        _row("balanced", "ours", 2.50, 1.98, 33.52, 0.98, 89.1, 23.0),
+        _row("cache-dit SCM fast static +TS", "cache-dit", 2.40, 2.40, 29.41, 0.9268, 80.0, 19.0)],
+    "random tiny (36 blocks, hidden 64, 16x16 latent, CFG 4), 8 steps, 2 pairs": [
+        _row("uncached", "base", 1.0, None, float("inf"), 1.0, 0.0, 8.0),
+        _row("balanced", "ours", 1.16, None, 41.16, 0.9791, 0.0, 7.0),
+        _row("quality", "ours", 1.01, None, float("inf"), 1.0, 0.0, 8.0)],
+}
+
+
+def test_preset_benchmarks_from_the_bench_figures(tmp_path, monkeypatch):
+    """bench/cache_bench.py writes the presets' figures as JSON in the engine package; the node's tooltip reads them."""
     cd = cache_node_module()
-    p = tmp_path / "cache_results.md"
-    p.write_text(TABLE)
+    spec = importlib.util.spec_from_file_location("cache_bench", os.path.join(ROOT, "bench", "cache_bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "cache_bench", bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    p = tmp_path / "measured.json"
+    bench.write_measured(BENCH_ROWS, str(p))
     b = cd.preset_benchmarks(str(p))
     assert set(b) == {"quality", "balanced", "medium"}  # cache-dit rows are not ours; medium = quality
-    # the in-run speedup where the table has it, else the only one; the judge only where the uncached run passes it
+    # the in-run speedup where it was measured, else the side-by-side one; the judge only where the uncached run passes it
     assert [(r["model"], r["steps"], r["speedup"], r["psnr"], r["judge"]) for r in b["balanced"]] == [
         ("demo (4 blocks)", 50, 1.98, 33.52, 89.1), ("random tiny (36 blocks)", 8, 1.16, 41.16, None)]
     assert b["medium"] == b["quality"]
@@ -101,8 +104,10 @@ def test_preset_benchmarks_from_the_table(tmp_path):
             "random tiny (36 blocks): 8 steps 1.16x, PSNR 41.2 dB, SSIM 0.979") in tip
     assert "quality: demo (4 blocks): 50 steps 1.62x" in tip and "8 steps 1.01x, same image" in tip
     assert "fast: not measured" in tip and "medium (= quality): demo" in tip
-    assert cd.preset_benchmarks(str(tmp_path / "missing.md")) == {}
+    assert cd.preset_benchmarks(str(tmp_path / "missing.json")) == {}
     assert "no benchmark table yet" in cd.preset_tooltip({}) and "balanced: not measured yet" in cd.preset_tooltip({})
+    shipped = cd.preset_benchmarks()  # the pack's own figures, from the bench's last tables
+    assert {"quality", "balanced", "fast"} <= set(shipped) and "Measured" in cd.preset_tooltip(shipped)
 
 
 # -- in the browser ----------------------------------------------------------------------------------------------

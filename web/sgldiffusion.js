@@ -10,7 +10,7 @@
 //   the timeline; results of an earlier prompt are marked as such. The panel grows to what it shows
 //   (a whole error message, every warning).
 // * SGLDiffusion Cache-DiT: hovering the preset widget shows the speedup and quality measured per preset
-//   (bench/cache_results.md, put into the tooltip by the node), the selected preset marked.
+//   (engine/features/cache/measured.json, put into the tooltip by the node), the selected preset marked.
 //
 // Only stable extension APIs: app.registerExtension (beforeRegisterNodeDef, nodeCreated), onExecuted,
 // api.addEventListener, node.addDOMWidget. Works in the frontend of ComfyUI 0.3.75 (1.32.x) and later ones.

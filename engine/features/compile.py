@@ -15,6 +15,7 @@ from torch import nn
 
 from . import patching
 
+SHAPES = ("static", "dynamic")  # EngineConfig.compile: one graph per resolution, or one dynamic-shape graph
 log = logging.getLogger("sgld.compile")
 
 FEATURE = "compile"
@@ -63,7 +64,7 @@ def compile_blocks(model: nn.Module, shapes: Union[bool, str] = "static", mode: 
     ``mode``: "auto" = ``default_mode(device)``; any torch.compile mode, or None for the default."""
     if shapes is True:
         shapes = "static"
-    if shapes not in ("static", "dynamic"):
+    if shapes not in SHAPES:
         raise ValueError(f"compile '{shapes}' is not supported; choose static or dynamic")
     device = _device_of(model)
     if mode == "auto":

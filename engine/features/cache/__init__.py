@@ -7,12 +7,17 @@ model's own runner back afterwards (also on an exception), so with the cache off
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional
 
-from .config import (DEFAULTS, ENV_NAMES, ENV_PREFIX, PRESET_KNOBS, CacheConfig, CacheConfigError, ResolvedCache, add_cli_arguments, config_from_dict, from_cli_args, from_env, resolve_config)
+from .config import (DEFAULTS, FROM_PRESET, PRESET_KNOBS, CacheConfig, CacheConfigError, ResolvedCache, config_from_dict,
+                     from_env, resolve_config)
 from .dbcache import DBCacheRunner
 from .masks import (ALIASES, ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask, preset_mask)
 from .taylorseer import TaylorSeer
+
+# The presets' measured speedup and quality (bench/cache_bench.py writes it; the Cache-DiT node's tooltip reads it).
+MEASURED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
 
 
 def make_runner(cache: Optional[CacheConfig], model, calls: int, branches: int = 1) -> Optional[DBCacheRunner]:
@@ -47,9 +52,9 @@ def estimated_speedup(mask: List[bool], fn: int, bn: int, num_layers: int) -> fl
 
 
 __all__ = ["run_line", "CacheConfig", "CacheConfigError", "ResolvedCache", "DBCacheRunner", "TaylorSeer", "from_env",
-           "resolve_config", "config_from_dict", "add_cli_arguments", "from_cli_args", "make_runner", "measured_speedup", "estimated_speedup",
+           "resolve_config", "config_from_dict", "make_runner", "measured_speedup", "estimated_speedup",
            "preset_mask", "mask_note", "mask_str", "parse_mask", "longest_cached_run", "PRESETS", "ALIASES",
-           "ALL_PRESETS", "USER_PRESETS", "ENV_NAMES", "ENV_PREFIX", "DEFAULTS", "PRESET_KNOBS"]
+           "ALL_PRESETS", "USER_PRESETS", "DEFAULTS", "FROM_PRESET", "MEASURED_PATH", "PRESET_KNOBS"]
 
 
 def run_line(stats) -> str:

@@ -1,5 +1,5 @@
-"""Cache-DiT options: ``CacheConfig`` (what nodes, CLI and EngineConfig pass), presets, and the
-``SGLANG_CACHE_DIT_*`` environment switches.
+"""Cache-DiT options: ``CacheConfig`` (what nodes, CLI and EngineConfig pass; its fields are declared
+options), presets, and the ``SGLANG_CACHE_DIT_*`` environment switches.
 
 Precedence: an explicit ``CacheConfig`` (node / ``Engine.sample(cache=...)`` / ``EngineConfig.cache``)
 wins over the environment; inside one config an explicitly set knob wins over the preset's value,
@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import List, Mapping, Optional
+from typing import ClassVar, List, Mapping, Optional
 
 from . import masks
 from ...errors import CacheConfigError
+from ...options import checked, option
+from ...options import from_env as from_env_of
 
-ENV_PREFIX = "SGLANG_CACHE_DIT_"
 POLICIES = ("static", "dynamic")
 TS_ORDERS = (1, 2)
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+UNLIMITED = "an integer >= -1 (-1 = unlimited)"
 
 
 # DBCache defaults when no preset is chosen (SGLang's integration defaults).
@@ -36,69 +36,85 @@ PRESET_KNOBS = {
 }
 
 
+FROM_PRESET = "from preset"  # a node's text for a knob left to the preset
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """Cache-DiT settings for one run. ``None`` knobs take the preset's value, then the default.
-
-    enabled      master switch (``CacheConfig(enabled=False)`` disables even if the environment says on)
-    preset       quality | balanced | fast (users' names), or cache-dit's slow | medium | ultra; None = no mask
-    fn, bn       first / last blocks always computed (DBCache F and B)
-    warmup       leading steps always computed (ignored when a mask is set: the mask has its own)
-    rdt          residual-diff threshold (relative L1 of the first blocks' residual); <= 0 never caches
-    mc           max consecutive cached steps (-1 = unlimited)
-    max_cached_steps  max cached steps per run (-1 = unlimited)
-    taylorseer, ts_order  TaylorSeer prediction of the skipped residual, order 1 or 2
-    scm_policy   static (mask zeros are always cached) | dynamic (mask zeros still pass rdt / mc)
-    steps_mask   custom mask "1110101..." (1 = compute) instead of a preset
+    """Cache-DiT settings for one run. ``None`` knobs take the preset's value, then the default (DEFAULTS).
+    Each field is a declared option (engine/options.py): the CLI's --cache-* flags, the
+    SGLANG_CACHE_DIT_* variables (SGLang's names) and the Cache-DiT node's fields derive from it.
     """
 
-    enabled: bool = True
-    preset: Optional[str] = None
-    fn: Optional[int] = None
-    bn: Optional[int] = None
-    warmup: Optional[int] = None
-    rdt: Optional[float] = None
-    mc: Optional[int] = None
-    max_cached_steps: Optional[int] = None
-    taylorseer: Optional[bool] = None
-    ts_order: Optional[int] = None
-    scm_policy: Optional[str] = None
-    steps_mask: Optional[str] = None
+    OPTION_LABEL: ClassVar[str] = "cache option '{name}' ="
+    OPTION_ERROR: ClassVar[type] = CacheConfigError
 
-    # -- validation ----------------------------------------------------------------------------
-    def validate(self, names: Optional[Mapping[str, str]] = None) -> "CacheConfig":
-        """Raise CacheConfigError naming the field (or the env variable from ``names``) on a bad value."""
-        names = names or {}
+    # master switch: CacheConfig(enabled=False) disables even if the environment says on
+    enabled: bool = option(True, bool, "switch the cache on or off (overrides the environment)", flag="--cache",
+                           flag_default=None, env="SGLANG_CACHE_DIT_ENABLED", widget="enabled", widget_required=True,
+                           tooltip="Off: no caching, even if the environment switches it on.")
+    # quality | balanced | fast (users' names), or cache-dit's slow | medium | ultra; None = no mask
+    preset: Optional[str] = option(None, str, "step mask preset (implies --cache on)",
+                                   choices=masks.ALL_PRESETS, optional=True, labels={None: "none"}, aliases={"": None},
+                                   any_case=True, flag="--cache-preset", env="SGLANG_CACHE_DIT_SCM_PRESET",
+                                   widget="preset", widget_default="balanced", widget_required=True)
+    # first / last blocks always computed (DBCache F and B)
+    fn: Optional[int] = option(None, int, "first blocks always computed", optional=True, low=1, flag="--cache-fn",
+                               env="SGLANG_CACHE_DIT_FN", widget="Fn", widget_default=DEFAULTS["fn"], widget_max=64,
+                               tooltip="First blocks always computed.")
+    bn: Optional[int] = option(None, int, "last blocks always computed", optional=True, low=0, flag="--cache-bn",
+                               env="SGLANG_CACHE_DIT_BN", widget="Bn", widget_default=DEFAULTS["bn"], widget_max=64,
+                               tooltip="Last blocks always computed.")
+    # leading steps always computed (ignored when a mask is set: the mask has its own)
+    warmup: Optional[int] = option(None, int, "leading steps always computed", optional=True, low=0,
+                                   flag="--cache-warmup", env="SGLANG_CACHE_DIT_WARMUP", widget="warmup",
+                                   widget_default=DEFAULTS["warmup"], widget_max=1000,
+                                   tooltip="Leading steps always computed (without a preset mask).")
+    # residual-diff threshold (relative L1 of the first blocks' residual); <= 0 never caches
+    rdt: Optional[float] = option(None, float, "residual-diff threshold", optional=True, low=0.0, finite=False,
+                                  allowed="a number >= 0 (e.g. 0.08 .. 0.6; 0 = never cache, >= 1 = always cache)",
+                                  flag="--cache-rdt", env="SGLANG_CACHE_DIT_RDT", widget="residual_diff_threshold",
+                                  widget_default=DEFAULTS["rdt"], widget_max=10.0, widget_step=0.01,
+                                  tooltip="Reuse when the first blocks' residual changed less than this (relative L1). "
+                                          "0 = never.")
+    mc: Optional[int] = option(None, int, "max consecutive cached steps (-1 = unlimited)", optional=True, low=-1,
+                               allowed=UNLIMITED, flag="--cache-mc", env="SGLANG_CACHE_DIT_MC",
+                               widget="max_continuous_cached", widget_default=DEFAULTS["mc"], widget_max=1000,
+                               tooltip="Most cached steps in a row (-1 = unlimited).")
+    max_cached_steps: Optional[int] = option(None, int, "max cached steps per run (-1 = unlimited)", optional=True,
+                                             low=-1, allowed=UNLIMITED, flag="--cache-max-cached",
+                                             env="SGLANG_CACHE_DIT_MAX_CACHED_STEPS", widget="max_cached_steps",
+                                             widget_default=DEFAULTS["max_cached_steps"], widget_max=10000,
+                                             tooltip="Most cached steps per run (-1 = unlimited).")
+    # TaylorSeer prediction of the skipped residual, order 1 or 2
+    taylorseer: Optional[bool] = option(None, bool, "TaylorSeer prediction of the reused residual", optional=True,
+                                        aliases={FROM_PRESET: None}, flag="--cache-taylorseer",
+                                        env="SGLANG_CACHE_DIT_TAYLORSEER", widget="taylorseer",
+                                        widget_default=FROM_PRESET,
+                                        tooltip="Predict the reused residual from the last computed steps.")
+    ts_order: Optional[int] = option(None, int, "TaylorSeer order: 1 or 2", choices=TS_ORDERS, optional=True,
+                                     flag="--cache-ts-order", env="SGLANG_CACHE_DIT_TS_ORDER",
+                                     widget="taylorseer_order", widget_default=DEFAULTS["ts_order"])
+    # static (mask zeros are always cached) | dynamic (mask zeros still pass rdt / mc)
+    scm_policy: Optional[str] = option(None, str, "how a preset's mask is applied", choices=POLICIES,
+                                       optional=True, aliases={FROM_PRESET: None}, flag="--cache-policy",
+                                       env="SGLANG_CACHE_DIT_SCM_POLICY", widget="mask_policy",
+                                       widget_default=FROM_PRESET,
+                                       tooltip="static: the preset's mask decides alone (fixed speed, no GPU sync). "
+                                               "dynamic: masked steps are reused only if the threshold and limits "
+                                               "also allow it.")
+    # custom mask "1110101..." (1 = compute) instead of a preset
+    steps_mask: Optional[str] = option(None, str, "custom step mask, e.g. 1111010101 (1 = compute)", optional=True,
+                                       aliases={"": None}, check=masks.parse_mask,
+                                       allowed="a string of 0 and 1, one per model call (1 = compute)",
+                                       flag="--cache-mask", env="SGLANG_CACHE_DIT_SCM_MASK", widget="steps_mask",
+                                       widget_default="",
+                                       tooltip="Custom mask, one 0/1 per model call (1 = compute), e.g. 1111010101; "
+                                               "replaces the preset's.")
 
-        def bad(f: str, value, allowed: str):
-            if f in names:  # an environment variable: show the text as it was set
-                raise CacheConfigError(f"{names[f]}={str(value)!r} is not valid; allowed: {allowed}")
-            raise CacheConfigError(f"cache option {f!r} = {value!r} is not valid; allowed: {allowed}")
-
-        if self.preset is not None:
-            p = str(self.preset).strip().lower()
-            if p not in ("", "none") and p not in masks.ALL_PRESETS:
-                bad("preset", self.preset, "none, " + ", ".join(masks.ALL_PRESETS))
-        ints = {"fn": (1, "an integer >= 1"), "bn": (0, "an integer >= 0"), "warmup": (0, "an integer >= 0"),
-                "mc": (-1, "an integer >= -1 (-1 = unlimited)"), "max_cached_steps": (-1, "an integer >= -1 (-1 = unlimited)")}
-        for f, (lo, allowed) in ints.items():
-            v = getattr(self, f)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
-                bad(f, v, allowed)
-        if self.rdt is not None:
-            if isinstance(self.rdt, bool) or not isinstance(self.rdt, (int, float)) or not (self.rdt >= 0):
-                bad("rdt", self.rdt, "a number >= 0 (e.g. 0.08 .. 0.6; 0 = never cache, >= 1 = always cache)")
-        if self.ts_order is not None and self.ts_order not in TS_ORDERS:
-            bad("ts_order", self.ts_order, "1, 2")
-        if self.scm_policy is not None and self.scm_policy not in POLICIES:
-            bad("scm_policy", self.scm_policy, ", ".join(POLICIES))
-        if self.taylorseer is not None and not isinstance(self.taylorseer, bool):
-            bad("taylorseer", self.taylorseer, "true, false")
-        if self.steps_mask is not None and str(self.steps_mask).strip():
-            try:
-                masks.parse_mask(self.steps_mask)
-            except ValueError:
-                bad("steps_mask", self.steps_mask, "a string of 0 and 1, one per model call (1 = compute)")
+    def validate(self) -> "CacheConfig":
+        """Raise CacheConfigError naming the field on a bad value."""
+        checked(self)
         return self
 
     @property
@@ -195,76 +211,14 @@ class ResolvedCache:
         return s
 
 
-ENV_NAMES = {
-    "preset": ENV_PREFIX + "SCM_PRESET", "fn": ENV_PREFIX + "FN", "bn": ENV_PREFIX + "BN", "warmup": ENV_PREFIX + "WARMUP",
-    "rdt": ENV_PREFIX + "RDT", "mc": ENV_PREFIX + "MC", "taylorseer": ENV_PREFIX + "TAYLORSEER",
-    "ts_order": ENV_PREFIX + "TS_ORDER", "scm_policy": ENV_PREFIX + "SCM_POLICY",
-    "max_cached_steps": ENV_PREFIX + "MAX_CACHED_STEPS", "steps_mask": ENV_PREFIX + "SCM_MASK",
-}
-
-
-def _env_bool(env: Mapping[str, str], name: str) -> Optional[bool]:
-    raw = env.get(name)
-    if raw is None:
-        return None
-    v = raw.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise CacheConfigError(f"{name}={raw!r} is not valid; allowed: true, false (also 1/0, yes/no, on/off)")
-
-
-def _env_int(env: Mapping[str, str], name: str, allowed: str) -> Optional[int]:
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise CacheConfigError(f"{name}={raw!r} is not valid; allowed: {allowed}") from None
-
-
 def from_env(env: Optional[Mapping[str, str]] = None) -> CacheConfig:
-    """The cache as the ``SGLANG_CACHE_DIT_*`` variables say (``enabled=False`` unless ENABLED is true).
-
-    SGLANG_CACHE_DIT_ENABLED     true | false (default false)
-    SGLANG_CACHE_DIT_SCM_PRESET  none | quality | balanced | fast | slow | medium | ultra
-    SGLANG_CACHE_DIT_FN / _BN / _WARMUP / _MC / _MAX_CACHED_STEPS   integers
-    SGLANG_CACHE_DIT_RDT         number >= 0
-    SGLANG_CACHE_DIT_TAYLORSEER  true | false;  SGLANG_CACHE_DIT_TS_ORDER 1 | 2
-    SGLANG_CACHE_DIT_SCM_POLICY  static | dynamic;  SGLANG_CACHE_DIT_SCM_MASK custom "1101..." mask
-    """
+    """The cache as the ``SGLANG_CACHE_DIT_*`` variables say (declared on CacheConfig's fields; ``docs/cache_dit.md``
+    lists them): ``enabled=False`` unless SGLANG_CACHE_DIT_ENABLED is true, and then the others are read."""
     env = os.environ if env is None else env
-    enabled = _env_bool(env, ENV_PREFIX + "ENABLED")
-    if not enabled:
+    if not from_env_of(CacheConfig, env, names=("enabled",)).get("enabled", False):
         return CacheConfig(enabled=False)
-    kw = {}
-    preset = env.get(ENV_NAMES["preset"])
-    if preset is not None and preset.strip():
-        kw["preset"] = preset.strip().lower()
-    kw["fn"] = _env_int(env, ENV_NAMES["fn"], "an integer >= 1")
-    kw["bn"] = _env_int(env, ENV_NAMES["bn"], "an integer >= 0")
-    kw["warmup"] = _env_int(env, ENV_NAMES["warmup"], "an integer >= 0")
-    kw["mc"] = _env_int(env, ENV_NAMES["mc"], "an integer >= -1 (-1 = unlimited)")
-    kw["max_cached_steps"] = _env_int(env, ENV_NAMES["max_cached_steps"], "an integer >= -1 (-1 = unlimited)")
-    raw = env.get(ENV_NAMES["rdt"])
-    if raw is not None and raw.strip():
-        try:
-            kw["rdt"] = float(raw.strip())
-        except ValueError:
-            raise CacheConfigError(f"{ENV_NAMES['rdt']}={raw!r} is not valid; allowed: a number >= 0 (e.g. 0.24)") from None
-    kw["taylorseer"] = _env_bool(env, ENV_NAMES["taylorseer"])
-    kw["ts_order"] = _env_int(env, ENV_NAMES["ts_order"], "1, 2")
-    pol = env.get(ENV_NAMES["scm_policy"])
-    if pol is not None and pol.strip():
-        kw["scm_policy"] = pol.strip().lower()
-    m = env.get(ENV_NAMES["steps_mask"])
-    if m is not None and m.strip():
-        kw["steps_mask"] = m.strip()
-    cfg = CacheConfig(enabled=True, **kw)
-    cfg.validate(names={f: n for f, n in ENV_NAMES.items()})
-    return cfg
+    given = from_env_of(CacheConfig, env)
+    return CacheConfig(**given)
 
 
 def resolve_config(cache: Optional[CacheConfig], env: Optional[Mapping[str, str]] = None) -> CacheConfig:
@@ -286,49 +240,5 @@ def config_from_dict(d: Mapping) -> CacheConfig:
 
 
 __all__ = ["CacheConfig", "CacheConfigError", "ResolvedCache", "from_env", "resolve_config", "config_from_dict",
-           "ENV_NAMES", "ENV_PREFIX", "DEFAULTS", "PRESET_KNOBS"]
+           "DEFAULTS", "FROM_PRESET", "PRESET_KNOBS"]
 
-
-# -- command-line flags (for `sgld generate` / `sgld bench`) ------------------------------------------
-
-def add_cli_arguments(parser) -> None:
-    """Add --cache-* flags to an argparse parser; ``from_cli_args`` turns them into a CacheConfig."""
-    g = parser.add_argument_group("Cache-DiT (default: the SGLANG_CACHE_DIT_* environment)")
-    g.add_argument("--cache", choices=["on", "off"], default=None, help="switch the cache on or off (overrides the environment)")
-    g.add_argument("--cache-preset", default=None, help="none | quality | balanced | fast | slow | medium | ultra (implies --cache on)")
-    g.add_argument("--cache-fn", type=int, default=None, help="first blocks always computed")
-    g.add_argument("--cache-bn", type=int, default=None, help="last blocks always computed")
-    g.add_argument("--cache-warmup", type=int, default=None, help="leading steps always computed")
-    g.add_argument("--cache-rdt", type=float, default=None, help="residual-diff threshold")
-    g.add_argument("--cache-mc", type=int, default=None, help="max consecutive cached steps (-1 = unlimited)")
-    g.add_argument("--cache-max-cached", type=int, default=None, help="max cached steps per run (-1 = unlimited)")
-    g.add_argument("--cache-taylorseer", choices=["on", "off"], default=None, help="TaylorSeer prediction of the reused residual")
-    g.add_argument("--cache-ts-order", type=int, default=None, help="TaylorSeer order: 1 or 2")
-    g.add_argument("--cache-policy", default=None, help="static | dynamic (how a preset's mask is applied)")
-    g.add_argument("--cache-mask", default=None, help="custom step mask, e.g. 1111010101 (1 = compute)")
-
-
-CLI_NAMES = {"preset": "--cache-preset", "fn": "--cache-fn", "bn": "--cache-bn", "warmup": "--cache-warmup",
-             "rdt": "--cache-rdt", "mc": "--cache-mc", "max_cached_steps": "--cache-max-cached",
-             "taylorseer": "--cache-taylorseer", "ts_order": "--cache-ts-order", "scm_policy": "--cache-policy",
-             "steps_mask": "--cache-mask"}
-
-
-def from_cli_args(args) -> Optional[CacheConfig]:
-    """None when no --cache* flag was given (the environment decides), else an explicit CacheConfig."""
-    get = lambda name: getattr(args, name, None)  # noqa: E731
-    kw = {"preset": get("cache_preset"), "fn": get("cache_fn"), "bn": get("cache_bn"), "warmup": get("cache_warmup"),
-          "rdt": get("cache_rdt"), "mc": get("cache_mc"), "max_cached_steps": get("cache_max_cached"),
-          "ts_order": get("cache_ts_order"), "scm_policy": get("cache_policy"), "steps_mask": get("cache_mask")}
-    if get("cache_taylorseer") is not None:
-        kw["taylorseer"] = get("cache_taylorseer") == "on"
-    switch = get("cache")
-    if switch is None and all(v is None for v in kw.values()):
-        return None
-    if switch == "off":
-        return CacheConfig(enabled=False)
-    if isinstance(kw["preset"], str):
-        kw["preset"] = kw["preset"].strip().lower()
-    if isinstance(kw["scm_policy"], str):
-        kw["scm_policy"] = kw["scm_policy"].strip().lower()
-    return CacheConfig(enabled=True, **kw).validate(names=CLI_NAMES)

@@ -20,22 +20,6 @@ MIN_WORKING_BYTES = 2 * GiB
 WORKING_FRACTION = 0.15
 
 
-def parse_mode(mode) -> str:
-    """None / False / "off" -> "none"; True -> "layerwise"; else one of MODES (case-insensitive)."""
-    if mode is None or mode is False:
-        return "none"
-    if mode is True:
-        return "layerwise"
-    m = str(mode).strip().lower()
-    if m in ("off", "false", "no", ""):
-        return "none"
-    if m in ("on", "true", "layer", "layer-wise", "layers"):
-        return "layerwise"
-    if m not in MODES:
-        raise ValueError(f"offload '{mode}' is not supported; choose one of {', '.join(MODES)}")
-    return m
-
-
 def working_bytes(model_bytes: int) -> int:
     env = os.environ.get("SGLD_OFFLOAD_WORKING_GB")
     if env:
@@ -48,7 +32,8 @@ def choose_offload(mode, device, model_bytes: int, free_bytes: Optional[int] = N
     """("none" | "layerwise", why). ``auto``: layer-wise when the device's free memory (plus what the
     model already holds there, ``resident_bytes``) is below ``model_bytes`` + working memory.
     ``free_bytes`` defaults to ``torch.cuda.mem_get_info``; CPU devices never offload on ``auto``."""
-    mode = parse_mode(mode)
+    if mode not in MODES:  # EngineConfig normalizes the spellings (engine/config.py)
+        raise ValueError(f"offload '{mode}' is not supported; choose one of {', '.join(MODES)}")
     if mode != "auto":
         return mode, ("requested" if mode == "layerwise" else "")
     choice, why = _choose_auto(device, model_bytes, free_bytes, resident_bytes)

@@ -10,6 +10,7 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INT4_GROUPS = (32, 64, 128, 256)
+FORMATS = ("fp8", "int4", "int4-g64")  # EngineConfig.quant's choices (int4 = groups of 128)
 
 
 def parse_format(fmt: Optional[str]) -> Tuple[Optional[str], int]:

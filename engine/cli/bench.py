@@ -1,0 +1,117 @@
+"""`sgld bench`: time one DiT forward and a whole sampling run, for a model file or a random model of a
+named size."""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from ..engine import Engine
+from ..features import offload
+from ..features.quant import estimate_bytes
+from ..models.random_weights import SIZES, random_model_on_device
+from ..parallel.launch import random_checkpoint
+from .common import add_engine_arguments, engine_config
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="time the DiT forward and a whole sampling run",
+                       description="Time one DiT forward and a whole sampling run, for a model file or a random model of a named size.")
+    src = b.add_mutually_exclusive_group()
+    src.add_argument("--model", help="ERNIE-Image .safetensors file or diffusers folder")
+    src.add_argument("--size", default="tiny", help="random model of a named size: tiny, small, medium, 8b (the release shape; for GPUs)")
+    b.add_argument("--width", type=int, default=None, help="image width in pixels (latent = width/16; default 1024 for 8b, 256 otherwise)")
+    b.add_argument("--height", type=int, default=None, help="image height in pixels")
+    b.add_argument("--text-tokens", type=int, default=64, help="prompt length in tokens")
+    b.add_argument("--steps", type=int, default=8, help="sampling steps for the whole-run timing (0: skip it)")
+    b.add_argument("--cfg", type=float, default=1.0, help="guidance scale of the whole run (>1 adds the negative branch)")
+    b.add_argument("--repeat", type=int, default=3, help="timed forwards (after one warm-up)")
+    b.add_argument("--json", action="store_true", help="print one line of JSON")
+    add_engine_arguments(b)
+
+
+def _random_engine(size: str, dtype, device, config=None):
+    """A random model of a named size, materialized once in ``dtype`` (no float32 copy) where it will
+    live: on ``device``, or in CPU memory when layer-wise offload streams it from there (so the whole
+    model never has to fit on the GPU first)."""
+    if size not in SIZES:
+        raise SystemExit(f"sgld bench: --size '{size}' is unknown; choose one of {', '.join(SIZES)}")
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: torch.float32}.get(dtype)
+    if dt is None:
+        raise SystemExit(f"sgld bench: --dtype '{dtype}' is not supported; choose one of bf16, fp16, fp32")
+    decision, build_on = None, device
+    if config is not None and config.offload != "none":
+        decision = offload.choose_offload(config.offload, device, estimate_bytes(SIZES[size], dt, config.quant))
+        if decision[0] == "layerwise":
+            build_on = "cpu"
+    model = random_model_on_device(SIZES[size], build_on, dt, seed=0)
+    return Engine(model, config, source=f"random:{size}", offload_decision=decision)
+
+
+def _reset_peak_memory(dev: torch.device) -> None:
+    """Start the peak-memory window of the timed part (the build's peak is not the run's)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def cmd_bench(args) -> dict:
+    t0 = time.perf_counter()
+    config = engine_config(args)
+    if args.model:
+        eng = Engine.from_file(args.model, config)
+    elif config.world_size > 1:  # workers load from a file: write the random model to a temporary one
+        eng = Engine.from_file(random_checkpoint(args.size, config.dtype), config)
+    else:
+        eng = _random_engine(args.size, config.dtype, args.device, config)
+    load_s = time.perf_counter() - t0
+    cfg = eng.model.config
+    default_px = 1024 if args.size == "8b" else 256
+    h, w = (args.height or default_px) // 16, (args.width or default_px) // 16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, cfg.in_channels, h, w, generator=g)
+    text = torch.randn(args.text_tokens, cfg.text_in_dim, generator=g)
+    dev = eng.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        xt, tb, ln = x.to(dev), torch.tensor([500.0], device=dev), torch.tensor([args.text_tokens], device=dev)
+        tt = text[None].to(dev, eng.model.dtype)
+        forward = getattr(eng, "model_forward", eng.model)  # parallel: one call through the workers
+        forward(xt, tb, tt, ln)
+        sync()
+        resident_gb = torch.cuda.memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else None
+        _reset_peak_memory(dev)  # after the build and the warm-up: the peak of the timed forwards and run
+        times = []
+        for _ in range(max(1, args.repeat)):
+            s = time.perf_counter()
+            forward(xt, tb, tt, ln)
+            sync()
+            times.append(time.perf_counter() - s)
+    result = {"model": eng.source, "params": sum(p.numel() for p in eng.model.parameters()),
+              "dtype": str(eng.model.dtype).replace("torch.", ""), "device": str(dev), "latent": [cfg.in_channels, h, w],
+              "attention": getattr(eng, "attention_backend", "sdpa"), "compile": config.compile, "quant": config.quant,
+              "image_tokens": h * w // cfg.patch_size ** 2, "text_tokens": args.text_tokens, "load_seconds": round(load_s, 3),
+              "forward_ms_median": round(1000 * sorted(times)[len(times) // 2], 2), "forward_ms_min": round(1000 * min(times), 2)}
+    if args.steps > 0:
+        s = time.perf_counter()
+        eng.sample(torch.zeros(1, cfg.in_channels, h, w), [text], [text[:1]] if args.cfg != 1.0 else None,
+                   seed=0, steps=args.steps, cfg=args.cfg)
+        sync()
+        result.update({"steps": args.steps, "cfg": args.cfg, "sampling_seconds": round(time.perf_counter() - s, 3),
+                       **{k: v for k, v in eng.last_run.to_dict().items() if k in ("steps_total", "steps_computed")}})
+    if getattr(eng, "offload", None) is not None:
+        result["offload"] = eng.offload.stats()
+    if getattr(eng, "plan", None) is not None:
+        result["parallel"] = eng.plan.describe()
+    if getattr(eng, "warnings", None):
+        result["warnings"] = list(eng.warnings)
+    if dev.type == "cuda":
+        result["peak_vram_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2 ** 30, 2)
+        result["resident_vram_gb"] = round(resident_gb, 2)  # allocated when timing started (weights + buffers)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:>18}: {v}")
+    return result
