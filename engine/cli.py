@@ -136,6 +136,7 @@ def _random_engine(size: str, dtype, device, config=None):
     model never has to fit on the GPU first)."""
     from .features import offload
     from .engine import Engine
+    from .local import LocalForward
     from .models.random_weights import SIZES, random_model_on_device
 
     if size not in SIZES:
@@ -149,7 +150,7 @@ def _random_engine(size: str, dtype, device, config=None):
         if decision[0] == "layerwise":
             build_on = "cpu"
     model = random_model_on_device(SIZES[size], build_on, dt, seed=0)
-    return Engine(model, config, source=f"random:{size}", offload_decision=decision)
+    return Engine(LocalForward(model, config, offload_decision=decision), config, source=f"random:{size}")
 
 
 def _random_model_bytes(cfg, dtype: torch.dtype, quant) -> int:
@@ -176,20 +177,19 @@ def _reset_peak_memory(dev: torch.device) -> None:
 
 
 def cmd_bench(args) -> dict:
-    from .engine import Engine
+    from .models.random_weights import random_checkpoint
+    from .router import open_engine
 
     t0 = time.perf_counter()
     config = engine_config(args)
     if args.model:
-        eng = Engine.from_file(args.model, config)
+        eng = open_engine(args.model, config)
     elif config.world_size > 1:  # workers load from a file: write the random model to a temporary one
-        from .parallel.launch import random_checkpoint
-
-        eng = Engine.from_file(random_checkpoint(args.size, args.dtype), config)
+        eng = open_engine(random_checkpoint(args.size, args.dtype), config)
     else:
         eng = _random_engine(args.size, args.dtype, args.device, config)
     load_s = time.perf_counter() - t0
-    cfg = eng.model.config
+    cfg = eng.model_config
     default_px = 1024 if args.size == "8b" else 256
     h, w = (args.height or default_px) // 16, (args.width or default_px) // 16
     g = torch.Generator().manual_seed(0)
@@ -199,8 +199,8 @@ def cmd_bench(args) -> dict:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     with torch.no_grad():
         xt, tb, ln = x.to(dev), torch.tensor([500.0], device=dev), torch.tensor([args.text_tokens], device=dev)
-        tt = text[None].to(dev, eng.model.dtype)
-        forward = getattr(eng, "model_forward", eng.model)  # parallel: one call through the workers
+        tt = text[None].to(dev, eng.forward.dtype)
+        forward = eng.dit_forward  # parallel: one call through the workers
         forward(xt, tb, tt, ln)
         sync()
         resident_gb = torch.cuda.memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else None
@@ -211,9 +211,10 @@ def cmd_bench(args) -> dict:
             forward(xt, tb, tt, ln)
             sync()
             times.append(time.perf_counter() - s)
-    result = {"model": eng.source, "params": sum(p.numel() for p in eng.model.parameters()),
-              "dtype": str(eng.model.dtype).replace("torch.", ""), "device": str(dev), "latent": [cfg.in_channels, h, w],
-              "attention": getattr(eng, "attention_backend", "sdpa"), "compile": config.compile, "quant": config.quant,
+    described = eng.describe()
+    result = {"model": eng.source, "params": described["params"], "dtype": described["dtype"], "device": str(dev),
+              "latent": [cfg.in_channels, h, w], "attention": eng.attention_backend, "compile": config.compile,
+              "quant": config.quant,
               "image_tokens": h * w // cfg.patch_size ** 2, "text_tokens": args.text_tokens, "load_seconds": round(load_s, 3),
               "forward_ms_median": round(1000 * sorted(times)[len(times) // 2], 2), "forward_ms_min": round(1000 * min(times), 2)}
     if args.steps > 0:
@@ -223,11 +224,12 @@ def cmd_bench(args) -> dict:
         sync()
         result.update({"steps": args.steps, "cfg": args.cfg, "sampling_seconds": round(time.perf_counter() - s, 3),
                        **{k: v for k, v in eng.last_run.to_dict().items() if k in ("steps_total", "steps_computed")}})
-    if getattr(eng, "offload", None) is not None:
-        result["offload"] = eng.offload.stats()
-    if getattr(eng, "plan", None) is not None:
-        result["parallel"] = eng.plan.describe()
-    if getattr(eng, "warnings", None):
+    described = eng.describe()  # after the runs: the offload counters
+    if described["offload"] is not None:
+        result["offload"] = described["offload"]
+    if described["parallel"] is not None:
+        result["parallel"] = described["parallel"]["plan"]
+    if eng.warnings:
         result["warnings"] = list(eng.warnings)
     if dev.type == "cuda":
         result["peak_vram_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2 ** 30, 2)
@@ -262,7 +264,7 @@ def _demo_parts(args) -> GenerateParts:
     import dataclasses
 
     from .models import demo as demo_pkg
-    from .engine import Engine
+    from .router import open_engine
 
     demo = demo_pkg.load_demo(dtype=args.dtype or torch.float32, cached=False)  # its text encoder and tokenizer
     for name in ("prompt", "negative"):
@@ -272,7 +274,7 @@ def _demo_parts(args) -> GenerateParts:
     # the DiT through the same router as ERNIE-Image files: several ranks (--num-gpus, --tp, ...) run it
     # in worker processes; the demo is stored in fp16 and runs in fp32 unless --dtype says otherwise
     config = dataclasses.replace(engine_config(args, cache=_cache_config(args)), dtype=args.dtype or "fp32")
-    eng = Engine.from_file(demo.path, config)
+    eng = open_engine(demo.path, config)
     return GenerateParts(eng, lambda p: demo.encode([p]), demo.empty_latent(1), lambda z: demo.decode(z)[0], demo.path,
                          demo_pkg.DEFAULT_STEPS, demo_pkg.DEFAULT_CFG)
 
@@ -287,12 +289,12 @@ def _ernie_parts(args) -> GenerateParts:
     if missing:
         raise ValueError(f"--model, --text-encoder and --vae go together; missing {', '.join(missing)}")
     from .models.external import Flux2VAE, TextEncoder
-    from .engine import Engine
+    from .router import open_engine
 
     vae = Flux2VAE.from_folder(args.vae, device=args.device)
     latent = vae.empty_latent(args.width or ERNIE_SIZE, args.height or ERNIE_SIZE)
     te = TextEncoder.from_folder(args.text_encoder, device=args.device)
-    eng = Engine.from_file(args.model, engine_config(args, cache=_cache_config(args)))
+    eng = open_engine(args.model, engine_config(args, cache=_cache_config(args)))
     return GenerateParts(eng, lambda p: [te.encode(p)], latent, lambda z: vae.decode(z)[0].numpy(), args.model,
                          ERNIE_STEPS, ERNIE_CFG)
 
@@ -328,9 +330,10 @@ def cmd_generate(args) -> dict:
               "steps_computed": stats["steps_computed"], "step_mask": stats["step_mask"]}
     if "speedup" in stats:
         result["speedup"] = stats["speedup"]
-    if getattr(eng, "plan", None) is not None:  # several ranks: which, and the worker processes that ran the DiT
-        result["parallel"] = eng.plan.describe()
-        result["worker_pids"] = list(eng.pids)
+    parallel = eng.describe()["parallel"]
+    if parallel is not None:  # several ranks: which, and the worker processes that ran the DiT
+        result["parallel"] = parallel["plan"]
+        result["worker_pids"] = parallel["worker_pids"]
     if args.json:
         print(json.dumps(result))
     else:
@@ -391,7 +394,7 @@ def check_generate_args(args) -> tuple:
     """Every option of ``sgld generate`` checked before anything loads (ValueError naming the option and
     what is allowed). Returns the run's (steps, cfg): the given values or the model's defaults."""
     from .models import demo as demo_pkg
-    from .engine import check_sampling_settings, check_seed
+    from .inputs import check_sampling_settings, check_seed
 
     external = uses_ernie_files(args)
     if external:
@@ -483,9 +486,7 @@ def main(argv=None) -> int:
 
 
 def _run_command(args) -> int:
-    from .io.checkpoint import CheckpointError
-    from .parallel.pool import ParallelWorkerError
-    from .engine import InputError
+    from .errors import CheckpointError, InputError, ParallelWorkerError
 
     try:
         if args.command == "bench":

@@ -160,6 +160,6 @@ class SGLDiffusionModelLoader:
         except (CheckpointError, ParallelConfigError, ParallelWorkerError) as e:
             # a ValueError: ComfyUI shows the exception's class with its module path (the pack's folder)
             raise ValueError(f"SGLDiffusion Model Loader: {e}") from None
-        for w in getattr(engine, "warnings", []):
+        for w in engine.warnings:
             log.warning("SGLDiffusion Model Loader: %s", w)
         return (handle,)
