@@ -185,11 +185,11 @@ def random_bench(n_pairs: int, layers: int = 36) -> Bench:
 
 
 def demo_bench(n_pairs: int, weights: Optional[str] = None) -> Bench:
-    from engine.models.demo import load_demo
+    from engine import open_demo
     from engine.models.demo import data as demo_data
     from engine.models.demo.judge import passes
 
-    demo = load_demo(weights)
+    demo = open_demo(weights)
     uncond = demo.encode([""])
     pairs = []
     for i in range(n_pairs):

@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.models.demo import DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_STEPS, load_demo  # noqa: E402
+from engine import open_demo  # noqa: E402
+from engine.models.demo import DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_STEPS  # noqa: E402
 from engine.models.demo import data, judge  # noqa: E402
 
 
@@ -79,7 +80,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    demo = load_demo(args.weights)
+    demo = open_demo(args.weights)
     pairs = held_out(args.n, args.seed_start)
     gen_rs = [judge.judge(p[2], p[3]) for p in pairs]
     results, secs = evaluate(demo, pairs, args.steps, args.cfg, args.sampler, args.batch)

@@ -58,7 +58,7 @@ def main():
     for fmt in [None] + list(args.formats):
         demo = load_demo(cached=False)
         eng = Engine(demo.dit, EngineConfig(quant=fmt))
-        demo._engine = eng
+        demo.engine = eng
         t0 = time.perf_counter()
         imgs = run(demo, eng, pairs, args.steps, args.cfg, args.batch)
         secs = time.perf_counter() - t0

@@ -1,11 +1,17 @@
 """SGLDiffusion engine: ERNIE-Image DiT inference without ComfyUI.
 
-Public API: ``load_model``, ``Engine``, ``EngineConfig``. Importable as the top-level package
-``engine`` (from the repository root) and as a subpackage of the ComfyUI pack.
+Public API: ``open_engine`` (every engine: a file, a diffusers folder or the demo, on one device or
+several ranks), ``open_demo``, ``Engine``, ``EngineConfig``, ``load_model`` (the bare DiT) and the
+error types. Importable as the top-level package ``engine`` (from the repository root) and as a
+subpackage of the ComfyUI pack. Layout and rules: docs/architecture.md.
 """
 from .config import EngineConfig
-from .errors import CheckpointError
+from .engine import Engine, RunStats
+from .errors import (CacheConfigError, CheckpointError, InputError, LoRAError, ModelOutputError, ParallelConfigError,
+                     ParallelWorkerError)
 from .features.quant import load_model
-from .engine import Engine, InputError, RunStats
+from .router import DEMO, open_demo, open_engine
 
-__all__ = ["CheckpointError", "Engine", "EngineConfig", "InputError", "RunStats", "load_model"]
+__all__ = ["CacheConfigError", "CheckpointError", "DEMO", "Engine", "EngineConfig", "InputError", "LoRAError",
+           "ModelOutputError", "ParallelConfigError", "ParallelWorkerError", "RunStats", "load_model", "open_demo",
+           "open_engine"]

@@ -20,7 +20,7 @@ import comfy.utils
 from ..engine import CheckpointError, InputError
 from ..engine.features.cache import CacheConfigError
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
-from ..engine.engine import latent_hint
+from ..engine.inputs import latent_hint
 from ..engine.sampling import SAMPLERS, SCHEDULERS
 from .demo import WARNINGS_KEY
 
@@ -142,40 +142,28 @@ def send_run_event(data: dict, workflow: str = "") -> None:
 
 
 def run_stats(engine, node_id, warnings=()) -> dict:
-    """``engine.last_run`` + what the engine runs with, for the node's UI output and the web extension.
-    ``warnings``: the engine's (load), the inputs' (``warnings``) and the run's, each once."""
-    stats = engine.last_run.to_dict()
-    stats["attention"] = getattr(engine, "attention_backend", None)
-    stats["warnings"] = list(dict.fromkeys([*getattr(engine, "warnings", []), *warnings, *stats.get("warnings", [])]))
+    """What the engine says about itself and its last run (``Engine.describe``), for the node's UI output and
+    the web extension. ``warnings``: the engine's (load), the inputs' (``warnings``) and the run's, each once."""
+    described = engine.describe()
+    stats = dict(described["last_run"])
+    stats["attention"] = described["attention"]
+    stats["warnings"] = list(dict.fromkeys([*described["warnings"], *warnings, *stats.get("warnings", [])]))
     stats["node"] = None if node_id is None else str(node_id)
     stats["state"] = "done"
     # one cell per model call: True = computed, False = cached (Cache-DiT reused the residual)
-    stats["timeline"] = [c == "x" for c in stats.get("step_mask", "")]
-    stats["steps_cached"] = stats.get("steps_total", 0) - stats.get("steps_computed", 0)
+    stats["timeline"] = list(engine.last_run.step_mask)
+    stats["steps_cached"] = stats["steps_total"] - stats["steps_computed"]
     stats.setdefault("speedup", 1.0)
-    cfg = getattr(engine, "config", None)
-    off = getattr(engine, "offload", None)
-    if off is not None:
+    offload = described["offload"]
+    if offload is not None:
         stats["offload"] = "layerwise"
-        n, slots = len(getattr(off, "stores", []) or []), getattr(off, "num_slots", None)
-        if slots is not None and n:
-            stats["offload_detail"] = f"{slots}/{n} blocks resident"
+        stats["offload_detail"] = f"{offload['resident_layers']}/{offload['blocks']} blocks resident"
     else:
-        mode = getattr(cfg, "offload", "none") or "none"
+        mode = engine.config.offload
         stats["offload"] = "none" if mode == "none" else f"none ({mode})"
-    quant = None
-    model = getattr(engine, "model", None)
-    if model is not None and hasattr(model, "named_modules"):
-        try:
-            from ..engine.features.quant import model_quant_format
-
-            quant = model_quant_format(model)  # what the blocks really hold (pre-quantized files too)
-        except Exception:
-            quant = None
-    stats["quant"] = quant or getattr(cfg, "quant", None) or "none"
-    world = getattr(cfg, "world_size", 1) or 1
-    if world > 1:
-        stats["parallel"] = world
+    stats["quant"] = described["quant"] or "none"  # what the blocks really hold (pre-quantized files too)
+    if described["parallel"] is not None:
+        stats["parallel"] = described["parallel"]["world_size"]
     return stats
 
 
@@ -239,7 +227,7 @@ class SGLDiffusionKSampler:
             engine = model.engine()
         except (CheckpointError, ParallelConfigError, ParallelWorkerError) as e:
             raise ValueError(f"{NODE}: {e}") from None
-        samples = latent_samples(latent_image, engine.model.config.in_channels)
+        samples = latent_samples(latent_image, engine.model_config.in_channels)
         cond = conditioning_features("positive", positive)
         uncond = conditioning_features("negative", negative)
         warnings = conditioning_warnings("positive", positive) + conditioning_warnings("negative", negative)

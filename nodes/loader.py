@@ -128,6 +128,6 @@ class SGLDiffusionModelLoader:
         except (CheckpointError, ParallelConfigError, ParallelWorkerError) as e:
             # a ValueError: ComfyUI shows the exception's class with its module path (the pack's folder)
             raise ValueError(f"{NODE}: {e}") from None
-        for w in getattr(engine, "warnings", []):
+        for w in engine.warnings:
             log.warning("%s: %s", NODE, w)
         return (handle,)

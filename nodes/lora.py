@@ -14,6 +14,7 @@ import os
 import folder_paths
 
 from ..engine import CheckpointError
+from .model_cache import get_engine
 
 log = logging.getLogger("sgldiffusion")
 FOLDER = "loras"
@@ -75,8 +76,6 @@ class SGLDiffusionLoraLoader:
         try:
             # read it now against the model (not applied yet), so a wrong file is reported on this node;
             # the engine's method: a multi-GPU engine reads it on its workers
-            from .model_cache import get_engine
-
             for msg in get_engine(model).check_lora(path):
                 log.warning("%s: %s", NODE, msg)
         except CheckpointError as e:

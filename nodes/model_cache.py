@@ -22,7 +22,7 @@ import os
 import threading
 from typing import Dict, Optional
 
-from ..engine import CheckpointError, Engine, EngineConfig
+from ..engine import CheckpointError, Engine, EngineConfig, open_engine
 
 log = logging.getLogger("sgldiffusion")
 
@@ -54,7 +54,7 @@ class SGLDModel:
     def engine(self) -> Engine:
         engine = get_engine(self)
         with _lock:
-            if self.loras or getattr(engine, "loras", None):
+            if self.loras or engine.loras:
                 engine.set_loras(list(self.loras))
         return engine
 
@@ -92,7 +92,7 @@ def get_engine(handle: SGLDModel) -> Engine:
         if engine is None:
             _make_room(handle)
             log.info("SGLDiffusion: loading %s (%s)", handle.path, handle.config)
-            engine = Engine.from_file(handle.path, handle.config)
+            engine = open_engine(handle.path, handle.config)
             _engines[key] = engine
         return engine
 
@@ -115,11 +115,15 @@ def _make_room(handle: SGLDModel) -> None:
 def loaded() -> list:
     """What is in memory now (for the status route and the tests)."""
     with _lock:
-        return [{"file": k[0], "name": os.path.basename(k[0]), "options": {n: _plain(v) for n, v in k[3]},
-                 "device": str(e.device), "attention": getattr(e, "attention_backend", None),
-                 "loras": [[os.path.basename(p), s] for p, s in getattr(e, "loras", None) or []],
-                 "worker_pids": list(getattr(e, "pids", None) or [])}  # parallel: the rank processes
-                for k, e in _engines.items()]
+        return [_entry(k, e.describe()) for k, e in _engines.items()]
+
+
+def _entry(key: tuple, described: dict) -> dict:
+    parallel = described["parallel"]
+    return {"file": key[0], "name": os.path.basename(key[0]), "options": {n: _plain(v) for n, v in key[3]},
+            "device": described["device"], "attention": described["attention"],
+            "loras": [[os.path.basename(p), s] for p, s in described["loras"]],
+            "worker_pids": parallel["worker_pids"] if parallel else []}  # parallel: the rank processes
 
 
 def _plain(v):

@@ -46,12 +46,12 @@ def demo_image(settings: dict):
     import numpy as np
     import torch
 
-    from engine import Engine, EngineConfig
+    from engine import EngineConfig, open_engine
     from engine.features.cache import CacheConfig
     from engine.models.demo import DEMO_WEIGHTS, DemoModel, load_demo
 
     demo = load_demo()
-    engine = Engine.from_file(DEMO_WEIGHTS, EngineConfig(dtype="fp32", device="cpu"))  # the loader's choice for the demo
+    engine = open_engine(DEMO_WEIGHTS, EngineConfig(dtype="fp32", device="cpu"))  # the loader's choice for the demo
     with torch.inference_mode():
         latent = engine.sample(DemoModel.empty_latent(1), demo.encode([settings["prompt"]]), demo.encode([settings["negative"]]),
                                seed=settings["seed"], steps=settings["steps"], cfg=settings["cfg"], sampler=settings["sampler"],

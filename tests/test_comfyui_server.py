@@ -12,6 +12,8 @@ import urllib.parse
 import pytest
 import torch
 
+from engine import open_engine
+
 try:  # tests/ may or may not be a package
     from . import comfy_server as cs
 except ImportError:
@@ -83,7 +85,7 @@ def direct_sample(ckpt: str, *, seed=0, steps=4, cfg=1.0, sampler="euler", sched
                   width=128, height=128, batch=1, pos=(1, 7, DIM), neg=(2, 5, DIM), dtype=None, cache=None, **options):
     from engine import Engine, EngineConfig
 
-    engine = Engine.from_file(ckpt, EngineConfig(dtype=dtype, **options))
+    engine = open_engine(ckpt, EngineConfig(dtype=dtype, **options))
     latent = torch.zeros(batch, 128, height // 16, width // 16)
     cond = [test_pack.text_features(*pos)[0]]
     uncond = [test_pack.text_features(*neg)[0]]

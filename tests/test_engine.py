@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, InputError
+from engine import Engine, EngineConfig, InputError, open_engine
 from engine.models.random_weights import SIZES
 from engine.sampling import noise_scaling, seeded_noise, sigma_schedule
 
@@ -15,7 +15,7 @@ def eng(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("m") / "tiny.safetensors"
     save_random_checkpoint(str(path), CFG, seed=5)
-    return Engine.from_file(str(path), EngineConfig(dtype="fp32"))
+    return open_engine(str(path), EngineConfig(dtype="fp32"))
 
 
 def feats(n, seed):
@@ -181,9 +181,9 @@ def nan_checkpoint(tmp_path_factory):
 def test_a_model_that_produces_nan_stops_at_the_first_bad_step(nan_checkpoint, sampler):
     """Under inference_mode, as ComfyUI runs the KSampler node; an InputError subclass, so the node and the CLI
     report it as one."""
-    from engine.engine import ModelOutputError
+    from engine.errors import ModelOutputError
 
-    bad = Engine.from_file(nan_checkpoint, EngineConfig(dtype="fp32"))
+    bad = open_engine(nan_checkpoint, EngineConfig(dtype="fp32"))
     with torch.inference_mode(), pytest.raises(ModelOutputError) as err:
         bad.sample(torch.zeros(1, CFG.in_channels, 4, 4), [feats(3, 1)], [feats(2, 2)], seed=0, steps=6, cfg=3.0,
                    sampler=sampler)

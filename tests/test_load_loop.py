@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from engine import CheckpointError, Engine, EngineConfig, load_model
+from engine import CheckpointError, Engine, EngineConfig, load_model, open_engine
 from engine.errors import ParallelConfigError
 from engine.features import patching
 from engine.features import quant as Q
@@ -108,7 +108,7 @@ def test_checkpoint_is_opened_once_per_load(bf16_file, tmp_path, count_opens):
     Q.quantize_file(str(bf16_file), str(fp8), "fp8")
     count_opens.clear()
     # with offload the size estimate comes first: it used to open the file (and build the quant plan) again
-    Engine.from_file(str(fp8), EngineConfig(quant="int4-g64", offload="layerwise", resident_layers=1))
+    open_engine(str(fp8), EngineConfig(quant="int4-g64", offload="layerwise", resident_layers=1))
     assert count_opens == ["fp8.safetensors"]
     count_opens.clear()
     plan = Q.plan_load(str(bf16_file), quant="fp8")

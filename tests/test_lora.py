@@ -17,7 +17,7 @@ try:
 except ImportError:
     import pack_modules
 
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, open_engine
 from engine.features import patching
 from engine.features.lora import LoRAError, parse_spec, read_lora, target_modules
 from engine.models.random_weights import SIZES, random_model
@@ -545,10 +545,11 @@ def test_lora_trained_on_the_demo_model_changes_what_the_judge_sees(tmp_path):
     torch.set_num_threads(1)  # the shared 2-core machine: one thread is several times faster
     try:
         t0 = time.perf_counter()
-        demo = load_demo(cached=False)
+        demo = load_demo(cached=False)  # its DiT as loaded (the LoRA is trained on the release layout)
         base_hash = weights_hash(demo.dit)
         lora = train_demo_lora(demo)
         train_s = time.perf_counter() - t0
+        demo.engine = Engine(demo.dit)
         assert weights_hash(demo.dit) == base_hash
         # saved as kohya with alpha = 2 * rank (scale 2: B halved), read back by the engine like any file
         sd = {}
@@ -619,7 +620,7 @@ def test_lora_loader_node_in_comfyui(tmp_path):
     finally:
         server.stop()
     def direct(seed, loras=()):
-        eng = Engine.from_file(ckpt)
+        eng = open_engine(ckpt)
         eng.set_loras(list(loras))
         return eng.sample(torch.zeros(1, 128, 4, 4), [_text_features(1, 7)], [_text_features(2, 5)], seed=seed, steps=2, cfg=1.0)
 

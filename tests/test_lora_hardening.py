@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 import engine.features.lora as lora_mod
 import engine.features.lora.peft as peft_mod
 import engine.features.lora.records as records_mod
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, open_engine
 from engine.features import patching
 from engine.features.lora import LoRAError, LoRAState, normalize, parse_spec, read_lora, target_modules
 from engine.models.random_weights import random_model
@@ -330,7 +330,7 @@ def test_a_lora_read_against_another_model_is_refused_before_anything_changes(tm
 
 
 def test_parallel_engine_is_the_base_after_a_refused_set(tmp_path):
-    """ParallelEngine.set_loras: a worker's refusal leaves every rank at the base and the parent says so, so a
+    """A parallel engine's set_loras: a worker's refusal leaves every rank at the base and the parent says so, so a
     later set of the same LoRAs is sent again (not skipped as "already active")."""
     from engine.parallel import shutdown_pools
     from engine.models.random_weights import save_random_checkpoint
@@ -349,11 +349,11 @@ def test_parallel_engine_is_the_base_after_a_refused_set(tmp_path):
     def run(e):
         return e.sample(x["latent"], x["cond"], seed=1, steps=2, cfg=1.0)
 
-    single = Engine.from_file(path, EngineConfig())
+    single = open_engine(path, EngineConfig())
     ref_base = run(single)
     single.set_loras([(a, 1.0)])
     ref_lora = run(single)
-    eng = Engine.from_file(path, EngineConfig(ulysses_degree=2))
+    eng = open_engine(path, EngineConfig(ulysses_degree=2))
     try:
         eng.set_loras([(a, 1.0)])
         with pytest.raises(LoRAError, match="another size"):
@@ -363,7 +363,7 @@ def test_parallel_engine_is_the_base_after_a_refused_set(tmp_path):
         eng.set_loras([(a, 1.0)])
         assert (run(eng) - ref_lora).abs().max() <= 1e-4 * ref_lora.abs().max()
     finally:
-        eng.close()
+        eng.release()
         shutdown_pools()
 
 
@@ -630,7 +630,7 @@ def test_lora_loader_node_on_two_ranks_in_comfyui(tmp_path):
         server.stop()
 
     def direct(seed, loras=()):
-        eng = Engine.from_file(ckpt)
+        eng = open_engine(ckpt)
         eng.set_loras(list(loras))
         return eng.sample(torch.zeros(1, 128, 4, 4), [_text_features(1, 7)], [_text_features(2, 5)], seed=seed, steps=2,
                           cfg=1.0)

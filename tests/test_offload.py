@@ -18,6 +18,7 @@ from engine.features import offload as O
 from engine.features.cache import CacheConfig
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.router import open_engine
 from engine.models.random_weights import SIZES, random_model
 
 CFG = dataclasses.replace(SIZES["tiny"], num_layers=6)  # more blocks than buffers
@@ -221,8 +222,8 @@ def test_config_validation():
 def test_from_file_release_invalidate_remove(tiny_checkpoint):
     path = str(tiny_checkpoint)
     x = (torch.randn(1, 16, 4, 4), torch.tensor([500.0]), torch.randn(1, 5, 48), torch.tensor([5]))
-    plain = Engine.from_file(path)
-    eng = Engine.from_file(path, EngineConfig(offload="layerwise", resident_layers=1))
+    plain = open_engine(path)
+    eng = open_engine(path, EngineConfig(offload="layerwise", resident_layers=1))
     off = eng.offload
     from engine.features.quant import estimate_bytes, weight_bytes
 
@@ -483,8 +484,8 @@ def test_offload_under_inference_mode_equals_resident(tmp_path, quant, built_und
     path = str(tmp_path / "six-blocks.safetensors")
     save_random_checkpoint(path, CFG, seed=0)
     with MODES[built_under]():
-        ref = Engine.from_file(path, EngineConfig(quant=quant))
-        eng = Engine.from_file(path, EngineConfig(quant=quant, offload="layerwise", resident_layers=2))
+        ref = open_engine(path, EngineConfig(quant=quant))
+        eng = open_engine(path, EngineConfig(quant=quant, offload="layerwise", resident_layers=2))
     assert eng.offload is not None
     for p in eng.model.parameters():  # normal tensors, whatever mode the model was loaded in
         assert not p.is_inference() and p._version >= 0

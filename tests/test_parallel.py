@@ -14,9 +14,10 @@ import time
 import pytest
 import torch
 
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, open_engine
 from engine.features.cache import CacheConfig
-from engine.parallel import (ParallelConfigError, ParallelEngine, ParallelWorkerError, make_plan, shutdown_pools, validate)
+from engine.parallel import (ParallelConfigError, ParallelWorkerError, make_plan, open_remote_forward, shutdown_pools,
+                             validate)
 from engine.parallel.plan import cpu_rank_limit
 from engine.models.random_weights import SIZES, save_random_checkpoint
 
@@ -51,7 +52,7 @@ def setup(tmp_path_factory):
     # and the text is padded (key mask).
     inputs = dict(latent=torch.zeros(1, cfg.in_channels, 6, 5), cond=[torch.randn(7, cfg.text_in_dim, generator=g)],
                   uncond=[torch.randn(3, cfg.text_in_dim, generator=g)])
-    single = Engine.from_file(path, EngineConfig())
+    single = open_engine(path, EngineConfig())
     refs = {}
     for name, cache in (("off", CacheConfig(enabled=False)), ("dynamic", DYNAMIC_CACHE), ("preset", PRESET_CACHE)):
         out = single.sample(inputs["latent"], inputs["cond"], inputs["uncond"], seed=3, steps=STEPS, cfg=3.0, cache=cache)
@@ -72,9 +73,9 @@ def _close(out, ref):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_mode_equals_single_process(setup, mode):
     path, inputs, refs = setup
-    eng = Engine.from_file(path, EngineConfig(**MODES[mode]))
+    eng = open_engine(path, EngineConfig(**MODES[mode]))
     try:
-        assert eng.plan.world_size == 2
+        assert eng.forward.plan.world_size == 2
         for name, cache in (("off", CacheConfig(enabled=False)), ("dynamic", DYNAMIC_CACHE), ("preset", PRESET_CACHE)):
             out = _run(eng, inputs, cache)
             ref, mask = refs[name]
@@ -85,7 +86,7 @@ def test_mode_equals_single_process(setup, mode):
             if name != "off":
                 assert eng.last_run.cache["cached"] > 0
     finally:
-        eng.close()
+        eng.release()
 
 
 def _write_lora(path, cfg, seed=0, rank=4):
@@ -108,11 +109,11 @@ def test_lora_on_the_workers(setup, tmp_path):
 
     path, inputs, refs = setup
     lora = _write_lora(tmp_path / "l.safetensors", SIZES["tiny"])
-    single = Engine.from_file(path, EngineConfig())
+    single = open_engine(path, EngineConfig())
     single.set_loras([(lora, 0.8)])
     ref = _run(single, inputs, CacheConfig(enabled=False))
     assert not _close(ref, refs["off"][0])  # the LoRA changes the image
-    eng = Engine.from_file(path, EngineConfig(ring_degree=2))
+    eng = open_engine(path, EngineConfig(ring_degree=2))
     try:
         assert eng.set_loras([(lora, 0.8)]) == single.lora_report
         assert _close(_run(eng, inputs, CacheConfig(enabled=False)), ref)
@@ -122,17 +123,17 @@ def test_lora_on_the_workers(setup, tmp_path):
         eng.set_loras([])  # exact restore on the workers, and the pool survived the bad file
         assert _close(_run(eng, inputs, CacheConfig(enabled=False)), refs["off"][0])
     finally:
-        eng.close()
-    tp = Engine.from_file(path, EngineConfig(tp=2))
+        eng.release()
+    tp = open_engine(path, EngineConfig(tp=2))
     with pytest.raises(LoRAError, match="tensor parallel"):
         tp.set_loras([(lora, 1.0)])
-    tp.close()
+    tp.release()
 
 
 def test_worker_killed_mid_run_fails_fast_and_next_run_works(setup):
     path, inputs, refs = setup
-    eng = Engine.from_file(path, EngineConfig(ulysses_degree=2))
-    pids = eng.pids
+    eng = open_engine(path, EngineConfig(ulysses_degree=2))
+    pids = eng.forward.pids
     assert len(pids) == 2
 
     def kill_rank1(step, total, x, denoised):
@@ -144,19 +145,19 @@ def test_worker_killed_mid_run_fails_fast_and_next_run_works(setup):
         _run(eng, inputs, CacheConfig(enabled=False), callback=kill_rank1)
     assert time.monotonic() - t0 < 30
     out = _run(eng, inputs, CacheConfig(enabled=False))  # a fresh pool
-    assert eng.pids and eng.pids[1] != pids[1]
+    assert eng.forward.pids and eng.forward.pids[1] != pids[1]
     assert _close(out, refs["off"][0])
     assert eng.release() > 0  # weights unloaded from the workers for the host; the next run loads them again
     assert _close(_run(eng, inputs, CacheConfig(enabled=False)), refs["off"][0])
-    eng.close()
+    eng.release()
 
 
 def test_stopped_worker_is_named_within_30_s_and_next_run_works(setup):
     """A worker that stops answering (SIGSTOP) is found by its missing heartbeat, with the default
     limit and a call timeout (60 s here) far away: the error names rank 1 and its pid in < 30 s."""
     path, inputs, refs = setup
-    eng = Engine.from_file(path, EngineConfig(ring_degree=2))
-    pids = eng.pids
+    eng = open_engine(path, EngineConfig(ring_degree=2))
+    pids = eng.forward.pids
 
     def stop_rank1(step, total, x, denoised):
         if step == 1:
@@ -168,16 +169,16 @@ def test_stopped_worker_is_named_within_30_s_and_next_run_works(setup):
             _run(eng, inputs, CacheConfig(enabled=False), callback=stop_rank1)
         assert time.monotonic() - t0 < 30
         assert "the process is stopped" in str(err.value)
-        assert not eng.transport.pool.alive and pids_gone(pids)  # the stopped worker was killed too
+        assert not eng.forward.transport.pool.alive and pids_gone(pids)  # the stopped worker was killed too
     finally:
         try:
             os.kill(pids[1], signal.SIGCONT)
         except ProcessLookupError:
             pass
     out = _run(eng, inputs, CacheConfig(enabled=False))  # a fresh pool
-    assert eng.pids and not set(eng.pids) & set(pids)
+    assert eng.forward.pids and not set(eng.forward.pids) & set(pids)
     assert _close(out, refs["off"][0])
-    eng.close()
+    eng.release()
 
 
 def test_slow_but_healthy_worker_is_not_taken_for_hung(setup, monkeypatch):
@@ -186,33 +187,33 @@ def test_slow_but_healthy_worker_is_not_taken_for_hung(setup, monkeypatch):
     import engine.parallel.pool as pool_mod
 
     path, inputs, refs = setup
-    eng = Engine.from_file(path, EngineConfig(ulysses_degree=2))
+    eng = open_engine(path, EngineConfig(ulysses_degree=2))
     try:
         monkeypatch.setattr(pool_mod, "HEARTBEAT_TIMEOUT_S", 2.0)
-        pool = eng.transport.pool
+        pool = eng.forward.transport.pool
         assert pool.request(("debug_sleep", 6.0)) is True
         assert pool.alive
         assert _close(_run(eng, inputs, CacheConfig(enabled=False)), refs["off"][0])
     finally:
-        eng.close()
+        eng.release()
 
 
 def test_close_stops_the_workers_of_the_last_engine(setup):
     """Workers hold memory (a GPU context, ~1 GB each): they stop when the last engine using them is
     closed or released, and the next run starts them again."""
     path, inputs, refs = setup
-    a = Engine.from_file(path, EngineConfig(ulysses_degree=2))
-    b = Engine.from_file(path, EngineConfig(ring_degree=2))  # same shape: the same pool
-    pids = a.pids
-    assert len(pids) == 2 and b.pids == pids
-    a.close()
-    assert not pids_gone(pids, timeout=0.5) and b.pids == pids  # b still uses them
+    a = open_engine(path, EngineConfig(ulysses_degree=2))
+    b = open_engine(path, EngineConfig(ring_degree=2))  # same shape: the same pool
+    pids = a.forward.pids
+    assert len(pids) == 2 and b.forward.pids == pids
+    a.release()
+    assert not pids_gone(pids, timeout=0.5) and b.forward.pids == pids  # b still uses them
     b.release()
-    assert pids_gone(pids) and a.pids == [] and b.pids == []
+    assert pids_gone(pids) and a.forward.pids == [] and b.forward.pids == []
     assert _close(_run(b, inputs, CacheConfig(enabled=False)), refs["off"][0])
-    new = b.pids
+    new = b.forward.pids
     assert len(new) == 2 and not set(new) & set(pids)
-    b.close()
+    b.release()
     assert pids_gone(new)
 
 
@@ -223,9 +224,9 @@ def test_workers_end_with_the_parent_process(setup, ending):
     path, _, _ = setup
     script = textwrap.dedent(f"""
         import sys, time
-        from engine import Engine, EngineConfig
-        eng = Engine.from_file({path!r}, EngineConfig(ulysses_degree=2))
-        print(*eng.pids, flush=True)
+        from engine import EngineConfig, open_engine
+        eng = open_engine({path!r}, EngineConfig(ulysses_degree=2))
+        print(*eng.forward.pids, flush=True)
         if {ending == "sigkill"!r}:
             time.sleep(120)
     """)
@@ -256,7 +257,7 @@ def test_bad_timeout_variable_is_refused_before_any_worker(setup, monkeypatch, v
     monkeypatch.setattr(pool_mod, "CALL_TIMEOUT_S", None)  # read the environment, as outside the tests
     monkeypatch.setenv("SGLD_PARALLEL_CALL_TIMEOUT", value)
     with pytest.raises(ParallelConfigError, match="SGLD_PARALLEL_CALL_TIMEOUT=.* positive number of seconds"):
-        Engine.from_file(path, EngineConfig(ulysses_degree=2))
+        open_engine(path, EngineConfig(ulysses_degree=2))
     monkeypatch.setenv("SGLD_PARALLEL_CALL_TIMEOUT", " 2.5 ")
     assert pool_mod.setting("CALL_TIMEOUT_S") == 2.5
     monkeypatch.delenv("SGLD_PARALLEL_CALL_TIMEOUT")
@@ -297,7 +298,7 @@ def test_invalid_degrees_refused_before_any_worker(setup, monkeypatch):
     with pytest.raises(ParallelConfigError, match="TP rank holds"):
         validate(EngineConfig(tp=2, ulysses_degree=4), 4, 192, cpu_ranks=64)
     with pytest.raises(ParallelConfigError, match="ulysses_degree = 8 does not divide"):
-        ParallelEngine.from_file(path, EngineConfig(ulysses_degree=8, device="cuda"), available_gpus=8)
+        open_remote_forward(path, EngineConfig(ulysses_degree=8, device="cuda"), available_gpus=8)
     # more ranks than GPUs, or, on the CPU (gloo processes), than CPU cores: that comes first
     with pytest.raises(ParallelConfigError, match="needs 4 GPUs but 1 are visible"):
         validate(EngineConfig(device="cuda", ulysses_degree=4), 32, 12288, available_gpus=1)
@@ -306,7 +307,7 @@ def test_invalid_degrees_refused_before_any_worker(setup, monkeypatch):
     too_many = cpu_rank_limit() + 1
     with pytest.raises(ParallelConfigError, match=f"num_gpus = {too_many} .*on the CPU the ranks run as gloo processes, "
                                                   f"at most {too_many - 1} here"):
-        Engine.from_file(path, EngineConfig(num_gpus=too_many))
+        open_engine(path, EngineConfig(num_gpus=too_many))
     with pytest.raises(ParallelConfigError, match="num_gpus = 8 \\(ulysses=8\\): this machine has no CUDA GPU; on the CPU"):
         validate(EngineConfig(num_gpus=8), 32, 12288, available_gpus=0, cpu_ranks=2)
     with pytest.raises(ParallelConfigError, match="cpu"):

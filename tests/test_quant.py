@@ -15,6 +15,7 @@ from engine.io.load import build_model
 from engine.features.lora import target_modules
 from engine.engine import Engine
 from engine.models.random_weights import SIZES, random_model, random_state_dict
+from engine import open_engine
 
 CFG = SIZES["tiny"]
 
@@ -203,7 +204,7 @@ def test_sgld_quantize_round_trip(bf16_file, tmp_path, fmt, capsys):
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
     assert torch.equal(forward(at_load), forward(from_file))
     # the engine and the loader node's path: a pre-quantized file loads quantized with no option set
-    eng = Engine.from_file(str(out), EngineConfig())
+    eng = open_engine(str(out), EngineConfig())
     assert Q.model_quant_format(eng.model) == fmt[:4] and eng.model.dtype == torch.bfloat16
     # re-quantizing the quantized file to the other format works
     other = "int4-g64" if fmt == "fp8" else "fp8"

@@ -8,10 +8,11 @@ import time
 import torch
 
 from ..engine import Engine
+from ..local import LocalForward
 from ..features import offload
 from ..features.quant import estimate_bytes
-from ..models.random_weights import SIZES, random_model_on_device
-from ..parallel.launch import random_checkpoint
+from ..models.random_weights import SIZES, random_checkpoint, random_model_on_device
+from ..router import open_engine
 from .common import add_engine_arguments, engine_config
 
 
@@ -46,7 +47,7 @@ def _random_engine(size: str, dtype, device, config=None):
         if decision[0] == "layerwise":
             build_on = "cpu"
     model = random_model_on_device(SIZES[size], build_on, dt, seed=0)
-    return Engine(model, config, source=f"random:{size}", offload_decision=decision)
+    return Engine(LocalForward(model, config, offload_decision=decision), config, source=f"random:{size}")
 
 
 def _reset_peak_memory(dev: torch.device) -> None:
@@ -60,13 +61,13 @@ def cmd_bench(args) -> dict:
     t0 = time.perf_counter()
     config = engine_config(args)
     if args.model:
-        eng = Engine.from_file(args.model, config)
+        eng = open_engine(args.model, config)
     elif config.world_size > 1:  # workers load from a file: write the random model to a temporary one
-        eng = Engine.from_file(random_checkpoint(args.size, config.dtype), config)
+        eng = open_engine(random_checkpoint(args.size, config.dtype), config)
     else:
         eng = _random_engine(args.size, config.dtype, args.device, config)
     load_s = time.perf_counter() - t0
-    cfg = eng.model.config
+    cfg = eng.model_config
     default_px = 1024 if args.size == "8b" else 256
     h, w = (args.height or default_px) // 16, (args.width or default_px) // 16
     g = torch.Generator().manual_seed(0)
@@ -76,8 +77,8 @@ def cmd_bench(args) -> dict:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     with torch.no_grad():
         xt, tb, ln = x.to(dev), torch.tensor([500.0], device=dev), torch.tensor([args.text_tokens], device=dev)
-        tt = text[None].to(dev, eng.model.dtype)
-        forward = getattr(eng, "model_forward", eng.model)  # parallel: one call through the workers
+        tt = text[None].to(dev, eng.forward.dtype)
+        forward = eng.dit_forward  # parallel: one call through the workers
         forward(xt, tb, tt, ln)
         sync()
         resident_gb = torch.cuda.memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else None
@@ -88,9 +89,10 @@ def cmd_bench(args) -> dict:
             forward(xt, tb, tt, ln)
             sync()
             times.append(time.perf_counter() - s)
-    result = {"model": eng.source, "params": sum(p.numel() for p in eng.model.parameters()),
-              "dtype": str(eng.model.dtype).replace("torch.", ""), "device": str(dev), "latent": [cfg.in_channels, h, w],
-              "attention": getattr(eng, "attention_backend", "sdpa"), "compile": config.compile, "quant": config.quant,
+    described = eng.describe()
+    result = {"model": eng.source, "params": described["params"], "dtype": described["dtype"], "device": str(dev),
+              "latent": [cfg.in_channels, h, w], "attention": eng.attention_backend, "compile": config.compile,
+              "quant": config.quant,
               "image_tokens": h * w // cfg.patch_size ** 2, "text_tokens": args.text_tokens, "load_seconds": round(load_s, 3),
               "forward_ms_median": round(1000 * sorted(times)[len(times) // 2], 2), "forward_ms_min": round(1000 * min(times), 2)}
     if args.steps > 0:
@@ -100,11 +102,12 @@ def cmd_bench(args) -> dict:
         sync()
         result.update({"steps": args.steps, "cfg": args.cfg, "sampling_seconds": round(time.perf_counter() - s, 3),
                        **{k: v for k, v in eng.last_run.to_dict().items() if k in ("steps_total", "steps_computed")}})
-    if getattr(eng, "offload", None) is not None:
-        result["offload"] = eng.offload.stats()
-    if getattr(eng, "plan", None) is not None:
-        result["parallel"] = eng.plan.describe()
-    if getattr(eng, "warnings", None):
+    described = eng.describe()  # after the runs: the offload counters
+    if described["offload"] is not None:
+        result["offload"] = described["offload"]
+    if described["parallel"] is not None:
+        result["parallel"] = described["parallel"]["plan"]
+    if eng.warnings:
         result["warnings"] = list(eng.warnings)
     if dev.type == "cuda":
         result["peak_vram_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2 ** 30, 2)

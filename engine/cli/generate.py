@@ -14,7 +14,8 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from tqdm import tqdm
 
-from ..engine import Engine, check_sampling_settings, check_seed
+from ..inputs import check_sampling_settings, check_seed
+from ..router import open_engine
 from ..features.lora import parse_spec
 from ..io.atomic import atomic_write
 from ..models import demo as demo_pkg
@@ -77,7 +78,7 @@ def _demo_parts(args) -> GenerateParts:
     # the DiT through the same router as ERNIE-Image files: several ranks (--num-gpus, --tp, ...) run it
     # in worker processes; the demo is stored in fp16 and runs in fp32 unless --dtype says otherwise
     config = dataclasses.replace(engine_config(args, cache=cache_config(args)), dtype=args.dtype or "fp32")
-    eng = Engine.from_file(demo.path, config)
+    eng = open_engine(demo.path, config)
     return GenerateParts(eng, lambda p: demo.encode([p]), demo.empty_latent(1), lambda z: demo.decode(z)[0], demo.path,
                          demo_pkg.DEFAULT_STEPS, demo_pkg.DEFAULT_CFG)
 
@@ -90,7 +91,7 @@ def _ernie_parts(args) -> GenerateParts:
     vae = Flux2VAE.from_folder(args.vae, device=args.device)
     latent = vae.empty_latent(args.width or ERNIE_SIZE, args.height or ERNIE_SIZE)
     te = TextEncoder.from_folder(args.text_encoder, device=args.device)
-    eng = Engine.from_file(args.model, engine_config(args, cache=cache_config(args)))
+    eng = open_engine(args.model, engine_config(args, cache=cache_config(args)))
     return GenerateParts(eng, lambda p: [te.encode(p)], latent, lambda z: vae.decode(z)[0].numpy(), args.model,
                          ERNIE_STEPS, ERNIE_CFG)
 
@@ -126,9 +127,10 @@ def cmd_generate(args) -> dict:
               "steps_computed": stats["steps_computed"], "step_mask": stats["step_mask"]}
     if "speedup" in stats:
         result["speedup"] = stats["speedup"]
-    if getattr(eng, "plan", None) is not None:  # several ranks: which, and the worker processes that ran the DiT
-        result["parallel"] = eng.plan.describe()
-        result["worker_pids"] = list(eng.pids)
+    parallel = eng.describe()["parallel"]
+    if parallel is not None:  # several ranks: which, and the worker processes that ran the DiT
+        result["parallel"] = parallel["plan"]
+        result["worker_pids"] = parallel["worker_pids"]
     if args.json:
         print(json.dumps(result))
     else:

@@ -143,7 +143,7 @@ _limits_cache: Dict[tuple, SageLimits] = {}
 def _current_sage_limits(device: torch.device) -> SageLimits:
     mod = sys.modules.get("sageattention")
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    key = (id(mod), cap)
+    key = (id(mod), getattr(mod, "__version__", None), cap)  # the version too: an id can be reused
     if key not in _limits_cache:
         _limits_cache.clear()
         _limits_cache[key] = sage_limits(installed_version("sageattention"), cap)

@@ -252,7 +252,9 @@ class BlockContext:
     num_image_tokens: int
     grid: tuple  # (Hp, Wp) patch grid of the image
     temb: torch.Tensor  # [B, H] time embedding (drives the final AdaLN)
-    extra: dict = field(default_factory=dict)  # scratch space for wrappers (cache, parallel)
+    # tokens of this rank's sequence chunk that are real (sequence parallel pads the sequence to a multiple
+    # of the ranks; the cache's distance leaves the padding out); None = all
+    valid_tokens: Optional[int] = None
 
 
 def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:

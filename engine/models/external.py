@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from ..engine import InputError
+from ..errors import InputError
 
 BN_EPS = 1e-5  # the pipeline's trained value; vae/config.json says 1e-4
 

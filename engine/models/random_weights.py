@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from typing import Dict
 
 import torch
@@ -84,3 +86,16 @@ def random_model_on_device(cfg: ErnieImageConfig, device="cpu", dtype: torch.dty
                 scale = 0.3 if name.startswith(("adaLN_modulation", "final_norm")) else 1.0
                 p.normal_(0.0, scale / fan_in ** 0.5, generator=g)
     return model.eval().requires_grad_(False)
+
+
+def random_checkpoint(size: str, dtype=None) -> str:
+    """A random model of a named size written once to a temporary file (parallel workers load files)."""
+    if size not in SIZES:
+        raise ValueError(f"size {size!r} is unknown; choose one of {', '.join(SIZES)}")
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: torch.float32}.get(dtype, torch.float32)
+    path = os.path.join(tempfile.gettempdir(), f"sgld-random-{size}-{str(dt).replace('torch.', '')}.safetensors")
+    if not os.path.exists(path):
+        tmp = path + f".{os.getpid()}.tmp"
+        save_random_checkpoint(tmp, SIZES[size], seed=0, dtype=dt)
+        os.replace(tmp, path)
+    return path

@@ -1,20 +1,19 @@
 """Several processes (GPUs) on one image: Ulysses and Ring sequence parallel, tensor parallel and
 CFG parallel, run by a pool of worker processes (one per rank). See docs/parallel.md.
 
-Public API::
-
-    from engine import Engine, EngineConfig
-    eng = Engine.from_file(path, EngineConfig(device="cuda", ulysses_degree=2, ring_degree=2))  # -> ParallelEngine
-    eng.sample(...)            # the same contract as the single-process Engine
-    eng.close()                # unload the weights; the workers stop unless another engine uses them
+    from engine import EngineConfig, open_engine
+    eng = open_engine(path, EngineConfig(device="cuda", ulysses_degree=2, ring_degree=2))  # a RemoteForward inside
+    eng.sample(...)                    # the same loop as on one device
+    eng.release()                      # unload the weights; the workers stop unless another engine uses them
     engine.parallel.shutdown_pools()   # stop every worker process
 
-Errors: ``ParallelConfigError`` (bad degrees, before any worker starts), ``ParallelWorkerError``
-(a worker died, failed or froze; the pool restarts on the next run).
+Errors (engine.errors): ``ParallelConfigError`` (bad degrees, before any worker starts),
+``ParallelWorkerError`` (a worker died, failed or froze; the pool restarts on the next run).
 """
-from .plan import ParallelConfigError, ParallelPlan, check_devices, check_model, make_plan
-from .pool import ParallelWorkerError, WorkerPool, get_pool, shutdown_pools
-from .engine import ParallelEngine, plan_from_config, validate
+from ..errors import ParallelConfigError, ParallelWorkerError
+from .plan import ParallelPlan, check_devices, check_model, make_plan
+from .pool import WorkerPool, get_pool, shutdown_pools
+from .remote import RemoteForward, open_remote_forward, plan_from_config, validate
 
-__all__ = ["ParallelConfigError", "ParallelPlan", "ParallelWorkerError", "ParallelEngine", "WorkerPool", "check_devices",
-           "check_model", "get_pool", "make_plan", "plan_from_config", "shutdown_pools", "validate"]
+__all__ = ["ParallelConfigError", "ParallelPlan", "ParallelWorkerError", "RemoteForward", "WorkerPool", "check_devices",
+           "check_model", "get_pool", "make_plan", "open_remote_forward", "plan_from_config", "shutdown_pools", "validate"]

@@ -19,26 +19,21 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from datetime import timedelta
 
 import torch
+from safetensors.torch import load_file, save_file
 
-
-def random_checkpoint(size: str, dtype=None) -> str:
-    """A random model of a named size written once to a temporary file (parallel workers load files)."""
-    from ..models.random_weights import SIZES, save_random_checkpoint
-
-    if size not in SIZES:
-        raise SystemExit(f"sgld: --size '{size}' is unknown; choose one of {', '.join(SIZES)}")
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: torch.float32}.get(dtype, torch.float32)
-    path = os.path.join(tempfile.gettempdir(), f"sgld-random-{size}-{str(dt).replace('torch.', '')}.safetensors")
-    if not os.path.exists(path):
-        tmp = path + f".{os.getpid()}.tmp"
-        save_random_checkpoint(tmp, SIZES[size], seed=0, dtype=dt)
-        os.replace(tmp, path)
-    return path
+from ..config import EngineConfig
+from ..engine import Engine
+from ..errors import ParallelConfigError
+from ..features.cache import CacheConfig
+from ..io.checkpoint import Checkpoint, check_architecture, parse_dtype
+from ..models.random_weights import random_checkpoint
+from .plan import check_model, make_plan
+from .remote import LocalTransport, RemoteForward
+from .worker import WorkerState
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,12 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from ..config import EngineConfig
-    from ..io.checkpoint import Checkpoint, check_architecture, parse_dtype
-    from .engine import LocalTransport, ParallelEngine
-    from .plan import ParallelConfigError, check_model, make_plan
-    from .worker import WorkerState
-
     args = build_parser().parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -96,11 +85,10 @@ def main(argv=None) -> int:
                           ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree, cfg_parallel=args.cfg_parallel)
     state = WorkerState(rank, world, device)
     state.return_all = True
-    eng = ParallelEngine(path, config, mcfg, parse_dtype(args.dtype) or ckpt.stored_dtype(), plan, backend,
-                         transport=LocalTransport(state))
+    forward = RemoteForward(path, config, mcfg, parse_dtype(args.dtype) or ckpt.stored_dtype(), plan, backend,
+                            transport=LocalTransport(state))
+    eng = Engine(forward, config, source=path)
     if args.text:
-        from safetensors.torch import load_file
-
         feats = load_file(args.text)
         cond, uncond = [feats["cond"]], ([feats["uncond"]] if "uncond" in feats else None)
     else:
@@ -109,11 +97,7 @@ def main(argv=None) -> int:
         uncond = [torch.randn(max(1, args.random_text // 2), mcfg.text_in_dim, generator=g)]
     if args.cfg == 1.0:
         uncond = None
-    cache = None
-    if args.cache:
-        from ..features.cache import CacheConfig
-
-        cache = CacheConfig(preset=args.cache)
+    cache = CacheConfig(preset=args.cache) if args.cache else None
     latent = torch.zeros(1, mcfg.in_channels, args.height // 16, args.width // 16)
     t0 = time.perf_counter()
     out = eng.sample(latent, cond, uncond, seed=args.seed, steps=args.steps, cfg=args.cfg, sampler=args.sampler,
@@ -121,8 +105,6 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - t0
     if rank == 0:
         if args.out:
-            from safetensors.torch import save_file
-
             save_file({"latent": out.contiguous()}, args.out)
         print(json.dumps({"parallel": plan.describe(), "backend": backend, "latent": list(out.shape),
                           "steps": args.steps, "sampling_seconds": round(seconds, 3), **eng.last_run.to_dict()}))

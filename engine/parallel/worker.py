@@ -27,24 +27,22 @@ import traceback
 from datetime import timedelta
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..config import EngineConfig
+from ..engine import Engine
+from ..features import patching
+from ..features.cache.config import ResolvedCache
+from ..features.quant import load_model
+from ..local import open_local
+from ..sampling import MULTIPLIER
+from .comm import build_groups, destroy_groups
+from .forward import ParallelModel, cache_runner
 from .plan import ParallelPlan
+from .wire import pack, unpack
 
 HEARTBEAT_PERIOD_S = 0.5
-
-
-def pack(t: Optional[torch.Tensor]):
-    return None if t is None else t.detach().to("cpu", torch.float32).contiguous().numpy()
-
-
-def unpack(a, dtype=None, device="cpu"):
-    if a is None:
-        return None
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    return t.to(device=device, dtype=dtype or t.dtype)
 
 
 def worker_config(config, device: str):
@@ -62,7 +60,7 @@ class WorkerState:
     def __init__(self, rank: int, world: int, device: str):
         self.rank, self.world, self.device = rank, world, device
         self.groups = None
-        self.pm = None  # ParallelModel
+        self.parallel = None  # ParallelModel: this rank's share of the DiT
         self.engine = None
         self.run = None  # per-run state: text, lens, runner, cfg_batched
         self.return_all = False  # torchrun: every rank runs the loop and needs the output
@@ -82,61 +80,44 @@ class WorkerState:
         return pids
 
     def cmd_load(self, spec: dict):
-        """spec: path, config (EngineConfig), plan (ParallelPlan)."""
-        from ..engine import Engine
-        from .comm import build_groups, destroy_groups
-        from ..features.quant import load_model
-        from .runtime import ParallelModel
-
+        """spec: path, config (EngineConfig fields), plan (ParallelPlan fields)."""
         self.cmd_unload()
         destroy_groups(self.groups)
-        from ..config import EngineConfig
-
-        plan = spec["plan"]
-        plan = ParallelPlan(**plan) if isinstance(plan, dict) else plan
-        config = spec["config"]
-        config = EngineConfig(**config) if isinstance(config, dict) else config
+        plan = ParallelPlan(**spec["plan"])
+        config = worker_config(EngineConfig(**spec["config"]), self.device)
         self.groups = build_groups(plan, self.rank)
-        cfg = worker_config(config, self.device)
         if plan.tp > 1:
-            t = self.groups.coords[3]
-            model = load_model(spec["path"], dtype=cfg.dtype, device=self.device, quant=cfg.quant, shard=(plan.tp, t))
-            self.engine = Engine(model, cfg, source=spec["path"])
+            model = load_model(spec["path"], dtype=config.dtype, device=self.device, quant=config.quant,
+                               shard=(plan.tp, self.groups.coords[3]))
+            self.engine = Engine(model, config, source=spec["path"])
         else:
-            self.engine = Engine.from_file(spec["path"], cfg)
-        self.pm = ParallelModel(self.engine.model, self.groups)
-        params = sum(p.numel() for p in self.engine.model.parameters())
+            self.engine = Engine(open_local(spec["path"], config), config, source=spec["path"])
+        self.parallel = ParallelModel(self.engine.model, self.groups)
+        described = self.engine.describe()
         return {"attention": self.engine.attention_backend, "warnings": list(self.engine.warnings),
-                "notes": list(self.engine.notes), "params_per_rank": params}
+                "notes": list(self.engine.notes), "params_per_rank": described["params"],
+                **{k: described[k] for k in ("quant", "fused_projections", "offload", "compile")}}
 
     def cmd_unload(self):
-        if self.pm is not None:
-            self.pm.close()
-        self.pm = self.engine = self.run = None
+        if self.parallel is not None:
+            self.parallel.close()
+        self.parallel = self.engine = self.run = None
         gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
         return True
 
-    def cmd_begin(self, text, lens, cfg_batched: bool, rc, branches: int):
-        from .runtime import make_parallel_cache_runner
-
+    def cmd_begin(self, text, lens, cfg_batched: bool, plan, branches: int):
+        """A run starts: the text (or None, sent with the first call), CFG batching and the cache plan."""
         model = self.engine.model
-        if isinstance(rc, dict):
-            from ..features.cache.config import ResolvedCache
-
-            rc = ResolvedCache(**rc)
-        runner = make_parallel_cache_runner(rc, branches, self.groups) if rc is not None else None
+        runner = cache_runner(ResolvedCache(**plan), branches, self.groups) if plan is not None else None
         self.run = {"text": unpack(text, model.dtype, self.device), "lens": unpack(lens, torch.long, self.device),
-                    "cfg_batched": bool(cfg_batched), "runner": runner, "default_runner": model.block_runner}
-        if runner is not None:
-            model.block_runner = runner
+                    "cfg_batched": bool(cfg_batched), "runner": runner,
+                    "before": patching.set_slot(model, "block_runner", runner) if runner is not None else None}
         return True
 
     @torch.no_grad()
     def cmd_call(self, x, sigma, text=None, lens=None):
-        from ..sampling import MULTIPLIER
-
         run = self.run
         model = self.engine.model
         if text is not None:
@@ -144,17 +125,17 @@ class WorkerState:
             run["lens"] = unpack(lens, torch.long, self.device)
         x = unpack(x, None, self.device)
         timestep = (unpack(sigma, None, self.device) * MULTIPLIER).float()
-        out = self.pm.forward(x, timestep, run["text"], run["lens"], cfg_batched=run["cfg_batched"]).float()
+        out = self.parallel.forward(x, timestep, run["text"], run["lens"], cfg_batched=run["cfg_batched"]).float()
         runner = run["runner"]
         computed = bool(runner.computed[-1]) if runner is not None and runner.computed else True
         return (pack(out) if self.rank == 0 or self.return_all else None), computed
 
     def cmd_end(self):
         run, self.run = self.run, None
-        if run is None:
+        if run is None or run["runner"] is None:
             return None
-        self.engine.model.block_runner = run["default_runner"]
-        return run["runner"].summary() if run["runner"] is not None else None
+        patching.set_slot(self.engine.model, "block_runner", run["before"])
+        return run["runner"].summary()
 
     def cmd_loras(self, items):
         try:

@@ -31,10 +31,29 @@ from .masks import mask_str
 from .taylorseer import TaylorSeer
 
 
+class LocalDistance:
+    """The cache's measure in one process: per CFG branch, mean|ref - cur| / mean|ref| over the whole batch
+    half (no host sync). Sequence parallel injects its own (engine/parallel/forward.py), which sums over
+    every rank's chunk and makes every rank take the same decision."""
+
+    def relative_l1(self, ref: torch.Tensor, cur: torch.Tensor, branches: int, valid_tokens=None) -> torch.Tensor:
+        br = branches if ref.shape[0] % branches == 0 else 1
+        num = (ref - cur).abs().reshape(br, -1).float().mean(1)
+        den = ref.abs().reshape(br, -1).float().mean(1).clamp_min(1e-12)
+        return num / den
+
+    def agree(self, compute: bool, device) -> bool:
+        """The decision every process takes (here: this one's)."""
+        return compute
+
+
 class DBCacheRunner:
-    def __init__(self, rc: ResolvedCache, branches: int = 1):
+    def __init__(self, rc: ResolvedCache, branches: int = 1, distance=None):
         self.rc = rc
         self.branches = max(1, int(branches))
+        self.distance = distance or LocalDistance()
+        self.valid_tokens = None
+        self.device = None
         self.calibrator = TaylorSeer(rc.ts_order) if rc.taylorseer else None
         self.need_reference = rc.mask is None or rc.scm_policy == "dynamic"
         self.reset()
@@ -55,12 +74,8 @@ class DBCacheRunner:
 
     # -- decision ----------------------------------------------------------------------------------
     def relative_l1(self, cur: torch.Tensor) -> torch.Tensor:
-        """Per-branch mean|ref - cur| / mean|ref| as a [branches] float32 tensor (no host sync)."""
-        ref = self.reference
-        br = self.branches if ref.shape[0] % self.branches == 0 else 1
-        num = (ref - cur).abs().reshape(br, -1).float().mean(1)
-        den = ref.abs().reshape(br, -1).float().mean(1).clamp_min(1e-12)
-        return num / den
+        """Per-branch relative L1 change of the first blocks' residual, as a [branches] float32 tensor."""
+        return self.distance.relative_l1(self.reference, cur, self.branches, self.valid_tokens)
 
     def decide(self, i: int, fn_res: Optional[torch.Tensor]) -> tuple:
         """(compute?, reason, diff tensor or None)."""
@@ -87,8 +102,11 @@ class DBCacheRunner:
         if self.reference is None or fn_res is None or self.reference.shape != fn_res.shape:
             return True, "no reference", None
         d = self.relative_l1(fn_res)
-        ok = bool((d < rc.rdt).all())  # the one host sync of this call
-        return (not ok), ("rdt" if not ok else "similar"), d
+        compute = not bool((d < rc.rdt).all())  # the one host sync of this call
+        agreed = self.distance.agree(compute, self.device)
+        if agreed != compute:
+            return True, "peer", d
+        return compute, ("rdt" if compute else "similar"), d
 
     # -- the block runner ---------------------------------------------------------------------------
     def __call__(self, model, h: torch.Tensor, ctx) -> torch.Tensor:
@@ -97,6 +115,7 @@ class DBCacheRunner:
         fn, bn = self.rc.fn, self.rc.bn
         i = self.call
         self.call += 1
+        self.valid_tokens, self.device = getattr(ctx, "valid_tokens", None), h.device  # a BlockContext field
         if self.shape is not None and tuple(h.shape) != self.shape:  # cannot reuse across shapes
             calls = self.call
             self.reset()

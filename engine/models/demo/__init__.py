@@ -1,7 +1,7 @@
 """The embedded demo model: a small ERNIE-Image DiT trained here on procedural scenes.
 
-    from engine.models.demo import load_demo
-    demo = load_demo()                                   # shipped weights, float32, CPU
+    from engine import open_demo
+    demo = open_demo()                                   # shipped weights, float32, CPU; demo.engine samples
     latent = demo.engine.sample(demo.empty_latent(1), demo.encode(["a large red circle on the left, on a blue background"]),
                                 demo.encode([""]), seed=0, steps=demo.default_steps, cfg=demo.default_cfg,
                                 sampler=demo.default_sampler)
@@ -52,16 +52,7 @@ class DemoModel:
         self.text_encoder = text_encoder
         self.tokenizer = tokenizer
         self.info = info
-        self._engine = None
-
-    @property
-    def engine(self):
-        """An ``engine.Engine`` on this model's DiT (created on first use)."""
-        if self._engine is None:
-            from ...engine import Engine
-
-            self._engine = Engine(self.dit, source=self.path)
-        return self._engine
+        self.engine = None  # an engine.Engine on the DiT: set by engine.open_demo()
 
     @torch.no_grad()
     def encode(self, prompts: Union[str, Sequence[str]]) -> List[torch.Tensor]:
@@ -96,7 +87,9 @@ class DemoModel:
     def generate(self, prompts: Union[str, Sequence[str]], seed: int = 0, steps: int = DEFAULT_STEPS,
                  cfg: float = DEFAULT_CFG, sampler: str = DEFAULT_SAMPLER, scheduler: str = DEFAULT_SCHEDULER,
                  negative: str = "", callback=None) -> np.ndarray:
-        """Prompts -> uint8 images [B, 64, 64, 3] through ``engine.Engine.sample``."""
+        """Prompts -> uint8 images [B, 64, 64, 3] through ``self.engine`` (see ``engine.open_demo``)."""
+        if self.engine is None:
+            raise RuntimeError("this DemoModel has no engine: open it with engine.open_demo()")
         cond = self.encode(prompts)
         latent = self.engine.sample(self.empty_latent(len(cond)), cond, self.encode([negative]), seed=seed, steps=steps,
                                     cfg=cfg, sampler=sampler, scheduler=scheduler, callback=callback)

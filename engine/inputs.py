@@ -1,0 +1,119 @@
+"""The checks every input of a run passes before any work: InputError naming what is wrong and what is
+allowed (the limits are in engine/sampling.py). One place for the engine, the CLI, the nodes and the server."""
+from __future__ import annotations
+
+import math
+import operator
+from typing import List
+
+import torch
+
+from .errors import InputError
+from .models.demo import codec
+from .sampling import (DEFAULT_SHIFT, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SCHEDULE, MAX_SEED, MAX_SHIFT,
+                       MAX_STEPS, SAMPLERS, SCHEDULERS)
+
+
+def _integer(name: str, value, lo: int, hi: int) -> int:
+    try:
+        v = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        v = None
+    if v is None or not lo <= v <= hi:
+        raise InputError(f"{name} must be an integer from {lo} to {hi} (got {value!r})")
+    return v
+
+
+def _number(name: str, value, lo: float, hi: float, above_lo: bool = False) -> float:
+    try:
+        v = None if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        v = None
+    if v is None or not math.isfinite(v) or not (v > lo if above_lo else v >= lo) or v > hi:
+        raise InputError(f"{name} must be a finite number {'above' if above_lo else 'from'} {lo:g} to {hi:g} (got {value!r})")
+    return v
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """0 .. 2**64-1, the seeds ComfyUI gives and torch.Generator.manual_seed takes."""
+    return _integer(name, seed, 0, MAX_SEED)
+
+
+def check_sampling_settings(*, steps, cfg, denoise=1.0, shift=DEFAULT_SHIFT, names=None) -> None:
+    """Refuse settings that would make a blank picture (NaN, inf, out of range) or unbounded work, before any
+    work: InputError naming the setting and what is allowed (limits: engine/sampling.py). ``names``: how the
+    caller spells each setting (the CLI: ``{"cfg": "--cfg", ...}``)."""
+    def name(key):
+        return (names or {}).get(key, key)
+
+    steps = _integer(name("steps"), steps, 1, MAX_STEPS)
+    _number(name("cfg"), cfg, 0.0, MAX_CFG)
+    _number(name("shift"), shift, 0.0, MAX_SHIFT, above_lo=True)
+    denoise = 1.0 if denoise is None else _number(name("denoise"), denoise, 0.0, 1.0)
+    if 0.0 < denoise <= 0.9999 and steps / denoise > MAX_SCHEDULE:  # the schedule is cut from steps / denoise
+        raise InputError(f"{name('steps')} / {name('denoise')} must be at most {MAX_SCHEDULE}: {steps} steps at denoise "
+                         f"{denoise:g} need a schedule of {int(steps / denoise)} (raise denoise or lower steps)")
+
+
+def latent_hint(channels: int) -> str:
+    """Which latent a model of ``channels`` latent channels takes (and the ComfyUI node that makes it),
+    for the wrong-latent error: the demo model's 48-channel pixel latent, or ERNIE-Image's Flux2 one."""
+    if channels == codec.LATENT_CHANNELS:
+        return (f" (the demo model's latent: the image as {codec.LATENT_CHANNELS} channels at 1/{codec.FACTOR} of its "
+                "size; use SGLDiffusion Demo Empty Latent)")
+    if channels == 128:
+        return " (ERNIE-Image uses the Flux2 latent: 128 channels at 1/16 of the image size; use EmptyFlux2LatentImage)"
+    return ""
+
+
+def check_sampler(sampler: str, scheduler: str) -> None:
+    if sampler not in SAMPLERS:
+        raise InputError(f"sampler '{sampler}' is not supported; choose one of {', '.join(SAMPLERS)}")
+    if scheduler not in SCHEDULERS:
+        raise InputError(f"scheduler '{scheduler}' is not supported; choose one of {', '.join(SCHEDULERS)}")
+
+
+def check_conditioning(cfg, name: str, cond, batch: int) -> List[torch.Tensor]:
+    """Per-sample text features [T_i, C] for a batch of ``batch`` (one entry is used for all), checked against
+    the model configuration ``cfg``."""
+    if cond is None or len(cond) == 0:
+        raise InputError(f"{name} conditioning is empty: connect a text encoder output")
+    feats = []
+    for i, c in enumerate(cond):
+        if not isinstance(c, torch.Tensor):
+            raise InputError(f"{name} conditioning #{i} is {type(c).__name__}, not a tensor of text features")
+        if c.dim() == 3 and c.shape[0] == 1:
+            c = c[0]
+        if c.dim() != 2 or c.shape[0] < 1:
+            raise InputError(f"{name} conditioning #{i} has shape {tuple(c.shape)}; expected [tokens, {cfg.text_in_dim}]")
+        if c.shape[1] != cfg.text_in_dim:
+            raise InputError(
+                f"{name} conditioning #{i} has {c.shape[1]} features per token but this model takes {cfg.text_in_dim}: "
+                "was it made by the right text encoder?"
+            )
+        if not torch.isfinite(c).all():
+            raise InputError(f"{name} conditioning #{i} holds NaN or inf values: the text encoder's output is damaged")
+        feats.append(c)
+    if len(feats) == 1 and batch > 1:
+        feats = feats * batch
+    if len(feats) != batch:
+        raise InputError(f"{name} conditioning has {len(feats)} entries for a latent batch of {batch}")
+    return feats
+
+def check_latent(cfg, latent) -> None:
+    """A latent [B, C, H, W] the model of configuration ``cfg`` takes."""
+    if not isinstance(latent, torch.Tensor) or latent.dim() != 4:
+        shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
+        raise InputError(f"latent has shape {shape}; expected [batch, {cfg.in_channels}, height, width]")
+    if latent.shape[1] != cfg.in_channels:
+        raise InputError(f"latent has {latent.shape[1]} channels but this model takes {cfg.in_channels}"
+                         + latent_hint(cfg.in_channels))
+    p = cfg.patch_size
+    if latent.shape[2] < p or latent.shape[3] < p or latent.shape[2] % p or latent.shape[3] % p:
+        raise InputError(f"latent size {tuple(latent.shape[2:])} is not a multiple of the patch size {p}")
+    tokens = (latent.shape[2] // p) * (latent.shape[3] // p)
+    if tokens > MAX_IMAGE_TOKENS:
+        raise InputError(f"latent size {tuple(latent.shape[2:])} makes {tokens} image tokens per sample; the limit is "
+                         f"{MAX_IMAGE_TOKENS} ({MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} pixels for ERNIE-Image)")
+    if not torch.isfinite(latent).all():
+        raise InputError("latent holds NaN or inf values")

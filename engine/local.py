@@ -1,0 +1,161 @@
+"""LocalForward: the DiT in this process, with the features its EngineConfig asks for attached in order.
+
+Order matters: quantization first (what is fused, offloaded and compiled are the quantized bytes),
+fused projections, layer-wise offload (before the fp8 fast-path probe and the attention choice,
+which look at the compute device), then the attention backend and regional compile.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from .config import EngineConfig
+from .features import attention as attention_backends
+from .features import quant
+from .features.cache import DBCacheRunner
+from .features.compile import compile_blocks, is_compiled
+from .features.fuse import fuse_projections, fused_groups
+from .features.lora import LoRAFileCache, active_loras, apply_loras
+from .features.offload import apply_layerwise_offload, choose_offload, get_offload
+from .features.patching import set_slot
+from .sampling import MULTIPLIER
+
+
+class LocalRun:
+    """One sampling run on a local model: the Cache-DiT runner (if any) in the model's block-runner slot."""
+
+    def __init__(self, forward: "LocalForward", plan, cfg_batched: bool):
+        self.forward = forward
+        self.runner = DBCacheRunner(plan, branches=2 if cfg_batched else 1) if plan is not None else None
+        self._before = set_slot(forward.model, "block_runner", self.runner) if self.runner is not None else None
+
+    def call(self, x: torch.Tensor, sigma: torch.Tensor, text: torch.Tensor, lens: torch.Tensor):
+        """(velocity in float32 on x's device, whether the DiT was computed at this call)."""
+        v = self.forward.velocity(x, sigma, text, lens)
+        computed = bool(self.runner.computed[-1]) if self.runner is not None and self.runner.computed else True
+        return v, computed
+
+    def finish(self) -> Optional[dict]:
+        """Put the model's own block runner back; the cache's summary of the run (None when off)."""
+        if self.runner is None:
+            return None
+        set_slot(self.forward.model, "block_runner", self._before)
+        return self.runner.summary()
+
+
+class LocalForward:
+    def __init__(self, model: nn.Module, config: Optional[EngineConfig] = None, offload_decision: Optional[tuple] = None):
+        """Attach to ``model`` what ``config`` asks for. ``offload_decision``: ("none" | "layerwise", why) when the
+        router decided before loading (an offloaded model is loaded into CPU memory)."""
+        self.model = model
+        self.config = config or EngineConfig()
+        self.warnings: List[str] = []
+        self.notes: List[str] = []
+        self.lora_files = LoRAFileCache()  # LoRA files read against this model
+        if self.config.quant:
+            self.warnings += quant.apply_quant(model, self.config.quant).warnings
+        fuse_projections(model)  # q/k/v and gate/up as one GEMM each (after quantization: rows concatenate exactly)
+        fused, groups = fused_groups(model)
+        self.notes.append(f"fused projections: {fused} of {groups} q/k/v and gate/up groups run as one GEMM each")
+        self._apply_offload(offload_decision)
+        offloader = get_offload(model)
+        with offloader.hold(0) if offloader is not None else contextlib.nullcontext():
+            self.notes += quant.prepare_fast_paths(model)  # probes on block 0's weights on the device
+        choice = attention_backends.select_backend(self.config.attention, self.device, model.dtype, model.config.head_dim)
+        self.warnings += choice.warnings
+        attention_backends.apply_attention(model, choice)
+        self.attention_backend = choice.name
+        self.notes.append(choice.describe())
+        if self.config.compile:
+            self.warnings += compile_blocks(model, self.config.compile)
+
+    def _apply_offload(self, decision: Optional[tuple]) -> None:
+        mode = self.config.offload
+        if mode == "none":
+            return
+        if decision is None:  # a model given in memory: decide from what it holds now
+            dev = torch.device(self.config.device)
+            on_dev = sum(t.numel() * t.element_size() for t in list(self.model.parameters()) + list(self.model.buffers())
+                         if t.device == dev or (dev.type == "cuda" and t.is_cuda and dev.index is None))
+            decision = choose_offload(mode, dev, quant.weight_bytes(self.model), resident_bytes=on_dev)
+        choice, why = decision
+        if why and mode == "auto":
+            self.notes.append(why)
+        if choice == "layerwise":
+            offloader = apply_layerwise_offload(self.model, self.config.device, self.config.resident_layers)
+            self.notes.append(offloader.summary())
+
+    # -- what it is ----------------------------------------------------------------------------------------
+    @property
+    def model_config(self):
+        return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.final_linear.weight.device
+
+    def describe(self) -> dict:
+        model = self.model
+        offloader = get_offload(model)
+        fused, groups = fused_groups(model)
+        return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+                "params": sum(p.numel() for p in model.parameters()), "model": model.config.to_dict(),
+                "attention": self.attention_backend, "quant": quant.model_quant_format(model),
+                "fused_projections": [fused, groups], "offload": None if offloader is None else offloader.describe(),
+                "compile": self.config.compile if is_compiled(model) else None, "parallel": None}
+
+    # -- weights -------------------------------------------------------------------------------------------
+    def set_loras(self, loras) -> List[str]:
+        return apply_loras(self.model, self.lora_files.files(loras, self.model))
+
+    def check_lora(self, path) -> List[str]:
+        return self.lora_files.read(path, self.model).report()
+
+    def active_loras(self) -> list:
+        return [(lf.path, s) for lf, s in active_loras(self.model)]
+
+    @property
+    def lora_report(self) -> List[str]:
+        """Messages about the active LoRAs' keys that were not applied."""
+        return [m for lf, _ in active_loras(self.model) for m in lf.report()]
+
+    def release(self) -> int:
+        offloader = get_offload(self.model)
+        freed = offloader.release_buffers() if offloader is not None else 0
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return freed
+
+    # -- calls ---------------------------------------------------------------------------------------------
+    def run(self, plan, cfg_batched: bool) -> LocalRun:
+        return LocalRun(self, plan, cfg_batched)
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, text: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """One DiT forward: flow velocity in float32."""
+        timestep = (sigma * MULTIPLIER).float().to(self.device)
+        return self.model(x.to(self.device), timestep, text, lens).float().to(x.device)
+
+    @torch.no_grad()
+    def dit(self, x, timestep, text, lens) -> torch.Tensor:
+        return self.model(x, timestep, text, lens)
+
+
+def open_local(path: str, config: EngineConfig) -> LocalForward:
+    """Load a checkpoint into this process with ``config``'s features. Layer-wise offload is decided from the
+    header before loading: an offloaded model is loaded into CPU memory, never whole onto the GPU."""
+    decision = None
+    device = config.device
+    plan = quant.plan_load(path, config.dtype, config.quant)  # the header, read once
+    if config.offload != "none":
+        decision = choose_offload(config.offload, config.device, plan.bytes_at_rest())
+        if decision[0] == "layerwise":
+            device = "cpu"
+    model = plan.read(device)
+    return LocalForward(model, config, offload_decision=decision)
