@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 SCHEDULERS = ("simple", "normal", "beta")
@@ -76,7 +77,6 @@ def _normal(fs: FlowSigmas, steps: int) -> torch.Tensor:
 
 
 def _beta(fs: FlowSigmas, steps: int, alpha: float = 0.6, beta: float = 0.6) -> torch.Tensor:
-    import numpy as np
     from scipy.stats import beta as beta_dist
 
     total = len(fs.table) - 1

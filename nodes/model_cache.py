@@ -22,6 +22,8 @@ import os
 import threading
 from typing import Dict, Optional
 
+import torch
+
 from ..engine import CheckpointError, Engine, EngineConfig, open_engine
 
 log = logging.getLogger("sgldiffusion")
@@ -105,8 +107,6 @@ def _make_room(handle: SGLDModel) -> None:
         return
     try:
         need = os.path.getsize(handle.path) * 1.2 + mm.minimum_inference_memory()
-        import torch
-
         mm.free_memory(need, torch.device(handle.config.device))
     except Exception:
         log.debug("SGLDiffusion: free_memory before loading failed", exc_info=True)
@@ -142,8 +142,6 @@ def release_all(reason: str = "released", device=None) -> int:
 
 
 def _same_device(a, b) -> bool:
-    import torch
-
     a, b = torch.device(a), torch.device(b)
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 

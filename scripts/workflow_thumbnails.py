@@ -24,7 +24,7 @@ FONT_BOLD = "/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf"
 def linked_node(wf: dict, node: dict, input_name: str) -> dict:
     """The node whose output feeds ``node``'s input ``input_name`` in a UI-format workflow."""
     link = next(i["link"] for i in node["inputs"] if i["name"] == input_name)
-    origin = next(l[1] for l in wf["links"] if l[0] == link)
+    origin = next(lk[1] for lk in wf["links"] if lk[0] == link)
     return next(n for n in wf["nodes"] if n["id"] == origin)
 
 

@@ -83,7 +83,7 @@ def graph(**kw):
 
 def direct_sample(ckpt: str, *, seed=0, steps=4, cfg=1.0, sampler="euler", scheduler="simple", denoise=1.0,
                   width=128, height=128, batch=1, pos=(1, 7, DIM), neg=(2, 5, DIM), dtype=None, cache=None, **options):
-    from engine import Engine, EngineConfig
+    from engine import EngineConfig
 
     engine = open_engine(ckpt, EngineConfig(dtype=dtype, **options))
     latent = torch.zeros(batch, 128, height // 16, width // 16)
@@ -172,14 +172,14 @@ def test_nodes_in_object_info(object_info):
 
 def ui_to_api(wf: dict, object_info: dict) -> dict:
     """A UI-format workflow -> an API prompt (as the frontend's graphToPrompt does for simple graphs)."""
-    links = {l[0]: l for l in wf["links"]}
+    links = {lk[0]: lk for lk in wf["links"]}
     api = {}
     for n in wf["nodes"]:
         info = object_info[n["type"]]
         spec = {**info["input"]["required"], **info["input"].get("optional", {})}
         order = info["input_order"]["required"] + info["input_order"].get("optional", [])
         linked = {i["name"]: links[i["link"]] for i in n.get("inputs", []) if i.get("link") is not None}
-        inputs = {name: [str(l[1]), l[2]] for name, l in linked.items()}
+        inputs = {name: [str(lk[1]), lk[2]] for name, lk in linked.items()}
         values = list(n.get("widgets_values", []))
         for name in order:
             t = spec[name][0]

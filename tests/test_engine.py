@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, InputError, open_engine
+from engine import EngineConfig, InputError, open_engine
 from engine.models.random_weights import SIZES
 from engine.sampling import noise_scaling, seeded_noise, sigma_schedule
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from engine import CheckpointError, Engine, EngineConfig, load_model, open_engine
+from engine import CheckpointError, EngineConfig, load_model, open_engine
 from engine.errors import ParallelConfigError
 from engine.features import patching
 from engine.features import quant as Q

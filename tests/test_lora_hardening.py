@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 import engine.features.lora as lora_mod
 import engine.features.lora.peft as peft_mod
 import engine.features.lora.records as records_mod
-from engine import Engine, EngineConfig, open_engine
+from engine import EngineConfig, open_engine
 from engine.features import patching
 from engine.features.lora import LoRAError, LoRAState, normalize, parse_spec, read_lora, target_modules
 from engine.models.random_weights import random_model

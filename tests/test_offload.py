@@ -555,7 +555,7 @@ def test_remove_frees_buffers_masters_and_the_offloader_without_gc(no_gc):
         assert torch.equal(model(*x), want)
     with torch.no_grad():
         assert torch.equal(model(*x), want)
-    off = O.apply_layerwise_offload(model, "cpu", 3)  # and it can be offloaded again
+    O.apply_layerwise_offload(model, "cpu", 3)  # and it can be offloaded again
     with torch.no_grad():
         assert torch.equal(model(*x), want)
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, open_engine
+from engine import EngineConfig, open_engine
 from engine.features.cache import CacheConfig
 from engine.parallel import (ParallelConfigError, ParallelWorkerError, make_plan, open_remote_forward, shutdown_pools,
                              validate)

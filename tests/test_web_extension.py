@@ -327,7 +327,7 @@ def test_timeline_after_a_cached_run(comfy, page):
     name, wf = workflow()
     page.evaluate(RECORD_EVENTS)
     ids = page.evaluate(LOAD, [wf, os.path.basename(name)])
-    ks, cache = ids["ksampler"], ids["cache"]
+    ks = ids["ksampler"]
     panel = wait_state(page, ks, "idle", 15_000)  # DOM widgets are attached on the next frames
     assert page.get_by_text("Invalid workflow").count() == 0, f"the frontend rejected {name}"
     close_banner(page)

@@ -7,6 +7,7 @@ import tempfile
 from typing import Dict
 
 import torch
+from safetensors.torch import save_file
 
 from .ernie_image import ErnieImageConfig, ErnieImageTransformer
 
@@ -56,8 +57,6 @@ def random_model(cfg: ErnieImageConfig, seed: int = 0, dtype: torch.dtype = torc
 
 def save_random_checkpoint(path: str, cfg: ErnieImageConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                            prefix: str = "") -> None:
-    from safetensors.torch import save_file
-
     sd = {prefix + k: v.contiguous() for k, v in random_state_dict(cfg, seed, dtype).items()}
     save_file(sd, path, metadata={"ernie_image_config": json.dumps({"rope_axes_dim": list(cfg.rope_axes_dim)})})
 

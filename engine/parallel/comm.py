@@ -150,9 +150,9 @@ def lse_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> Calla
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     for cand_name, fn in candidates:
         try:
-            o, l = fn(q, k, v)
-            if o.shape == ref_o.shape and l.shape == ref_l.shape and \
-                    (o - ref_o).abs().max().item() <= tol and (l - ref_l).abs().max().item() <= tol:
+            o, lse = fn(q, k, v)
+            if o.shape == ref_o.shape and lse.shape == ref_l.shape and \
+                    (o - ref_o).abs().max().item() <= tol and (lse - ref_l).abs().max().item() <= tol:
                 chosen, name = fn, cand_name
                 break
             log.warning("parallel: ring attention kernel %s disagrees with the reference; not used", cand_name)
@@ -190,9 +190,9 @@ def block_attention(q, k, v, block, kernel: Callable):
             outs.append(torch.zeros(1, sq, h, d, dtype=torch.float32, device=q.device))
             lses.append(torch.full((1, sq, h), float("-inf"), device=q.device))
         else:
-            o, l = kernel(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n])
+            o, lse = kernel(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n])
             outs.append(o)
-            lses.append(l)
+            lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
 
 

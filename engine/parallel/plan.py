@@ -15,6 +15,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
+
+import torch
+
 from ..errors import ParallelConfigError
 
 
@@ -151,8 +154,6 @@ def check_model(plan: ParallelPlan, num_heads: int, ffn_hidden_size: int) -> Non
 
 
 def visible_gpus() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

@@ -11,6 +11,8 @@ the parent process stop them all.
 from __future__ import annotations
 
 import atexit
+import multiprocessing.spawn as mp_spawn
+import signal
 import contextlib
 import logging
 import math
@@ -84,8 +86,6 @@ _spawn_lock = threading.Lock()
 def _bare_children():
     """Spawned workers skip re-importing the parent's ``__main__`` (ComfyUI's main.py, a test
     runner, a script without a ``__main__`` guard): they need nothing from it."""
-    import multiprocessing.spawn as mp_spawn
-
     with _spawn_lock:
         original = mp_spawn.get_preparation_data
 
@@ -245,8 +245,6 @@ class WorkerPool:
             why = f"worker rank {i} (pid {pid}) exited with code {code}"
             if code is not None and code < 0:
                 try:
-                    import signal
-
                     why += f" ({signal.Signals(-code).name})"
                 except ValueError:
                     pass

@@ -17,15 +17,16 @@ compile, a slow load) keeps beating.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -171,9 +172,6 @@ def start_heartbeat(beats, rank: int) -> None:
 def _die_with_parent() -> None:
     """Linux: get SIGKILL when the parent dies, so no worker outlives ComfyUI."""
     try:
-        import ctypes
-        import signal
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:
         pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from .config import DEFAULTS, PRESET_KNOBS
-from .masks import ALIASES, PRESETS, mask_note, mask_str, preset_mask
+from .masks import ALIASES, mask_note, mask_str, preset_mask
 
 STEP_COUNTS = (8, 20, 28, 50)
 ORDER = ("quality", "balanced", "fast", "slow", "ultra")

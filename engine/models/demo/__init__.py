@@ -21,8 +21,11 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ...io.load import read_model
+from ...io.safetensors import SafetensorsFile
 from . import codec
 from .text_encoder import DemoTextEncoder, TextEncoderConfig, WordTokenizer
+from .weights_io import DEMO_METADATA_KEY, read_demo_parts
 
 DEMO_WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "demo.safetensors")
 DEFAULT_STEPS = 30
@@ -99,9 +102,6 @@ class DemoModel:
 def is_demo_file(path: str) -> bool:
     """True if ``path`` is a safetensors file carrying the demo model's text encoder and vocabulary."""
     try:
-        from ...io.safetensors import SafetensorsFile
-        from .weights_io import DEMO_METADATA_KEY
-
         return DEMO_METADATA_KEY in SafetensorsFile(path).metadata
     except Exception:
         return False
@@ -112,9 +112,6 @@ _CACHE = {}
 
 def load_demo(path: Optional[str] = None, dtype: Union[str, torch.dtype] = torch.float32, cached: bool = True) -> DemoModel:
     """Load the demo model (the shipped weights by default) on the CPU; cached per (path, dtype)."""
-    from ...io.load import read_model
-    from .weights_io import read_demo_parts
-
     path = os.fspath(path or DEMO_WEIGHTS)
     key = (os.path.abspath(path), str(dtype))
     if cached and key in _CACHE:

@@ -17,7 +17,7 @@ from typing import Dict, List, Union
 import numpy as np
 from scipy import ndimage
 
-from .data import COLOURS, POSITIONS, SIZES, Scene, parse_caption
+from .data import COLOURS, POSITIONS, Scene, parse_caption
 
 NAMES = list(COLOURS)
 PALETTE = np.array([COLOURS[n] for n in NAMES], dtype=np.float32)

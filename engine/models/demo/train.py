@@ -29,7 +29,9 @@ import torch.nn.functional as F
 
 from ..ernie_image import ErnieImageConfig, ErnieImageTransformer
 from . import codec, data
+from ...io.load import read_model
 from .text_encoder import DemoTextEncoder, TextEncoderConfig, WordTokenizer
+from .weights_io import read_demo_parts, save_demo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "weights", "demo.safetensors")
@@ -114,8 +116,6 @@ def edge_weights(imgs: np.ndarray, weight: float) -> torch.Tensor:
 
 
 def write_weights(path: str, dit, te, tok: WordTokenizer, te_cfg: TextEncoderConfig, info: dict) -> None:
-    from .weights_io import save_demo
-
     save_demo(path, dit, te, tok, te_cfg, info)
 
 
@@ -171,9 +171,6 @@ def main(argv=None) -> None:
     init_dit(dit)
     te = DemoTextEncoder(te_cfg)
     if args.init_from:
-        from ...io.load import read_model
-        from .weights_io import read_demo_parts
-
         _, te_state = read_demo_parts(args.init_from)
         te.load_state_dict(te_state)
         dit.load_state_dict(read_model(args.init_from, dtype=torch.float32).state_dict())

@@ -8,9 +8,14 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Optional
 
 import torch
+from safetensors.torch import save
+
+from ...io.atomic import atomic_write
+from ...io.safetensors import CheckpointError, SafetensorsFile
 
 DIT_PREFIX = "diffusion_model."
 TE_PREFIX = "text_encoder."
@@ -18,10 +23,6 @@ DEMO_METADATA_KEY = "demo_config"
 
 
 def save_demo(path: str, dit, te, tok, te_cfg, info: Optional[dict] = None, dtype=torch.float16) -> None:
-    import os
-
-    from safetensors.torch import save_file
-
     sd = {DIT_PREFIX + k: v.detach().to(dtype).contiguous() for k, v in dit.state_dict().items()}
     sd.update({TE_PREFIX + k: v.detach().to(dtype).contiguous() for k, v in te.state_dict().items()})
     meta = {
@@ -29,15 +30,12 @@ def save_demo(path: str, dit, te, tok, te_cfg, info: Optional[dict] = None, dtyp
         DEMO_METADATA_KEY: json.dumps({"vocab": tok.vocab, "text_encoder": te_cfg.to_dict(), "train": info or {}}),
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    save_file(sd, tmp, metadata=meta)
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        f.write(save(sd, metadata=meta))
 
 
 def read_demo_parts(path: str):
     """(demo_config dict, text-encoder state dict in float32) from a demo file."""
-    from ...io.safetensors import CheckpointError, SafetensorsFile
-
     f = SafetensorsFile(path)
     raw = f.metadata.get(DEMO_METADATA_KEY)
     if not raw:

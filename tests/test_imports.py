@@ -1,0 +1,139 @@
+"""The house rules on imports (docs/architecture.md), checked on the source: no import cycle among the
+modules of engine/ and nodes/, engine/ never imports ComfyUI or nodes/, and imports sit at the top of a
+module except for optional dependencies (a kernel, ComfyUI's own modules, torch._dynamo)."""
+from __future__ import annotations
+
+import ast
+import os
+from typing import Dict, Iterator, List, Set, Tuple
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("engine", "nodes")
+# Imported inside a function on purpose: absent on some machines (kernels, scipy), only there inside a
+# running ComfyUI (its modules), or slow to import and needed only by one option (torch._dynamo).
+OPTIONAL = ("sageattention", "flash_attn", "scipy", "torch._dynamo", "comfy", "comfy_execution", "server",
+            "latent_preview", "folder_paths", "aiohttp", "diffusers", "transformers")
+COMFYUI = ("comfy", "comfy_execution", "server", "latent_preview", "folder_paths", "nodes")
+
+
+def modules() -> Dict[str, str]:
+    """Dotted module name -> file, for every module of the packages."""
+    found = {}
+    for pkg in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
+                    found[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(folder, f)
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, (ast.Name, ast.Attribute)) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports(name: str, path: str) -> Iterator[Tuple[ast.AST, List[str], bool]]:
+    """(node, absolute module names it may import, whether it runs at import time) for every import."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+
+    def walk(node, top: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                continue
+            if isinstance(child, ast.Import):
+                yield child, [a.name for a in child.names], top
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")
+                    parts = parts[: len(parts) - child.level + 1]
+                    base = ".".join(parts + ([child.module] if child.module else []))
+                yield child, [base] + [f"{base}.{a.name}" for a in child.names], top
+            else:
+                inner = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                yield from walk(child, top and not inner)
+
+    yield from walk(tree, True)
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    mods = modules()
+    graph = {m: set() for m in mods}
+    for m, path in mods.items():
+        for _, names, top in imports(m, path):
+            if top:
+                # a module's own packages are imported before it anyway (``from . import x``): not an edge
+                graph[m] |= {n for n in names if n in mods and n != m and not m.startswith(n + ".")}
+    return graph
+
+
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Every strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_engine_never_imports_comfyui_or_nodes():
+    bad = []
+    for m, path in modules().items():
+        if m.startswith("engine"):
+            for node, names, _ in imports(m, path):
+                if names[0].split(".")[0] in COMFYUI:
+                    bad.append(f"{path}:{node.lineno}: {names[0]}")
+    assert bad == []
+
+
+def test_imports_inside_functions_are_optional_dependencies_only():
+    bad = []
+    for m, path in modules().items():
+        for node, names, top in imports(m, path):
+            if not top and not any(names[0] == o or names[0].startswith(o + ".") for o in OPTIONAL):
+                bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {names[0]}")
+    assert bad == []
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import os\ndef f():\n    import json\n", [("os", True), ("json", False)]),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import json\n", [("typing", True)]),
+    ("from .b import c\n", [("engine.x.b", True)]),
+])
+def test_the_import_walker_sees_what_python_runs(tmp_path, source, expected):
+    path = tmp_path / "a.py"
+    path.write_text(source)
+    assert [(names[0], top) for _, names, top in imports("engine.x.a", str(path))] == expected
