@@ -288,7 +288,7 @@ def run_bench(bench: Bench, steps: int, configs: List[Config], log=print, both_s
                     r.mask = mask_str(kw["runner"].mask)
             else:
                 done = list(bench.engine.last_run.step_mask)
-                r.computed.append(bench.engine.last_run.steps_computed)
+                r.computed.append(bench.engine.last_run.calls_computed)
                 r.mask = bench.engine.last_run.cache.get("mask", "")
             # within-run speedup: the same run's computed calls price the cached ones (robust to contention drift)
             comp = sorted(t for t, d in zip(secs, done) if d)

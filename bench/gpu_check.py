@@ -389,7 +389,7 @@ def whole_run(name, steps, cfg_scale, preset):
         out = eng.sample(lat, cond, uncond, seed=0, steps=steps, cfg=cfg_scale, cache=cache)
         ctx.sync()
         total = time.perf_counter() - s
-        computed = eng.last_run.steps_computed
+        computed = eng.last_run.calls_computed
         label = "Turbo" if cfg_scale == 1.0 else "Base"
         ctx.report.row(name, "measured", f"{label} image: {steps} steps, cfg {cfg_scale:g}, bf16 sdpa eager, "
                        f"{'Cache-DiT ' + preset if preset else 'no cache'}", total / steps, total, ctx.peak(), start,
@@ -576,7 +576,7 @@ def worker_compiled(ctx, fmt=None, attention="sdpa"):
         total = time.perf_counter() - s
         ctx.report.row(name, "measured", f"Turbo image: 8 steps, cfg 1, {label}, {'Cache-DiT ' + preset if preset else 'no cache'}",
                        total / 8, total, ctx.peak(), start,
-                       f"{eng.last_run.steps_computed}/8 steps computed; {graph_count()} graph(s) in all (new ones would be recompiles)")
+                       f"{eng.last_run.calls_computed}/8 steps computed; {graph_count()} graph(s) in all (new ones would be recompiles)")
 
 
 def worker_main(args, dev, cfg):

@@ -45,7 +45,7 @@ class RunStats:
             "or the dtype overflowed (try fp32 or bf16)")
 
     @property
-    def steps_computed(self) -> int:
+    def calls_computed(self) -> int:
         return sum(self.step_mask)
 
     @property
@@ -55,7 +55,7 @@ class RunStats:
 
     def to_dict(self) -> dict:
         """``warnings``: the run's own and the cache's (a custom steps_mask fitted to the run's length)."""
-        d = {"steps_total": self.model_calls, "steps_computed": self.steps_computed,
+        d = {"steps": self.steps, "model_calls": self.model_calls, "calls_computed": self.calls_computed,
              "sampling_seconds": round(self.sampling_seconds, 4), "step_mask": "".join("x" if m else "." for m in self.step_mask),
              "warnings": list(self.warnings) + list(self.cache.get("warnings", []))}
         if self.cache:

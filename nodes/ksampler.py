@@ -152,7 +152,7 @@ def run_stats(engine, node_id, warnings=()) -> dict:
     stats["state"] = "done"
     # one cell per model call: True = computed, False = cached (Cache-DiT reused the residual)
     stats["timeline"] = list(engine.last_run.step_mask)
-    stats["steps_cached"] = stats["steps_total"] - stats["steps_computed"]
+    stats["calls_cached"] = stats["model_calls"] - stats["calls_computed"]
     stats.setdefault("speedup", 1.0)
     offload = described["offload"]
     if offload is not None:

@@ -41,7 +41,7 @@ def run(engine, cache=None, steps=10, cfg=4.0, b=1, hw=4, **kw):
 
 def test_off_is_bit_equal_and_runner_untouched(engine, monkeypatch):
     base = run(engine)
-    assert engine.last_run.cache == {} and engine.last_run.steps_computed == 10
+    assert engine.last_run.cache == {} and engine.last_run.calls_computed == 10
     off = run(engine, CacheConfig(enabled=False))
     assert torch.equal(base, off)
     monkeypatch.setenv("SGLANG_CACHE_DIT_ENABLED", "true")
@@ -64,12 +64,12 @@ def test_env_switches_the_cache_on(engine, monkeypatch):
     st = engine.last_run
     assert st.cache["preset"] == "balanced"
     assert "".join("1" if m else "0" for m in st.step_mask) == mask_str(preset_mask("balanced", 20))
-    assert st.steps_computed == sum(preset_mask("balanced", 20)) < 20
+    assert st.calls_computed == sum(preset_mask("balanced", 20)) < 20
     assert not torch.equal(base, out)  # the cache engaged
     assert torch.isfinite(out).all()
     assert (out - base).abs().max() < 0.5 * base.abs().max()
     d = st.to_dict()
-    assert d["steps_computed"] == st.steps_computed and d["speedup"] is not None and "cache" in d
+    assert d["calls_computed"] == st.calls_computed and d["speedup"] is not None and "cache" in d
     assert engine.model.block_runner is run_all_blocks
 
 
@@ -103,7 +103,7 @@ def test_threshold_zero_never_caches(engine):
 
 def test_dynamic_mask_respects_threshold(engine):
     run(engine, CacheConfig(preset="fast", scm_policy="dynamic", rdt=0.0), steps=20)
-    assert engine.last_run.steps_computed == 20
+    assert engine.last_run.calls_computed == 20
     run(engine, CacheConfig(preset="fast", scm_policy="dynamic", rdt=1.0, mc=-1), steps=20)
     assert engine.last_run.cache["mask"] == mask_str(preset_mask("fast", 20))
 
@@ -127,7 +127,7 @@ def test_batch_denoise_heun(engine):
     st = engine.last_run
     assert len(st.step_mask) == 19 and st.cache["mask"] == mask_str(preset_mask("balanced", 19))
     run(engine, CacheConfig(preset="balanced"), steps=10, cfg=1.0)  # no CFG: one branch
-    assert engine.last_run.steps_computed == sum(preset_mask("balanced", 10))
+    assert engine.last_run.calls_computed == sum(preset_mask("balanced", 10))
 
 
 def test_interrupt_restores_the_default_runner(engine):

@@ -23,7 +23,7 @@ def test_help_for_each_command():
 
 def test_bench_random_tiny_json():
     out = json.loads(run("bench", "--size", "tiny", "--steps", "2", "--repeat", "1", "--json").stdout)
-    assert out["model"] == "random:tiny" and out["steps_total"] == 2 and out["steps_computed"] == 2
+    assert out["model"] == "random:tiny" and out["model_calls"] == 2 and out["calls_computed"] == 2
     assert out["forward_ms_median"] > 0 and out["image_tokens"] == 256
 
 
@@ -90,7 +90,7 @@ def test_generate_demo_png_with_metadata_and_json(tmp_path):
     r = run("generate", "--prompt", "a small green square at the top, on a white background", "--seed", "3",
             "--steps", "6", "--out", str(out), "--json")
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res["steps_total"] == 6 and res["steps_computed"] == 6 and res["seed"] == 3
+    assert res["model_calls"] == 6 and res["calls_computed"] == 6 and res["seed"] == 3
     assert res["load_seconds"] > 0 and res["sampling_seconds"] > 0
     im = Image.open(out)
     assert im.size == (64, 64)
@@ -111,7 +111,7 @@ def test_generate_with_cache_preset_and_bad_preset(tmp_path):
     r = run("generate", "--prompt", "a large red circle on the left, on a blue background", "--steps", "20",
             "--cache-preset", "fast", "--out", str(tmp_path / "c.png"), "--json")
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res["steps_total"] == 20 and res["steps_computed"] < 20 and len(res["step_mask"]) == 20
+    assert res["model_calls"] == 20 and res["calls_computed"] < 20 and len(res["step_mask"]) == 20
     bad = run("generate", "--prompt", "x", "--cache-preset", "turbo", "--out", str(tmp_path / "d.png"), check=False)
     assert bad.returncode == 2 and "turbo" in bad.stderr and "balanced" in bad.stderr and "Traceback" not in bad.stderr
 

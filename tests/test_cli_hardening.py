@@ -174,7 +174,7 @@ def test_a_failed_png_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path,
     from engine.cli.generate import _save_png
 
     out = tmp_path / "pic.png"
-    _save_png(_image(10), str(out), {"seed": 1}, {"steps_total": 1, "steps_computed": 1, "step_mask": "x"})
+    _save_png(_image(10), str(out), {"seed": 1}, {"model_calls": 1, "calls_computed": 1, "step_mask": "x"})
     before = out.read_bytes()
 
     def full_disk(self, fp, *args, **kwargs):
@@ -185,7 +185,7 @@ def test_a_failed_png_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path,
 
     monkeypatch.setattr(Image.Image, "save", full_disk)
     with pytest.raises(OSError, match="No space left"):
-        _save_png(_image(200), str(out), {"seed": 2}, {"steps_total": 1, "steps_computed": 1, "step_mask": "x"})
+        _save_png(_image(200), str(out), {"seed": 2}, {"model_calls": 1, "calls_computed": 1, "step_mask": "x"})
     assert out.read_bytes() == before
     assert os.listdir(tmp_path) == ["pic.png"]
 
@@ -217,7 +217,7 @@ def test_two_writers_on_one_path_give_one_whole_picture(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Image.Image, "save", slow_save)
     out = tmp_path / "pic.png"
-    stats = {"steps_total": 1, "steps_computed": 1, "step_mask": "x"}
+    stats = {"model_calls": 1, "calls_computed": 1, "step_mask": "x"}
     pictures = {s: np.random.default_rng(s).integers(0, 256, (64, 64, 3), dtype=np.uint8) for s in (1, 2)}
     errors = []
 

@@ -45,7 +45,7 @@ def test_matches_hand_written_loop_with_cfg(eng):
     got = eng.sample(latent, [cond], [uncond], seed=11, steps=5, cfg=4.0)
     want = manual_euler(eng, latent, cond, uncond, 11, 5, 4.0)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert eng.last_run.model_calls == 5 and eng.last_run.steps_computed == 5
+    assert eng.last_run.model_calls == 5 and eng.last_run.calls_computed == 5
 
 
 def test_cfg_one_is_a_single_pass_and_ignores_uncond(eng, monkeypatch):
@@ -101,10 +101,10 @@ def test_callback_sees_every_step_and_can_interrupt(eng):
 
     with pytest.raises(Stop):
         eng.sample(torch.zeros(1, CFG.in_channels, 4, 4), [feats(3, 1)], seed=0, steps=10, cfg=1.0, callback=stop_at_2)
-    assert eng.last_run.steps_computed == 3  # stopped within one step
+    assert eng.last_run.calls_computed == 3  # stopped within one step
     # the next run is unaffected
     out = eng.sample(torch.zeros(1, CFG.in_channels, 4, 4), [feats(3, 1)], seed=0, steps=4, cfg=1.0)
-    assert torch.isfinite(out).all() and eng.last_run.steps_computed == 4
+    assert torch.isfinite(out).all() and eng.last_run.calls_computed == 4
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -77,7 +77,7 @@ def test_generate_from_ernie_files_writes_png_and_json(ernie_files, tmp_path):
              "--out", str(out), "--json"])
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result["model"] == "dit.safetensors" and result["steps_total"] == 3 and result["steps_computed"] == 3
+    assert result["model"] == "dit.safetensors" and result["model_calls"] == 3 and result["calls_computed"] == 3
     assert result["load_seconds"] > 0 and result["sampling_seconds"] > 0
     img = Image.open(out)
     assert img.size == (32, 48)

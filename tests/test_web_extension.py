@@ -340,12 +340,12 @@ def test_timeline_after_a_cached_run(comfy, page):
     stats = entry["outputs"][ks]["sgld_stats"][0]
     # the cells are the run's step mask, call by call; Cache-DiT cached some of them
     assert panel["mask"] == stats["step_mask"], (panel, stats)
-    assert panel["computed"] == stats["steps_computed"] > 0
-    assert panel["cached"] == stats["steps_total"] - stats["steps_computed"] > 0
+    assert panel["computed"] == stats["calls_computed"] > 0
+    assert panel["cached"] == stats["model_calls"] - stats["calls_computed"] > 0
     assert stats["node"] == ks and stats["state"] == "done" and stats["timeline"] == [c == "x" for c in stats["step_mask"]]
     text = panel["text"]
     assert f"{stats['speedup']:.2f}x" in text, text
-    assert f"{stats['steps_computed']} computed" in text and f"{panel['cached']} cached" in text
+    assert f"{stats['calls_computed']} computed" in text and f"{panel['cached']} cached" in text
     assert f"attention {stats['attention']}" in text and "offload none" in text and "quant none" in text
     assert f"Cache-DiT {ids['preset']}" in text, text
     # the server's own message carried the same statistics

@@ -101,7 +101,7 @@ def cmd_bench(args) -> dict:
                    seed=0, steps=args.steps, cfg=args.cfg)
         sync()
         result.update({"steps": args.steps, "cfg": args.cfg, "sampling_seconds": round(time.perf_counter() - s, 3),
-                       **{k: v for k, v in eng.last_run.to_dict().items() if k in ("steps_total", "steps_computed")}})
+                       **{k: v for k, v in eng.last_run.to_dict().items() if k in ("model_calls", "calls_computed")}})
     described = eng.describe()  # after the runs: the offload counters
     if described["offload"] is not None:
         result["offload"] = described["offload"]

@@ -123,8 +123,8 @@ def cmd_generate(args) -> dict:
     except OSError as e:
         raise ValueError(f"--out '{args.out}': could not write it: {e.strerror or e}") from None
     result = {**settings, "out": args.out, "load_seconds": round(load_s, 3),
-              "sampling_seconds": stats["sampling_seconds"], "steps_total": stats["steps_total"],
-              "steps_computed": stats["steps_computed"], "step_mask": stats["step_mask"]}
+              "sampling_seconds": stats["sampling_seconds"], "model_calls": stats["model_calls"],
+              "calls_computed": stats["calls_computed"], "step_mask": stats["step_mask"]}
     if "speedup" in stats:
         result["speedup"] = stats["speedup"]
     parallel = eng.describe()["parallel"]
@@ -135,7 +135,7 @@ def cmd_generate(args) -> dict:
         print(json.dumps(result))
     else:
         print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]}): load {load_s:.2f} s, sampling "
-              f"{stats['sampling_seconds']:.2f} s, {stats['steps_computed']}/{stats['steps_total']} steps computed")
+              f"{stats['sampling_seconds']:.2f} s, {stats['calls_computed']}/{stats['model_calls']} steps computed")
     return result
 
 
@@ -148,7 +148,7 @@ def _save_png(image, path: str, settings: dict, stats: dict) -> None:
     at all (a temporary file in the same folder, then renamed): the previous picture survives any failure."""
     info = PngInfo()
     info.add_text("prompt", json.dumps(settings))
-    info.add_text("sgld", json.dumps({k: stats[k] for k in ("steps_total", "steps_computed", "step_mask")}))
+    info.add_text("sgld", json.dumps({k: stats[k] for k in ("model_calls", "calls_computed", "step_mask")}))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with atomic_write(path, suffix=".png.part") as f:
         Image.fromarray(image).save(f, format="PNG", pnginfo=info)

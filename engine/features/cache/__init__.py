@@ -61,7 +61,7 @@ def run_line(stats) -> str:
     """One log line for a run (``engine.last_run``): what the cache did and the measured speedup."""
     cache = getattr(stats, "cache", None) or {}
     if not cache:
-        return f"Cache-DiT off: {stats.steps_computed}/{stats.model_calls} model calls computed"
+        return f"Cache-DiT off: {stats.calls_computed}/{stats.model_calls} model calls computed"
     name = cache.get("preset") or "DBCache"
     sp = stats.speedup
     line = (f"Cache-DiT {name}: {cache['computed']}/{cache['calls']} model calls computed ({cache['cached']} cached), "

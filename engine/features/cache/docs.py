@@ -47,7 +47,7 @@ SGLANG_CACHE_DIT_ENABLED=true SGLANG_CACHE_DIT_SCM_PRESET=fast sgld generate ...
 or the **SGLDiffusion Cache-DiT** node (preset, or `advanced` fields) connected to the `cache` input of
 **SGLDiffusion KSampler**; the node wins over the environment (`enabled` off there = no cache). From
 Python: `engine.sample(..., cache=CacheConfig(preset="balanced"))` or `EngineConfig(cache=...)`;
-`engine.last_run` then holds the step mask that happened, `steps_computed` and the measured speedup.
+`engine.last_run` then holds the step mask that happened, `calls_computed` and the measured speedup.
 
 | variable | values | default | meaning |
 |---|---|---|---|
