@@ -1,6 +1,6 @@
 """SGLDiffusion Cache-DiT: preset or advanced DBCache settings -> SGLD_CACHE for the SGLDiffusion KSampler.
 
-The SGLD_CACHE value is an ``engine.cache.CacheConfig``; connected to the KSampler it takes
+The SGLD_CACHE value is an ``engine.features.cache.CacheConfig``; connected to the KSampler it takes
 precedence over the SGLANG_CACHE_DIT_* environment variables (``enabled`` off = no cache at all).
 """
 from __future__ import annotations

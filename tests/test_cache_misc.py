@@ -40,7 +40,7 @@ def test_speedups():
 
 def test_docs_are_generated_from_the_code():
     with open(os.path.join(ROOT, "docs", "cache_dit.md")) as f:
-        assert f.read() == render(), "docs/cache_dit.md is stale: run python -m engine.cache.docs docs/cache_dit.md"
+        assert f.read() == render(), "docs/cache_dit.md is stale: run python -m engine.features.cache.docs docs/cache_dit.md"
     text = render()
     for n in (8, 20, 28, 50):
         assert f"{n} steps" in text

@@ -105,6 +105,29 @@ def test_no_import_cycles():
     assert cycles(import_graph()) == []
 
 
+# The layers of docs/architecture.md, lowest first: a module imports only from its own layer or below.
+LAYERS = [("engine.errors", "engine.options"), ("engine.models.ernie_image",), ("engine.io",),
+          ("engine.models",), ("engine.features",), ("engine.config", "engine.sampling"), ("engine.inputs", "engine.local"),
+          ("engine.engine",), ("engine.parallel",), ("engine.router",), ("engine", "engine.cli", "nodes")]
+
+
+def layer(module: str) -> int:
+    """The layer of the longest prefix of ``module`` that LAYERS names."""
+    best = None
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if (module == n or module.startswith(n + ".")) and (best is None or len(n) > len(best[1])):
+                best = (i, n)
+    assert best is not None, f"{module} is in no layer of LAYERS"
+    return best[0]
+
+
+def test_imports_run_down_the_layers():
+    up = [f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+          for a, targets in import_graph().items() for b in sorted(targets) if layer(b) > layer(a)]
+    assert up == []
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

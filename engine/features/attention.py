@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..models.ernie_image import sdpa  # the model's own attention: the default backend
 from . import patching
 
 log = logging.getLogger("sgld.attention")
@@ -31,12 +31,6 @@ SAGE1_CAPABILITIES = {(8, 0), (8, 6), (8, 7), (8, 9), (9, 0)}
 # 2.x capabilities whose sageattn() runs a CUDA kernel that masks the key tail (sm86 runs Triton).
 SAGE2_MASKED_TAIL = {(8, 0), (8, 9), (9, 0), (12, 0), (12, 1)}
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    mask = None if key_mask is None else key_mask[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return out.transpose(1, 2)
 
 
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:

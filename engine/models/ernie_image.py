@@ -22,7 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..features import attention as attention_backends
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The model's default attention, [B, S, H, D] in and out; ``key_mask`` [B, S_k], True = attend.
+    Other backends (engine/features/attention.py) take the same arguments."""
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.transpose(1, 2)
+
 
 ARCHITECTURE = "ernie-image"
 # Keys that identify an ERNIE-Image DiT state dict (as ComfyUI and other tools detect it).
@@ -325,7 +332,7 @@ class ErnieImageTransformer(nn.Module):
         self.layers = nn.ModuleList([ErnieImageBlock(cfg) for _ in range(cfg.num_layers)])
         self.final_norm = FinalNorm(cfg)
         self.final_linear = nn.Linear(h, cfg.patch_size * cfg.patch_size * cfg.out_channels)
-        self.attention = attention_backends.sdpa
+        self.attention = sdpa
         # Replaceable by wrappers (cache, offload, parallel): (model, h, ctx) -> h.
         self.block_runner: Callable = run_all_blocks
 

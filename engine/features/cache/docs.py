@@ -1,4 +1,4 @@
-"""Writes docs/cache_dit.md (the README section) from the code: ``python -m engine.cache.docs [out.md]``."""
+"""Writes docs/cache_dit.md (the README section) from the code: ``python -m engine.features.cache.docs [out.md]``."""
 from __future__ import annotations
 
 import sys
