@@ -18,9 +18,9 @@ from .config import EngineConfig
 from .errors import ModelOutputError
 from .features.cache import measured_speedup, resolve_config
 from .features.offload import get_offload
-from .inputs import check_conditioning, check_latent, check_sampler, check_sampling_settings, check_seed
+from .inputs import check_conditioning, check_latent, check_sampler, check_sampling_settings, check_seed, check_sigmas
 from .local import LocalForward
-from .sampling import DEFAULT_SHIFT, model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule, step_of_call
+from .sampling import DEFAULT_SHIFT, SAMPLERS, model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule, step_of_call
 
 
 @dataclass
@@ -156,25 +156,27 @@ class Engine:
         """One DiT forward, like ``model(x, timestep, text, lens)`` (benchmarks; no cache)."""
         return self.forward.dit(x, timestep, text, lens)
 
-    def make_denoiser(self, cond: List[torch.Tensor], uncond: Optional[List[torch.Tensor]], cfg: float, run):
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, text: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """One model call outside any run (no cache, ``last_run`` untouched): the flow velocity in float32."""
+        run = self.forward.run(None, cfg_batched=False)
+        try:
+            return run.call(x, sigma, text, lens)[0]
+        finally:
+            run.finish()
+
+    def make_denoiser(self, cond: List[torch.Tensor], uncond: Optional[List[torch.Tensor]], cfg: float,
+                      calls: "ModelCalls"):
         """denoised(x, sigma) with CFG as ComfyUI computes it: uncond + (cond - uncond) * cfg on x0, through
-        ``run`` (the forward's run: one model call -> velocity and whether the DiT was computed)."""
+        ``calls`` (this run's model calls: velocity, cache and statistics)."""
         use_cfg = uncond is not None and cfg != 1.0
         features = cond + uncond if use_cfg else cond
         text, lens = pad_text(features, self.forward.dtype, self.device)
-        stats = self.last_run
 
         def denoiser(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             b = x.shape[0]
             xs = torch.cat([x, x]) if use_cfg else x
             sig = torch.cat([sigma, sigma]) if use_cfg else sigma
-            t0 = time.perf_counter()
-            v, computed = run.call(xs, sig, text, lens)
-            stats.call_seconds.append(time.perf_counter() - t0)
-            stats.step_mask.append(computed)
-            if not torch.isfinite(v).all():  # one cheap check a call: stop at the first bad step
-                raise stats.nonfinite_output()
-            denoised = xs - v * sig.view(-1, 1, 1, 1)
+            denoised = xs - calls(xs, sig, text, lens) * sig.view(-1, 1, 1, 1)
             if not use_cfg:
                 return denoised
             cond_pred, uncond_pred = denoised[:b], denoised[b:]
@@ -182,7 +184,23 @@ class Engine:
 
         return denoiser
 
-    def _start_run(self, latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift):
+    def begin_run(self, sigmas: torch.Tensor, sampler: str, cfg_batched: bool, cache=None) -> "ModelCalls":
+        """The model calls of one run whose sampling loop is outside the engine (ComfyUI's samplers on the
+        MODEL output): ``last_run`` restarts, Cache-DiT counts the calls of ``sampler`` over ``sigmas``.
+        ``cfg_batched``: every call holds the cond samples, then as many uncond ones. Call ``finish()``
+        at the end. A sampler the cache cannot count calls for runs uncached, with a warning."""
+        n = max(len(sigmas) - 1, 0)
+        calls = model_calls(sampler, n) if sampler in SAMPLERS else 0
+        if sampler == "heun" and n and float(sigmas[-1]) != 0.0:
+            calls += 1  # heun's second call on the last step too when the schedule does not end at 0
+        self.last_run = RunStats(steps=n, model_calls=calls, sampler=sampler)
+        plan = self._cache_plan(cache) if calls else None
+        if not calls and resolve_config(cache if cache is not None else self.config.cache).enabled:
+            self.last_run.warnings.append(f"Cache-DiT is off for this run: it counts model calls for the samplers "
+                                          f"{', '.join(SAMPLERS)}, not '{sampler}'")
+        return ModelCalls(self.last_run, self.forward.run(plan, cfg_batched=cfg_batched))
+
+    def _start_run(self, latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift, sigmas=None):
         """Check every input (InputError naming what is wrong), make the sigmas and reset ``last_run``.
         Returns (latent as float32 on the CPU, cond, uncond or None when unused, sigmas)."""
         check_sampler(sampler, scheduler)
@@ -192,7 +210,7 @@ class Engine:
         b = latent.shape[0]
         cond = check_conditioning(mc, "positive", cond, b)
         uncond = check_conditioning(mc, "negative", uncond, b) if uncond is not None and cfg != 1.0 else None
-        sigmas = sigma_schedule(int(steps), scheduler, denoise, shift)
+        sigmas = sigma_schedule(int(steps), scheduler, denoise, shift) if sigmas is None else check_sigmas(sigmas, steps)
         n = max(len(sigmas) - 1, 0)  # denoise 0: no sigmas at all
         self.last_run = RunStats(steps=n, model_calls=model_calls(sampler, n) if n else 0, sampler=sampler)
         if not n:
@@ -216,26 +234,50 @@ class Engine:
     @torch.no_grad()
     def sample(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
                sampler: str = "euler", scheduler: str = "simple", denoise: float = 1.0,
-               shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None, cache=None) -> torch.Tensor:
+               shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None, cache=None, sigmas=None) -> torch.Tensor:
         """Sample from ``latent`` (zeros for text-to-image) and return the denoised latent (float32, CPU).
 
         ``cond``/``uncond`` are lists of per-sample text features [T_i, C] of any lengths (one entry
         is broadcast over the batch). ``callback(step, total, x, denoised)`` runs after every step's
         model call and may raise to interrupt. ``cache``: an ``engine.features.cache.CacheConfig``; None =
         the engine config's, else the environment's (SGLANG_CACHE_DIT_*); ``CacheConfig(enabled=False)`` = off.
+        ``sigmas``: the caller's own schedule (``steps`` + 1 values) instead of scheduler, denoise and shift.
         """
-        latent, cond, uncond, sigmas = self._start_run(latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift)
+        latent, cond, uncond, sigmas = self._start_run(latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift,
+                                                       sigmas)
         if len(sigmas) < 2:
             return latent.clone()
         x, step_cb = self._first_step(latent, sigmas, seed, callback)
         plan = self._cache_plan(cache)
-        start = time.perf_counter()
-        run = self.forward.run(plan, cfg_batched=uncond is not None)
+        calls = ModelCalls(self.last_run, self.forward.run(plan, cfg_batched=uncond is not None))
         try:
-            out = run_sampler(sampler, self.make_denoiser(cond, uncond, cfg, run), x, sigmas, callback=step_cb, seed=seed)
+            out = run_sampler(sampler, self.make_denoiser(cond, uncond, cfg, calls), x, sigmas, callback=step_cb, seed=seed)
         finally:
-            summary = run.finish()
-            if summary:
-                self.last_run.cache = summary
-        self.last_run.sampling_seconds = time.perf_counter() - start
+            calls.finish()
         return out
+
+
+class ModelCalls:
+    """The model calls of one run: velocity through the forward's run (the Cache-DiT runner in the block
+    loop when on), each call's time and whether the DiT was computed in ``stats``, NaN/inf refused."""
+
+    def __init__(self, stats: RunStats, run):
+        self.stats, self.run = stats, run
+        self.started = time.perf_counter()
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, text: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Velocity (float32, on x's device) for x at sigma [B] with padded text [B, T, C] and lengths [B]."""
+        t0 = time.perf_counter()
+        v, computed = self.run.call(x, sigma, text, lens)
+        self.stats.call_seconds.append(time.perf_counter() - t0)
+        self.stats.step_mask.append(computed)
+        if not torch.isfinite(v).all():  # one cheap check a call: stop at the first bad step
+            raise self.stats.nonfinite_output()
+        return v
+
+    def finish(self) -> None:
+        """The block loop back to the model's own; the cache's summary into ``stats``."""
+        summary = self.run.finish()
+        if summary:
+            self.stats.cache = summary
+        self.stats.sampling_seconds = time.perf_counter() - self.started

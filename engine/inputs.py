@@ -39,6 +39,19 @@ def check_seed(seed, name: str = "seed") -> int:
     return _integer(name, seed, 0, MAX_SEED)
 
 
+def check_sigmas(sigmas, steps) -> torch.Tensor:
+    """A caller's own sigma schedule (float32, CPU): 1-D, finite, non-negative, non-increasing, ``steps`` + 1
+    entries (at most MAX_SCHEDULE + 1)."""
+    t = torch.as_tensor(sigmas).detach().to("cpu", torch.float32)
+    if t.dim() != 1 or not 2 <= t.numel() <= MAX_SCHEDULE + 1:
+        raise InputError(f"sigmas must be a 1-D list of 2 to {MAX_SCHEDULE + 1} values; got shape {tuple(t.shape)}")
+    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()) or bool((t[1:] > t[:-1]).any()):
+        raise InputError("sigmas must be finite, non-negative and non-increasing")
+    if steps != t.numel() - 1:
+        raise InputError(f"steps is {steps} but the sigmas make {t.numel() - 1} steps; they must agree")
+    return t
+
+
 def check_sampling_settings(*, steps, cfg, denoise=1.0, shift=DEFAULT_SHIFT, names=None) -> None:
     """Refuse settings that would make a blank picture (NaN, inf, out of range) or unbounded work, before any
     work: InputError naming the setting and what is allowed (limits: engine/sampling.py). ``names``: how the

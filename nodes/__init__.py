@@ -6,6 +6,7 @@ so the engine is imported relatively (``from ..engine import ...``).
 import logging
 
 from . import cache_dit, demo
+from .comfy_model import SGLDiffusionApplyCacheDiT
 from .ksampler import SGLDiffusionKSampler, last_runs
 from .loader import SGLDiffusionModelLoader
 from .lora import SGLDiffusionLoraLoader
@@ -15,11 +16,13 @@ NODE_CLASS_MAPPINGS = {
     "SGLDiffusionModelLoader": SGLDiffusionModelLoader,
     "SGLDiffusionKSampler": SGLDiffusionKSampler,
     "SGLDiffusionLoraLoader": SGLDiffusionLoraLoader,
+    "SGLDiffusionApplyCacheDiT": SGLDiffusionApplyCacheDiT,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "SGLDiffusionModelLoader": "SGLDiffusion Model Loader",
     "SGLDiffusionKSampler": "SGLDiffusion KSampler",
     "SGLDiffusionLoraLoader": "SGLDiffusion LoRA Loader",
+    "SGLDiffusionApplyCacheDiT": "SGLDiffusion Apply Cache-DiT",
 }
 for module in (cache_dit, demo):
     NODE_CLASS_MAPPINGS.update(module.NODE_CLASS_MAPPINGS)

@@ -11,6 +11,7 @@ from ..engine.features.attention import BACKENDS, available_backends
 from ..engine.models.demo import DEMO_WEIGHTS
 from ..engine.options import from_widgets, node_inputs, widget_defaults
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
+from .comfy_model import comfy_model
 from .demo import DEMO_CHOICE
 from .model_cache import SGLDModel, get_engine
 
@@ -85,9 +86,11 @@ class SGLDiffusionModelLoader:
     DESCRIPTION = ("Loads an ERNIE-Image diffusion model (.safetensors from models/diffusion_models) into the "
                    "SGLDiffusion engine. The model stays loaded between runs until the inputs change or ComfyUI frees memory.")
     CATEGORY = "SGLDiffusion"
-    RETURN_TYPES = ("SGLD_MODEL",)
-    RETURN_NAMES = ("model",)
-    OUTPUT_TOOLTIPS = ("The loaded model, for SGLDiffusion KSampler.",)
+    RETURN_TYPES = ("SGLD_MODEL", "MODEL")
+    RETURN_NAMES = ("model", "comfy_model")
+    OUTPUT_TOOLTIPS = ("For SGLDiffusion KSampler and LoRA Loader.",
+                       "ComfyUI's MODEL on the same engine: any sampler (KSampler, SamplerCustomAdvanced, ...); "
+                       "SGLDiffusion Apply Cache-DiT adds the cache.")
     FUNCTION = "load"
 
     @classmethod
@@ -130,4 +133,4 @@ class SGLDiffusionModelLoader:
             raise ValueError(f"{NODE}: {e}") from None
         for w in engine.warnings:
             log.warning("%s: %s", NODE, w)
-        return (handle,)
+        return handle, comfy_model(handle, engine)

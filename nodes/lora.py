@@ -14,10 +14,12 @@ import os
 import folder_paths
 
 from ..engine import CheckpointError
+from .comfy_model import SGLDModelPatcher, with_loras
 from .model_cache import get_engine
 
 log = logging.getLogger("sgldiffusion")
 FOLDER = "loras"
+MODEL_TYPES = "SGLD_MODEL,MODEL"  # either output of the loader; the result has the input's type
 NODE = "SGLDiffusion LoRA Loader"
 
 
@@ -39,16 +41,18 @@ class SGLDiffusionLoraLoader:
                    "shared with the input model; the LoRA is merged before sampling and removed exactly when a graph "
                    "samples without it. Formats: diffusers/PEFT, ai-toolkit, kohya and the other forms ComfyUI reads.")
     CATEGORY = "SGLDiffusion"
-    RETURN_TYPES = ("SGLD_MODEL",)
+    RETURN_TYPES = (MODEL_TYPES,)
     RETURN_NAMES = ("model",)
-    OUTPUT_TOOLTIPS = ("The model with this LoRA added, for SGLDiffusion KSampler or another LoRA Loader.",)
+    OUTPUT_TOOLTIPS = ("The model with this LoRA added, of the input's type (SGLD_MODEL for SGLDiffusion KSampler, "
+                       "MODEL for any sampler).",)
     FUNCTION = "load"
 
     @classmethod
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": ("SGLD_MODEL", {"tooltip": "From SGLDiffusion Model Loader or another SGLDiffusion LoRA Loader."}),
+                "model": (MODEL_TYPES, {"tooltip": "From SGLDiffusion Model Loader (either output) or another "
+                                                   "SGLDiffusion LoRA Loader."}),
                 "lora_name": (lora_files(), {"tooltip": "The LoRA file (models/loras), trained for ERNIE-Image."}),
                 "strength": ("FLOAT", {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01,
                                        "tooltip": "How strongly the LoRA changes the model; 0 turns it off, negative inverts it."}),
@@ -68,7 +72,9 @@ class SGLDiffusionLoraLoader:
             return float("nan")
 
     def load(self, model, lora_name, strength=1.0):
-        if not hasattr(model, "with_lora"):
+        """``model``: SGLD_MODEL, or the loader's ComfyUI MODEL (comfy_model); the result is of the same type."""
+        comfy = isinstance(model, SGLDModelPatcher)
+        if not comfy and not hasattr(model, "with_lora"):
             raise ValueError(f"{NODE}: 'model' must come from SGLDiffusion Model Loader (got {type(model).__name__})")
         if not math.isfinite(float(strength)):
             raise ValueError(f"{NODE}: strength is {strength}; it must be a finite number (-100 to 100)")
@@ -76,8 +82,8 @@ class SGLDiffusionLoraLoader:
         try:
             # read it now against the model (not applied yet), so a wrong file is reported on this node;
             # the engine's method: a multi-GPU engine reads it on its workers
-            for msg in get_engine(model).check_lora(path):
+            for msg in (model.sgld_engine() if comfy else get_engine(model)).check_lora(path):
                 log.warning("%s: %s", NODE, msg)
         except CheckpointError as e:
             raise ValueError(f"{NODE}: {e}") from None
-        return (model.with_lora(path, strength),)
+        return (with_loras(model, [(path, float(strength))]) if comfy else model.with_lora(path, strength),)

@@ -80,6 +80,18 @@ def _drop(key: tuple, reason: str) -> None:
         log.info("SGLDiffusion: released %s (%s)", os.path.basename(key[0]), reason)
 
 
+def drop_engine(handle: SGLDModel, reason: str) -> None:
+    """Release the engine of ``handle``'s file and options if it is loaded (the next use reloads it)."""
+    try:
+        key = cache_key(handle.path, handle.config)
+    except CheckpointError:
+        return
+    with _lock:
+        if key in _engines:
+            _drop(key, reason)
+    gc.collect()
+
+
 def get_engine(handle: SGLDModel) -> Engine:
     """The engine for ``handle``: from the cache, or loaded now (errors: engine.CheckpointError)."""
     key = cache_key(handle.path, handle.config)

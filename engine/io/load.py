@@ -36,6 +36,11 @@ def build_model(cfg: ErnieImageConfig, device: Union[str, torch.device] = "meta"
         return ErnieImageTransformer(cfg)
 
 
+def checkpoint_shapes(cfg: ErnieImageConfig) -> Dict[str, Tuple[int, ...]]:
+    """Every tensor of a model of ``cfg`` by its checkpoint name, with its shape (nothing is allocated)."""
+    return {k: tuple(v.shape) for k, v in build_model(cfg, "meta").state_dict().items()}
+
+
 def check_keys(ckpt: Checkpoint, missing: List[str], unexpected: List[str]) -> None:
     """Refuse a checkpoint whose tensor names do not match the model, naming the first few of each."""
     if not missing and not unexpected:

@@ -16,6 +16,12 @@ LATENT_CHANNELS = 3 * FACTOR * FACTOR  # 48
 SCALE = 127.5
 
 
+def preview_rgb_factors() -> list:
+    """[48][3] weights taking a latent pixel to RGB in [-1, 1] (each colour: the mean of its 16 sub-pixels), in
+    the form ComfyUI's latent previews take (``LatentFormat.latent_rgb_factors``)."""
+    return [[1.0 / (FACTOR * FACTOR) if ch % 3 == c else 0.0 for c in range(3)] for ch in range(LATENT_CHANNELS)]
+
+
 def encode(images: Union[np.ndarray, torch.Tensor]) -> torch.Tensor:
     """images uint8 [B, H, W, 3] (or float in 0..1, or one image [H, W, 3]) -> latent float32 [B, 48, H/4, W/4]."""
     x = torch.as_tensor(np.asarray(images)) if not isinstance(images, torch.Tensor) else images
