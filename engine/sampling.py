@@ -30,7 +30,7 @@ MAX_SHIFT = 100.0
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's largest value
 MAX_IMAGE_SIDE = 4096  # pixels (ERNIE-Image files: twice the largest documented size)
 MAX_IMAGE_TOKENS = (MAX_IMAGE_SIDE // 16) ** 2  # image tokens per sample (ERNIE-Image: 1 token per 16x16 px)
-MAX_BATCH_INDEX = 4095  # a LATENT's batch_index: noise is drawn for every index up to the largest (ComfyUI's batch nodes: 4095)
+MAX_BATCH_INDEX = 4095  # a LATENT's batch_index: noise is drawn for every index up to the largest (ImageFromBatch's limit)
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 StepCallback = Callable[[int, torch.Tensor, torch.Tensor], None]  # (step index, x, denoised)
