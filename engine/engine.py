@@ -18,9 +18,11 @@ from .config import EngineConfig
 from .errors import ModelOutputError
 from .features.cache import measured_speedup, resolve_config
 from .features.offload import get_offload
-from .inputs import check_conditioning, check_latent, check_sampler, check_sampling_settings, check_seed, check_sigmas
+from .inputs import (check_batch_index, check_conditioning, check_latent, check_noise_mask, check_sampler,
+                     check_sampling_settings, check_seed, check_sigmas)
 from .local import LocalForward
-from .sampling import DEFAULT_SHIFT, SAMPLERS, model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule, step_of_call
+from .sampling import (DEFAULT_SHIFT, SAMPLERS, inpaint_denoiser, model_calls, noise_scaling, prepare_mask, run_sampler,
+                       seeded_noise, sigma_schedule, step_of_call)
 
 
 @dataclass
@@ -200,31 +202,36 @@ class Engine:
                                           f"{', '.join(SAMPLERS)}, not '{sampler}'")
         return ModelCalls(self.last_run, self.forward.run(plan, cfg_batched=cfg_batched))
 
-    def _start_run(self, latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift, sigmas=None):
+    def _start_run(self, latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift, seed, noise_mask, batch_index,
+                   sigmas=None):
         """Check every input (InputError naming what is wrong), make the sigmas and reset ``last_run``.
-        Returns (latent as float32 on the CPU, cond, uncond or None when unused, sigmas)."""
+        Returns (latent as float32 on the CPU, cond, uncond or None when unused, sigmas, the denoise mask
+        made for the latent or None, batch_index or None)."""
         check_sampler(sampler, scheduler)
         check_sampling_settings(steps=steps, cfg=cfg, denoise=denoise, shift=shift)
+        check_seed(seed)
         mc = self.model_config
         check_latent(mc, latent)
         b = latent.shape[0]
         cond = check_conditioning(mc, "positive", cond, b)
         uncond = check_conditioning(mc, "negative", uncond, b) if uncond is not None and cfg != 1.0 else None
+        mask = check_noise_mask(noise_mask)
+        batch_index = check_batch_index(batch_index, b)
         sigmas = sigma_schedule(int(steps), scheduler, denoise, shift) if sigmas is None else check_sigmas(sigmas, steps)
         n = max(len(sigmas) - 1, 0)  # denoise 0: no sigmas at all
         self.last_run = RunStats(steps=n, model_calls=model_calls(sampler, n) if n else 0, sampler=sampler)
         if not n:
             self.last_run.warnings.append("denoise is 0: nothing was denoised, the latent is returned unchanged")
-        return latent.detach().to("cpu", torch.float32), cond, uncond, sigmas
+        mask = None if mask is None else prepare_mask(mask, latent.shape)
+        return latent.detach().to("cpu", torch.float32), cond, uncond, sigmas, mask, batch_index
 
     @staticmethod
-    def _first_step(latent, sigmas, seed, callback):
-        """The starting x (ComfyUI's seeded noise scaled to sigmas[0]) and the sampler's step callback."""
-        check_seed(seed)
-        x = noise_scaling(sigmas[0], seeded_noise(latent.shape, seed), latent)
+    def _first_step(latent, sigmas, seed, batch_index, callback):
+        """ComfyUI's seeded noise, the starting x (that noise scaled to sigmas[0]) and the sampler's step callback."""
+        noise = seeded_noise(latent.shape, seed, batch_index)
         total = len(sigmas) - 1
         step_cb = None if callback is None else (lambda i, x_i, denoised: callback(i, total, x_i, denoised))
-        return x, step_cb
+        return noise, noise_scaling(sigmas[0], noise, latent), step_cb
 
     def _cache_plan(self, cache):
         """The resolved Cache-DiT settings of this run, or None when the cache is off."""
@@ -234,7 +241,9 @@ class Engine:
     @torch.no_grad()
     def sample(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
                sampler: str = "euler", scheduler: str = "simple", denoise: float = 1.0,
-               shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None, cache=None, sigmas=None) -> torch.Tensor:
+               shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None, cache=None,
+               noise_mask: Optional[torch.Tensor] = None, batch_index: Optional[Sequence[int]] = None,
+               sigmas=None) -> torch.Tensor:
         """Sample from ``latent`` (zeros for text-to-image) and return the denoised latent (float32, CPU).
 
         ``cond``/``uncond`` are lists of per-sample text features [T_i, C] of any lengths (one entry
@@ -242,16 +251,24 @@ class Engine:
         model call and may raise to interrupt. ``cache``: an ``engine.features.cache.CacheConfig``; None =
         the engine config's, else the environment's (SGLANG_CACHE_DIT_*); ``CacheConfig(enabled=False)`` = off.
         ``sigmas``: the caller's own schedule (``steps`` + 1 values) instead of scheduler, denoise and shift.
+
+        Inpainting, as ComfyUI's KSampler: ``noise_mask`` (a LATENT's: [N, 1, h, w] at any size, 1 = repaint,
+        0 = keep) is scaled to the latent and blended in at every model call (``sampling.inpaint_denoiser``);
+        with ``denoise < 1`` the repainted region starts from the input too. ``batch_index`` (a LATENT's, from
+        LatentFromBatch): which sample of the seed's batch noise each latent gets.
         """
-        latent, cond, uncond, sigmas = self._start_run(latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift,
-                                                       sigmas)
+        latent, cond, uncond, sigmas, mask, batch_index = self._start_run(
+            latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift, seed, noise_mask, batch_index, sigmas)
         if len(sigmas) < 2:
             return latent.clone()
-        x, step_cb = self._first_step(latent, sigmas, seed, callback)
+        noise, x, step_cb = self._first_step(latent, sigmas, seed, batch_index, callback)
         plan = self._cache_plan(cache)
         calls = ModelCalls(self.last_run, self.forward.run(plan, cfg_batched=uncond is not None))
+        denoiser = self.make_denoiser(cond, uncond, cfg, calls)
+        if mask is not None:
+            denoiser = inpaint_denoiser(denoiser, mask, noise, latent)
         try:
-            out = run_sampler(sampler, self.make_denoiser(cond, uncond, cfg, calls), x, sigmas, callback=step_cb, seed=seed)
+            out = run_sampler(sampler, denoiser, x, sigmas, callback=step_cb, seed=seed)
         finally:
             calls.finish()
         return out

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import List
+from typing import List, Optional
 
 import torch
 
 from .errors import InputError
 from .models.demo import codec
-from .sampling import (DEFAULT_SHIFT, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SCHEDULE, MAX_SEED, MAX_SHIFT,
-                       MAX_STEPS, SAMPLERS, SCHEDULERS)
+from .sampling import (DEFAULT_SHIFT, MAX_BATCH_INDEX, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SCHEDULE, MAX_SEED,
+                       MAX_SHIFT, MAX_STEPS, SAMPLERS, SCHEDULERS)
 
 
 def _integer(name: str, value, lo: int, hi: int) -> int:
@@ -113,6 +113,7 @@ def check_conditioning(cfg, name: str, cond, batch: int) -> List[torch.Tensor]:
         raise InputError(f"{name} conditioning has {len(feats)} entries for a latent batch of {batch}")
     return feats
 
+
 def check_latent(cfg, latent) -> None:
     """A latent [B, C, H, W] the model of configuration ``cfg`` takes."""
     if not isinstance(latent, torch.Tensor) or latent.dim() != 4:
@@ -130,3 +131,38 @@ def check_latent(cfg, latent) -> None:
                          f"{MAX_IMAGE_TOKENS} ({MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} pixels for ERNIE-Image)")
     if not torch.isfinite(latent).all():
         raise InputError("latent holds NaN or inf values")
+
+
+MASK_SHAPES = "[height, width], [batch, height, width] or [batch, 1, height, width] (any size: it is scaled to the latent's)"
+
+
+def check_noise_mask(mask) -> Optional[torch.Tensor]:
+    """A denoise mask as a LATENT's ``noise_mask`` holds it (SetLatentNoiseMask, VAEEncodeForInpaint): one
+    channel, values from 0 (keep the input) to 1 (repaint). Returns it as float32 on the CPU (None: no mask)."""
+    if mask is None:
+        return None
+    if (not isinstance(mask, torch.Tensor) or mask.is_complex() or mask.dim() not in (2, 3, 4) or mask.numel() == 0
+            or (mask.dim() == 4 and mask.shape[1] != 1)):
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise InputError(f"noise_mask has shape {shape}; expected {MASK_SHAPES}")
+    mask = mask.detach().to("cpu", torch.float32)
+    if not torch.isfinite(mask).all():
+        raise InputError("noise_mask holds NaN or inf values; it takes values from 0 (keep) to 1 (repaint)")
+    lo, hi = float(mask.min()), float(mask.max())
+    if lo < 0.0 or hi > 1.0:
+        raise InputError(f"noise_mask values must be from 0 (keep) to 1 (repaint) (got {lo:g} to {hi:g})")
+    return mask
+
+
+def check_batch_index(batch_index, batch: int) -> Optional[List[int]]:
+    """A LATENT's ``batch_index`` (LatentFromBatch): which sample of the seed's noise each of ``batch`` latents takes."""
+    if batch_index is None:
+        return None
+    try:
+        index = [None if isinstance(i, bool) else operator.index(i) for i in batch_index]
+    except TypeError:
+        index = None
+    if index is None or len(index) != batch or not all(i is not None and 0 <= i <= MAX_BATCH_INDEX for i in index):
+        raise InputError(f"batch_index must be a list of {batch} integers from 0 to {MAX_BATCH_INDEX}, one per latent "
+                         f"(got {batch_index!r:.80})")
+    return index

@@ -8,10 +8,11 @@ ComfyUI's own functions).
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 SCHEDULERS = ("simple", "normal", "beta")
 SAMPLERS = ("euler", "euler_ancestral", "heun", "dpmpp_2m")
@@ -29,6 +30,7 @@ MAX_SHIFT = 100.0
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's largest value
 MAX_IMAGE_SIDE = 4096  # pixels (ERNIE-Image files: twice the largest documented size)
 MAX_IMAGE_TOKENS = (MAX_IMAGE_SIDE // 16) ** 2  # image tokens per sample (ERNIE-Image: 1 token per 16x16 px)
+MAX_BATCH_INDEX = 4095  # a LATENT's batch_index: noise is drawn for every index up to the largest (ImageFromBatch's limit)
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 StepCallback = Callable[[int, torch.Tensor, torch.Tensor], None]  # (step index, x, denoised)
@@ -108,13 +110,45 @@ def sigma_schedule(steps: int, scheduler: str = "simple", denoise: float = 1.0, 
     return make(fs, int(steps / denoise))[-(steps + 1):]
 
 
-def seeded_noise(shape, seed: int) -> torch.Tensor:
-    """ComfyUI's noise: torch.manual_seed(seed), then randn of the latent's shape, CPU float32."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(int(seed)), dtype=torch.float32, device="cpu")
+def seeded_noise(shape, seed: int, batch_index: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """ComfyUI's noise (comfy.sample.prepare_noise): torch.manual_seed(seed), then randn of the latent's shape,
+    CPU float32. With ``batch_index`` (the LATENT's, set by LatentFromBatch), one sample's noise is drawn
+    after another for the indices 0 .. max, and sample i gets draw ``batch_index[i]``: a sample cut out of a
+    batch keeps the noise it had in the batch."""
+    gen = torch.Generator().manual_seed(int(seed))
+    if batch_index is None:
+        return torch.randn(shape, generator=gen, dtype=torch.float32, device="cpu")
+    wanted, draws = set(batch_index), {}
+    for i in range(max(batch_index) + 1):
+        draw = torch.randn((1, *shape[1:]), generator=gen, dtype=torch.float32, device="cpu")
+        if i in wanted:
+            draws[i] = draw
+    return torch.cat([draws[i] for i in batch_index])
 
 
 def noise_scaling(sigma: torch.Tensor, noise: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
     return sigma * noise + (1.0 - sigma) * latent
+
+
+def prepare_mask(mask: torch.Tensor, shape) -> torch.Tensor:
+    """A denoise mask [N, 1, h, w] (or [h, w], [N, h, w]) at any resolution -> [B, C, H, W] for a latent of
+    ``shape``, as ComfyUI's comfy.utils.reshape_mask makes it: bilinear to the latent's size, repeated over
+    the channels, the N masks tiled (or cut) to the batch."""
+    m = mask.reshape(-1, 1, mask.shape[-2], mask.shape[-1]).to(torch.float32)
+    m = F.interpolate(m, size=tuple(shape[2:]), mode="bilinear").repeat(1, shape[1], 1, 1)
+    return m.repeat(math.ceil(shape[0] / m.shape[0]), 1, 1, 1)[: shape[0]]
+
+
+def inpaint_denoiser(denoiser: Denoiser, mask: torch.Tensor, noise: torch.Tensor, latent: torch.Tensor) -> Denoiser:
+    """ComfyUI's KSamplerX0Inpaint around ``denoiser``, at every model call: where ``mask`` is 0 (keep) the
+    model sees the input ``latent`` noised to the call's sigma with the run's own ``noise``, and the sampler
+    gets the input latent back as the denoised; where it is 1 both are the sampler's own."""
+    def masked(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        keep = 1.0 - mask
+        x = x * mask + noise_scaling(sigma.reshape(-1, 1, 1, 1), noise, latent) * keep
+        return denoiser(x, sigma) * mask + latent * keep
+
+    return masked
 
 
 # -- samplers (ComfyUI / k-diffusion definitions, flow models) -----------------------------------

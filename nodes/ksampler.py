@@ -88,8 +88,6 @@ def latent_samples(latent, channels: int):
     if not isinstance(latent, dict) or "samples" not in latent:
         raise ValueError(f"{NODE}: latent_image is not a LATENT (a dict with 'samples'); this model takes "
                          f"{channels} latent channels{latent_hint(channels)}")
-    if latent.get("noise_mask") is not None:
-        raise ValueError(f"{NODE}: latents with a noise mask (inpainting) are not supported yet; use ComfyUI's KSampler for inpainting")
     return latent["samples"]
 
 
@@ -169,7 +167,8 @@ def run_stats(engine, node_id, warnings=()) -> dict:
 
 class SGLDiffusionKSampler:
     DESCRIPTION = ("Denoises a latent with an SGLDiffusion model: the same inputs and results as ComfyUI's KSampler "
-                   "for ERNIE-Image, run by the SGLDiffusion engine (optional Cache-DiT step caching).")
+                   "for ERNIE-Image (batches, img2img with denoise < 1, inpainting with a latent's noise mask), run by "
+                   "the SGLDiffusion engine (optional Cache-DiT step caching).")
     CATEGORY = "SGLDiffusion"
     RETURN_TYPES = ("LATENT",)
     OUTPUT_TOOLTIPS = ("The denoised latent.",)
@@ -190,7 +189,8 @@ class SGLDiffusionKSampler:
                 "positive": ("CONDITIONING", {"tooltip": "What the image should show."}),
                 "negative": ("CONDITIONING", {"tooltip": "What the image should not show (unused at cfg 1)."}),
                 "latent_image": ("LATENT", {"tooltip": ("The latent to denoise (text-to-image: EmptyFlux2LatentImage for "
-                                                        "ERNIE-Image, SGLDiffusion Demo Empty Latent for the demo model).")}),
+                                                        "ERNIE-Image, SGLDiffusion Demo Empty Latent for the demo model); "
+                                                        "a noise mask (SetLatentNoiseMask) repaints only where it is 1.")}),
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01,
                                       "tooltip": "How much of the latent to replace; below 1 keeps the input's structure."}),
             },
@@ -236,7 +236,8 @@ class SGLDiffusionKSampler:
         reporter = StepReporter(int(steps), channels, engine.device)
         try:
             out = engine.sample(samples, cond, uncond, seed=seed, steps=steps, cfg=cfg, sampler=sampler_name,
-                                scheduler=scheduler, denoise=denoise, callback=reporter, **kwargs)
+                                scheduler=scheduler, denoise=denoise, callback=reporter, **kwargs,
+                                noise_mask=latent_image.get("noise_mask"), batch_index=latent_image.get("batch_index"))
         except (InputError, CacheConfigError, ParallelWorkerError) as e:  # ComfyUI shows the class: keep it plain
             raise ValueError(f"{NODE}: {e}") from None
         result = dict(latent_image)

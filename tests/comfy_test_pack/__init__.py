@@ -4,7 +4,9 @@
 ``[[tensor [1, T, C], {}]]``, filled with seeded noise; tests rebuild the same tensor with
 :func:`text_features`. ``SGLDTestFaultyLatent`` returns a LATENT whose samples raise ``message`` when
 the KSampler first uses them: a stand-in for a failure deep inside a run (out of memory, a driver
-error) with a long multi-line message, which this machine cannot produce on purpose. Imports only
+error) with a long multi-line message, which this machine cannot produce on purpose.
+``SGLDTestNoiseMask`` sets a LATENT's ``noise_mask`` to any value and channel count: ComfyUI's own mask nodes
+only make valid masks, so this stands in for another pack's node that makes a bad one. Imports only
 torch, so tests can load this file outside ComfyUI.
 """
 import torch
@@ -59,5 +61,22 @@ class SGLDTestFaultyLatent:
         return ({"samples": FaultySamples(message)},)
 
 
-NODE_CLASS_MAPPINGS = {"SGLDTestTextFeatures": SGLDTestTextFeatures, "SGLDTestFaultyLatent": SGLDTestFaultyLatent}
-NODE_DISPLAY_NAME_MAPPINGS = {"SGLDTestTextFeatures": "SGLD Test Text Features", "SGLDTestFaultyLatent": "SGLD Test Faulty Latent"}
+class SGLDTestNoiseMask:
+    CATEGORY = "_for_testing/sgldiffusion"
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",), "value": ("FLOAT", {"default": 1.0, "min": -1e9, "max": 1e9}),
+                             "channels": ("INT", {"default": 1, "min": 1, "max": 256})}}
+
+    def make(self, samples, value, channels):
+        s = samples["samples"]
+        return (dict(samples, noise_mask=torch.full((s.shape[0], int(channels), *s.shape[2:]), float(value))),)
+
+
+NODE_CLASS_MAPPINGS = {"SGLDTestTextFeatures": SGLDTestTextFeatures, "SGLDTestFaultyLatent": SGLDTestFaultyLatent,
+                       "SGLDTestNoiseMask": SGLDTestNoiseMask}
+NODE_DISPLAY_NAME_MAPPINGS = {"SGLDTestTextFeatures": "SGLD Test Text Features", "SGLDTestFaultyLatent": "SGLD Test Faulty Latent",
+                              "SGLDTestNoiseMask": "SGLD Test Noise Mask"}
