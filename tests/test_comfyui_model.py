@@ -113,6 +113,26 @@ def test_comfyuis_ksampler_on_our_model_equals_sgldiffusion_ksampler(comfy, samp
     assert float(theirs.std()) > 0.1  # a real sample, not the empty latent
 
 
+@pytest.mark.parametrize("denoise", [1.0, 0.6])
+def test_inpainting_with_comfyuis_ksampler_on_our_model_equals_sgldiffusion_ksampler(comfy, denoise):
+    """SetLatentNoiseMask on a sampled latent (left quarter kept): both samplers blend the mask the same way."""
+    g = ours_and_comfys(seed=12, denoise=denoise)
+    g["40"] = {"class_type": "SolidMask", "inputs": {"value": 0.0, "width": 128, "height": 128}}
+    g["41"] = {"class_type": "SolidMask", "inputs": {"value": 1.0, "width": 96, "height": 128}}
+    g["42"] = {"class_type": "MaskComposite", "inputs": {"destination": ["40", 0], "source": ["41", 0], "x": 32, "y": 0,
+                                                         "operation": "add"}}
+    g["43"] = {"class_type": "KSampler", "inputs": {**g["7"]["inputs"], "seed": 1, "denoise": 1.0}}  # a picture to repaint
+    g["44"] = {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["43", 0], "mask": ["42", 0]}}
+    g["5"]["inputs"]["latent_image"] = ["44", 0]
+    g["7"]["inputs"]["latent_image"] = ["44", 0]
+    g["45"] = {"class_type": "SaveLatent", "inputs": {"samples": ["43", 0], "filename_prefix": "sgld/source"}}
+    entry = run_ok(comfy, g)
+    ours, theirs, source = (cs.saved_latent(comfy, entry, n) for n in ("6", "8", "45"))
+    assert close(theirs, ours), float((theirs - ours).abs().max())
+    kept = (slice(None), slice(None), slice(None), slice(0, 2))  # latent columns under the mask's 0 (32 px / 16)
+    assert torch.allclose(ours[kept], source[kept], atol=1e-5) and not torch.allclose(ours, source, atol=1e-3)
+
+
 def test_apply_cache_dit_gives_sgldiffusion_ksamplers_step_mask_and_latent(comfy):
     ours, theirs, _ = both(comfy, ours_and_comfys(steps=12, cache="fast", sampler="heun", seed=5))
     assert close(theirs, ours), float((theirs - ours).abs().max())
