@@ -68,12 +68,12 @@ def run_ok(server, prompt, timeout=240) -> dict:
 
 
 def ours_and_comfys(model=MODEL, *, seed=3, steps=4, cfg=3.0, sampler="euler", scheduler="simple", denoise=1.0,
-                    cache=None, lora=None, comfy_lora=None, weight_dtype="fp32"):
+                    cache=None, lora=None, comfy_lora=None, weight_dtype="fp32", loader_options=None):
     """One graph: SGLDiffusion KSampler (-> SaveLatent 6) and ComfyUI's KSampler on comfy_model (-> SaveLatent 8)
     with the same inputs. ``cache``: a Cache-DiT preset for both; ``lora``: SGLDiffusion LoRA Loader on both
     outputs; ``comfy_lora``: LoraLoaderModelOnly on comfy_model and SGLDiffusion LoRA Loader on the other."""
     g = cs.tiny_graph(model, seed=seed, steps=steps, cfg=cfg, sampler=sampler, scheduler=scheduler, denoise=denoise,
-                      weight_dtype=weight_dtype)
+                      weight_dtype=weight_dtype, loader_options=loader_options)
     ours, theirs = ["1", 0], ["1", 1]
     if lora or comfy_lora:
         g["20"] = {"class_type": "SGLDiffusionLoraLoader", "inputs": {"model": ours, "lora_name": lora or comfy_lora,
@@ -131,6 +131,27 @@ def test_inpainting_with_comfyuis_ksampler_on_our_model_equals_sgldiffusion_ksam
     assert close(theirs, ours), float((theirs - ours).abs().max())
     kept = (slice(None), slice(None), slice(None), slice(0, 2))  # latent columns under the mask's 0 (32 px / 16)
     assert torch.allclose(ours[kept], source[kept], atol=1e-5) and not torch.allclose(ours, source, atol=1e-3)
+
+
+@pytest.mark.parametrize("options", [{"offload": "layerwise", "resident_layers": 1}, {"quant": "fp8"}, {"num_gpus": 2},
+                                     {"compile": "static"}], ids=["offload", "fp8", "two-ranks", "compile"])
+def test_the_loaders_engine_options_apply_to_comfy_model(comfy, options):
+    """Offload, quantization, several ranks and compile: ComfyUI's KSampler runs the same engine as ours."""
+    ours, theirs, _ = both(comfy, ours_and_comfys(seed=9, loader_options=options))
+    assert close(theirs, ours), float((theirs - ours).abs().max())
+    described = comfy.get("/sgldiffusion/models").json()["loaded"]
+    assert any(d["options"].get(k) == v for d in described for k, v in options.items() if k != "resident_layers"), described
+
+
+def test_ksampler_advanced_on_our_model_equals_sgldiffusion_ksampler(comfy):
+    g = ours_and_comfys(seed=11, steps=5)
+    inputs = g["7"]["inputs"]
+    g["7"] = {"class_type": "KSamplerAdvanced", "inputs": {
+        "model": inputs["model"], "add_noise": "enable", "noise_seed": 11, "steps": 5, "cfg": 3.0, "sampler_name": "euler",
+        "scheduler": "simple", "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "start_at_step": 0,
+        "end_at_step": 10000, "return_with_leftover_noise": "disable"}}
+    ours, theirs, _ = both(comfy, g)
+    assert close(theirs, ours), float((theirs - ours).abs().max())
 
 
 def test_apply_cache_dit_gives_sgldiffusion_ksamplers_step_mask_and_latent(comfy):
