@@ -142,7 +142,11 @@ def test_nodes_in_object_info(object_info):
     assert opt["offload"][0] == ["auto", "none", "layerwise"] and opt["offload"][1]["default"] == "auto"
     assert opt["resident_layers"][0] == "INT" and opt["resident_layers"][1]["default"] == 2
     assert [opt[k][1]["default"] for k in ("num_gpus", "ulysses_degree", "ring_degree", "tp", "cfg_parallel")] == [1, 1, 1, 1, False]
-    assert loader["output"] == ["SGLD_MODEL"]
+    assert loader["output"] == ["SGLD_MODEL", "MODEL"]  # SGLD_MODEL first: saved graphs keep their links
+    assert loader["output_name"] == ["model", "comfy_model"]
+    apply = object_info["SGLDiffusionApplyCacheDiT"]
+    assert apply["input"]["required"]["model"][0] == "MODEL" and apply["output"] == ["MODEL"]
+    assert object_info["SGLDiffusionLoraLoader"]["input"]["required"]["model"][0] == "SGLD_MODEL,MODEL"
 
     ks = object_info["SGLDiffusionKSampler"]
     core = object_info["KSampler"]
