@@ -233,3 +233,22 @@ def test_demo_with_comfyuis_ksampler_makes_a_picture_the_judge_passes(comfy):
     }
     image = codec.decode(cs.saved_latent(comfy, run_ok(comfy, g), "8"))[0]
     assert judge.passes(image, prompt), judge.judge(image, prompt)
+
+
+def test_the_sglang_cache_dit_environment_applies_to_comfyuis_ksampler(tmp_path, monkeypatch):
+    """SGLANG_CACHE_DIT_ENABLED + SCM preset in ComfyUI's environment: ComfyUI's KSampler on our MODEL caches
+    without any Apply Cache-DiT node (its own server: the environment is read in the server process)."""
+    base = str(tmp_path / "comfy-env")
+    cs.make_base_dir(base)
+    cs.write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", MODEL))
+    monkeypatch.setenv("SGLANG_CACHE_DIT_ENABLED", "true")
+    monkeypatch.setenv("SGLANG_CACHE_DIT_SCM_PRESET", "fast")
+    server = cs.start_server(base)
+    try:
+        g = ours_and_comfys(steps=12, seed=5)
+        del g["5"], g["6"]
+        run_ok(server, g)
+        logged = [m for m in server.log().splitlines() if "model calls computed, Cache-DiT" in m]
+        assert logged and "." in logged[-1].rsplit("Cache-DiT ", 1)[1], server.log()[-3000:]
+    finally:
+        server.stop()
