@@ -24,7 +24,8 @@ NODE_DISPLAY_NAME_MAPPINGS = {
 for module in (cache_dit, demo, latent):
     NODE_CLASS_MAPPINGS.update(module.NODE_CLASS_MAPPINGS)
     NODE_DISPLAY_NAME_MAPPINGS.update(module.NODE_DISPLAY_NAME_MAPPINGS)
-COMPAT_NOTICE = compat.check_at_startup(NODE_CLASS_MAPPINGS.values())  # what this ComfyUI lacks for ERNIE-Image, or ""
+# what this ComfyUI lacks for ERNIE-Image ("" when nothing), on every node but the demo's (they need no ERNIE-Image file)
+COMPAT_NOTICE = compat.check_at_startup([c for k, c in NODE_CLASS_MAPPINGS.items() if k not in demo.NODE_CLASS_MAPPINGS])
 
 install_memory_hooks()
 

@@ -10,7 +10,6 @@ import importlib.util
 import logging
 
 UPDATE = "ComfyUI 0.19 or newer"
-CATEGORY = "SGLDiffusion"  # the nodes that take ERNIE-Image files (not the demo's, SGLDiffusion/demo)
 # feature -> what a user reads when it is missing
 FEATURES = {
     "empty_flux2_latent": "the EmptyFlux2LatentImage node (SGLDiffusion Empty Latent (ERNIE) makes the same latent)",
@@ -76,17 +75,15 @@ def notice(found: dict, version: str = "") -> str:
 
 
 def mark_nodes(node_classes, text: str) -> None:
-    """Append ``text`` to the description of each SGLDiffusion node that takes ERNIE-Image files."""
-    if not text:
-        return
+    """Append ``text`` to the description of each node class (ComfyUI shows it on hover and in the node library)."""
     for cls in node_classes:
-        if getattr(cls, "CATEGORY", None) == CATEGORY:
-            base = getattr(cls, "DESCRIPTION", "")
-            cls.DESCRIPTION = f"{base}\n\n{text}" if base else text
+        base = getattr(cls, "DESCRIPTION", "")
+        cls.DESCRIPTION = f"{base}\n\n{text}" if base else text
 
 
 def check_at_startup(node_classes) -> str:
-    """Probe once, log the notice (one line) and put it on the nodes; returns it ("" when nothing is missing)."""
+    """Probe once, log the notice (one line) and put it on ``node_classes`` (the nodes that take ERNIE-Image files);
+    returns it ("" when nothing is missing)."""
     text = notice(probe(), version())
     if text:
         log.warning(text)

@@ -24,15 +24,16 @@ WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
 ERNIE_WORKFLOWS = [p for p in WORKFLOWS if os.path.basename(p).startswith("ERNIE-Image")]
 DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "SGLDiffusion demo on CPU (64x64, Cache-DiT).json")
 TEMPLATE_NAMES = ["ERNIE-Image Base (50 steps, SGLDiffusion)", "ERNIE-Image Turbo (8 steps, SGLDiffusion)",
-                  "SGLDiffusion demo on CPU (64x64, Cache-DiT)"]
+                  "ERNIE-Image Turbo (8 steps, any sampler, Cache-DiT)", "SGLDiffusion demo on CPU (64x64, Cache-DiT)"]
 OUR_NODES = {"SGLDiffusionModelLoader": "SGLDiffusion Model Loader", "SGLDiffusionKSampler": "SGLDiffusion KSampler",
-             "SGLDiffusionCacheDiT": "SGLDiffusion Cache-DiT"}
+             "SGLDiffusionCacheDiT": "SGLDiffusion Cache-DiT", "SGLDiffusionEmptyLatentERNIE": "SGLDiffusion Empty Latent (ERNIE)"}
+APPLY_CACHE = "SGLDiffusionApplyCacheDiT"  # the any-sampler workflow: ComfyUI's KSampler on the loader's MODEL
 DEMO_NODES = {"SGLDiffusionDemoTextEncode": "SGLDiffusion Demo Text Encode",
               "SGLDiffusionDemoEmptyLatent": "SGLDiffusion Demo Empty Latent",
               "SGLDiffusionDemoDecode": "SGLDiffusion Demo Decode"}
 # Core node types our workflows may use: present in ComfyUI >= 0.19 (and, checked below, in 0.3.75).
 CORE_NODES = {"CLIPLoader", "CLIPTextEncode", "EmptyFlux2LatentImage", "VAELoader", "VAEDecode", "SaveImage",
-              "ConditioningZeroOut", "SaveLatent", "PreviewImage"}
+              "ConditioningZeroOut", "SaveLatent", "PreviewImage", "KSampler"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 TINY = "tiny-ernie.safetensors"
 DIM = cs.text_dim()  # text features per token of the tiny model
@@ -196,6 +197,13 @@ def ui_to_api(wf: dict, object_info: dict) -> dict:
     return api
 
 
+def skip_without_apply_cache(wf: dict, object_info: dict) -> None:
+    """The any-sampler workflow needs SGLDiffusion Apply Cache-DiT and the loader's MODEL output: skipped, saying
+    so, on a pack that has not got them."""
+    if any(n["type"] == APPLY_CACHE for n in wf["nodes"]) and APPLY_CACHE not in object_info:
+        pytest.skip(f"{APPLY_CACHE} is not in /object_info: this workflow needs it and the loader's MODEL output")
+
+
 def test_workflow_files_present():
     names = sorted(os.path.basename(p) for p in WORKFLOWS)
     assert names == [n + ".json" for n in TEMPLATE_NAMES]
@@ -205,8 +213,9 @@ def test_workflow_files_present():
 def test_workflow_nodes_and_links(path, object_info):
     with open(path) as f:
         wf = json.load(f)
+    skip_without_apply_cache(wf, object_info)
     types = {n["type"] for n in wf["nodes"]}
-    unknown = types - CORE_NODES - set(OUR_NODES) - set(DEMO_NODES)
+    unknown = types - CORE_NODES - set(OUR_NODES) - set(DEMO_NODES) - {APPLY_CACHE}
     assert not unknown, f"{os.path.basename(path)} uses node types outside ComfyUI core and this pack: {unknown}"
     missing = {t for t in types if t not in object_info}
     assert not missing, f"not in this ComfyUI's /object_info: {missing}"
@@ -224,14 +233,19 @@ def test_workflow_nodes_and_links(path, object_info):
         assert by_type["SGLDiffusionCacheDiT"]["enabled"] is True
         return
     turbo = "turbo" in os.path.basename(path).lower()
-    ks = by_type["SGLDiffusionKSampler"]
+    ks = by_type.get("SGLDiffusionKSampler") or by_type["KSampler"]
+    if "KSampler" in by_type:  # ComfyUI's KSampler <- Apply Cache-DiT <- the loader's MODEL (slot 1) and a Cache-DiT node
+        apply = api[ks["model"][0]]
+        assert apply["class_type"] == APPLY_CACHE and api[apply["inputs"]["model"][0]]["class_type"] == "SGLDiffusionModelLoader"
+        assert apply["inputs"]["model"][1] == 1 and api[apply["inputs"]["cache"][0]]["class_type"] == "SGLDiffusionCacheDiT"
     assert (ks["steps"], ks["cfg"]) == ((8, 1.0) if turbo else (50, 4.0))
     assert (ks["sampler_name"], ks["scheduler"], ks["denoise"]) == ("euler", "simple", 1.0)
     assert by_type["SGLDiffusionModelLoader"]["unet_name"] == ("ernie-image-turbo.safetensors" if turbo else "ernie-image.safetensors")
     assert by_type["CLIPLoader"]["clip_name"] == "ministral-3-3b.safetensors"
     assert by_type["CLIPLoader"]["type"] == "flux2"
     assert by_type["VAELoader"]["vae_name"] == "flux2-vae.safetensors"
-    assert (by_type["EmptyFlux2LatentImage"]["width"], by_type["EmptyFlux2LatentImage"]["height"]) == (1024, 1024)
+    latent = by_type.get("EmptyFlux2LatentImage") or by_type["SGLDiffusionEmptyLatentERNIE"]
+    assert (latent["width"], latent["height"]) == (1024, 1024)
     assert sum(v["class_type"] == "CLIPTextEncode" for v in api.values()) == 2
     assert "SaveImage" in by_type and "VAEDecode" in by_type
 
@@ -240,7 +254,9 @@ def test_workflow_nodes_and_links(path, object_info):
 def test_workflow_validates_in_comfyui(path, comfy, object_info):
     """Queued as a prompt, the only complaints are the absent text-encoder and VAE files."""
     with open(path) as f:
-        api = ui_to_api(json.load(f), object_info)
+        wf = json.load(f)
+    skip_without_apply_cache(wf, object_info)
+    api = ui_to_api(wf, object_info)
     r = comfy.post("/prompt", {"prompt": api, "client_id": comfy.client_id})
     assert r.status_code == 400, r.text[:2000]
     errors = r.json()["node_errors"]
