@@ -23,6 +23,7 @@ ROOT = cs.ROOT
 WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
 ERNIE_WORKFLOWS = [p for p in WORKFLOWS if os.path.basename(p).startswith("ERNIE-Image")]
 DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "SGLDiffusion demo on CPU (64x64, Cache-DiT).json")
+ANY_SAMPLER_WORKFLOW = os.path.join(ROOT, "workflows", "ERNIE-Image Turbo (8 steps, any sampler, Cache-DiT).json")
 TEMPLATE_NAMES = ["ERNIE-Image Base (50 steps, SGLDiffusion)", "ERNIE-Image Turbo (8 steps, SGLDiffusion)",
                   "ERNIE-Image Turbo (8 steps, any sampler, Cache-DiT)", "SGLDiffusion demo on CPU (64x64, Cache-DiT)"]
 OUR_NODES = {"SGLDiffusionModelLoader": "SGLDiffusion Model Loader", "SGLDiffusionKSampler": "SGLDiffusion KSampler",
@@ -283,6 +284,35 @@ def card_description(name: str) -> str:
     """The card's description as the frontend makes it for a custom-node template (getTemplateDescription:
     the template's name, the only text /workflow_templates gives, with - and _ as spaces)."""
     return name.replace("-", " ").replace("_", " ").strip()
+
+
+def test_any_sampler_workflow_runs_and_equals_sgldiffusion_ksampler(comfy, object_info):
+    """The any-sampler workflow as shipped, on the tiny model at 128x128 with the test pack's text features for its
+    text encoder and a SaveLatent for its VAE (neither file is here): ComfyUI's KSampler on the loader's MODEL
+    through Apply Cache-DiT gives SGLDiffusion KSampler's latent with the same Cache-DiT node and settings."""
+    with open(ANY_SAMPLER_WORKFLOW) as f:
+        wf = json.load(f)
+    skip_without_apply_cache(wf, object_info)
+    api = ui_to_api(wf, object_info)
+    ids = {v["class_type"]: k for k, v in api.items()}
+    for k in [k for k, v in api.items() if v["class_type"] in ("CLIPLoader", "VAELoader", "VAEDecode", "SaveImage")]:
+        del api[k]
+    for seed, k in enumerate(k for k, v in list(api.items()) if v["class_type"] == "CLIPTextEncode"):
+        api[k] = {"class_type": "SGLDTestTextFeatures", "inputs": {"seed": seed + 1, "tokens": 7 - 2 * seed, "dim": DIM}}
+    api[ids["SGLDiffusionModelLoader"]]["inputs"]["unet_name"] = TINY
+    api[ids["SGLDiffusionEmptyLatentERNIE"]]["inputs"].update(width=128, height=128)
+    ks = api[ids["KSampler"]]["inputs"]
+    ours = {k: ks[k] for k in ("seed", "steps", "cfg", "sampler_name", "scheduler", "positive", "negative", "latent_image", "denoise")}
+    api["90"] = {"class_type": "SGLDiffusionKSampler", "inputs": {**ours, "model": [ids["SGLDiffusionModelLoader"], 0],
+                                                                  "cache": [ids["SGLDiffusionCacheDiT"], 0]}}
+    api["91"] = {"class_type": "SaveLatent", "inputs": {"samples": [ids["KSampler"], 0], "filename_prefix": "sgld/any"}}
+    api["92"] = {"class_type": "SaveLatent", "inputs": {"samples": ["90", 0], "filename_prefix": "sgld/ours"}}
+    entry = comfy.run(api, timeout=300)
+    assert entry["status"]["status_str"] == "success", cs.error_message(entry)
+    any_sampler, reference = cs.saved_latent(comfy, entry, "91"), cs.saved_latent(comfy, entry, "92")
+    assert entry["outputs"]["90"]["sgld_stats"][0]["step_mask"] == "xxxxx.xx"  # balanced at 8 steps: one call cached
+    assert any_sampler.shape == reference.shape == (1, 128, 8, 8) and torch.isfinite(any_sampler).all()
+    assert (any_sampler - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
