@@ -198,6 +198,19 @@ def test_empty_latent_refuses_sizes_beyond_the_limits(comfy, inputs, field):
     assert errors[0]["type"] in ("value_bigger_than_max", "value_smaller_than_min"), errors
 
 
+@pytest.mark.parametrize("size, fragment", [((1024, 1000, 1), "height must be a multiple of 16"),
+                                            ((4112, 16, 1), "width must be an integer from 16 to 4096"),
+                                            ((16, 16, 4097), "batch_size must be an integer from 1 to 4096"),
+                                            ((16.0, 16, 1), "width must be an integer")])
+def test_flux2_latent_shape_refusals(size, fragment):
+    from engine.errors import InputError
+    from engine.inputs import flux2_latent_shape
+
+    assert flux2_latent_shape(4096, 16, 3) == (3, 128, 1, 256)
+    with pytest.raises(InputError, match=fragment):
+        flux2_latent_shape(*size)
+
+
 # -- properties.models in the workflows -------------------------------------------------------------------------
 
 def test_workflows_carry_well_formed_model_entries(comfy):
