@@ -10,8 +10,9 @@ import torch
 
 from .errors import InputError
 from .models.demo import codec
-from .sampling import (DEFAULT_SHIFT, MAX_BATCH_INDEX, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS, MAX_SCHEDULE, MAX_SEED,
-                       MAX_SHIFT, MAX_STEPS, SAMPLERS, SCHEDULERS)
+from .models.ernie_image import ErnieImageConfig
+from .sampling import (DEFAULT_SHIFT, LATENT_FACTOR, MAX_BATCH, MAX_BATCH_INDEX, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS,
+                       MAX_SCHEDULE, MAX_SEED, MAX_SHIFT, MAX_STEPS, SAMPLERS, SCHEDULERS)
 
 
 def _integer(name: str, value, lo: int, hi: int) -> int:
@@ -74,9 +75,25 @@ def latent_hint(channels: int) -> str:
     if channels == codec.LATENT_CHANNELS:
         return (f" (the demo model's latent: the image as {codec.LATENT_CHANNELS} channels at 1/{codec.FACTOR} of its "
                 "size; use SGLDiffusion Demo Empty Latent)")
-    if channels == 128:
-        return " (ERNIE-Image uses the Flux2 latent: 128 channels at 1/16 of the image size; use EmptyFlux2LatentImage)"
+    if channels == ErnieImageConfig.in_channels:
+        return (f" (ERNIE-Image uses the Flux2 latent: {channels} channels at 1/{LATENT_FACTOR} of the image size; use "
+                "EmptyFlux2LatentImage or SGLDiffusion Empty Latent (ERNIE))")
     return ""
+
+
+def flux2_latent_shape(width, height, batch_size) -> tuple:
+    """[batch, 128, height/16, width/16]: the empty latent ERNIE-Image's DiT takes for a picture of width x height
+    pixels (the Flux2 latent, as ComfyUI's EmptyFlux2LatentImage makes it). InputError unless each side is a
+    multiple of 16 up to MAX_IMAGE_SIDE: another size would be cut down to one without a word."""
+    sides = {}
+    for name, value in (("width", width), ("height", height)):
+        v = _integer(name, value, LATENT_FACTOR, MAX_IMAGE_SIDE)
+        if v % LATENT_FACTOR:
+            raise InputError(f"{name} must be a multiple of {LATENT_FACTOR} pixels (got {v}; ERNIE-Image's latent has "
+                             f"one cell per {LATENT_FACTOR}x{LATENT_FACTOR} pixels)")
+        sides[name] = v // LATENT_FACTOR
+    batch = _integer("batch_size", batch_size, 1, MAX_BATCH)
+    return (batch, ErnieImageConfig.in_channels, sides["height"], sides["width"])
 
 
 def check_sampler(sampler: str, scheduler: str) -> None:

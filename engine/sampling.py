@@ -29,7 +29,9 @@ MAX_CFG = 100.0
 MAX_SHIFT = 100.0
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's largest value
 MAX_IMAGE_SIDE = 4096  # pixels (ERNIE-Image files: twice the largest documented size)
-MAX_IMAGE_TOKENS = (MAX_IMAGE_SIDE // 16) ** 2  # image tokens per sample (ERNIE-Image: 1 token per 16x16 px)
+LATENT_FACTOR = 16  # pixels per latent cell and image token, each way (ERNIE-Image's Flux2 latent)
+MAX_IMAGE_TOKENS = (MAX_IMAGE_SIDE // LATENT_FACTOR) ** 2  # image tokens per sample
+MAX_BATCH = 4096  # latents in an empty batch (ComfyUI's empty-latent nodes allow 1..4096)
 MAX_BATCH_INDEX = 4095  # a LATENT's batch_index: noise is drawn for every index up to the largest (ImageFromBatch's limit)
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

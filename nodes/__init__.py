@@ -5,7 +5,7 @@ so the engine is imported relatively (``from ..engine import ...``).
 """
 import logging
 
-from . import cache_dit, demo
+from . import cache_dit, compat, demo, latent
 from .comfy_model import SGLDiffusionApplyCacheDiT
 from .ksampler import SGLDiffusionKSampler, last_runs
 from .loader import SGLDiffusionModelLoader
@@ -24,9 +24,11 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "SGLDiffusionLoraLoader": "SGLDiffusion LoRA Loader",
     "SGLDiffusionApplyCacheDiT": "SGLDiffusion Apply Cache-DiT",
 }
-for module in (cache_dit, demo):
+for module in (cache_dit, demo, latent):
     NODE_CLASS_MAPPINGS.update(module.NODE_CLASS_MAPPINGS)
     NODE_DISPLAY_NAME_MAPPINGS.update(module.NODE_DISPLAY_NAME_MAPPINGS)
+# what this ComfyUI lacks for ERNIE-Image ("" when nothing), on every node but the demo's (they need no ERNIE-Image file)
+COMPAT_NOTICE = compat.check_at_startup([c for k, c in NODE_CLASS_MAPPINGS.items() if k not in demo.NODE_CLASS_MAPPINGS])
 
 install_memory_hooks()
 
@@ -34,7 +36,8 @@ install_memory_hooks()
 def _add_routes() -> None:
     """GET /sgldiffusion/models: the engines held in memory now (for the web extension and tests).
     GET /sgldiffusion/last_runs?workflow=<id>: {"runs": {node id: the last run of that KSampler}} for
-    the web panel, which has nothing to show on a reloaded page or when ComfyUI reuses a cached output."""
+    the web panel, which has nothing to show on a reloaded page or when ComfyUI reuses a cached output,
+    and "compat": what this ComfyUI lacks for the ERNIE-Image workflows ("" when nothing), for the panel too."""
     try:
         from aiohttp import web
         from server import PromptServer
@@ -51,7 +54,7 @@ def _add_routes() -> None:
         @server.routes.get("/sgldiffusion/last_runs")
         async def sgld_last_runs(request):
             workflow = request.query.get("workflow", "")
-            return web.json_response({"workflow": workflow, "runs": last_runs(workflow)})
+            return web.json_response({"workflow": workflow, "runs": last_runs(workflow), "compat": COMPAT_NOTICE})
     except Exception:  # e.g. the router is already frozen: the nodes still work
         logging.getLogger("sgldiffusion").warning("SGLDiffusion: could not add the /sgldiffusion routes", exc_info=True)
 

@@ -97,7 +97,8 @@ def thumbnail(path: str):
         return Image.fromarray(pixels).resize((SIZE, SIZE), Image.NEAREST)
     model = wf["extra"]["sgldiffusion"]
     variant = model["model"].replace("ERNIE-Image", "").strip() or "Base"
-    return text_card(f"ERNIE-Image\n{variant}", [f"{model['steps']} steps, cfg {model['cfg']:g}, 1024 x 1024",
+    how = ["ComfyUI KSampler + Cache-DiT"] if "sampler" in model else []  # the MODEL path, not SGLDiffusion KSampler
+    return text_card(f"ERNIE-Image\n{variant}", [f"{model['steps']} steps, cfg {model['cfg']:g}, 1024 x 1024", *how,
                                                  "needs the ERNIE-Image model files", "(no sample image)"])
 
 

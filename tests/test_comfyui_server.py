@@ -23,16 +23,18 @@ ROOT = cs.ROOT
 WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
 ERNIE_WORKFLOWS = [p for p in WORKFLOWS if os.path.basename(p).startswith("ERNIE-Image")]
 DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "SGLDiffusion demo on CPU (64x64, Cache-DiT).json")
+ANY_SAMPLER_WORKFLOW = os.path.join(ROOT, "workflows", "ERNIE-Image Turbo (8 steps, any sampler, Cache-DiT).json")
 TEMPLATE_NAMES = ["ERNIE-Image Base (50 steps, SGLDiffusion)", "ERNIE-Image Turbo (8 steps, SGLDiffusion)",
-                  "SGLDiffusion demo on CPU (64x64, Cache-DiT)"]
+                  "ERNIE-Image Turbo (8 steps, any sampler, Cache-DiT)", "SGLDiffusion demo on CPU (64x64, Cache-DiT)"]
 OUR_NODES = {"SGLDiffusionModelLoader": "SGLDiffusion Model Loader", "SGLDiffusionKSampler": "SGLDiffusion KSampler",
-             "SGLDiffusionCacheDiT": "SGLDiffusion Cache-DiT"}
+             "SGLDiffusionCacheDiT": "SGLDiffusion Cache-DiT", "SGLDiffusionEmptyLatentERNIE": "SGLDiffusion Empty Latent (ERNIE)"}
+APPLY_CACHE = "SGLDiffusionApplyCacheDiT"  # the any-sampler workflow: ComfyUI's KSampler on the loader's MODEL
 DEMO_NODES = {"SGLDiffusionDemoTextEncode": "SGLDiffusion Demo Text Encode",
               "SGLDiffusionDemoEmptyLatent": "SGLDiffusion Demo Empty Latent",
               "SGLDiffusionDemoDecode": "SGLDiffusion Demo Decode"}
 # Core node types our workflows may use: present in ComfyUI >= 0.19 (and, checked below, in 0.3.75).
 CORE_NODES = {"CLIPLoader", "CLIPTextEncode", "EmptyFlux2LatentImage", "VAELoader", "VAEDecode", "SaveImage",
-              "ConditioningZeroOut", "SaveLatent", "PreviewImage"}
+              "ConditioningZeroOut", "SaveLatent", "PreviewImage", "KSampler"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 TINY = "tiny-ernie.safetensors"
 DIM = cs.text_dim()  # text features per token of the tiny model
@@ -200,6 +202,13 @@ def ui_to_api(wf: dict, object_info: dict) -> dict:
     return api
 
 
+def skip_without_apply_cache(wf: dict, object_info: dict) -> None:
+    """The any-sampler workflow needs SGLDiffusion Apply Cache-DiT and the loader's MODEL output: skipped, saying
+    so, on a pack that has not got them."""
+    if any(n["type"] == APPLY_CACHE for n in wf["nodes"]) and APPLY_CACHE not in object_info:
+        pytest.skip(f"{APPLY_CACHE} is not in /object_info: this workflow needs it and the loader's MODEL output")
+
+
 def test_workflow_files_present():
     names = sorted(os.path.basename(p) for p in WORKFLOWS)
     assert names == [n + ".json" for n in TEMPLATE_NAMES]
@@ -209,8 +218,9 @@ def test_workflow_files_present():
 def test_workflow_nodes_and_links(path, object_info):
     with open(path) as f:
         wf = json.load(f)
+    skip_without_apply_cache(wf, object_info)
     types = {n["type"] for n in wf["nodes"]}
-    unknown = types - CORE_NODES - set(OUR_NODES) - set(DEMO_NODES)
+    unknown = types - CORE_NODES - set(OUR_NODES) - set(DEMO_NODES) - {APPLY_CACHE}
     assert not unknown, f"{os.path.basename(path)} uses node types outside ComfyUI core and this pack: {unknown}"
     missing = {t for t in types if t not in object_info}
     assert not missing, f"not in this ComfyUI's /object_info: {missing}"
@@ -228,14 +238,19 @@ def test_workflow_nodes_and_links(path, object_info):
         assert by_type["SGLDiffusionCacheDiT"]["enabled"] is True
         return
     turbo = "turbo" in os.path.basename(path).lower()
-    ks = by_type["SGLDiffusionKSampler"]
+    ks = by_type.get("SGLDiffusionKSampler") or by_type["KSampler"]
+    if "KSampler" in by_type:  # ComfyUI's KSampler <- Apply Cache-DiT <- the loader's MODEL (slot 1) and a Cache-DiT node
+        apply = api[ks["model"][0]]
+        assert apply["class_type"] == APPLY_CACHE and api[apply["inputs"]["model"][0]]["class_type"] == "SGLDiffusionModelLoader"
+        assert apply["inputs"]["model"][1] == 1 and api[apply["inputs"]["cache"][0]]["class_type"] == "SGLDiffusionCacheDiT"
     assert (ks["steps"], ks["cfg"]) == ((8, 1.0) if turbo else (50, 4.0))
     assert (ks["sampler_name"], ks["scheduler"], ks["denoise"]) == ("euler", "simple", 1.0)
     assert by_type["SGLDiffusionModelLoader"]["unet_name"] == ("ernie-image-turbo.safetensors" if turbo else "ernie-image.safetensors")
     assert by_type["CLIPLoader"]["clip_name"] == "ministral-3-3b.safetensors"
     assert by_type["CLIPLoader"]["type"] == "flux2"
     assert by_type["VAELoader"]["vae_name"] == "flux2-vae.safetensors"
-    assert (by_type["EmptyFlux2LatentImage"]["width"], by_type["EmptyFlux2LatentImage"]["height"]) == (1024, 1024)
+    latent = by_type.get("EmptyFlux2LatentImage") or by_type["SGLDiffusionEmptyLatentERNIE"]
+    assert (latent["width"], latent["height"]) == (1024, 1024)
     assert sum(v["class_type"] == "CLIPTextEncode" for v in api.values()) == 2
     assert "SaveImage" in by_type and "VAEDecode" in by_type
 
@@ -244,7 +259,9 @@ def test_workflow_nodes_and_links(path, object_info):
 def test_workflow_validates_in_comfyui(path, comfy, object_info):
     """Queued as a prompt, the only complaints are the absent text-encoder and VAE files."""
     with open(path) as f:
-        api = ui_to_api(json.load(f), object_info)
+        wf = json.load(f)
+    skip_without_apply_cache(wf, object_info)
+    api = ui_to_api(wf, object_info)
     r = comfy.post("/prompt", {"prompt": api, "client_id": comfy.client_id})
     assert r.status_code == 400, r.text[:2000]
     errors = r.json()["node_errors"]
@@ -271,6 +288,35 @@ def card_description(name: str) -> str:
     """The card's description as the frontend makes it for a custom-node template (getTemplateDescription:
     the template's name, the only text /workflow_templates gives, with - and _ as spaces)."""
     return name.replace("-", " ").replace("_", " ").strip()
+
+
+def test_any_sampler_workflow_runs_and_equals_sgldiffusion_ksampler(comfy, object_info):
+    """The any-sampler workflow as shipped, on the tiny model at 128x128 with the test pack's text features for its
+    text encoder and a SaveLatent for its VAE (neither file is here): ComfyUI's KSampler on the loader's MODEL
+    through Apply Cache-DiT gives SGLDiffusion KSampler's latent with the same Cache-DiT node and settings."""
+    with open(ANY_SAMPLER_WORKFLOW) as f:
+        wf = json.load(f)
+    skip_without_apply_cache(wf, object_info)
+    api = ui_to_api(wf, object_info)
+    ids = {v["class_type"]: k for k, v in api.items()}
+    for k in [k for k, v in api.items() if v["class_type"] in ("CLIPLoader", "VAELoader", "VAEDecode", "SaveImage")]:
+        del api[k]
+    for seed, k in enumerate(k for k, v in list(api.items()) if v["class_type"] == "CLIPTextEncode"):
+        api[k] = {"class_type": "SGLDTestTextFeatures", "inputs": {"seed": seed + 1, "tokens": 7 - 2 * seed, "dim": DIM}}
+    api[ids["SGLDiffusionModelLoader"]]["inputs"]["unet_name"] = TINY
+    api[ids["SGLDiffusionEmptyLatentERNIE"]]["inputs"].update(width=128, height=128)
+    ks = api[ids["KSampler"]]["inputs"]
+    ours = {k: ks[k] for k in ("seed", "steps", "cfg", "sampler_name", "scheduler", "positive", "negative", "latent_image", "denoise")}
+    api["90"] = {"class_type": "SGLDiffusionKSampler", "inputs": {**ours, "model": [ids["SGLDiffusionModelLoader"], 0],
+                                                                  "cache": [ids["SGLDiffusionCacheDiT"], 0]}}
+    api["91"] = {"class_type": "SaveLatent", "inputs": {"samples": [ids["KSampler"], 0], "filename_prefix": "sgld/any"}}
+    api["92"] = {"class_type": "SaveLatent", "inputs": {"samples": ["90", 0], "filename_prefix": "sgld/ours"}}
+    entry = comfy.run(api, timeout=300)
+    assert entry["status"]["status_str"] == "success", cs.error_message(entry)
+    any_sampler, reference = cs.saved_latent(comfy, entry, "91"), cs.saved_latent(comfy, entry, "92")
+    assert entry["outputs"]["90"]["sgld_stats"][0]["step_mask"] == "xxxxx.xx"  # balanced at 8 steps: one call cached
+    assert any_sampler.shape == reference.shape == (1, 128, 8, 8) and torch.isfinite(any_sampler).all()
+    assert (any_sampler - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)

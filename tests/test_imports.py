@@ -14,8 +14,8 @@ PACKAGES = ("engine", "nodes")
 # Imported inside a function on purpose: absent on some machines (kernels, scipy), only there inside a
 # running ComfyUI (its modules), or slow to import and needed only by one option (torch._dynamo).
 OPTIONAL = ("sageattention", "flash_attn", "scipy", "torch._dynamo", "comfy", "comfy_execution", "server",
-            "latent_preview", "folder_paths", "aiohttp", "diffusers", "transformers")
-COMFYUI = ("comfy", "comfy_execution", "server", "latent_preview", "folder_paths", "nodes")
+            "latent_preview", "folder_paths", "nodes", "comfyui_version", "aiohttp", "diffusers", "transformers")
+COMFYUI = ("comfy", "comfy_execution", "server", "latent_preview", "folder_paths", "nodes", "comfyui_version")
 
 
 def modules() -> Dict[str, str]:

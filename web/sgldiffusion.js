@@ -8,7 +8,8 @@
 //   reuses, and a reloaded page has none: then the panel asks the pack for the node's last run
 //   (GET /sgldiffusion/last_runs?workflow=<the graph's id>). A run that fails or is interrupted clears
 //   the timeline; results of an earlier prompt are marked as such. The panel grows to what it shows
-//   (a whole error message, every warning).
+//   (a whole error message, every warning). Not run yet, it shows what this ComfyUI lacks for the
+//   ERNIE-Image workflows, if anything (the same request's `compat`, also in the nodes' descriptions).
 // * SGLDiffusion Cache-DiT: hovering the preset widget shows the speedup and quality measured per preset
 //   (engine/features/cache/measured.json, put into the tooltip by the node), the selected preset marked.
 //
@@ -25,6 +26,7 @@ const RUN_EVENT = "sgldiffusion.run";
 const WIDGET = "sgld_run";
 const LAST_RUNS = "/sgldiffusion/last_runs";
 const MARGIN = 4; // the DOM widget's margin inside the node
+let compatNotice = ""; // what this ComfyUI lacks for ERNIE-Image (GET /sgldiffusion/last_runs), "" when nothing
 
 // -- styles ----------------------------------------------------------------------------------------------------
 const STYLE = `
@@ -174,6 +176,10 @@ class RunPanel {
       head.append(h("span", "sgld-steps", this.extra?.steps ? `${this.extra.steps} steps` : ""));
     }
     el.append(head);
+    if (state === "idle" && compatNotice) {
+      el.append(h("div", "sgld-warn sgld-compat", `⚠ ${compatNotice}`));
+      height += 15 * Math.max(1, Math.ceil(compatNotice.length / 45));
+    }
     if (state === "failed" || state === "interrupted") {
       // nothing of an earlier run stays on screen: only what happened now
       const p = this.progress;
@@ -258,7 +264,12 @@ async function restoreRuns(nodeIds = null, reusedFor = null) {
   try {
     const r = await api.fetchApi(`${LAST_RUNS}?workflow=${encodeURIComponent(workflow)}`, { cache: "no-store" });
     if (!r.ok) return;
-    runs = (await r.json()).runs ?? {};
+    const body = await r.json();
+    runs = body.runs ?? {};
+    if (typeof body.compat === "string" && body.compat !== compatNotice) {
+      compatNotice = body.compat;
+      for (const node of ourNodes()) if (panelOf(node, false)?.state === "idle") panelOf(node).render();
+    }
   } catch (e) {
     return; // an older pack or an unreachable server: the panel stays as it is
   }
