@@ -74,6 +74,8 @@ def cache_key(path: str, config: EngineConfig) -> tuple:
 
 
 def _drop(key: tuple, reason: str) -> None:
+    for owner in [o for o, k in _owners.items() if k == key]:  # a loader that held it holds nothing now
+        del _owners[owner]
     engine = _engines.pop(key, None)
     if engine is not None:
         engine.release()  # offload buffers, worker processes, CUDA cache: gone now, not at garbage collection

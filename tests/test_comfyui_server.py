@@ -579,6 +579,10 @@ def _loaded(comfy):
 
 
 def test_model_cache_replaced_and_freed(comfy):
+    assert comfy.post("/free", {"unload_models": True}).status_code == 200  # engines earlier tests' loaders hold
+    deadline = time.monotonic() + 15
+    while _loaded(comfy) and time.monotonic() < deadline:
+        time.sleep(0.1)
     entry = comfy.run(graph(seed=61), timeout=120)
     assert entry["status"]["status_str"] == "success"
     loaded = _loaded(comfy)
