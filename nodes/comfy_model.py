@@ -211,6 +211,13 @@ class SGLDModelPatcher(comfy.model_patcher.ModelPatcher):
     def sgld_engine(self):
         return self.sgld_handle().engine()
 
+    def with_loras(self, loras) -> "SGLDModelPatcher":
+        """A clone with more LoRAs ((path, strength), ...), applied by the engine (one base in memory)."""
+        patched = self.clone()
+        patched.set_attachments(LORAS_ATTACHMENT, tuple(self.get_attachment(LORAS_ATTACHMENT) or ()) + tuple(loras))
+        patched.patches_uuid = uuid.uuid4()  # ComfyUI reloads it (our load: the engine takes this clone's LoRAs)
+        return patched
+
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
         engine = self.sgld_engine()
         self.model.device = device_to if device_to is not None else self.load_device
@@ -308,12 +315,3 @@ class SGLDiffusionApplyCacheDiT:
         patched = model.clone()
         patched.model_options.setdefault("transformer_options", {})[CACHE_OPTION] = cache
         return (patched,)
-
-
-def with_loras(model: SGLDModelPatcher, loras) -> SGLDModelPatcher:
-    """A clone of ``model`` with more LoRAs, applied by the engine (the base stays one copy in memory)."""
-    patched = model.clone()
-    patched.set_attachments(LORAS_ATTACHMENT, tuple(model.get_attachment(LORAS_ATTACHMENT) or ()) + tuple(loras))
-    patched.patches_uuid = uuid.uuid4()  # ComfyUI reloads (our load: the engine takes this clone's LoRAs)
-    return patched
-

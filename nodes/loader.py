@@ -11,7 +11,6 @@ from ..engine.features.attention import BACKENDS, available_backends
 from ..engine.models.demo import DEMO_WEIGHTS
 from ..engine.options import from_widgets, node_inputs, widget_defaults
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
-from .comfy_model import comfy_model
 from .demo import DEMO_CHOICE
 from .model_cache import SGLDModel, get_engine
 
@@ -133,4 +132,6 @@ class SGLDiffusionModelLoader:
             raise ValueError(f"{NODE}: {e}") from None
         for w in engine.warnings:
             log.warning("%s: %s", NODE, w)
+        from .comfy_model import comfy_model  # ComfyUI's model classes: only inside a running ComfyUI
+
         return handle, comfy_model(handle, engine)

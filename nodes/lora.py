@@ -14,7 +14,6 @@ import os
 import folder_paths
 
 from ..engine import CheckpointError
-from .comfy_model import SGLDModelPatcher, with_loras
 from .model_cache import get_engine
 
 log = logging.getLogger("sgldiffusion")
@@ -73,7 +72,7 @@ class SGLDiffusionLoraLoader:
 
     def load(self, model, lora_name, strength=1.0):
         """``model``: SGLD_MODEL, or the loader's ComfyUI MODEL (comfy_model); the result is of the same type."""
-        comfy = isinstance(model, SGLDModelPatcher)
+        comfy = hasattr(model, "sgld_engine")  # the loader's comfy_model (nodes/comfy_model.py)
         if not comfy and not hasattr(model, "with_lora"):
             raise ValueError(f"{NODE}: 'model' must come from SGLDiffusion Model Loader (got {type(model).__name__})")
         if not math.isfinite(float(strength)):
@@ -86,4 +85,4 @@ class SGLDiffusionLoraLoader:
                 log.warning("%s: %s", NODE, msg)
         except CheckpointError as e:
             raise ValueError(f"{NODE}: {e}") from None
-        return (with_loras(model, [(path, float(strength))]) if comfy else model.with_lora(path, strength),)
+        return (model.with_loras([(path, float(strength))]) if comfy else model.with_lora(path, strength),)
