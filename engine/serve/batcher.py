@@ -122,15 +122,22 @@ class Batcher:
     def submit(self, job: Job) -> concurrent.futures.Future:
         """Queue ``job``; its future gets the final latent [C, h, w] (float32, CPU). Bad jobs raise InputError
         here, before anything is queued."""
-        slot = self._prepare(job)
+        return self.submit_many([job])[0]
+
+    def submit_many(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
+        """Queue several jobs at once (a request for n images): they join the batch at the same step, as far
+        as ``max_batch`` allows. All are checked before any is queued."""
+        slots = [self._prepare(job) for job in jobs]
         with self._cv:
             if self._closed:
                 raise RuntimeError("the batcher is closed: it takes no more jobs")
-            self._slots[slot.future] = slot
-            self._queue.append(slot)
+            for slot in slots:
+                self._slots[slot.future] = slot
+                self._queue.append(slot)
             self._cv.notify_all()
-        slot.future.add_done_callback(self._on_done)
-        return slot.future
+        for slot in slots:
+            slot.future.add_done_callback(self._on_done)
+        return [slot.future for slot in slots]
 
     def cancel(self, future: concurrent.futures.Future) -> None:
         """Cancel the job of ``future`` (``future.cancel()`` does the same): a queued job never runs, a running
