@@ -16,10 +16,11 @@ tolerance, stated there).
 
 Per-request Cache-DiT: a job whose cache is on (its ``cache``, else the engine's, else the environment's)
 gets its own ``DBCacheRunner`` (its preset's step mask over its own model calls, its residuals, its
-TaylorSeer table) and its model call runs as a sub-forward of the tick with that runner in the model's
-block-runner slot: exactly its run alone, cached steps skip the middle blocks. Cache-off jobs share the
-joined forward. ``max_batch`` bounds the samples (CFG branches count) of all running jobs together, so no
-forward holds more.
+TaylorSeer table). In the joined forward each runner decides for its job's rows after its first ``fn``
+blocks; the rows of a job whose step is cached get its saved residual and skip the middle blocks, which
+run on the other rows only (the arithmetic of ``DBCacheRunner.__call__``, phase by phase, on the job's own
+rows): the same latent and step mask as its run alone. ``max_batch`` bounds the samples (CFG branches
+count) of all running jobs together, so no forward holds more.
 
 Several ranks (an engine whose forward is ``RemoteForward``): the ranks keep one run at a time, so the
 batcher admits one job at a time there (no batching; same results as ``Engine.sample``).
@@ -42,7 +43,6 @@ import torch
 from ..engine import Engine, RunStats
 from ..errors import CacheConfigError, InputError
 from ..features.cache import CacheConfig, DBCacheRunner, resolve_config
-from ..features.patching import set_slot
 from ..inputs import check_conditioning, check_latent, check_sampler, check_sampling_settings, check_seed
 from ..sampling import model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule
 from .forward import Call, joint_velocity
@@ -311,22 +311,17 @@ class Batcher:
                 self._cv.wait()
 
     def _tick(self, slots: List[_Slot]) -> None:
-        """One step of every job: one joined forward per latent size for cache-off jobs, a sub-forward each
-        for cache-on jobs (or on several ranks); then every job gets its answer."""
-        shared: Dict[tuple, List[_Slot]] = {}
-        alone: List[_Slot] = []
+        """One step of every job: one joined forward per latent size (a forward per job on several ranks);
+        then every job gets its answer, or its forward's error."""
+        groups: Dict[tuple, List[_Slot]] = {}
         for s in slots:
-            (alone if s.runner is not None or not self.local else shared.setdefault(s.bucket, [])).append(s)
+            groups.setdefault(s.bucket if self.local else id(s), []).append(s)
         answers: Dict[int, tuple] = {}
         errors: Dict[int, BaseException] = {}
-        groups = list(shared.values()) + [[s] for s in alone]
-        for group in groups:
+        for group in groups.values():
             t0 = time.perf_counter()
             try:
-                if group[0].runner is None and self.local:
-                    result = [(v, True) for v in joint_velocity(self.engine.model, [s.call for s in group], self.engine.device)]
-                else:
-                    result = [self._alone(group[0])]
+                result = self._forward(group)
             except Exception as e:  # noqa: BLE001 - fails the jobs of this forward only
                 errors.update({id(s): e for s in group})
                 continue
@@ -346,18 +341,15 @@ class Batcher:
                 c["calls_computed"] += int(s.answer[1])
             self._cv.notify_all()
 
-    def _alone(self, slot: _Slot) -> tuple:
-        """(velocity, computed) for one job's call run on its own: with its Cache-DiT runner in the model's
-        block-runner slot for this call only, or on the ranks through its own run."""
-        call = slot.call
-        if not self.local:
-            if slot.remote_run is None:
-                slot.remote_run = self.engine.forward.run(slot.plan, cfg_batched=slot.uncond is not None)
-            return slot.remote_run.call(call.x, call.sigma, call.text, call.lens)
-        model = self.engine.model
-        before = set_slot(model, "block_runner", slot.runner)
-        try:
-            v = self.engine.forward.velocity(call.x, call.sigma, call.text, call.lens)
-        finally:
-            set_slot(model, "block_runner", before)
-        return v, bool(slot.runner.computed[-1])
+    def _forward(self, group: List[_Slot]) -> List[tuple]:
+        """(velocity, whether the DiT was computed) for each job of one forward: the joined forward locally
+        (each job's Cache-DiT runner deciding for its own rows), or one job's call on the ranks through its
+        own run."""
+        if self.local:
+            calls = [Call(s.call.x, s.call.sigma, s.call.text, s.call.lens, s.runner) for s in group]
+            vs = joint_velocity(self.engine.model, calls, self.engine.device)
+            return [(v, s.runner is None or bool(s.runner.computed[-1])) for s, v in zip(group, vs)]
+        slot, call = group[0], group[0].call
+        if slot.remote_run is None:
+            slot.remote_run = self.engine.forward.run(slot.plan, cfg_batched=slot.uncond is not None)
+        return [slot.remote_run.call(call.x, call.sigma, call.text, call.lens)]

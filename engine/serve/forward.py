@@ -24,6 +24,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..features.cache import DBCacheRunner
 from ..models.ernie_image import BlockContext
 from ..sampling import MULTIPLIER
 
@@ -37,6 +38,7 @@ class Call:
     sigma: torch.Tensor
     text: torch.Tensor
     lens: torch.Tensor
+    runner: Optional[DBCacheRunner] = None  # the job's Cache-DiT (None: every block computed)
 
 
 class GroupedAttention:
@@ -77,26 +79,84 @@ def _attention_groups(parts, attention) -> GroupedAttention:
     return GroupedAttention(attention, groups)
 
 
+def _joined_context(parts, length: int) -> BlockContext:
+    """One BlockContext for the jobs' rows, in order, each padded to ``length`` tokens."""
+    first = parts[0][1]
+    return BlockContext(
+        modulation=tuple(torch.cat([c.modulation[j] for _, c in parts]) for j in range(6)),
+        rope=tuple(torch.cat([_pad_tokens(c.rope[j], length) for _, c in parts]) for j in range(2)),
+        key_mask=None,  # the grouped attention holds each job's own
+        attention=_attention_groups(parts, first.attention),
+        num_image_tokens=first.num_image_tokens, grid=first.grid,
+        temb=torch.cat([c.temb for _, c in parts]))
+
+
+def _blocks_with_caches(model, h: torch.Tensor, parts, runners, length: int) -> torch.Tensor:
+    """The block loop over the joined rows with a Cache-DiT runner per job (None: always computed): each
+    runner takes its own decision after its first ``fn`` blocks on its own rows (the shapes it has alone); a
+    cached job's rows get its saved residual and skip the middle blocks, which run on the other rows only;
+    every row runs the last ``bn`` blocks. ``DBCacheRunner.__call__``'s phases, one job at a time."""
+    layers = model.layers
+    n = len(layers)
+    spans, row = [], 0
+    for hi, _ in parts:
+        spans.append((row, row + hi.shape[0], hi.shape[1]))
+        row += hi.shape[0]
+    calls = [None if r is None else r.start(hi, ci) for r, (hi, ci) in zip(runners, parts)]
+    decisions, fn_res, h_mid = [None] * len(parts), [None] * len(parts), [None] * len(parts)
+    skipping = [False] * len(parts)
+    contexts = {}
+    for j in range(n + 1):
+        for q, runner in enumerate(runners):
+            if runner is None:
+                continue
+            r0, r1, s = spans[q]
+            if j == runner.rc.fn:
+                mine = h[r0:r1, :s].contiguous()
+                fn_res[q] = runner.fn_residual(parts[q][0], mine)
+                decisions[q] = runner.decide(calls[q], fn_res[q])
+                if decisions[q][0]:
+                    h_mid[q] = mine.clone()
+                else:
+                    h[r0:r1, :s] = runner.reuse(calls[q], mine)
+                    skipping[q] = True
+            if j == n - runner.rc.bn:
+                if decisions[q][0]:
+                    runner.keep(calls[q], h[r0:r1, :s].contiguous() - h_mid[q], fn_res[q])
+                skipping[q] = False
+        if j == n:
+            break
+        active = tuple(q for q in range(len(parts)) if not skipping[q])
+        if len(active) == len(parts):
+            h = layers[j](h, contexts.setdefault(active, _joined_context(parts, length)))
+        elif active:
+            rows = torch.cat([torch.arange(spans[q][0], spans[q][1], device=h.device) for q in active])
+            ctx = contexts.setdefault(active, _joined_context([parts[q] for q in active], length))
+            h = h.index_copy(0, rows, layers[j](h[rows], ctx))
+    for runner, decision in zip(runners, decisions):
+        if runner is not None:
+            runner.record(*decision)
+    return h
+
+
 def joint_velocity(model, calls: Sequence[Call], device: torch.device) -> List[torch.Tensor]:
     """Flow velocity (float32, on each call's x device) for every call, through one pass over the blocks.
     The latents must have one size (the batcher groups calls by latent size). One call alone is exactly
-    ``LocalForward.velocity``."""
+    ``LocalForward.velocity`` (with its runner in the model's block-runner slot)."""
     parts = [model.embed(c.x.to(device), (c.sigma * MULTIPLIER).float().to(device), c.text, c.lens) for c in calls]
     if len(parts) == 1:
         h, ctx = parts[0]
-        return [model.unembed(model.block_runner(model, h, ctx), ctx).float().to(calls[0].x.device)]
+        blocks = calls[0].runner or model.block_runner
+        return [model.unembed(blocks(model, h, ctx), ctx).float().to(calls[0].x.device)]
     order = sorted(range(len(parts)), key=lambda i: (parts[i][0].shape[1], parts[i][1].key_mask is not None))
     ordered = [parts[i] for i in order]
+    runners = [calls[i].runner for i in order]
     length = max(h.shape[1] for h, _ in ordered)
-    first = ordered[0][1]
-    ctx = BlockContext(
-        modulation=tuple(torch.cat([c.modulation[j] for _, c in ordered]) for j in range(6)),
-        rope=tuple(torch.cat([_pad_tokens(c.rope[j], length) for _, c in ordered]) for j in range(2)),
-        key_mask=None,  # the grouped attention holds each job's own
-        attention=_attention_groups(ordered, first.attention),
-        num_image_tokens=first.num_image_tokens, grid=first.grid,
-        temb=torch.cat([c.temb for _, c in ordered]))
-    h = model.block_runner(model, torch.cat([_pad_tokens(h, length) for h, _ in ordered]), ctx)
+    h = torch.cat([_pad_tokens(h, length) for h, _ in ordered])
+    if any(r is not None for r in runners):
+        h = _blocks_with_caches(model, h, ordered, runners, length)
+    else:
+        h = model.block_runner(model, h, _joined_context(ordered, length))
     out: List[Optional[torch.Tensor]] = [None] * len(parts)
     row = 0
     for i, (hi, ci) in zip(order, ordered):
