@@ -81,10 +81,12 @@ def test_one_job_alone_is_engine_sample_bit_exact(eng, text, batcher):
     with torch.inference_mode():
         j = job(text, 0, steps=8)
         ref = solo(eng, j)
-        got = batcher.submit(j).result(JOIN_TIMEOUT)
+        future = batcher.submit(j)
+        got = future.result(JOIN_TIMEOUT)
     assert torch.equal(got, ref)
     assert got.shape == (48, 16, 16) and got.dtype == torch.float32 and got.device.type == "cpu"
     assert batcher.stats()["forwards"] == 8 and j.stats.step_mask == [True] * 8
+    assert future.run_stats == {"model_calls": 8, "calls_computed": 8}
 
 
 def test_six_jobs_joining_mid_run_each_equal_their_solo_run(eng, text, batcher):
@@ -262,3 +264,32 @@ def test_bad_jobs_are_refused_at_submit(eng, text, batcher, change, message):
 def test_bad_max_batch_is_refused(eng):
     with pytest.raises(InputError, match="max_batch must be an integer >= 1"):
         Batcher(eng, max_batch=0)
+
+
+def test_several_ranks_run_one_job_at_a_time_equal_to_engine_sample(tiny_checkpoint):
+    """An engine on 2 gloo ranks (RemoteForward: the ranks keep one run at a time): the batcher admits one job
+    at a time, each job (one with Cache-DiT on the ranks) equal to the same engine's Engine.sample."""
+    from engine.models.random_weights import SIZES
+    from engine.parallel import shutdown_pools
+
+    cfg = SIZES["tiny"]
+    g = torch.Generator().manual_seed(1)
+    remote = open_engine(str(tiny_checkpoint), EngineConfig(ulysses_degree=2))
+    b = Batcher(remote, max_batch=8)
+    try:
+        with torch.inference_mode():
+            jobs = [Job(torch.zeros(cfg.in_channels, 6, 5), torch.randn(7, cfg.text_in_dim, generator=g),
+                        torch.randn(3, cfg.text_in_dim, generator=g), seed=3, steps=8, cfg=3.0,
+                        cache=CacheConfig(preset="fast")),
+                    Job(torch.zeros(cfg.in_channels, 6, 5), torch.randn(4, cfg.text_in_dim, generator=g), None,
+                        seed=4, steps=5, cfg=1.0)]
+            got = [f.result(JOIN_TIMEOUT) for f in b.submit_many(jobs)]
+            for g_, j in zip(got, jobs):
+                assert torch.equal(g_, solo(remote, j))
+                assert j.stats.step_mask == remote.last_run.step_mask
+        assert False in jobs[0].stats.step_mask
+        stats = b.stats()
+        assert stats["forwards"] == 13 and stats["samples_per_forward"] == (8 * 2 + 5) / 13
+    finally:
+        b.close()
+        shutdown_pools()

@@ -120,7 +120,8 @@ class Batcher:
 
     # -- the API ---------------------------------------------------------------------------------------
     def submit(self, job: Job) -> concurrent.futures.Future:
-        """Queue ``job``; its future gets the final latent [C, h, w] (float32, CPU). Bad jobs raise InputError
+        """Queue ``job``; its future gets the final latent [C, h, w] (float32, CPU), and ``run_stats``
+        (model_calls, calls_computed) just before; ``job.stats`` holds its whole run. Bad jobs raise InputError
         here, before anything is queued."""
         return self.submit_many([job])[0]
 
@@ -229,6 +230,7 @@ class Batcher:
                         job.on_step(i + 1, total)
 
                 out = run_sampler(job.sampler, denoiser, x, slot.sigmas, callback=step_done, seed=job.seed)
+            slot.future.run_stats = {"model_calls": len(job.stats.step_mask), "calls_computed": job.stats.calls_computed}
             _settle(slot.future, out[0])
         except _Cancelled:
             pass  # its future is cancelled already
