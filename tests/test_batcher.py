@@ -293,3 +293,22 @@ def test_several_ranks_run_one_job_at_a_time_equal_to_engine_sample(tiny_checkpo
     finally:
         b.close()
         shutdown_pools()
+
+
+def test_a_fault_of_the_loop_fails_every_job_and_closes(eng, text, monkeypatch):
+    """The loop itself failing (injected here: the real loop has no known fault) leaves no future waiting."""
+    b = Batcher(eng, max_batch=8)
+
+    def broken(slots):
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(b, "_tick", broken)
+    with torch.inference_mode():
+        futures = b.submit_many([job(text, 0), job(text, 1)])
+    for f in futures:
+        with pytest.raises(RuntimeError, match="the batcher's loop failed: MemoryError: injected"):
+            f.result(JOIN_TIMEOUT)
+    with pytest.raises(RuntimeError, match="closed"):
+        b.submit(job(text, 0))
+    b.close()
+    assert not b._loop.is_alive()

@@ -53,7 +53,8 @@ class Job:
     """One image to make. ``latent`` [C, h, w] float32 (zeros for text-to-image); ``cond`` / ``uncond`` text
     features [T, C_text] (``uncond`` None or ``cfg`` 1: no CFG). ``cache``: this job's Cache-DiT (None: the
     engine's, else the environment's). ``on_step(step, total)`` runs after each step's model call (``step``
-    counts from 1) in the job's thread; it may raise to cancel the job (its future gets the error)."""
+    counts from 1) in the job's thread; it may raise to cancel the job (its future gets the error). It must
+    return quickly: the next step of every job waits for it."""
 
     latent: torch.Tensor
     cond: torch.Tensor
@@ -277,12 +278,25 @@ class Batcher:
     # -- the loop --------------------------------------------------------------------------------------
     def _serve(self) -> None:
         torch.set_num_threads(self._threads)
-        with torch.inference_mode():
-            while True:
-                tick = self._next_tick()
-                if tick is None:
-                    return
-                self._tick(tick)
+        try:
+            with torch.inference_mode():
+                while True:
+                    tick = self._next_tick()
+                    if tick is None:
+                        return
+                    self._tick(tick)
+        except BaseException as e:  # noqa: BLE001 - a fault of the loop itself: fail every job, take no more
+            fault = RuntimeError(f"the batcher's loop failed: {type(e).__name__}: {e}")
+            with self._cv:
+                self._closed = True
+                left = list(self._queue) + list(self._running)
+                self._queue.clear()
+                self._running = []
+                for slot in left:
+                    slot.error = fault
+                self._cv.notify_all()
+            for slot in left:
+                _settle(slot.future, error=fault)
 
     def _admit(self) -> None:
         """Queued jobs join FIFO while their samples fit in ``max_batch`` (one that alone exceeds it runs when
