@@ -151,14 +151,21 @@ def test_cancel_frees_a_slot_and_the_others_finish(eng, text):
     try:
         with torch.inference_mode():
             jobs = [job(text, 0, steps=50, cfg=1.0), job(text, 1, steps=6, cfg=1.0), job(text, 2, steps=6, cfg=1.0)]
-            first = []
-            jobs[0].on_step = lambda step, total: b.cancel(first[0]) if step == 2 else None
-            first.append(b.submit(jobs[0]))
-            rest = b.submit_many(jobs[1:])
-            assert b.stats()["queued"] >= 1
-            got = [f.result(JOIN_TIMEOUT) for f in rest]
+            first, queued_then, known = [], [], threading.Event()
+
+            def cancel_at_2(step, total):
+                if step == 2:
+                    queued_then.append(b.stats()["queued"])
+                    known.wait(JOIN_TIMEOUT)
+                    b.cancel(first[0])
+
+            jobs[0].on_step = cancel_at_2
+            futures = b.submit_many(jobs)
+            first.append(futures[0])
+            known.set()
+            got = [f.result(JOIN_TIMEOUT) for f in futures[1:]]
             refs = [solo(eng, j) for j in jobs[1:]]
-        assert first[0].cancelled()
+        assert first[0].cancelled() and queued_then == [1]  # the third waited for the slot
         assert max(rel_err(g, r) for g, r in zip(got, refs)) <= TOLERANCE
         assert len(jobs[0].stats.step_mask) <= 3  # it left at the next step
         assert b.stats()["calls_total"] <= 3 + 12
@@ -207,10 +214,15 @@ def test_close_with_running_jobs_returns_and_cancels_them(eng, text):
 def test_close_without_cancel_lets_running_jobs_finish(eng, text):
     b = Batcher(eng, max_batch=2)
     with torch.inference_mode():
-        started = threading.Event()
-        j = job(text, 0, steps=4, on_step=lambda s, t: started.set())
-        running = b.submit(j)
-        queued = b.submit(job(text, 1, steps=4))
+        started, closing = threading.Event(), threading.Event()
+
+        def first_step_waits_for_close(step, total):  # the job is running; it goes on once close() dropped the queue
+            started.set()
+            closing.wait(JOIN_TIMEOUT)
+
+        j = job(text, 0, steps=4, on_step=first_step_waits_for_close)
+        running, queued = b.submit_many([j, job(text, 1, steps=4)])
+        queued.add_done_callback(lambda f: closing.set())
         assert started.wait(JOIN_TIMEOUT)
         b.close(cancel_running=False)
         assert torch.equal(running.result(0), solo(eng, j))
