@@ -117,6 +117,7 @@ def test_six_jobs_joining_mid_run_each_equal_their_solo_run(eng, text, batcher):
     assert stats["calls_total"] == calls and stats["calls_computed"] == calls
     assert stats["steps_done"] == sum(j.steps for j in jobs)
     assert stats["forwards"] < calls and stats["samples_per_forward"] > 1.5, stats
+    assert stats["running"] == 0 and stats["queued"] == 0
 
 
 def test_max_batch_bounds_the_samples_in_flight(eng, text):

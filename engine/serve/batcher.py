@@ -166,7 +166,8 @@ class Batcher:
         jobs); model calls whose DiT was computed (the rest: Cache-DiT reuse) and all model calls."""
         with self._cv:
             c = dict(self._counts)
-            return {"queued": len(self._queue), "running": len(self._running), "forwards": c["forwards"],
+            running = sum(not s.future.done() for s in self._running)  # a finished job may not have left yet
+            return {"queued": len(self._queue), "running": running, "forwards": c["forwards"],
                     "samples_per_forward": c["samples"] / c["forwards"] if c["forwards"] else 0.0,
                     "steps_done": c["steps_done"], "calls_computed": c["calls_computed"],
                     "calls_total": c["calls_total"]}
