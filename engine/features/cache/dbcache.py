@@ -113,6 +113,28 @@ class DBCacheRunner:
         layers = model.layers
         n = len(layers)
         fn, bn = self.rc.fn, self.rc.bn
+        i = self.start(h, ctx)
+        h_in = h
+        for block in layers[:fn]:
+            h = block(h, ctx)
+        fn_res = self.fn_residual(h_in, h)
+        compute, reason, diff = self.decide(i, fn_res)
+        if compute:
+            h_mid = h
+            for block in layers[fn:n - bn]:
+                h = block(h, ctx)
+            self.keep(i, h - h_mid, fn_res)
+        else:
+            h = self.reuse(i, h)
+        for block in layers[n - bn:]:
+            h = block(h, ctx)
+        self.record(compute, reason, diff)
+        return h
+
+    # The phases of one call, also run one by one by a block loop that serves several runs at once
+    # (engine/serve/forward.py: each run's rows skip or compute the middle blocks inside one forward).
+    def start(self, h: torch.Tensor, ctx) -> int:
+        """Begin a model call on hidden states ``h``; returns its index (a new shape starts the state afresh)."""
         i = self.call
         self.call += 1
         self.valid_tokens, self.device = getattr(ctx, "valid_tokens", None), h.device  # a BlockContext field
@@ -121,39 +143,36 @@ class DBCacheRunner:
             self.reset()
             self.call = calls
         self.shape = tuple(h.shape)
+        return i
 
-        h_in = h
-        for block in layers[:fn]:
-            h = block(h, ctx)
-        fn_res = h - h_in if self.need_reference else None
-        compute, reason, diff = self.decide(i, fn_res)
-        if compute:
-            h_mid = h
-            for block in layers[fn:n - bn]:
-                h = block(h, ctx)
-            res = h - h_mid
-            if self.calibrator is not None:
-                self.calibrator.update(res, i)
-                self.residual = None
-            else:
-                self.residual = res
-            if self.need_reference:
-                self.reference = fn_res
-            self.last_computed = i
-            self.consecutive = 0
+    def fn_residual(self, h_in: torch.Tensor, h_fn: torch.Tensor) -> Optional[torch.Tensor]:
+        """What the first ``fn`` blocks added (the threshold's measure), when the decision needs it."""
+        return h_fn - h_in if self.need_reference else None
+
+    def keep(self, i: int, res: torch.Tensor, fn_res: Optional[torch.Tensor]) -> None:
+        """A computed call: save the middle blocks' residual ``res`` (or feed TaylorSeer) and the reference."""
+        if self.calibrator is not None:
+            self.calibrator.update(res, i)
+            self.residual = None
         else:
-            if self.calibrator is not None:
-                h = h + self.calibrator.predict(i, dtype=h.dtype)
-            else:
-                h = h + self.residual
-            self.cached += 1
-            self.consecutive += 1
-        for block in layers[n - bn:]:
-            h = block(h, ctx)
+            self.residual = res
+        if self.need_reference:
+            self.reference = fn_res
+        self.last_computed = i
+        self.consecutive = 0
+
+    def reuse(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """A cached call: ``h`` after the first blocks plus the saved (or predicted) middle residual."""
+        self.cached += 1
+        self.consecutive += 1
+        if self.calibrator is not None:
+            return h + self.calibrator.predict(i, dtype=h.dtype)
+        return h + self.residual
+
+    def record(self, compute: bool, reason: str, diff) -> None:
         self.computed.append(bool(compute))
         self.reasons.append(reason)
         self.diffs.append(diff)
-        return h
 
     # -- statistics ----------------------------------------------------------------------------------
     def summary(self) -> dict:

@@ -1,0 +1,372 @@
+"""Step-level continuous batching: many sampling jobs share each DiT forward (the server drives it; no HTTP).
+
+``Batcher(engine).submit(Job(...))`` returns a future of the job's final latent. A job joins the running
+batch at the next denoising step and leaves when its own schedule ends; each keeps its own text, seed,
+noise, sigma schedule, step position, cfg and sampler state.
+
+How: every admitted job runs ``engine.sampling.run_sampler`` (the samplers' own arithmetic, all of
+``SAMPLERS``: heun's second call is just the next tick) in a thread of its own, through
+``Engine.make_denoiser`` (ComfyUI's CFG, as ``Engine.sample``). Its model calls do not run the model: they
+post the call and wait. The loop thread waits until every running job has posted its next call (or left),
+groups the calls by latent size (only equal sizes share a forward), makes one DiT forward per group
+(``engine.serve.forward.joint_velocity``: each sample with the shapes it has alone) and hands every job its
+velocity. So a job's latent is ``Engine.sample`` of the same job alone, bit for bit on this CPU, also while
+batched (tests/test_batcher.py measures it; on a GPU the batched GEMMs may round differently: fp32
+tolerance, stated there).
+
+Per-request Cache-DiT: a job whose cache is on (its ``cache``, else the engine's, else the environment's)
+gets its own ``DBCacheRunner`` (its preset's step mask over its own model calls, its residuals, its
+TaylorSeer table). In the joined forward each runner decides for its job's rows after its first ``fn``
+blocks; the rows of a job whose step is cached get its saved residual and skip the middle blocks, which
+run on the other rows only (the arithmetic of ``DBCacheRunner.__call__``, phase by phase, on the job's own
+rows): the same latent and step mask as its run alone. ``max_batch`` bounds the samples (CFG branches
+count) of all running jobs together, so no forward holds more.
+
+Several ranks (an engine whose forward is ``RemoteForward``): the ranks keep one run at a time, so the
+batcher admits one job at a time there (no batching; same results as ``Engine.sample``).
+
+The batcher owns the engine while it runs: do not sample with the same engine from another thread.
+Errors stay with their job: NaN/inf in a job's velocity (``ModelOutputError``), an ``on_step`` that
+raises, or a forward that fails fails only the futures of those jobs; the loop keeps serving the others.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ..engine import Engine, RunStats
+from ..errors import CacheConfigError, InputError
+from ..features.cache import CacheConfig, DBCacheRunner, resolve_config
+from ..inputs import check_conditioning, check_latent, check_sampler, check_sampling_settings, check_seed
+from ..sampling import model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule
+from .forward import Call, joint_velocity
+
+
+@dataclass
+class Job:
+    """One image to make. ``latent`` [C, h, w] float32 (zeros for text-to-image); ``cond`` / ``uncond`` text
+    features [T, C_text] (``uncond`` None or ``cfg`` 1: no CFG). ``cache``: this job's Cache-DiT (None: the
+    engine's, else the environment's). ``on_step(step, total)`` runs after each step's model call (``step``
+    counts from 1) in the job's thread; it may raise to cancel the job (its future gets the error). It must
+    return quickly: the next step of every job waits for it."""
+
+    latent: torch.Tensor
+    cond: torch.Tensor
+    uncond: Optional[torch.Tensor]
+    seed: int
+    steps: int
+    cfg: float
+    sampler: str = "euler"
+    scheduler: str = "simple"
+    cache: Optional[CacheConfig] = None
+    on_step: Optional[Callable[[int, int], None]] = None
+    stats: RunStats = field(default_factory=RunStats, init=False)  # this job's run: step mask, cache summary
+
+
+class _Cancelled(Exception):
+    """Raised in a job's thread at its next model call once the job is cancelled."""
+
+
+class _Slot:
+    """An admitted or queued job: what it needs to run, its thread and the model call it waits on."""
+
+    def __init__(self, job: Job, future, latent, cond, uncond, sigmas, plan):
+        self.job, self.future = job, future
+        self.latent, self.cond, self.uncond, self.sigmas, self.plan = latent, cond, uncond, sigmas, plan
+        self.rows = 2 if uncond is not None else 1
+        self.bucket = tuple(latent.shape[1:])
+        self.runner: Optional[DBCacheRunner] = None  # this job's Cache-DiT (local engine)
+        self.remote_run = None  # its run on the ranks (remote engine)
+        self.call: Optional[Call] = None  # the model call it waits on
+        self.answer = None  # (velocity, computed, seconds) from the loop
+        self.error: Optional[BaseException] = None  # its forward failed
+        self.cancelled = False
+        self.done = False
+        self.thread: Optional[threading.Thread] = None
+
+
+def _settle(future, result=None, error: Optional[BaseException] = None) -> None:
+    """Give ``future`` its result or error unless it was cancelled meanwhile."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+class Batcher:
+    def __init__(self, engine: Engine, max_batch: int = 8):
+        """``max_batch``: samples (CFG branches count) in flight at once, so at most that many per forward."""
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise InputError(f"max_batch must be an integer >= 1 (got {max_batch!r})")
+        self.engine, self.max_batch = engine, max_batch
+        self.local = engine.model is not None
+        self._cv = threading.Condition()
+        self._queue: deque = deque()
+        self._running: List[_Slot] = []
+        self._slots: Dict[concurrent.futures.Future, _Slot] = {}
+        self._closed = False
+        self._counts = dict(forwards=0, samples=0, steps_done=0, calls_computed=0, calls_total=0)
+        self._threads = torch.get_num_threads()
+        self._loop = threading.Thread(target=self._serve, name="sgld-batcher", daemon=True)
+        self._loop.start()
+
+    # -- the API ---------------------------------------------------------------------------------------
+    def submit(self, job: Job) -> concurrent.futures.Future:
+        """Queue ``job``; its future gets the final latent [C, h, w] (float32, CPU), and ``run_stats``
+        (model_calls, calls_computed) just before; ``job.stats`` holds its whole run. Bad jobs raise InputError
+        here, before anything is queued."""
+        return self.submit_many([job])[0]
+
+    def submit_many(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
+        """Queue several jobs at once (a request for n images): they join the batch at the same step, as far
+        as ``max_batch`` allows. All are checked before any is queued."""
+        slots = [self._prepare(job) for job in jobs]
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the batcher is closed: it takes no more jobs")
+            for slot in slots:
+                self._slots[slot.future] = slot
+                self._queue.append(slot)
+            self._cv.notify_all()
+        for slot in slots:
+            slot.future.add_done_callback(self._on_done)
+        return [slot.future for slot in slots]
+
+    def cancel(self, future: concurrent.futures.Future) -> None:
+        """Cancel the job of ``future`` (``future.cancel()`` does the same): a queued job never runs, a running
+        one leaves at the next step and its slot is free for the next job."""
+        future.cancel()
+
+    def close(self, cancel_running: bool = True) -> None:
+        """Take no more jobs; cancel the queued ones and, with ``cancel_running``, the running ones (else let
+        them finish); then stop the loop thread. Returns once it and the jobs' threads have stopped."""
+        with self._cv:
+            self._closed = True
+            left = list(self._queue) + (list(self._running) if cancel_running else [])
+        for slot in left:
+            slot.future.cancel()
+        with self._cv:
+            self._cv.notify_all()
+        self._loop.join()
+        for slot in left:
+            if slot.thread is not None:
+                slot.thread.join()
+
+    def stats(self) -> dict:
+        """queued / running jobs; forwards made; mean samples per forward; steps done (sampler steps of all
+        jobs); model calls whose DiT was computed (the rest: Cache-DiT reuse) and all model calls."""
+        with self._cv:
+            c = dict(self._counts)
+            running = sum(not s.future.done() for s in self._running)  # a finished job may not have left yet
+            return {"queued": len(self._queue), "running": running, "forwards": c["forwards"],
+                    "samples_per_forward": c["samples"] / c["forwards"] if c["forwards"] else 0.0,
+                    "steps_done": c["steps_done"], "calls_computed": c["calls_computed"],
+                    "calls_total": c["calls_total"]}
+
+    # -- checks at submit ------------------------------------------------------------------------------
+    def _prepare(self, job: Job) -> _Slot:
+        """Every check ``Engine.sample`` makes (InputError naming the field), the sigmas and the cache plan."""
+        if not isinstance(job, Job):
+            raise InputError(f"submit takes a Job, not {type(job).__name__}")
+        check_sampler(job.sampler, job.scheduler)
+        check_sampling_settings(steps=job.steps, cfg=job.cfg)
+        check_seed(job.seed)
+        mc = self.engine.model_config
+        if not isinstance(job.latent, torch.Tensor) or job.latent.dim() != 3:
+            shape = tuple(job.latent.shape) if isinstance(job.latent, torch.Tensor) else type(job.latent).__name__
+            raise InputError(f"a job's latent has shape {shape}; expected [{mc.in_channels}, height, width]")
+        latent = job.latent[None].detach().to("cpu", torch.float32)
+        check_latent(mc, latent)
+        cond = check_conditioning(mc, "positive", [job.cond], 1)
+        uncond = check_conditioning(mc, "negative", [job.uncond], 1) if job.uncond is not None and job.cfg != 1.0 else None
+        if job.on_step is not None and not callable(job.on_step):
+            raise InputError(f"a job's on_step must be callable, not {type(job.on_step).__name__}")
+        sigmas = sigma_schedule(int(job.steps), job.scheduler)
+        calls = model_calls(job.sampler, len(sigmas) - 1)
+        try:
+            cc = resolve_config(job.cache if job.cache is not None else self.engine.config.cache)
+            plan = cc.resolve(calls, mc.num_layers) if cc.enabled else None
+        except CacheConfigError as e:
+            raise InputError(str(e)) from e
+        job.stats = RunStats(steps=len(sigmas) - 1, model_calls=calls, sampler=job.sampler)
+        return _Slot(job, concurrent.futures.Future(), latent, cond, uncond, sigmas, plan)
+
+    def _on_done(self, future) -> None:
+        """A future settled or cancelled (by anyone): forget it; a cancelled running job's thread wakes and
+        leaves, and the loop frees its slot."""
+        with self._cv:
+            slot = self._slots.pop(future, None)
+            if slot is None:
+                return
+            if future.cancelled():
+                slot.cancelled = True
+                if slot in self._queue:
+                    self._queue.remove(slot)
+            self._cv.notify_all()
+
+    # -- a job's thread --------------------------------------------------------------------------------
+    def _run_job(self, slot: _Slot) -> None:
+        """The job's whole sampling run, as ``Engine.sample`` makes it, its model calls answered by the loop."""
+        job = slot.job
+        total = len(slot.sigmas) - 1
+        try:
+            torch.set_num_threads(self._threads)
+            with torch.inference_mode():
+                noise = seeded_noise(slot.latent.shape, job.seed)
+                x = noise_scaling(slot.sigmas[0], noise, slot.latent)
+                denoiser = self.engine.make_denoiser(slot.cond, slot.uncond, job.cfg, lambda *a: self._model_call(slot, *a))
+
+                def step_done(i, x_i, denoised):
+                    with self._cv:
+                        self._counts["steps_done"] += 1
+                    if job.on_step is not None:
+                        job.on_step(i + 1, total)
+
+                out = run_sampler(job.sampler, denoiser, x, slot.sigmas, callback=step_done, seed=job.seed)
+            slot.future.run_stats = {"model_calls": len(job.stats.step_mask), "calls_computed": job.stats.calls_computed}
+            _settle(slot.future, out[0])
+        except _Cancelled:
+            pass  # its future is cancelled already
+        except BaseException as e:  # noqa: BLE001 - any failure is this job's alone
+            _settle(slot.future, error=e)
+        finally:
+            self._finish_job(slot)
+
+    def _model_call(self, slot: _Slot, x, sigma, text, lens) -> torch.Tensor:
+        """Post the call, wait for the loop's answer; NaN/inf refused as ``Engine.sample`` does."""
+        with self._cv:
+            if slot.cancelled:
+                raise _Cancelled()
+            slot.call = Call(x, sigma, text, lens)
+            self._cv.notify_all()
+            while slot.answer is None and slot.error is None and not slot.cancelled:
+                self._cv.wait()
+            if slot.cancelled:
+                raise _Cancelled()
+            if slot.error is not None:
+                raise slot.error
+            (v, computed, seconds), slot.answer = slot.answer, None
+        slot.job.stats.call_seconds.append(seconds)
+        slot.job.stats.step_mask.append(computed)
+        if not torch.isfinite(v).all():
+            raise slot.job.stats.nonfinite_output()
+        return v
+
+    def _finish_job(self, slot: _Slot) -> None:
+        summary = None
+        try:
+            if slot.remote_run is not None:
+                summary = slot.remote_run.finish()
+            elif slot.runner is not None:
+                summary = slot.runner.summary()
+        except BaseException as e:  # noqa: BLE001 - the ranks failed at the end: this job's error
+            _settle(slot.future, error=e)
+        if summary:
+            slot.job.stats.cache = summary
+        with self._cv:
+            slot.done = True
+            self._cv.notify_all()
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        torch.set_num_threads(self._threads)
+        try:
+            with torch.inference_mode():
+                while True:
+                    tick = self._next_tick()
+                    if tick is None:
+                        return
+                    self._tick(tick)
+        except BaseException as e:  # noqa: BLE001 - a fault of the loop itself: fail every job, take no more
+            fault = RuntimeError(f"the batcher's loop failed: {type(e).__name__}: {e}")
+            with self._cv:
+                self._closed = True
+                left = list(self._queue) + list(self._running)
+                self._queue.clear()
+                self._running = []
+                for slot in left:
+                    slot.error = fault
+                self._cv.notify_all()
+            for slot in left:
+                _settle(slot.future, error=fault)
+
+    def _admit(self) -> None:
+        """Queued jobs join FIFO while their samples fit in ``max_batch`` (one that alone exceeds it runs when
+        nothing else does); one job at a time on several ranks."""
+        while self._queue and not self._closed:
+            slot = self._queue[0]
+            busy = sum(s.rows for s in self._running)
+            if self._running and (not self.local or busy + slot.rows > self.max_batch):
+                return
+            self._queue.popleft()
+            if self.local and slot.plan is not None:
+                slot.runner = DBCacheRunner(slot.plan, branches=slot.rows)
+            slot.thread = threading.Thread(target=self._run_job, args=(slot,), name="sgld-job", daemon=True)
+            self._running.append(slot)
+            slot.thread.start()
+
+    def _next_tick(self) -> Optional[List[_Slot]]:
+        """Under the lock: wait until every running job has posted its next model call; the jobs of the tick,
+        or None once closed with nothing left to run."""
+        with self._cv:
+            while True:
+                self._running = [s for s in self._running if not s.done and not s.cancelled]  # leavers free their slot
+                self._admit()
+                if self._running and all(s.call is not None for s in self._running):
+                    return list(self._running)
+                if self._closed and not self._running:
+                    return None
+                self._cv.wait()
+
+    def _tick(self, slots: List[_Slot]) -> None:
+        """One step of every job: one joined forward per latent size (a forward per job on several ranks);
+        then every job gets its answer, or its forward's error."""
+        groups: Dict[tuple, List[_Slot]] = {}
+        for s in slots:
+            groups.setdefault(s.bucket if self.local else id(s), []).append(s)
+        answers: Dict[int, tuple] = {}
+        errors: Dict[int, BaseException] = {}
+        for group in groups.values():
+            t0 = time.perf_counter()
+            try:
+                result = self._forward(group)
+            except Exception as e:  # noqa: BLE001 - fails the jobs of this forward only
+                errors.update({id(s): e for s in group})
+                continue
+            seconds = time.perf_counter() - t0
+            answers.update({id(s): (v, computed, seconds) for s, (v, computed) in zip(group, result)})
+        with self._cv:
+            c = self._counts
+            c["forwards"] += len(groups)
+            c["samples"] += sum(s.rows for s in slots)
+            for s in slots:
+                s.call = None
+                if id(s) in errors:
+                    s.error = errors[id(s)]
+                    continue
+                s.answer = answers[id(s)]
+                c["calls_total"] += 1
+                c["calls_computed"] += int(s.answer[1])
+            self._cv.notify_all()
+
+    def _forward(self, group: List[_Slot]) -> List[tuple]:
+        """(velocity, whether the DiT was computed) for each job of one forward: the joined forward locally
+        (each job's Cache-DiT runner deciding for its own rows), or one job's call on the ranks through its
+        own run."""
+        if self.local:
+            calls = [Call(s.call.x, s.call.sigma, s.call.text, s.call.lens, s.runner) for s in group]
+            vs = joint_velocity(self.engine.model, calls, self.engine.device)
+            return [(v, s.runner is None or bool(s.runner.computed[-1])) for s, v in zip(group, vs)]
+        slot, call = group[0], group[0].call
+        if slot.remote_run is None:
+            slot.remote_run = self.engine.forward.run(slot.plan, cfg_batched=slot.uncond is not None)
+        return [slot.remote_run.call(call.x, call.sigma, call.text, call.lens)]
