@@ -9,8 +9,9 @@ from typing import List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..errors import CacheConfigError, InputError
+from ..errors import InputError
 from ..features.cache import ALL_PRESETS, CacheConfig
+from ..features.cache.masks import canonical_preset
 from ..inputs import check_sampling_settings, check_seed
 
 MAX_IMAGES = 8  # n: OpenAI's dall-e-2 allows 1 to 10; SGLang clips; we refuse past 8
@@ -117,10 +118,9 @@ def parse_cache(name: Optional[str]) -> Optional[CacheConfig]:
         return None
     if name.strip().lower() in CACHE_OFF:
         return CacheConfig(enabled=False)
-    try:
-        return CacheConfig(enabled=True, preset=name)
-    except CacheConfigError:
-        raise bad_field("cache", f"cache must be a preset ({', '.join(ALL_PRESETS)}) or 'off' (got {name!r:.40})") from None
+    if canonical_preset(name) not in ALL_PRESETS:
+        raise bad_field("cache", f"cache must be a preset ({', '.join(ALL_PRESETS)}) or 'off' (got {name!r:.40})")
+    return CacheConfig(enabled=True, preset=canonical_preset(name))
 
 
 def parse_generation(body, served) -> Generation:
