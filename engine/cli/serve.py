@@ -13,7 +13,7 @@ import uvicorn
 
 from .. import inputs
 from ..models import demo as demo_pkg
-from ..sampling import PRESETS
+from ..sampling import MAX_IMAGE_SIDE, PRESETS
 from ..serve import ServedModel, ServeSettings, create_app
 from ..serve.sequential import SequentialBatcher
 from .common import add_cache_arguments, add_engine_arguments, cache_config, engine_config
@@ -74,12 +74,15 @@ def _defaults(args, parts) -> tuple:
     return steps, cfg
 
 
-def _check_size(external: bool):
+def _check_size(external: bool, empty_latent):
     def check(width: int, height: int) -> None:
-        if external:
-            inputs.flux2_latent_shape(width, height, 1)
-        elif (width, height) != (demo_pkg.IMAGE_SIZE,) * 2:
-            raise inputs.InputError(f"the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} pictures only")
+        if not external:
+            if (width, height) != (demo_pkg.IMAGE_SIZE,) * 2:
+                raise inputs.InputError(f"the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} pictures only")
+            return
+        if not (1 <= width <= MAX_IMAGE_SIDE and 1 <= height <= MAX_IMAGE_SIDE):
+            raise inputs.InputError(f"each side must be from 1 to {MAX_IMAGE_SIDE} pixels")
+        empty_latent(width, height)  # the VAE's own rule (a multiple of its stride)
     return check
 
 
@@ -95,7 +98,7 @@ def served_model(args) -> ServedModel:
     name = args.served_model_name or (os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
                                       if external else DEMO_ID)
     return ServedModel(name, parts.engine, lambda p: parts.encode(p)[0], lambda w, h: parts.empty_latent(w, h)[0],
-                       lambda z: parts.decode(z[None]), _check_size(external), parts.default_size, steps, cfg,
+                       lambda z: parts.decode(z[None]), _check_size(external, parts.empty_latent), parts.default_size, steps, cfg,
                        parts.model_path)
 
 
