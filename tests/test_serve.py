@@ -366,3 +366,12 @@ def test_sigterm_mid_batch_exits_cleanly(tmp_path):
     assert not [c for c in children if c.is_running()]
     with pytest.raises(requests.ConnectionError):
         requests.get(s.url + "/health", timeout=5)
+
+
+def test_a_port_in_use_is_a_one_line_error(server):
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--port", str(server.port)], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith(f"sgld serve: error: --host 127.0.0.1 --port {server.port}: "
+                                                        "cannot listen there")
+    assert server.healthy()

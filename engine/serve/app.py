@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import random
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -147,7 +148,7 @@ def create_app(served: ServedModel, batcher, settings: ServeSettings) -> FastAPI
     gate = Gate()
     loras = Loras(served.engine, settings.lora_dir, settings.loras)
     metrics = Metrics(batcher.stats, lambda: in_flight[0])
-    encode_lock = asyncio.Lock()  # one text-encoder call at a time (its modules are not made for threads)
+    encode_lock = threading.Lock()  # one text-encoder call at a time, even after its request was cancelled
     capacity = settings.max_batch + settings.max_queue
     created = int(time.time())
 
@@ -209,9 +210,12 @@ def create_app(served: ServedModel, batcher, settings: ServeSettings) -> FastAPI
         raise ApiError(503, f"the request took longer than --request-timeout {settings.request_timeout:g} s; its work "
                             "was cancelled", "server_error", code="timeout", headers={"x-should-retry": "false"})
 
+    def encode_alone(prompt: str) -> torch.Tensor:
+        with encode_lock:
+            return served.encode(prompt)
+
     async def encode(prompt: str) -> torch.Tensor:
-        async with encode_lock:
-            return await asyncio.to_thread(served.encode, prompt)
+        return await asyncio.to_thread(encode_alone, prompt)
 
     async def sample(jobs: List[Job]) -> list:
         """The jobs through the batcher, under the shared gate; their latents and run stats."""
