@@ -223,10 +223,11 @@ def create_app(served: ServedModel, batcher, settings: ServeSettings) -> FastAPI
             futures = []
             try:
                 try:
-                    for job in jobs:
-                        futures.append(batcher.submit(job))
+                    futures = batcher.submit_many(jobs)  # all checked before any is queued
                 except USER_ERRORS as e:
                     raise ApiError(400, str(e), code="invalid_value") from None
+                except RuntimeError:  # closed: the server is stopping
+                    raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down") from None
                 await _all_done(futures)
             finally:
                 for f in futures:

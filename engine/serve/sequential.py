@@ -7,7 +7,7 @@ import concurrent.futures
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -53,16 +53,22 @@ class SequentialBatcher:
         self._worker.start()
 
     def submit(self, job: Job) -> concurrent.futures.Future:
-        if job.latent.dim() != 3:
-            raise InputError(f"a job's latent must be [C, h, w]; got shape {tuple(job.latent.shape)}")
-        check_sampling_settings(steps=job.steps, cfg=job.cfg)
-        check_seed(job.seed)
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        return self.submit_many([job])[0]
+
+    def submit_many(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
+        """Several jobs (a request for n images), all checked before any is queued."""
+        for job in jobs:
+            if job.latent.dim() != 3:
+                raise InputError(f"a job's latent must be [C, h, w]; got shape {tuple(job.latent.shape)}")
+            check_sampling_settings(steps=job.steps, cfg=job.cfg)
+            check_seed(job.seed)
+        futures = [concurrent.futures.Future() for _ in jobs]
         with self._lock:
             if self._closed:
-                raise RuntimeError("the batcher is closed")
-            self._queue.put((job, future))
-        return future
+                raise RuntimeError("the batcher is closed: it takes no more jobs")
+            for job, future in zip(jobs, futures):
+                self._queue.put((job, future))
+        return futures
 
     def cancel(self, future: concurrent.futures.Future) -> None:
         """A queued job is dropped; a running one stops at its next step (its Future gets CancelledError)."""
