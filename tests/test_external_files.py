@@ -1,14 +1,19 @@
 """`sgld generate --model --text-encoder --vae`: ERNIE-Image files instead of the demo, with tiny random
 checkpoints of the real architectures (the 16 GB release cannot be downloaded here): a Ministral3
 text encoder through transformers, diffusers' AutoencoderKLFlux2, the tiny ERNIE-Image DiT."""
+import base64
+import io
 import json
 import os
 import pickle
+import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
+import requests
 import torch
 
 pytest.importorskip("transformers")
@@ -171,3 +176,39 @@ def test_a_damaged_model_stops_the_run_with_a_clear_error_and_writes_nothing(ern
     assert ("sgld generate: error: the model produced NaN/inf at step 1 of 3 (model call 1 of 3): the weights may be "
             "damaged") in r.stderr
     assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_serve_from_ernie_files(ernie_files, tmp_path):
+    """`sgld serve` with ERNIE-Image files: the file's name is the model's id, a *turbo* file defaults to Turbo's
+    8 steps and cfg 1, other sizes than the demo's are made, and a size the VAE cannot make is a 400."""
+    from PIL import Image
+
+    turbo = tmp_path / "ernie-image-turbo.safetensors"
+    os.symlink(ernie_files["model"], turbo)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([SGLD, "serve", "--port", str(port), "--model", str(turbo), "--text-encoder",
+                             ernie_files["te"], "--vae", ernie_files["vae"], "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(600):
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if requests.get(url + "/health", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.2)
+        card = requests.get(url + "/v1/models", timeout=10).json()["data"][0]
+        assert (card["id"], card["default_steps"], card["default_guidance_scale"]) == ("ernie-image-turbo", 8, 1.0)
+        r = requests.post(url + "/v1/images/generations", json={"prompt": "a red cat", "size": "32x48", "seed": 1,
+                                                                 "num_inference_steps": 2}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["model_calls"] == 2 and r.json()["guidance_scale"] == 1.0
+        assert Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).size == (32, 48)
+        r = requests.post(url + "/v1/images/generations", json={"prompt": "a red cat", "size": "30x30"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "size", r.text
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0

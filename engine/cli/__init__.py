@@ -1,4 +1,4 @@
-"""`sgld` command line: generate images, benchmark the engine, quantize a model file. One module per
+"""`sgld` command line: generate images, serve them over HTTP, benchmark the engine, quantize a model file. One module per
 command; common.py holds the engine's flags (derived from EngineConfig's declarations) and the shared
 checks. Errors are one line and exit 2; Ctrl-C is one line and exit 130."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import torch
 
 from ..errors import USER_ERRORS
-from . import bench, generate, quantize
+from . import bench, generate, quantize, serve
 from .common import check_common_args
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     generate.add_parser(sub)
     quantize.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
         return 2
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
-    elif args.command == "generate" and args.device == "cpu":
+    elif args.command in ("generate", "serve") and args.device == "cpu":
         # the demo model's matrices are tiny: a second thread costs more in synchronisation than it
         # computes, and on a busy machine it waits for a core (measured 10-20x slower)
         torch.set_num_threads(1)
@@ -72,6 +73,9 @@ def _run_command(args) -> int:
             generate.cmd_generate(args)
         elif args.command == "quantize":
             quantize.cmd_quantize(args)
+        elif args.command == "serve":
+            args.loras = generate.lora_specs(args)
+            serve.cmd_serve(args)
     except (*USER_ERRORS, ValueError, OSError) as e:
         print(f"sgld {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -62,25 +62,31 @@ class GenerateParts(NamedTuple):
     """What ``sgld generate`` needs from a model: the demo's or ERNIE-Image files'."""
     engine: object
     encode: Callable  # prompt -> conditioning (list of [tokens, features])
-    empty_latent: torch.Tensor
+    empty_latent: Callable  # (width, height) -> zeros [1, C, h, w]
     decode: Callable  # latent -> uint8 image [H, W, 3]
     model_path: str
     default_steps: int
     default_cfg: float
+    default_size: int  # pixels on each side
+
+
+def make_parts(args) -> GenerateParts:
+    """The parts of the model the flags name: ERNIE-Image files (--model --text-encoder --vae) or the demo."""
+    return (_ernie_parts if uses_ernie_files(args) else _demo_parts)(args)
 
 
 def _demo_parts(args) -> GenerateParts:
     demo = demo_pkg.load_demo(dtype=args.dtype or torch.float32, cached=False)  # its text encoder and tokenizer
-    for name in ("prompt", "negative"):
-        warning = demo.tokenizer.unknown_words_warning(getattr(args, name), where=f" in --{name}")
+    for name in ("prompt", "negative"):  # the prompts given on the command line (sgld serve has none)
+        warning = demo.tokenizer.unknown_words_warning(getattr(args, name, ""), where=f" in --{name}")
         if warning:
             print(f"sgld: warning: {warning}", file=sys.stderr)
     # the DiT through the same router as ERNIE-Image files: several ranks (--num-gpus, --tp, ...) run it
     # in worker processes; the demo is stored in fp16 and runs in fp32 unless --dtype says otherwise
     config = dataclasses.replace(engine_config(args, cache=cache_config(args)), dtype=args.dtype or "fp32")
     eng = open_engine(demo.path, config)
-    return GenerateParts(eng, lambda p: demo.encode([p]), demo.empty_latent(1), lambda z: demo.decode(z)[0], demo.path,
-                         demo_pkg.DEFAULT_STEPS, demo_pkg.DEFAULT_CFG)
+    return GenerateParts(eng, lambda p: demo.encode([p]), lambda w, h: demo.empty_latent(1), lambda z: demo.decode(z)[0],
+                         demo.path, demo_pkg.DEFAULT_STEPS, demo_pkg.DEFAULT_CFG, demo_pkg.IMAGE_SIZE)
 
 
 def _ernie_parts(args) -> GenerateParts:
@@ -89,19 +95,17 @@ def _ernie_parts(args) -> GenerateParts:
     if missing:
         raise ValueError(f"--model, --text-encoder and --vae go together; missing {', '.join(missing)}")
     vae = Flux2VAE.from_folder(args.vae, device=args.device)
-    latent = vae.empty_latent(args.width or ERNIE_SIZE, args.height or ERNIE_SIZE)
     te = TextEncoder.from_folder(args.text_encoder, device=args.device)
     eng = open_engine(args.model, engine_config(args, cache=cache_config(args)))
-    return GenerateParts(eng, lambda p: [te.encode(p)], latent, lambda z: vae.decode(z)[0].numpy(), args.model,
-                         ERNIE_STEPS, ERNIE_CFG)
+    return GenerateParts(eng, lambda p: [te.encode(p)], vae.empty_latent, lambda z: vae.decode(z)[0].numpy(), args.model,
+                         ERNIE_STEPS, ERNIE_CFG, ERNIE_SIZE)
 
 
 def cmd_generate(args) -> dict:
     """A picture from a prompt (the embedded demo model, or ERNIE-Image files): PNG with ComfyUI-style text metadata."""
     t0 = time.perf_counter()
-    external = uses_ernie_files(args)
     steps, cfg = check_generate_args(args)
-    parts = (_ernie_parts if external else _demo_parts)(args)
+    parts = make_parts(args)
     eng = parts.engine
     if args.loras:
         eng.set_loras(args.loras)
@@ -111,7 +115,8 @@ def cmd_generate(args) -> dict:
                 "sampler": args.sampler, "scheduler": args.scheduler, "model": os.path.basename(parts.model_path)}
     bar = None if args.json else _progress_bar(steps)
     try:
-        latent = eng.sample(parts.empty_latent, cond, uncond, seed=args.seed, steps=steps, cfg=cfg, sampler=args.sampler,
+        empty = parts.empty_latent(args.width or parts.default_size, args.height or parts.default_size)
+        latent = eng.sample(empty, cond, uncond, seed=args.seed, steps=steps, cfg=cfg, sampler=args.sampler,
                             scheduler=args.scheduler, callback=(lambda i, n, x, d: bar.update(1)) if bar else None)
     finally:
         if bar:

@@ -1,4 +1,10 @@
-"""Serving: step-level continuous batching over one engine (``Batcher``, ``Job``); the HTTP server builds on it."""
+"""``sgld serve``: an OpenAI-compatible image server over step-level continuous batching.
+
+batcher.py + forward.py: ``Batcher`` / ``Job``, one DiT forward per step over every running request;
+app.py: the FastAPI app; protocol.py: request checks and OpenAI error bodies; guard.py: API key and body
+size; loras.py: the LoRA endpoints; metrics.py: Prometheus. engine/cli/serve.py starts it under uvicorn.
+"""
+from .app import ServedModel, ServeSettings, create_app
 from .batcher import Batcher, Job
 
-__all__ = ["Batcher", "Job"]
+__all__ = ["Batcher", "Job", "ServedModel", "ServeSettings", "create_app"]

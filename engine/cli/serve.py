@@ -1,0 +1,139 @@
+"""`sgld serve`: the OpenAI-compatible image server (engine/serve) for the demo model or ERNIE-Image files,
+under uvicorn. SIGTERM: stop listening, let the running requests finish for --shutdown-grace seconds,
+cancel the rest, stop the batcher and the engine's workers, exit 0."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+
+import uvicorn
+
+from .. import inputs
+from ..models import demo as demo_pkg
+from ..sampling import MAX_IMAGE_SIDE, PRESETS
+from ..serve import ServedModel, ServeSettings, create_app
+from ..serve.batcher import Batcher
+from .common import add_cache_arguments, add_engine_arguments, cache_config, engine_config
+from .generate import make_parts, uses_ernie_files
+
+DEMO_ID = "sgld-demo"
+
+
+def _positive(kind, low):
+    def parse(text):
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low} (got {text})")
+        return value
+    return parse
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve images over HTTP (OpenAI's Images API)",
+                       description="An OpenAI-compatible image server (the embedded demo model by default).")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--api-key", default=None, help="ask for 'Authorization: Bearer KEY' (not on /health and /metrics)")
+    s.add_argument("--served-model-name", default=None, help="the model's id in the API (default: sgld-demo, or the "
+                                                              "--model file's name)")
+    s.add_argument("--max-batch", "--max-running-steps", dest="max_batch", type=_positive(int, 1), default=8,
+                   help="most images in one running batch (--max-running-steps: the same bound; each running "
+                        "image is one denoising step per forward)")
+    s.add_argument("--max-queue", type=_positive(int, 0), default=64,
+                   help="most images waiting beyond the running batch; more get 429")
+    s.add_argument("--request-timeout", type=_positive(float, 0.001), default=600.0,
+                   help="seconds a request may take; past it: 503 and its work cancelled")
+    s.add_argument("--shutdown-grace", type=_positive(float, 0.0), default=30.0,
+                   help="on SIGTERM, seconds the running requests may take to finish before they are cancelled")
+    s.add_argument("--max-body-bytes", type=_positive(int, 1), default=1 << 20, help="larger request bodies get 413")
+    s.add_argument("--lora-dir", default=None, help="the folder /v1/set_lora loads LoRA files from (none: no loading)")
+    s.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH", help="a LoRA active from the start")
+    s.add_argument("--steps", type=int, default=None, help="default num_inference_steps (the model's: demo 30, "
+                                                          "ERNIE-Image 50, a file named *turbo* 8)")
+    s.add_argument("--cfg", type=float, default=None, help="default guidance_scale (demo 3, ERNIE-Image 4, turbo 1)")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    ext = s.add_argument_group("ERNIE-Image files instead of the demo (all three together)")
+    ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder")
+    ext.add_argument("--text-encoder", help="text encoder folder (HF text_encoder/)")
+    ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/)")
+    add_engine_arguments(s)
+    add_cache_arguments(s)
+
+
+def _defaults(args, parts) -> tuple:
+    """(steps, cfg): the flags', else the model's (ERNIE-Image Turbo by its file name, Base otherwise)."""
+    steps, cfg = parts.default_steps, parts.default_cfg
+    if uses_ernie_files(args) and "turbo" in os.path.basename(os.path.normpath(args.model)).lower():
+        steps, cfg = PRESETS["turbo"]["steps"], PRESETS["turbo"]["cfg"]
+    steps = steps if args.steps is None else args.steps
+    cfg = cfg if args.cfg is None else args.cfg
+    inputs.check_sampling_settings(steps=steps, cfg=cfg, names={"steps": "--steps", "cfg": "--cfg"})
+    return steps, cfg
+
+
+def _check_size(external: bool, empty_latent):
+    def check(width: int, height: int) -> None:
+        if not external:
+            if (width, height) != (demo_pkg.IMAGE_SIZE,) * 2:
+                raise inputs.InputError(f"the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} pictures only")
+            return
+        if not (1 <= width <= MAX_IMAGE_SIDE and 1 <= height <= MAX_IMAGE_SIDE):
+            raise inputs.InputError(f"each side must be from 1 to {MAX_IMAGE_SIDE} pixels")
+        empty_latent(width, height)  # the VAE's own rule (a multiple of its stride)
+    return check
+
+
+def served_model(args) -> ServedModel:
+    """The model the flags name, with its defaults and the --lora files active."""
+    engine_config(args)  # the engine's flags and the parallel degrees against each other, before loading
+    cache_config(args)
+    parts = make_parts(args)
+    steps, cfg = _defaults(args, parts)
+    if args.loras:
+        parts.engine.set_loras(args.loras)
+    external = uses_ernie_files(args)
+    name = args.served_model_name or (os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
+                                      if external else DEMO_ID)
+    return ServedModel(name, parts.engine, lambda p: parts.encode(p)[0], lambda w, h: parts.empty_latent(w, h)[0],
+                       lambda z: parts.decode(z[None]), _check_size(external, parts.empty_latent), parts.default_size, steps, cfg,
+                       parts.model_path)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a port in use is a one-line error before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    return sock
+
+
+def cmd_serve(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be from 0 to 65535 (got {args.port})")
+    if args.lora_dir is not None and not os.path.isdir(args.lora_dir):
+        raise ValueError(f"--lora-dir '{args.lora_dir}' is not a folder")
+    sock = _listen(args.host, args.port)
+    served = served_model(args)
+    batcher = Batcher(served.engine, max_batch=args.max_batch)
+    settings = ServeSettings(api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
+                             request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                             lora_dir=args.lora_dir, loras=args.loras)
+    app = create_app(served, batcher, settings)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace,
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    # uvicorn handles SIGTERM/SIGINT itself (graceful shutdown, then the lifespan's end closes the batcher) and
+    # re-raises the signal to the handler found before it: for SIGTERM that is this one, so the exit is 0
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    host, port = sock.getsockname()[:2]
+    print(f"sgld serve: {served.id} on http://{host}:{port}/v1 (max batch {args.max_batch}, queue {args.max_queue})",
+          file=sys.stderr, flush=True)
+    server.run(sockets=[sock])

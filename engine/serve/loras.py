@@ -1,0 +1,81 @@
+"""The LoRA endpoints' state: nicknames and their files (only from --lora-dir, or the --lora flags the server
+started with) and which are active. A change is planned and checked first, then applied whole through
+``Engine.set_loras`` (which applies the full list or nothing), then recorded."""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Tuple
+
+from ..errors import LoRAError
+from .protocol import ApiError, SetLoraRequest, UnsetLoraRequest, as_list, bad_field, lora_file
+
+Plan = List[Tuple[str, str, float]]  # (nickname, real path, strength) that will be active
+
+
+class Loras:
+    def __init__(self, engine, lora_dir: Optional[str], startup: List[Tuple[str, float]]):
+        self.engine, self.lora_dir = engine, lora_dir
+        self.files: Dict[str, str] = {}  # nickname -> real path
+        self.active: Plan = []
+        for path, strength in startup:
+            nickname = os.path.splitext(os.path.basename(path))[0]
+            self.files[nickname] = os.path.realpath(path)
+            self.active.append((nickname, self.files[nickname], strength))
+
+    def plan_set(self, req: SetLoraRequest) -> Plan:
+        """Exactly these adapters active (SGLang's set_lora: a new one replaces the old)."""
+        nicknames, paths = as_list(req.lora_nickname), as_list(req.lora_path)
+        strengths = as_list(req.strength)
+        if not nicknames or len(set(nicknames)) != len(nicknames) or not all(nicknames):
+            raise bad_field("lora_nickname", "lora_nickname must be one name or a list of distinct, non-empty names")
+        if req.lora_path is None:
+            paths = [None] * len(nicknames)
+        if len(strengths) == 1:
+            strengths = strengths * len(nicknames)
+        for field, values in (("lora_path", paths), ("strength", strengths)):
+            if len(values) != len(nicknames):
+                raise bad_field(field, f"{field} has {len(values)} entries for {len(nicknames)} lora_nickname(s)")
+        plan = []
+        for nickname, path, strength in zip(nicknames, paths, strengths):
+            if path is None:
+                if nickname not in self.files:
+                    raise bad_field("lora_path", f"LoRA '{nickname:.80}' is not loaded yet: give its lora_path "
+                                                 "(a file inside --lora-dir)")
+                real = self.files[nickname]
+            else:
+                real = lora_file(self.lora_dir, path)
+            plan.append((nickname, real, float(strength)))
+        return plan
+
+    def plan_unset(self, req: UnsetLoraRequest) -> Plan:
+        """Without names: none active; else the active ones but those named."""
+        if req.lora_nickname is None:
+            return []
+        names = as_list(req.lora_nickname)
+        active = {n for n, _, _ in self.active}
+        unknown = [n for n in names if n not in active]
+        if unknown:
+            raise bad_field("lora_nickname", f"LoRA '{unknown[0]:.80}' is not active (active: "
+                                             f"{', '.join(sorted(active)) or 'none'})")
+        return [a for a in self.active if a[0] not in names]
+
+    def apply(self, plan: Plan) -> List[str]:
+        """Blocking (run it off the event loop, with no generation running): the engine's messages about keys
+        not applied. A file the model cannot take is a 400 and changes nothing."""
+        try:
+            messages = self.engine.set_loras([(path, strength) for _, path, strength in plan])
+        except LoRAError as e:
+            raise ApiError(400, str(e), param="lora_path", code="invalid_lora") from None
+        for nickname, path, _ in plan:
+            self.files[nickname] = path
+        self.active = list(plan)
+        return messages
+
+    def listing(self) -> dict:
+        """SGLang's list_loras answer; paths as given inside --lora-dir."""
+        def shown(path):
+            root = os.path.realpath(self.lora_dir) if self.lora_dir else None
+            return os.path.relpath(path, root) if root and path.startswith(root + os.sep) else path
+        return {"loaded_adapters": [{"nickname": n, "path": shown(p)} for n, p in self.files.items()],
+                "active": {"transformer": [{"nickname": n, "path": shown(p), "merged": True, "strength": s}
+                                           for n, p, s in self.active]}}
