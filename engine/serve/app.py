@@ -33,11 +33,12 @@ from .loras import Loras
 from .metrics import CLIENT_GONE, Metrics
 from .protocol import (ApiError, Generation, SetLoraRequest, UnsetLoraRequest, error_body, parse, parse_generation)
 from .batcher import Job
+from .remote import add_sample_route
 
 log = logging.getLogger("sgld")
 
 OPEN_PATHS = ("/health", "/metrics")  # no API key: load balancers and scrapers
-ENDPOINTS = ("/v1/images/generations", "/v1/models", "/v1/set_lora", "/v1/unset_lora", "/v1/list_loras", "/health",
+ENDPOINTS = ("/v1/images/generations", "/v1/sample", "/v1/models", "/v1/set_lora", "/v1/unset_lora", "/v1/list_loras", "/health",
              "/health_generate", "/metrics")
 
 
@@ -185,6 +186,9 @@ def create_app(served: ServedModel, batcher, settings: ServeSettings) -> FastAPI
                            headers={"Retry-After": "1"})
         in_flight[0] += images
 
+    def release(images: int) -> None:
+        in_flight[0] -= images
+
     async def answer(request: Request, images: int, work) -> dict:
         """Runs ``work`` (a coroutine) for an admitted request until it is done, the client leaves or the
         deadline passes; whatever happens, its jobs are cancelled and its place is freed before this returns."""
@@ -202,7 +206,7 @@ def create_app(served: ServedModel, batcher, settings: ServeSettings) -> FastAPI
             if not task.done():
                 task.cancel()
                 await asyncio.wait({task})
-            in_flight[0] -= images
+            release(images)
         if task in done:
             return task.result()
         if gone in done:
@@ -273,6 +277,8 @@ def create_app(served: ServedModel, batcher, settings: ServeSettings) -> FastAPI
         except _ClientGone:
             return Response(status_code=CLIENT_GONE)  # nobody reads it; the metrics count it
 
+    add_sample_route(app, batcher, gate, admit, release, settings.request_timeout, metrics)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [card()]}
@@ -285,9 +291,11 @@ def create_app(served: ServedModel, batcher, settings: ServeSettings) -> FastAPI
         return card()
 
     def card() -> dict:
+        mc = served.engine.model_config
         return {"id": served.id, "object": "model", "created": created, "owned_by": "sgld", "root": served.root,
                 "default_size": f"{served.default_size}x{served.default_size}", "default_steps": served.default_steps,
-                "default_guidance_scale": served.default_cfg, "max_batch": settings.max_batch}
+                "default_guidance_scale": served.default_cfg, "max_batch": settings.max_batch,
+                "latent_channels": mc.in_channels, "text_dim": mc.text_in_dim}  # for POST /v1/sample's tensors
 
     async def change_loras(plan) -> dict:
         async with gate.alone():

@@ -64,6 +64,7 @@ class Job:
     cfg: float
     sampler: str = "euler"
     scheduler: str = "simple"
+    denoise: float = 1.0  # below 1: the last steps of a longer schedule (img2img), as Engine.sample
     cache: Optional[CacheConfig] = None
     on_step: Optional[Callable[[int, int], None]] = None
     stats: RunStats = field(default_factory=RunStats, init=False)  # this job's run: step mask, cache summary
@@ -178,7 +179,9 @@ class Batcher:
         if not isinstance(job, Job):
             raise InputError(f"submit takes a Job, not {type(job).__name__}")
         check_sampler(job.sampler, job.scheduler)
-        check_sampling_settings(steps=job.steps, cfg=job.cfg)
+        check_sampling_settings(steps=job.steps, cfg=job.cfg, denoise=job.denoise)
+        if job.denoise == 0:
+            raise InputError("a job's denoise must be above 0 (denoise 0 samples nothing: the latent is the answer)")
         check_seed(job.seed)
         mc = self.engine.model_config
         if not isinstance(job.latent, torch.Tensor) or job.latent.dim() != 3:
@@ -190,7 +193,7 @@ class Batcher:
         uncond = check_conditioning(mc, "negative", [job.uncond], 1) if job.uncond is not None and job.cfg != 1.0 else None
         if job.on_step is not None and not callable(job.on_step):
             raise InputError(f"a job's on_step must be callable, not {type(job.on_step).__name__}")
-        sigmas = sigma_schedule(int(job.steps), job.scheduler)
+        sigmas = sigma_schedule(int(job.steps), job.scheduler, job.denoise)
         calls = model_calls(job.sampler, len(sigmas) - 1)
         try:
             cc = resolve_config(job.cache if job.cache is not None else self.engine.config.cache)

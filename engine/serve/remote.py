@@ -1,0 +1,190 @@
+"""POST /v1/sample: one sampling run of a client's own latent and text features (the ComfyUI nodes'
+remote KSampler), as a Job on the server's batcher, its progress streamed back.
+
+Request: the body is safetensors bytes (never a pickle: anything else is a 400) with the tensors ``latent``
+[C, h, w], ``cond`` [T, C_text] and optionally ``uncond`` [T', C_text], all float32, and in the safetensors
+metadata the key ``sgld``: a JSON object {seed, steps, cfg, sampler, scheduler, denoise, cache} (cache: a
+preset name, "off", an object of CacheConfig fields, or null for the server's).
+
+Answer: 200 with newline-delimited JSON (application/x-ndjson), one event a line: ``{"step": i, "total": n}``
+after each step; an empty line every second without one (a keepalive: clients skip it); then the last line,
+``{"latent": <base64 safetensors with the tensor "latent" [C, h, w] float32>, "model_calls", "calls_computed",
+"timeline"}`` or ``{"error": {OpenAI error}, "status": code}`` when the run failed after the answer began.
+Everything checkable before the run (body, fields, shapes, a full server) is refused with its status and the
+OpenAI error body instead. A client that closes the connection cancels the job (its batcher slot is freed)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from typing import Optional, Union
+
+import torch
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from ..errors import USER_ERRORS, CheckpointError
+from ..features.cache import CacheConfig, CacheConfigError
+from ..features.cache.config import config_from_dict
+from ..io.safetensors import load_json_object
+from .batcher import Job
+from .protocol import ApiError, _Strict, bad_field, parse, parse_cache
+
+PATH = "/v1/sample"
+METADATA_KEY = "sgld"
+TENSORS = ("latent", "cond", "uncond")
+KEEPALIVE_S = 1.0
+MAX_HEADER = 100_000  # bytes of safetensors header: three tensors and a few settings need far less
+
+
+class SampleSettings(_Strict):
+    """The run's settings (the safetensors metadata's ``sgld`` object)."""
+    seed: int
+    steps: int
+    cfg: float
+    sampler: str = "euler"
+    scheduler: str = "simple"
+    denoise: float = 1.0
+    cache: Union[str, dict, None] = None
+
+
+def _bad_body(message: str) -> ApiError:
+    return ApiError(400, f"the body of {PATH} must be safetensors bytes (latent, cond, optional uncond; settings in "
+                         f"the metadata key '{METADATA_KEY}'): {message}", code="invalid_body")
+
+
+def _header(body: bytes) -> dict:
+    """The safetensors header, read strictly (its length, JSON without repeated keys) before any tensor is."""
+    if len(body) < 8:
+        raise _bad_body(f"{len(body)} bytes is too short")
+    size = int.from_bytes(body[:8], "little")
+    if not 2 <= size <= min(MAX_HEADER, len(body) - 8):
+        raise _bad_body("no safetensors header at the start (a pickle or another format?)")
+    try:
+        return load_json_object(body[8:8 + size], "the safetensors header")
+    except CheckpointError as e:
+        raise _bad_body(str(e)) from None
+
+
+def _cache(value) -> Optional[CacheConfig]:
+    if value is None or isinstance(value, str):
+        return parse_cache(value)
+    try:
+        return config_from_dict(value).validate()
+    except (CacheConfigError, TypeError, ValueError) as e:
+        raise bad_field("cache", f"cache: {e}") from None
+
+
+def parse_sample(body: bytes) -> Job:
+    """The body as a Job (its on_step set later); a 400 naming what is wrong."""
+    header = _header(body)
+    metadata = header.pop("__metadata__", None) or {}
+    unknown = sorted(set(header) - set(TENSORS))
+    if unknown:
+        raise _bad_body(f"unknown tensor(s) {', '.join(unknown)[:200]}")
+    for name in ("latent", "cond"):
+        if name not in header:
+            raise _bad_body(f"the tensor '{name}' is missing")
+    for name, info in header.items():
+        if not isinstance(info, dict) or info.get("dtype") != "F32":
+            raise _bad_body(f"the tensor '{name}' must be float32 (F32), not {info.get('dtype') if isinstance(info, dict) else info!r:.20}")
+    if METADATA_KEY not in metadata:
+        raise _bad_body(f"the metadata key '{METADATA_KEY}' (the run's settings as JSON) is missing")
+    try:
+        settings = parse(SampleSettings, load_json_object(metadata[METADATA_KEY], f"metadata '{METADATA_KEY}'"))
+    except CheckpointError as e:
+        raise _bad_body(str(e)) from None
+    try:
+        tensors = load_tensors(body)
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise _bad_body(str(e)[:200]) from None
+    return Job(tensors["latent"], tensors["cond"], tensors.get("uncond"), settings.seed, settings.steps, settings.cfg,
+               sampler=settings.sampler, scheduler=settings.scheduler, denoise=settings.denoise,
+               cache=_cache(settings.cache))
+
+
+def _line(event: dict) -> bytes:
+    return (json.dumps(event) + "\n").encode()
+
+
+def latent_bytes(latent: torch.Tensor) -> str:
+    return base64.b64encode(save_tensors({"latent": latent.contiguous()})).decode("ascii")
+
+
+def add_sample_route(app, batcher, gate, admit, release, request_timeout: float, metrics) -> None:
+    """The route on ``app``: the job admitted as one image (``admit`` / ``release``, the generations' bound),
+    under the generations' shared ``gate`` while it runs."""
+
+    @app.post(PATH)
+    async def sample(request: Request):
+        job = await asyncio.to_thread(parse_sample, await request.body())
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_step(step: int, total: int) -> None:  # the job's thread
+            loop.call_soon_threadsafe(events.put_nowait, {"step": step, "total": total})
+        job.on_step = on_step
+        admit(1)
+        shared = gate.shared()
+        try:
+            await shared.__aenter__()
+            try:
+                future = batcher.submit(job)
+            except USER_ERRORS as e:
+                raise ApiError(400, str(e), code="invalid_value") from None
+            except RuntimeError:
+                raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down") from None
+        except BaseException:
+            await shared.__aexit__(None, None, None)
+            release(1)
+            raise
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
+        return StreamingResponse(_stream(job, future, events, batcher, shared, release, request_timeout, metrics),
+                                 media_type="application/x-ndjson")
+
+
+async def _stream(job, future, events, batcher, shared, release, request_timeout, metrics):
+    """The progress lines, then the result's; whatever ends it (the end, a failure, the deadline, the client
+    leaving: the stream is cancelled), the job is cancelled and its place freed."""
+    deadline = time.monotonic() + request_timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                yield _line({"status": 503, **ApiError(503, f"the run took longer than --request-timeout "
+                                                            f"{request_timeout:g} s; it was cancelled", "server_error",
+                                                       code="timeout").body()})
+                return
+            try:
+                event = await asyncio.wait_for(events.get(), min(KEEPALIVE_S, left))
+            except asyncio.TimeoutError:
+                yield b"\n"
+                continue
+            if event is None:
+                break
+            yield _line(event)
+        yield _line(_outcome(job, future, metrics))
+    finally:
+        if not future.done():
+            batcher.cancel(future)
+        await shared.__aexit__(None, None, None)
+        release(1)
+
+
+def _outcome(job, future, metrics) -> dict:
+    if future.cancelled():
+        return {"status": 503, **ApiError(503, "the server is shutting down; the run was cancelled", "server_error",
+                                          code="shutting_down").body()}
+    error = future.exception()
+    if error is not None:
+        status, kind = (400, "invalid_request_error") if isinstance(error, USER_ERRORS) else (500, "server_error")
+        return {"status": status, **ApiError(status, f"{type(error).__name__}: {error}"[:500] if status == 500 else
+                                             str(error), kind, code="run_failed").body()}
+    metrics.images.inc()
+    stats = getattr(future, "run_stats", None) or {}
+    return {"latent": latent_bytes(future.result()), "model_calls": stats.get("model_calls"),
+            "calls_computed": stats.get("calls_computed"), "timeline": [bool(c) for c in job.stats.step_mask]}
