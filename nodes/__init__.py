@@ -5,7 +5,7 @@ so the engine is imported relatively (``from ..engine import ...``).
 """
 import logging
 
-from . import cache_dit, compat, demo, latent
+from . import cache_dit, compat, demo, latent, remote
 from .comfy_model import SGLDiffusionApplyCacheDiT
 from .ksampler import SGLDiffusionKSampler, last_runs
 from .loader import SGLDiffusionModelLoader
@@ -24,11 +24,12 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "SGLDiffusionLoraLoader": "SGLDiffusion LoRA Loader",
     "SGLDiffusionApplyCacheDiT": "SGLDiffusion Apply Cache-DiT",
 }
-for module in (cache_dit, demo, latent):
+for module in (cache_dit, demo, latent, remote):
     NODE_CLASS_MAPPINGS.update(module.NODE_CLASS_MAPPINGS)
     NODE_DISPLAY_NAME_MAPPINGS.update(module.NODE_DISPLAY_NAME_MAPPINGS)
 # what this ComfyUI lacks for ERNIE-Image ("" when nothing), on every node but the demo's (they need no ERNIE-Image file)
-COMPAT_NOTICE = compat.check_at_startup([c for k, c in NODE_CLASS_MAPPINGS.items() if k not in demo.NODE_CLASS_MAPPINGS])
+COMPAT_NOTICE = compat.check_at_startup([c for k, c in NODE_CLASS_MAPPINGS.items()
+                                         if k not in demo.NODE_CLASS_MAPPINGS and k not in remote.NODE_CLASS_MAPPINGS])
 
 install_memory_hooks()
 

@@ -23,6 +23,7 @@ from ..engine.parallel import ParallelConfigError, ParallelWorkerError
 from ..engine.inputs import latent_hint
 from ..engine.sampling import SAMPLERS, SCHEDULERS
 from .demo import WARNINGS_KEY
+from .remote import RemoteModel, sample_remote
 
 log = logging.getLogger("sgldiffusion")
 RUN_EVENT = "sgldiffusion.run"  # PromptServer message the web extension listens to
@@ -178,7 +179,7 @@ class SGLDiffusionKSampler:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": ("SGLD_MODEL", {"tooltip": "From SGLDiffusion Model Loader."}),
+                "model": ("SGLD_MODEL", {"tooltip": "From SGLDiffusion Model Loader (or SGLDiffusion Server: sampled there)."}),
                 "seed": ("INT", {"default": 0, "min": 0, "max": 0xffffffffffffffff, "control_after_generate": True,
                                  "tooltip": "The random seed used for creating the noise."}),
                 "steps": ("INT", {"default": 20, "min": 1, "max": 10000, "tooltip": "The number of denoising steps (ERNIE-Image Turbo: 8, Base: 50)."}),
@@ -221,6 +222,14 @@ class SGLDiffusionKSampler:
 
     def _sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                 denoise, cache, node):
+        if isinstance(model, RemoteModel):  # SGLDiffusion Server: the run happens on that sgld server
+            samples = latent_samples(latent_image, model.latent_channels)
+            out, stats = sample_remote(NODE, model, latent_image, samples, conditioning_features("positive", positive),
+                                       conditioning_features("negative", negative), seed=seed, steps=steps, cfg=cfg,
+                                       sampler=sampler_name, scheduler=scheduler, denoise=denoise, cache=cache)
+            stats.update(node=node, state="done")
+            stats["warnings"] += conditioning_warnings("positive", positive) + conditioning_warnings("negative", negative)
+            return dict(latent_image, samples=out.to(comfy.model_management.intermediate_device())), stats
         if not hasattr(model, "engine"):
             raise ValueError(f"{NODE}: 'model' must come from SGLDiffusion Model Loader (got {type(model).__name__})")
         try:

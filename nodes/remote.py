@@ -1,0 +1,261 @@
+"""Nodes that use a remote ``sgld serve`` (docs/serve.md): SGLDiffusion Server -> an SGLD_MODEL that
+SGLDiffusion KSampler runs on that server (POST /v1/sample: the latent and text features go there, the
+progress and the latent come back), and SGLDiffusion Server Generate (prompt -> IMAGE through
+/v1/images/generations). Only HTTP and type adaptation here (the standard library's http.client); closing
+the connection on an interrupt cancels the server's work."""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import dataclasses
+import http.client
+import io
+import json
+import socket
+import urllib.parse
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+SERVER_NODE = "SGLDiffusion Server"
+GENERATE_NODE = "SGLDiffusion Server Generate"
+DEFAULT_URL = "http://127.0.0.1:30000"
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0  # between two lines of a run's stream (the server sends one at least every second)
+GENERATE_TIMEOUT_S = 600.0
+POLL_S = 0.25  # how often a waiting Server Generate looks for ComfyUI's interrupt
+
+
+@dataclass(frozen=True)
+class RemoteModel:
+    """An SGLD_MODEL served by ``sgld serve`` at ``base_url`` (what GET /v1/models says of it)."""
+    base_url: str
+    api_key: str
+    model_id: str
+    latent_channels: int
+    text_dim: int
+
+
+def _split_url(node: str, base_url: str):
+    url = urllib.parse.urlsplit(base_url.strip())
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ValueError(f"{node}: base_url must look like http://HOST:PORT (got {base_url!r:.100})")
+    return url
+
+
+def _connect(node: str, base_url: str, timeout: float) -> tuple:
+    """(connection, path prefix) for ``base_url``; nothing is sent yet."""
+    url = _split_url(node, base_url)
+    kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+    try:
+        conn = kind(url.hostname, url.port, timeout=timeout)
+    except ValueError as e:  # a bad port
+        raise ValueError(f"{node}: base_url {base_url!r:.100}: {e}") from None
+    return conn, url.path.rstrip("/")
+
+
+def _request(node: str, base_url: str, api_key: str, method: str, path: str, body: Optional[bytes] = None,
+             content_type: str = "application/json", timeout: float = CONNECT_TIMEOUT_S, opened: Optional[list] = None):
+    """Send one request; (connection, response) once the answer is 200. Anything else is a ValueError of one
+    line naming the node, the server and its OpenAI error message. ``opened`` gets the connection at once."""
+    conn, prefix = _connect(node, base_url, timeout)
+    if opened is not None:
+        opened.append(conn)
+    headers = {"Content-Type": content_type}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    try:
+        conn.request(method, prefix + path, body=body, headers=headers)
+        response = conn.getresponse()
+    except (OSError, http.client.HTTPException) as e:
+        conn.close()
+        raise ValueError(f"{node}: cannot reach the sgld server at {base_url} ({type(e).__name__}: {e}); "
+                         "is `sgld serve` running there?") from None
+    if response.status != 200:
+        text = response.read(64 * 1024)
+        conn.close()
+        raise ValueError(f"{node}: the sgld server at {base_url} answered {response.status}: {_error_message(text)}")
+    return conn, response
+
+
+def _error_message(text: bytes) -> str:
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = text.decode("utf-8", "replace")
+    return " ".join(str(message).split())[:1000]
+
+
+def _read_json(node: str, base_url: str, conn, response) -> dict:
+    try:
+        return json.loads(response.read())
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        raise ValueError(f"{node}: the sgld server at {base_url} sent a broken answer ({e})") from None
+    finally:
+        conn.close()
+
+
+class SGLDiffusionServer:
+    DESCRIPTION = ("A model served by a remote `sgld serve` (docs/serve.md): connect it to SGLDiffusion KSampler, which "
+                   "then samples on that server (the latent and text features are sent; progress and the latent come "
+                   "back; ComfyUI's cancel stops the server's run).")
+    CATEGORY = "SGLDiffusion/remote"
+    RETURN_TYPES = ("SGLD_MODEL",)
+    RETURN_NAMES = ("model",)
+    FUNCTION = "connect"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "base_url": ("STRING", {"default": DEFAULT_URL, "tooltip": "The server's address (sgld serve --host/--port)."}),
+            "api_key": ("STRING", {"default": "", "tooltip": "The server's --api-key (empty: none)."}),
+        }}
+
+    @classmethod
+    def IS_CHANGED(cls, base_url, api_key):
+        return float("nan")  # ask the server each run: it may have restarted with another model
+
+    def connect(self, base_url, api_key):
+        conn, response = _request(SERVER_NODE, base_url, api_key, "GET", "/v1/models")
+        listing = _read_json(SERVER_NODE, base_url, conn, response)
+        try:
+            card = listing["data"][0]
+            model = RemoteModel(base_url.strip().rstrip("/"), api_key, str(card["id"]), int(card["latent_channels"]),
+                                int(card["text_dim"]))
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise ValueError(f"{SERVER_NODE}: {base_url} is not an sgld server with POST /v1/sample (its /v1/models "
+                             "has no latent_channels / text_dim); update it") from None
+        return (model,)
+
+
+def _one(node: str, name: str, features: Optional[list]) -> Optional[torch.Tensor]:
+    if features is None:
+        return None
+    if len(features) != 1:
+        raise ValueError(f"{node}: a remote model takes one {name} conditioning entry (got {len(features)}); "
+                         "combine them before the KSampler or sample locally")
+    t = features[0]
+    return (t[0] if t.dim() == 3 and t.shape[0] == 1 else t).detach().to("cpu", torch.float32).contiguous()
+
+
+def sample_remote(node: str, model: RemoteModel, latent: dict, samples: torch.Tensor, cond: list, uncond: Optional[list],
+                  *, seed, steps, cfg, sampler, scheduler, denoise, cache) -> tuple:
+    """A KSampler's run on ``model``'s server: (the denoised samples [1, C, h, w], the run's stats)."""
+    import comfy.model_management
+    import comfy.utils
+
+    for key in ("noise_mask", "batch_index"):
+        if latent.get(key) is not None:
+            raise ValueError(f"{node}: a remote model does not take a latent with {key} (inpainting / LatentFromBatch); "
+                             "sample locally")
+    if samples.dim() != 4 or samples.shape[0] != 1 or samples.shape[1] != model.latent_channels:
+        raise ValueError(f"{node}: a remote model takes one latent [1, {model.latent_channels}, height, width] "
+                         f"(got {tuple(samples.shape)}); use batch size 1")
+    if denoise == 0:  # as the local engine: nothing to denoise, the latent is the answer
+        return samples.clone(), {"steps": 0, "warnings": ["denoise is 0: the latent is returned unchanged"]}
+    tensors = {"latent": samples[0].detach().to("cpu", torch.float32).contiguous(), "cond": _one(node, "positive", cond)}
+    if uncond is not None and cfg != 1.0:
+        tensors["uncond"] = _one(node, "negative", uncond)
+    settings = {"seed": int(seed), "steps": int(steps), "cfg": float(cfg), "sampler": sampler, "scheduler": scheduler,
+                "denoise": float(denoise), "cache": None if cache is None else dataclasses.asdict(cache)}
+    body = save_tensors(tensors, metadata={"sgld": json.dumps(settings)})
+    conn, response = _request(node, model.base_url, model.api_key, "POST", "/v1/sample", body,
+                              "application/octet-stream", READ_TIMEOUT_S)
+    pbar = comfy.utils.ProgressBar(int(steps))
+    try:  # leaving this block closes the connection: the server cancels the job (ComfyUI's interrupt, an error)
+        while True:
+            comfy.model_management.throw_exception_if_processing_interrupted()
+            try:
+                line = response.readline()
+            except (OSError, http.client.HTTPException) as e:
+                raise ValueError(f"{node}: lost the sgld server at {model.base_url} during the run ({e})") from None
+            if not line:
+                raise ValueError(f"{node}: the sgld server at {model.base_url} closed the run before its end")
+            if not line.strip():
+                continue  # keepalive
+            event = json.loads(line)
+            if "step" in event:
+                pbar.update_absolute(event["step"], event["total"])
+            elif "error" in event:
+                raise ValueError(f"{node}: the sgld server at {model.base_url}: {event['error']['message']}")
+            else:
+                out = load_tensors(base64.b64decode(event["latent"]))["latent"][None]
+                computed = event.get("calls_computed") or 0
+                return out, {"remote": model.base_url, "model": model.model_id, "steps": int(steps),
+                             "model_calls": event.get("model_calls"), "calls_computed": computed,
+                             "calls_cached": (event.get("model_calls") or 0) - computed,
+                             "timeline": event.get("timeline", []), "warnings": []}
+    finally:
+        conn.close()
+
+
+class SGLDiffusionServerGenerate:
+    DESCRIPTION = ("A picture from a remote `sgld serve` (its OpenAI Images API, /v1/images/generations): prompt in, "
+                   "IMAGE out. ComfyUI's cancel closes the request, which cancels the server's work.")
+    CATEGORY = "SGLDiffusion/remote"
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "generate"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "base_url": ("STRING", {"default": DEFAULT_URL}),
+            "api_key": ("STRING", {"default": ""}),
+            "prompt": ("STRING", {"multiline": True, "default": ""}),
+            "width": ("INT", {"default": 1024, "min": 1, "max": 8192, "tooltip": "Pixels (the demo model: 64)."}),
+            "height": ("INT", {"default": 1024, "min": 1, "max": 8192}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 0xffffffffffffffff, "control_after_generate": True}),
+            "steps": ("INT", {"default": 8, "min": 1, "max": 10000}),
+            "cfg": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01}),
+        }, "optional": {"negative_prompt": ("STRING", {"multiline": True, "default": ""})}}
+
+    def generate(self, base_url, api_key, prompt, width, height, seed, steps, cfg, negative_prompt=""):
+        import comfy.model_management
+
+        body = json.dumps({"prompt": prompt, "negative_prompt": negative_prompt, "n": 1, "size": f"{width}x{height}",
+                           "seed": int(seed), "num_inference_steps": int(steps), "guidance_scale": float(cfg)}).encode()
+        connection = []  # the waiting thread's, so an interrupt can close it
+
+        def call():
+            conn, response = _request(GENERATE_NODE, base_url, api_key, "POST", "/v1/images/generations", body,
+                                      timeout=GENERATE_TIMEOUT_S, opened=connection)
+            return _read_json(GENERATE_NODE, base_url, conn, response)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(call)
+            try:
+                while True:
+                    comfy.model_management.throw_exception_if_processing_interrupted()
+                    try:
+                        result = answer.result(timeout=POLL_S)
+                        break
+                    except concurrent.futures.TimeoutError:
+                        continue
+            except comfy.model_management.InterruptProcessingException:
+                _close_from_outside(answer, connection)
+                raise
+        try:
+            png = base64.b64decode(result["data"][0]["b64_json"])
+            image = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.float32) / 255.0
+        except (KeyError, IndexError, TypeError, ValueError, OSError) as e:
+            raise ValueError(f"{GENERATE_NODE}: the sgld server at {base_url} sent no PNG picture ({e})") from None
+        return (torch.from_numpy(image)[None],)
+
+
+def _close_from_outside(answer, connection) -> None:
+    """Stop a request that another thread waits on: shut its socket (the server sees the client leave; the
+    thread's read fails at once). A request still connecting ends at its timeout."""
+    sock = connection[0].sock if connection else None
+    if sock is not None and not answer.done():
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+NODE_CLASS_MAPPINGS = {"SGLDiffusionServer": SGLDiffusionServer, "SGLDiffusionServerGenerate": SGLDiffusionServerGenerate}
+NODE_DISPLAY_NAME_MAPPINGS = {"SGLDiffusionServer": SERVER_NODE, "SGLDiffusionServerGenerate": GENERATE_NODE}

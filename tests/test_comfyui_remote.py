@@ -1,0 +1,158 @@
+"""The remote nodes against real servers: a real `sgld serve` process (the demo model, an API key) and a real
+ComfyUI with this pack. SGLDiffusion Server -> SGLDiffusion KSampler gives the local Model Loader's latent
+bit for bit (both run the same CPU arithmetic: the batcher's job is ``Engine.sample``, tests/test_batcher.py);
+Server Generate makes a picture the demo judge passes; a wrong key / no server is a one-line node error;
+ComfyUI's interrupt cancels the server's job; POST /v1/sample refuses anything but its safetensors body."""
+from __future__ import annotations
+
+import json
+import pickle
+import time
+
+import numpy as np
+import pytest
+import requests
+import torch
+from PIL import Image
+from safetensors.torch import save
+
+from comfy_server import error_message, free_port, saved_latent, start_server
+from engine.models.demo import EXAMPLE_PROMPT, judge
+from test_serve import Server
+
+KEY = "remote-key"
+DEMO_CHOICE = "sgld-demo (embedded, 64x64)"
+LONG = 10000  # steps: minutes of work, always interrupted
+
+
+@pytest.fixture(scope="module")
+def sgld(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("sgld") / "serve.log", "--api-key", KEY).wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory, sgld):
+    server = start_server(str(tmp_path_factory.mktemp("comfy")))
+    yield server
+    server.stop()
+
+
+def sample_graph(model_node: dict, *, seed: int = 7, steps: int = 6, cfg: float = 3.0, prefix: str = "remote") -> dict:
+    return {
+        "1": model_node,
+        "2": {"class_type": "SGLDiffusionDemoTextEncode", "inputs": {"text": EXAMPLE_PROMPT}},
+        "3": {"class_type": "SGLDiffusionDemoTextEncode", "inputs": {"text": ""}},
+        "4": {"class_type": "SGLDiffusionDemoEmptyLatent", "inputs": {"batch_size": 1}},
+        "5": {"class_type": "SGLDiffusionKSampler", "inputs": {
+            "model": ["1", 0], "seed": seed, "steps": steps, "cfg": cfg, "sampler_name": "euler", "scheduler": "simple",
+            "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}},
+        "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": prefix}},
+    }
+
+
+def remote(url: str, key: str = KEY) -> dict:
+    return {"class_type": "SGLDiffusionServer", "inputs": {"base_url": url, "api_key": key}}
+
+
+def succeeded(entry: dict) -> None:
+    err = error_message(entry) or {}
+    assert entry["status"]["status_str"] == "success", f"{err.get('node_type')}: {err.get('exception_message')}"
+
+
+def failure(entry: dict) -> str:
+    err = error_message(entry)
+    assert err is not None and err["kind"] == "execution_error", entry["status"]
+    message = err["exception_message"].strip()
+    assert "\n" not in message and "Traceback" not in message, message
+    return message
+
+
+def test_remote_ksampler_equals_local(comfy, sgld):
+    """The same graph with the server and with the local demo loader: equal latents (bit for bit, CPU)."""
+    remote_entry = comfy.run(sample_graph(remote(sgld.url), prefix="remote"))
+    succeeded(remote_entry)
+    local = {"class_type": "SGLDiffusionModelLoader", "inputs": {"unet_name": DEMO_CHOICE, "weight_dtype": "default"}}
+    local_entry = comfy.run(sample_graph(local, prefix="local"))
+    succeeded(local_entry)
+    got, want = saved_latent(comfy, remote_entry), saved_latent(comfy, local_entry)
+    assert got.shape == want.shape == (1, 48, 16, 16)
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert sgld.metric("sgld_requests_total", endpoint="/v1/sample", status="200") >= 1
+
+
+def test_server_generate_passes_the_judge(comfy, sgld, tmp_path):
+    graph = {
+        "1": {"class_type": "SGLDiffusionServerGenerate", "inputs": {
+            "base_url": sgld.url, "api_key": KEY, "prompt": EXAMPLE_PROMPT, "width": 64, "height": 64, "seed": 3,
+            "steps": 30, "cfg": 3.0}},  # seed 3: one the demo passes (tests/test_serve.py)
+        "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "remote_gen"}},
+    }
+    entry = comfy.run(graph)
+    succeeded(entry)
+    image = np.asarray(Image.open(comfy.output_path(entry["outputs"]["2"]["images"][0])).convert("RGB"))
+    assert image.shape == (64, 64, 3)
+    assert judge.passes(image, EXAMPLE_PROMPT), judge.judge(image, EXAMPLE_PROMPT)
+
+
+def test_wrong_key_or_no_server_is_a_one_line_node_error(comfy, sgld):
+    message = failure(comfy.run(sample_graph(remote(sgld.url, key="wrong"), seed=11)))
+    assert message.startswith("SGLDiffusion Server: the sgld server at") and "401" in message, message
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    message = failure(comfy.run(sample_graph(remote(nowhere), seed=12)))
+    assert message.startswith(f"SGLDiffusion Server: cannot reach the sgld server at {nowhere}"), message
+    generate = {"1": {"class_type": "SGLDiffusionServerGenerate", "inputs": {
+        "base_url": sgld.url, "api_key": KEY, "prompt": EXAMPLE_PROMPT, "width": 100, "height": 64, "seed": 1,
+        "steps": 2, "cfg": 3.0}}, "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "bad"}}}
+    message = failure(comfy.run(generate))
+    assert message.startswith("SGLDiffusion Server Generate: the sgld server at") and "400" in message, message
+    succeeded(comfy.run(sample_graph(remote(sgld.url), seed=13, steps=2)))  # ComfyUI keeps working
+
+
+def test_interrupt_cancels_the_remote_job(comfy, sgld):
+    prompt_id = comfy.queue(sample_graph(remote(sgld.url), seed=21, steps=LONG))
+    sgld.wait_metric("sgld_running_batch_size", 1)
+    steps_before = sgld.metric("sgld_denoising_steps_total")
+    assert comfy.post("/interrupt").status_code == 200
+    entry = comfy.wait(prompt_id)
+    assert error_message(entry)["kind"] == "execution_interrupted", entry["status"]
+    sgld.wait_metric("sgld_running_batch_size", 0, timeout=30)
+    sgld.wait_metric("sgld_images_in_flight", 0, timeout=30)
+    done = sgld.metric("sgld_denoising_steps_total")
+    assert steps_before < done < steps_before + LONG
+    time.sleep(0.5)
+    assert sgld.metric("sgld_denoising_steps_total") == done  # nothing runs on any more
+    succeeded(comfy.run(sample_graph(remote(sgld.url), seed=22, steps=2)))
+
+
+def body(metadata=None, **tensors) -> bytes:
+    return save(tensors, metadata=metadata)
+
+
+def test_sample_endpoint_refuses_bad_bodies(sgld):
+    def post(data, key=KEY):
+        return requests.post(sgld.base + "/sample", data=data, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+    latent, cond = torch.zeros(48, 16, 16), torch.zeros(4, 128)
+    settings = {"sgld": json.dumps({"seed": 0, "steps": 2, "cfg": 1.0})}
+    cases = {
+        "pickle": (pickle.dumps({"latent": latent}), "no safetensors header"),
+        "empty": (b"", "too short"),
+        "fp16": (body(settings, latent=latent.half(), cond=cond), "must be float32"),
+        "no settings": (body(None, latent=latent, cond=cond), "metadata key 'sgld'"),
+        "no cond": (body(settings, latent=latent), "'cond' is missing"),
+        "bad field": (body({"sgld": json.dumps({"seed": 0, "steps": 2, "cfg": 1.0, "guidance": 2})}, latent=latent,
+                           cond=cond), "'guidance' is not a field"),
+        "bad shape": (body(settings, latent=torch.zeros(8, 16, 16), cond=cond), "latent"),
+        "bad sampler": (body({"sgld": json.dumps({"seed": 0, "steps": 2, "cfg": 1.0, "sampler": "nope"})},
+                             latent=latent, cond=cond), "nope"),
+    }
+    for name, (data, words) in cases.items():
+        r = post(data)
+        assert r.status_code == 400, (name, r.status_code, r.text)
+        assert words in r.json()["error"]["message"], (name, r.json())
+    assert post(body(settings, latent=latent, cond=cond), key="wrong").status_code == 401
+    r = post(body(settings, latent=latent, cond=cond))
+    assert r.status_code == 200 and json.loads(r.text.strip().splitlines()[-1])["latent"]
+    assert sgld.healthy()
