@@ -156,3 +156,29 @@ def test_sample_endpoint_refuses_bad_bodies(sgld):
     r = post(body(settings, latent=latent, cond=cond))
     assert r.status_code == 200 and json.loads(r.text.strip().splitlines()[-1])["latent"]
     assert sgld.healthy()
+
+
+def test_sample_endpoint_denoise_equals_engine_sample(sgld):
+    """img2img through /v1/sample (denoise 0.5 from a non-zero latent) is Engine.sample's run; denoise 0 is refused."""
+    import base64
+
+    from safetensors.torch import load
+
+    from engine import EngineConfig, open_engine
+    from engine.models.demo import load_demo
+
+    demo = load_demo()
+    latent, cond = torch.linspace(-1, 1, 48 * 16 * 16).reshape(48, 16, 16), demo.encode([EXAMPLE_PROMPT])[0]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    settings = {"seed": 5, "steps": 4, "cfg": 1.0, "denoise": 0.5}
+    r = requests.post(sgld.base + "/sample", data=body({"sgld": json.dumps(settings)}, latent=latent, cond=cond),
+                      headers=headers, timeout=60)
+    events = [json.loads(line) for line in r.text.splitlines() if line.strip()]
+    assert [e["step"] for e in events[:-1]] == [1, 2, 3, 4]
+    got = load(base64.b64decode(events[-1]["latent"]))["latent"]
+    want = open_engine("demo", EngineConfig(dtype="fp32")).sample(latent[None], [cond], seed=5, steps=4, cfg=1.0,
+                                                                  denoise=0.5)[0]
+    assert torch.equal(got, want)
+    r = requests.post(sgld.base + "/sample", data=body({"sgld": json.dumps({**settings, "denoise": 0.0})},
+                                                       latent=latent, cond=cond), headers=headers, timeout=60)
+    assert r.status_code == 400 and "denoise" in r.json()["error"]["message"]
