@@ -71,7 +71,8 @@ class EngineConfig:
         tooltip="GPUs working on one image (one worker process each). 1: this process only. The degrees below must "
                 "multiply to it; with all of them at 1, N GPUs means Ulysses over N.")
     ulysses_degree: int = option(
-        1, int, "Ulysses sequence parallel degree (all-to-all over heads)", low=1, flag="--ulysses-degree",
+        1, int, "Ulysses sequence parallel degree (all-to-all over heads; --sp: SGLang's name)", low=1,
+        flag="--ulysses-degree", flag_aliases=("--sp",),
         group=PARALLEL, widget="ulysses_degree", widget_max=32,
         tooltip="Ulysses sequence parallel: attention heads split over this many GPUs (all-to-all).")
     ring_degree: int = option(

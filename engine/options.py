@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 TRUE_TEXT = ("1", "true", "yes", "on")
 FALSE_TEXT = ("0", "false", "no", "off", "")
@@ -42,6 +42,7 @@ class Option:
     labels: Mapping = field(default_factory=dict)  # the text of values that are not strings: {None: "default"}
     any_case: bool = False  # strings are compared, and kept, in lower case
     flag: Optional[str] = None  # CLI: "--cache-fn"
+    flag_aliases: Tuple[str, ...] = ()  # other spellings of the flag (SGLang's: "--sp" for --ulysses-degree)
     flag_default: Any = UNSET  # the flag's default when it is not the field's
     flag_const: Any = UNSET  # the value of the flag given without one ("--compile" = static)
     group: str = ""  # the CLI argument group it is listed in
@@ -236,7 +237,7 @@ def add_arguments(parser, cls, titles: Optional[Mapping[str, str]] = None) -> No
         default = default_of(cls, name) if opt.flag_default is UNSET else opt.flag_default
         kw = {"default": default, "help": opt.help}
         if opt.kind is bool and not opt.optional and default is False:
-            target.add_argument(opt.flag, action="store_true", **kw)
+            target.add_argument(opt.flag, *opt.flag_aliases, action="store_true", **kw)
             continue
         if opt.flag_const is not UNSET:
             kw.update(nargs="?", const=opt.flag_const)
@@ -244,7 +245,7 @@ def add_arguments(parser, cls, titles: Optional[Mapping[str, str]] = None) -> No
             kw["type"] = opt.kind
         if opt.choices or opt.kind is bool:
             kw["metavar"] = "{" + ",".join(text_choices(opt)) + "}"
-        target.add_argument(opt.flag, **kw)
+        target.add_argument(opt.flag, *opt.flag_aliases, **kw)
 
 
 def from_args(cls, args) -> Dict[str, Any]:

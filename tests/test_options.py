@@ -90,6 +90,14 @@ def test_every_engine_option_is_a_flag_that_reaches_its_field(command):
         assert changed_fields(engine_config(args), base) == {name}, (name, argv)
 
 
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+def test_sglangs_flag_spellings_reach_the_same_field(command):
+    """SGLang's production command says --tp 1 --sp 1: --sp is --ulysses-degree."""
+    lead = ["--prompt", "p"] if command == "generate" else []
+    config = engine_config(subparser(command).parse_args(lead + ["--sp", "2", "--tp", "1"]))
+    assert config.ulysses_degree == 2 and changed_fields(config, EngineConfig()) == {"ulysses_degree"}
+
+
 def test_every_cache_option_is_a_flag_that_reaches_its_field():
     decl = declared(CacheConfig)
     assert all(opt.flag for opt in decl.values())
