@@ -40,8 +40,8 @@ def add_parser(sub) -> None:
     s.add_argument("--served-model-name", default=None, help="the model's id in the API (default: sgld-demo, or the "
                                                               "--model file's name)")
     s.add_argument("--max-batch", "--max-running-steps", dest="max_batch", type=_positive(int, 1), default=8,
-                   help="most images in one running batch (--max-running-steps: the same bound; each running "
-                        "image is one denoising step per forward)")
+                   help="most samples in one DiT forward, an image with CFG counting twice (--max-running-steps: "
+                        "the same bound; each running sample is one denoising step per forward)")
     s.add_argument("--max-queue", type=_positive(int, 0), default=64,
                    help="most images waiting beyond the running batch; more get 429")
     s.add_argument("--request-timeout", type=_positive(float, 0.001), default=600.0,
