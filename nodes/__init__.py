@@ -27,7 +27,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
 for module in (cache_dit, demo, latent, remote):
     NODE_CLASS_MAPPINGS.update(module.NODE_CLASS_MAPPINGS)
     NODE_DISPLAY_NAME_MAPPINGS.update(module.NODE_DISPLAY_NAME_MAPPINGS)
-# what this ComfyUI lacks for ERNIE-Image ("" when nothing), on every node but the demo's (they need no ERNIE-Image file)
+# what this ComfyUI lacks for ERNIE-Image ("" when nothing), on every node but the demo's and the remote server's (no ERNIE-Image file here)
 COMPAT_NOTICE = compat.check_at_startup([c for k, c in NODE_CLASS_MAPPINGS.items()
                                          if k not in demo.NODE_CLASS_MAPPINGS and k not in remote.NODE_CLASS_MAPPINGS])
 

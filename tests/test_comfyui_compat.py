@@ -135,11 +135,11 @@ def test_startup_line_logged_once_naming_what_is_missing(comfy, object_info):
 
 
 def test_our_nodes_show_it(comfy, object_info):
-    """In the description of every node of the pack but the demo's (which need no ERNIE-Image file), and in
-    GET /sgldiffusion/last_runs, which the web panel reads."""
+    """In the description of every node of the pack but the demo's and the remote server's (which need no
+    ERNIE-Image file here), and in GET /sgldiffusion/last_runs, which the web panel reads."""
     notice = expected_notice(object_info)
     ours = {k: v for k, v in object_info.items() if v["python_module"] == f"custom_nodes.{cs.PACK_NAME}"}
-    ernie = {k for k, v in ours.items() if v["category"] != "SGLDiffusion/demo"}
+    ernie = {k for k, v in ours.items() if v["category"] not in ("SGLDiffusion/demo", "SGLDiffusion/remote")}
     assert {"SGLDiffusionModelLoader", "SGLDiffusionKSampler", "SGLDiffusionLoraLoader", "SGLDiffusionCacheDiT", NODE} <= ernie
     for name, info in ours.items():
         assert info["description"].endswith(notice) == (name in ernie), (name, info["description"])
