@@ -52,6 +52,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 from engine.features import attention as A  # noqa: E402
 from engine.features import offload as O  # noqa: E402
@@ -322,7 +324,9 @@ def row_eager(ctx):
     start = ctx.start_window()
     s, first, ok = time_forward(ctx, m, inp)
     ctx.state["eager_s"], ctx.state["eager_out"] = s, time_forward.last
-    torch.save({"inputs": [t.cpu() for t in inp], "out": time_forward.last.cpu(), "eager_s": s}, ctx.args.ref)
+    tensors = {f"input.{i}": t.detach().cpu().contiguous() for i, t in enumerate(inp)}
+    tensors["out"] = time_forward.last.detach().cpu().contiguous()
+    save_file(tensors, ctx.args.ref, metadata={"eager_s": repr(s)})  # safetensors: the workers read no pickle
     ctx.report.row("eager", "measured", "DiT forward, ours, bf16 sdpa (batch 1 = one Turbo step)", s, None,
                    ctx.peak(), start, f"first call {first:.2f} s; {limit_note(ctx, s)}{finite_note(ok)}")
 
@@ -484,7 +488,11 @@ def worker_ref(ctx):
     """The parent's bf16 eager inputs, output and time (saved by the eager row)."""
     if not os.path.exists(ctx.args.ref):
         return None
-    ref = torch.load(ctx.args.ref)
+    with safe_open(ctx.args.ref, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        count = sum(k.startswith("input.") for k in tensors)
+        ref = {"inputs": [tensors[f"input.{i}"] for i in range(count)], "out": tensors["out"],
+               "eager_s": float(f.metadata()["eager_s"])}
     ctx.state["inp1"] = tuple(t.to(ctx.dev) for t in ref["inputs"])
     ctx.state["inp1"] = (ctx.state["inp1"][0].to(ctx.dtype), ctx.state["inp1"][1], ctx.state["inp1"][2].to(ctx.dtype),
                          ctx.state["inp1"][3])
@@ -745,7 +753,7 @@ def main(argv=None):
         report.header([msg], {"error": msg})
         print(msg, file=sys.stderr, flush=True)
         return 2
-    args.ref = os.path.join(tempfile.mkdtemp(prefix="gpu_check_ref_"), "bf16_eager.pt")
+    args.ref = os.path.join(tempfile.mkdtemp(prefix="gpu_check_ref_"), "bf16_eager.safetensors")
     ctx = Ctx(args, dev, cfg, report)
     lines, env = environment(args, dev, cfg, ctx)
     rows = plan(ctx)
