@@ -8,6 +8,7 @@ Every wait is bounded. Standard library + ``requests`` + ``websocket-client`` on
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -237,6 +238,15 @@ def saved_latent(server: ComfyServer, entry: dict, node: str = "6"):
 
     item = entry["outputs"][node]["latents"][0]
     return load_file(server.output_path(item))["latent_tensor"]
+
+
+def load_test_pack():
+    """The test pack's module (text_features etc.), loaded from its file under a name of its own: it imports
+    only torch, so tests use it outside ComfyUI to rebuild what its nodes make."""
+    spec = importlib.util.spec_from_file_location("sgld_comfy_test_pack_in_tests", os.path.join(TEST_PACK, "__init__.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_config():

@@ -4,7 +4,6 @@ Engine.sample called with the same mask and batch_index, and keep the unmasked r
 module (tests/comfy_server.py); the tiny random ERNIE-shaped checkpoint and the test pack's text features."""
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -25,14 +24,7 @@ EDGE = 72  # the mask is 0 left of this pixel column and REPAINT right of it (th
 REPAINT = 0.6
 
 
-def _load_test_pack():
-    spec = importlib.util.spec_from_file_location("sgld_comfy_test_pack_inpaint", os.path.join(cs.TEST_PACK, "__init__.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-test_pack = _load_test_pack()
+test_pack = cs.load_test_pack()
 
 
 @pytest.fixture(scope="module")

@@ -52,15 +52,6 @@ def comfy(tmp_path_factory):
         server.stop()
 
 
-def load_test_pack():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sgld_comfy_test_pack_model", os.path.join(cs.TEST_PACK, "__init__.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run_ok(server, prompt, timeout=240) -> dict:
     entry = server.run(prompt, timeout=timeout)
     assert entry["status"]["status_str"] == "success", f"{cs.error_message(entry)}\n{server.log()[-3000:]}"
@@ -191,7 +182,7 @@ def test_sampler_custom_advanced_with_custom_sigmas_equals_the_engine_with_those
     sigmas[0] = 0.93
     engine = open_engine(os.path.join(comfy.base, "models", "diffusion_models", MODEL), EngineConfig(dtype="fp32"))
     with torch.inference_mode():
-        ours = engine.sample(torch.zeros(1, 128, 8, 8), [load_test_pack().text_features(1, 7, cs.text_dim())[0]], None, seed=4, steps=3,
+        ours = engine.sample(torch.zeros(1, 128, 8, 8), [cs.load_test_pack().text_features(1, 7, cs.text_dim())[0]], None, seed=4, steps=3,
                              cfg=1.0, sigmas=sigmas)
     assert close(theirs, ours), float((theirs - ours).abs().max())
 

@@ -3,7 +3,6 @@ errors, model cache. One server for the whole module (see tests/comfy_server.py)
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 import time
@@ -40,14 +39,7 @@ TINY = "tiny-ernie.safetensors"
 DIM = cs.text_dim()  # text features per token of the tiny model
 
 
-def _load_test_pack():
-    spec = importlib.util.spec_from_file_location("sgld_comfy_test_pack_local", os.path.join(cs.TEST_PACK, "__init__.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-test_pack = _load_test_pack()
+test_pack = cs.load_test_pack()
 
 
 @pytest.fixture(scope="module")

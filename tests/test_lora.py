@@ -630,14 +630,9 @@ def test_lora_loader_node_in_comfyui(tmp_path):
 
 
 def _text_features(seed, tokens):
-    import importlib.util
-
     import comfy_server as cs
 
-    spec = importlib.util.spec_from_file_location("sgld_lora_test_pack_feats", os.path.join(cs.TEST_PACK, "__init__.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.text_features(seed, tokens, cs.text_dim())[0]
+    return cs.load_test_pack().text_features(seed, tokens, cs.text_dim())[0]
 
 
 def test_sgld_generate_lora_flag(tmp_path, capsys):
