@@ -205,7 +205,9 @@ class SGLDModelPatcher(comfy.model_patcher.ModelPatcher):
 
     def sgld_handle(self) -> SGLDModel:
         handle = self.model.diffusion_model.handle
-        loras = tuple(self.get_attachment(LORAS_ATTACHMENT) or ()) + tuple(comfy_lora_files(self.patches))
+        if getattr(self, "lora_files_of", None) != self.patches_uuid:  # ComfyUI's patches written once per set
+            self.lora_files, self.lora_files_of = tuple(comfy_lora_files(self.patches)), self.patches_uuid
+        loras = tuple(self.get_attachment(LORAS_ATTACHMENT) or ()) + self.lora_files
         return SGLDModel(handle.path, handle.config, handle.name, handle.owner, handle.loras + loras)
 
     def sgld_engine(self):
