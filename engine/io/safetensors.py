@@ -118,6 +118,17 @@ def nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
     return n
 
 
+def _read_exactly(f, view: memoryview, truncated: str) -> None:
+    """Fill ``view`` from ``f``: one ``readinto`` returns at most 0x7ffff000 bytes on Linux (a tensor of
+    2 GiB or more takes several), and less near a short file's end (then the file is truncated)."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise CheckpointError(truncated)
+        got += n
+
+
 def _is_count(value) -> bool:
     return type(value) is int and value >= 0
 
@@ -213,8 +224,7 @@ class SafetensorsFile:
                 src_dtype, shape, begin, end = self.entries[key]
                 buf = torch.empty(end - begin, dtype=torch.uint8)
                 f.seek(self.data_start + begin)
-                if end > begin and f.readinto(buf.numpy()) != end - begin:
-                    raise CheckpointError(f"{self.path}: file is truncated while reading '{key}'")
+                _read_exactly(f, memoryview(buf.numpy()), f"{self.path}: file is truncated while reading '{key}'")
                 t = buf.view(src_dtype).reshape(shape)
                 if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                     t = t.to(dtype)
