@@ -16,6 +16,7 @@ from ..models import demo as demo_pkg
 from ..sampling import MAX_IMAGE_SIDE, PRESETS
 from ..serve import ServedModel, ServeSettings, create_app
 from ..serve.batcher import Batcher
+from ..serve.connections import bounded_h11
 from .common import add_cache_arguments, add_engine_arguments, cache_config, engine_config
 from .generate import make_parts, uses_ernie_files
 
@@ -49,6 +50,15 @@ def add_parser(sub) -> None:
     s.add_argument("--shutdown-grace", type=_positive(float, 0.0), default=30.0,
                    help="on SIGTERM, seconds the running requests may take to finish before they are cancelled")
     s.add_argument("--max-body-bytes", type=_positive(int, 1), default=1 << 20, help="larger request bodies get 413")
+    s.add_argument("--header-timeout", type=_positive(float, 0.001), default=10.0,
+                   help="seconds a client has to send a request's headers (from its connection or its previous "
+                        "answer); past it: 408 and the connection closed")
+    s.add_argument("--body-timeout", type=_positive(float, 0.001), default=60.0,
+                   help="seconds a request's whole body may take to arrive; past it: 408 and the connection closed")
+    s.add_argument("--keep-alive-timeout", type=_positive(float, 0.001), default=5.0,
+                   help="seconds an idle kept-alive connection stays open")
+    s.add_argument("--max-connections", type=_positive(int, 1), default=512,
+                   help="most open connections; past it a new one gets 503 and is closed")
     s.add_argument("--lora-dir", default=None, help="the folder /v1/set_lora loads LoRA files from (none: no loading)")
     s.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH", help="a LoRA active from the start")
     s.add_argument("--steps", type=int, default=None, help="default num_inference_steps (the model's: demo 30, "
@@ -125,10 +135,13 @@ def cmd_serve(args) -> None:
     batcher = Batcher(served.engine, max_batch=args.max_batch)
     settings = ServeSettings(api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
                              request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                             lora_dir=args.lora_dir, loras=args.loras)
+                             body_timeout=args.body_timeout, lora_dir=args.lora_dir, loras=args.loras)
     app = create_app(served, batcher, settings)
+    # uvicorn's limit_concurrency counts the connection asking too: N + 1 serves N connections (ours refuses the
+    # next one) and bounds the running requests (a request whose client left still runs until it sees it)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace,
-                            lifespan="on")
+                            lifespan="on", http=bounded_h11(args.header_timeout, args.max_connections),
+                            timeout_keep_alive=args.keep_alive_timeout, limit_concurrency=args.max_connections + 1)
     server = uvicorn.Server(config)
     # uvicorn handles SIGTERM/SIGINT itself (graceful shutdown, then the lifespan's end closes the batcher) and
     # re-raises the signal to the handler found before it: for SIGTERM that is this one, so the exit is 0

@@ -2,7 +2,8 @@
 
 batcher.py + forward.py: ``Batcher`` / ``Job``, one DiT forward per step over every running request;
 app.py: the FastAPI app; protocol.py: request checks and OpenAI error bodies; guard.py: API key and body
-size; loras.py: the LoRA endpoints; metrics.py: Prometheus. engine/cli/serve.py starts it under uvicorn.
+size and time; connections.py: the headers' time and the connection cap (uvicorn's protocol); loras.py: the
+LoRA endpoints; metrics.py: Prometheus. engine/cli/serve.py starts it under uvicorn.
 """
 from .app import ServedModel, ServeSettings, create_app
 from .batcher import Batcher, Job

