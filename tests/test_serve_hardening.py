@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import select
 import socket
+import struct
 import time
 
 import pytest
 import requests
+import torch
+from safetensors.torch import save
 
 from test_serve import Server, demo_lora
 
@@ -122,3 +125,80 @@ def test_connections_past_the_cap_get_503(server):
         except requests.ConnectionError:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+
+
+# -- item 6: /v1/sample bodies that are safetensors in name only --------------------------------------------------
+def safetensors_bytes(header: dict, data: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def sample_body(settings=None, **tensors) -> bytes:
+    tensors = tensors or {"latent": torch.zeros(48, 16, 16), "cond": torch.zeros(4, 128)}
+    return save(tensors, metadata={"sgld": json.dumps(settings or {"seed": 0, "steps": 2, "cfg": 1.0})})
+
+
+TENSORS = {"latent": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+           "cond": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}
+
+
+@pytest.mark.parametrize("metadata", [["sgld"], "sgld", 3, None])
+def test_sample_metadata_that_is_no_object_is_400(server, metadata):
+    r = requests.post(server.base + "/sample", data=safetensors_bytes({"__metadata__": metadata, **TENSORS}, bytes(8)),
+                      timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_body" and "'__metadata__' must be a JSON object" in r.text
+
+
+def test_sample_header_too_large_is_called_so(server):
+    header = {"__metadata__": {"pad": "x" * 100_500}, **TENSORS}
+    r = requests.post(server.base + "/sample", data=safetensors_bytes(header, bytes(8)), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body", r.text
+    message = r.json()["error"]["message"]
+    assert "more than the 100000" in message and "pickle" not in message, message
+
+
+# -- item 7: JSON bodies -------------------------------------------------------------------------------------------
+DEEP = '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"  # 200 kB, under --max-body-bytes
+
+
+@pytest.mark.parametrize("path", ["/v1/images/generations", "/v1/set_lora", "/v1/unset_lora"])
+@pytest.mark.parametrize("body,words", [(DEEP, "not valid JSON"), ('{"prompt": "a", "prompt": "b"}', "appears twice"),
+                                        ('{"lora_nickname": "a", "lora_nickname": "b"}', "appears twice")],
+                         ids=["deep", "duplicate-prompt", "duplicate-nickname"])
+def test_json_bodies_one_rule_everywhere(server, path, body, words):
+    r = requests.post(server.url + path, data=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json" and words in r.json()["error"]["message"], r.text
+    assert server.healthy()
+
+
+@pytest.mark.parametrize("size", ["６４x６４", "64x64\n", " 64x64", "64 x 64", "٦٤x٦٤"])
+def test_size_is_ascii_wxh_only(server, size):
+    r = server.post("/v1/images/generations", {"prompt": "x", "size": size, "num_inference_steps": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "size", r.text
+
+
+def test_head_health_is_200(server):
+    r = requests.head(server.url + "/health", timeout=10)
+    assert r.status_code == 200 and r.content == b""
+
+
+# -- item 11: the LoRA bookkeeping is bounded ------------------------------------------------------------------
+def test_lora_nicknames_are_bounded(server):
+    r = server.post("/v1/set_lora", {"lora_nickname": "n" * 65, "lora_path": "style.safetensors"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_nickname" and "64" in r.text
+    assert "n" * 65 not in r.text
+    r = server.post("/v1/set_lora", {"lora_nickname": [f"a{i}" for i in range(9)], "lora_path": ["style.safetensors"] * 9})
+    assert r.status_code == 400 and "at most 8" in r.text
+    for i in range(70):
+        r = server.post("/v1/set_lora", {"lora_nickname": f"nick{i:02d}", "lora_path": "style.safetensors", "strength": 0.1})
+        assert r.status_code == 200, r.text
+    listing = requests.get(server.base + "/list_loras", timeout=10).json()
+    known = [a["nickname"] for a in listing["loaded_adapters"]]
+    assert len(known) == 64 and known[-1] == "nick69" and "nick00" not in known
+    assert [a["nickname"] for a in listing["active"]["transformer"]] == ["nick69"]
+    assert server.post("/v1/set_lora", {"lora_nickname": "nick10"}).status_code == 200  # remembered: by nickname
+    r = server.post("/v1/set_lora", {"lora_nickname": "nick00"})  # forgotten: its path is asked for again
+    assert r.status_code == 400 and "not loaded" in r.text
+    assert server.post("/v1/unset_lora").status_code == 200

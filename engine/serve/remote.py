@@ -62,8 +62,13 @@ def _header(body: bytes) -> dict:
     if len(body) < 8:
         raise _bad_body(f"{len(body)} bytes is too short")
     size = int.from_bytes(body[:8], "little")
-    if not 2 <= size <= min(MAX_HEADER, len(body) - 8):
+    if size < 2 or body[8:9] != b"{":
         raise _bad_body("no safetensors header at the start (a pickle or another format?)")
+    if size > MAX_HEADER:
+        raise _bad_body(f"its header is {size} bytes, more than the {MAX_HEADER} this endpoint reads (three tensors "
+                        "and the settings need a few hundred)")
+    if size > len(body) - 8:
+        raise _bad_body(f"its header length {size} does not fit the {len(body)}-byte body (a truncated body?)")
     try:
         return load_json_object(body[8:8 + size], "the safetensors header")
     except CheckpointError as e:
@@ -82,7 +87,9 @@ def _cache(value) -> Optional[CacheConfig]:
 def parse_sample(body: bytes) -> Job:
     """The body as a Job (its on_step set later); a 400 naming what is wrong."""
     header = _header(body)
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict):
+        raise _bad_body(f"'__metadata__' must be a JSON object of strings (got {json.dumps(metadata)[:40]})")
     unknown = sorted(set(header) - set(TENSORS))
     if unknown:
         raise _bad_body(f"unknown tensor(s) {', '.join(unknown)[:200]}")
