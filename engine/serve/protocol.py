@@ -107,7 +107,7 @@ def parse(model_class, body):
 
 
 def parse_size(text: str) -> Tuple[int, int]:
-    m = re.fullmatch(r"\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*", text)
+    m = re.fullmatch(r"([0-9]{1,5})[xX]([0-9]{1,5})", text)  # ASCII only: no full-width digits, no newline
     if not m:
         raise bad_field("size", f"size must be 'WIDTHxHEIGHT' in pixels, e.g. '1024x1024' (got {text!r:.40})")
     return int(m.group(1)), int(m.group(2))
