@@ -10,6 +10,9 @@ from ..errors import LoRAError
 from .protocol import ApiError, SetLoraRequest, UnsetLoraRequest, as_list, bad_field, lora_file
 
 Plan = List[Tuple[str, str, float]]  # (nickname, real path, strength) that will be active
+MAX_NICKNAME = 64  # characters
+MAX_ACTIVE = 8  # LoRAs active at once (the engine keeps as many files read)
+MAX_KNOWN = 64  # nicknames remembered with their files; the least recently set inactive ones are forgotten
 
 
 class Loras:
@@ -26,8 +29,11 @@ class Loras:
         """Exactly these adapters active (SGLang's set_lora: a new one replaces the old)."""
         nicknames, paths = as_list(req.lora_nickname), as_list(req.lora_path)
         strengths = as_list(req.strength)
-        if not nicknames or len(set(nicknames)) != len(nicknames) or not all(nicknames):
-            raise bad_field("lora_nickname", "lora_nickname must be one name or a list of distinct, non-empty names")
+        if not nicknames or len(set(nicknames)) != len(nicknames) or not all(map(_good_nickname, nicknames)):
+            raise bad_field("lora_nickname", f"lora_nickname must be one name or a list of distinct names, each of 1 to "
+                                             f"{MAX_NICKNAME} printable characters")
+        if len(nicknames) > MAX_ACTIVE:
+            raise bad_field("lora_nickname", f"at most {MAX_ACTIVE} LoRAs can be active at once (got {len(nicknames)})")
         if req.lora_path is None:
             paths = [None] * len(nicknames)
         if len(strengths) == 1:
@@ -67,8 +73,12 @@ class Loras:
         except LoRAError as e:
             raise ApiError(400, str(e), param="lora_path", code="invalid_lora") from None
         for nickname, path, _ in plan:
-            self.files[nickname] = path
+            self.files.pop(nickname, None)
+            self.files[nickname] = path  # the most recently set last
         self.active = list(plan)
+        active = {n for n, _, _ in plan}
+        for nickname in [n for n in self.files if n not in active][:max(0, len(self.files) - MAX_KNOWN)]:
+            del self.files[nickname]
         return messages
 
     def listing(self) -> dict:
@@ -79,3 +89,7 @@ class Loras:
         return {"loaded_adapters": [{"nickname": n, "path": shown(p)} for n, p in self.files.items()],
                 "active": {"transformer": [{"nickname": n, "path": shown(p), "merged": True, "strength": s}
                                            for n, p, s in self.active]}}
+
+
+def _good_nickname(name: str) -> bool:
+    return 0 < len(name) <= MAX_NICKNAME and name.isprintable()
