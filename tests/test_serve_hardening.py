@@ -5,8 +5,10 @@ that cannot fit the model is refused from its header (its 2 GiB of data never re
 running /v1/sample stream with its 503 line."""
 from __future__ import annotations
 
+import http.client
 import json
 import select
+import signal
 import socket
 import struct
 import time
@@ -16,7 +18,7 @@ import requests
 import torch
 from safetensors.torch import save
 
-from test_serve import Server, demo_lora
+from test_serve import LONG, Server, demo_lora
 
 BOUND_S = 1.0  # --header-timeout, --body-timeout, --keep-alive-timeout of the module's server
 MAX_CONNECTIONS = 4
@@ -202,3 +204,23 @@ def test_lora_nicknames_are_bounded(server):
     r = server.post("/v1/set_lora", {"lora_nickname": "nick00"})  # forgotten: its path is asked for again
     assert r.status_code == 400 and "not loaded" in r.text
     assert server.post("/v1/unset_lora").status_code == 200
+
+
+# -- item 4: SIGTERM ends a running /v1/sample stream with its 503 line ------------------------------------------
+def test_sigterm_ends_a_sample_stream_with_its_503_line(tmp_path):
+    s = Server(tmp_path / "term.log", "--shutdown-grace", "1").wait_ready()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+        conn.request("POST", "/v1/sample", body=sample_body({"seed": 0, "steps": LONG, "cfg": 1.0}))
+        response = conn.getresponse()
+        assert response.status == 200
+        assert json.loads(response.readline()) == {"step": 1, "total": LONG}
+        s.proc.send_signal(signal.SIGTERM)
+        rest = response.read().decode()  # the whole chunked body (a cut one raises IncompleteRead)
+        conn.close()
+        last = json.loads([line for line in rest.splitlines() if line.strip()][-1])
+        assert last["status"] == 503 and last["error"]["code"] == "shutting_down", last
+        assert s.proc.wait(60) == 0
+    finally:
+        s.stop()
+    assert "Traceback" not in s.log() and "CancelledError" not in s.log(), s.log()

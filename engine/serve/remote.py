@@ -150,8 +150,35 @@ def add_sample_route(app, batcher, gate, admit, release, request_timeout: float,
             release(1)
             raise
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
-        return StreamingResponse(_stream(job, future, events, batcher, shared, release, request_timeout, metrics),
-                                 media_type="application/x-ndjson")
+        return _Stream(_stream(job, future, events, batcher, shared, release, request_timeout, metrics),
+                       media_type="application/x-ndjson")
+
+
+def _shutting_down() -> dict:
+    return {"status": 503, **ApiError(503, "the server is shutting down; the run was cancelled", "server_error",
+                                      code="shutting_down").body()}
+
+
+class _Stream(StreamingResponse):
+    """A stream that, cancelled by uvicorn past --shutdown-grace, still ends whole with the 503 line (as the
+    generations get their 503): the client reads a last line, not a cut chunked body; nothing is logged."""
+
+    async def __call__(self, scope, receive, send):
+        started, ended = False, False
+
+        async def tracked(message):
+            nonlocal started, ended
+            started = started or message["type"] == "http.response.start"
+            ended = ended or (message["type"] == "http.response.body" and not message.get("more_body", False))
+            await send(message)
+        try:
+            await super().__call__(scope, receive, tracked)
+        except asyncio.CancelledError:  # the stream's own cleanup (the job cancelled, its place freed) has run
+            if not started:
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            if not ended:
+                await send({"type": "http.response.body", "body": _line(_shutting_down()), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _stream(job, future, events, batcher, shared, release, request_timeout, metrics):
@@ -184,8 +211,7 @@ async def _stream(job, future, events, batcher, shared, release, request_timeout
 
 def _outcome(job, future, metrics) -> dict:
     if future.cancelled():
-        return {"status": 503, **ApiError(503, "the server is shutting down; the run was cancelled", "server_error",
-                                          code="shutting_down").body()}
+        return _shutting_down()
     error = future.exception()
     if error is not None:
         status, kind = (400, "invalid_request_error") if isinstance(error, USER_ERRORS) else (500, "server_error")
