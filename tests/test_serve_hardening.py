@@ -13,6 +13,7 @@ import socket
 import struct
 import time
 
+import psutil
 import pytest
 import requests
 import torch
@@ -224,3 +225,30 @@ def test_sigterm_ends_a_sample_stream_with_its_503_line(tmp_path):
     finally:
         s.stop()
     assert "Traceback" not in s.log() and "CancelledError" not in s.log(), s.log()
+
+
+# -- item 5: a LoRA that cannot fit the model is refused from its header ------------------------------------------
+def sparse_lora(path, rank: int = 2, width: int = 2 ** 28) -> str:
+    """down [rank, width] float32 (2 GiB at the default: holes, no disk) and up [384, rank] on the demo's to_q."""
+    name = "diffusion_model.layers.0.self_attention.to_q"
+    up, down = 384 * rank * 4, rank * width * 4
+    header = {f"{name}.lora_up.weight": {"dtype": "F32", "shape": [384, rank], "data_offsets": [0, up]},
+              f"{name}.lora_down.weight": {"dtype": "F32", "shape": [rank, width], "data_offsets": [up, up + down]}}
+    raw = safetensors_bytes(header)
+    with open(path, "wb") as f:
+        f.write(raw)
+        f.truncate(len(raw) + up + down)
+    return str(path)
+
+
+def test_a_lora_of_other_shapes_is_refused_before_its_data_is_read(server, lora_dir):
+    sparse_lora(lora_dir / "huge.safetensors")
+    process = psutil.Process(server.proc.pid)
+    read_before = process.io_counters().read_chars
+    r = server.post("/v1/set_lora", {"lora_nickname": "huge", "lora_path": "huge.safetensors"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_lora" and "another size" in error["message"], error
+    assert process.io_counters().read_chars - read_before < 16 << 20  # the header, not the 2 GiB
+    assert requests.get(server.base + "/list_loras", timeout=10).json()["active"]["transformer"] == []
+    assert server.healthy()

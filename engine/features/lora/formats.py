@@ -222,45 +222,32 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
             f"(first keys: {', '.join(sorted(keys)[:3])})" + (f"; it looks like a LoRA for {arch}" if arch else "")
             + (f"; file metadata: {meta}" if meta else "")
             + ". Use a LoRA trained for ERNIE-Image / ERNIE-Image-Turbo.")
-    tensors = dict(f.tensors([k for g in matched.values() for part, k in g.items() if part != "fmt"]))
+    seen: Dict[str, str] = {}
+    for prefix, g in matched.items():  # names and shapes from the header, before any data is read
+        mod_name = kmap[prefix]
+        if mod_name in seen and set(g) & {"up", "down", "diff"}:
+            raise LoRAError(f"{path}: layer '{mod_name}' is adapted twice (keys '{seen[mod_name]}' and '{prefix}')")
+        if set(g) & {"up", "down", "diff"}:
+            seen[mod_name] = prefix
+        _check_shapes(path, g, mod_name, weight_shape(modules[mod_name]), f.shape)
+    try:
+        tensors = dict(f.tensors([k for g in matched.values() for part, k in g.items() if part != "fmt"]))
+    except CheckpointError as e:
+        raise LoRAError(str(e)) from None
     entries: Dict[str, LoRAEntry] = {}
     formats = set()
     nbytes = 0
     for prefix, g in matched.items():
         mod_name = kmap[prefix]
-        mod = modules[mod_name]
-        wshape = weight_shape(mod)
-        if mod_name in entries:
-            raise LoRAError(f"{path}: layer '{mod_name}' is adapted twice (keys '{prefix}' and another spelling)")
         e = LoRAEntry(mod_name)
         if "alpha" in g:
-            a = tensors[g["alpha"]]
-            if a.numel() != 1:
-                raise LoRAError(f"{path}: '{g['alpha']}' should be a scalar, it has shape {tuple(a.shape)}")
-            e.alpha = float(a.float().reshape(()))
+            e.alpha = float(tensors[g["alpha"]].float().reshape(()))
             if not math.isfinite(e.alpha):
                 raise LoRAError(f"{path}: '{g['alpha']}' is {e.alpha}: a LoRA alpha must be a finite number")
         if "diff" in g:
-            d = tensors[g["diff"]]
-            if d.numel() != numel(wshape):
-                raise LoRAError(f"{path}: '{g['diff']}' has shape {tuple(d.shape)}, but layer '{mod_name}' of this model "
-                                f"has weight {tuple(wshape)}: this LoRA is for a model of another size")
-            e.diff, e.fmt = d, "diff"
-        if "up" in g or "down" in g:
-            if "up" not in g or "down" not in g:
-                have = g.get("up") or g.get("down")
-                raise LoRAError(f"{path}: '{have}' has no matching {'down (A)' if 'up' in g else 'up (B)'} weight: "
-                                "the LoRA file is incomplete")
-            up, down = tensors[g["up"]], tensors[g["down"]]
-            out_f, in_f = wshape[0], numel(wshape[1:])
-            if up.dim() < 2 or down.dim() < 2 or up.shape[1] != down.shape[0] or numel(up.shape[2:]) != 1:
-                raise LoRAError(f"{path}: '{g['up']}' {tuple(up.shape)} and '{g['down']}' {tuple(down.shape)} are not a "
-                                "low-rank pair (up [out, r], down [r, in])")
-            if up.shape[0] != out_f or numel(down.shape[1:]) != in_f:
-                raise LoRAError(f"{path}: '{g['down']}' / '{g['up']}' make a [{up.shape[0]}, {numel(down.shape[1:])}] update, "
-                                f"but layer '{mod_name}' of this model has weight {tuple(wshape)}: this LoRA is for a "
-                                "model of another size or architecture")
-            e.up, e.down, e.fmt = up, down, g.get("fmt", "")
+            e.diff, e.fmt = tensors[g["diff"]], "diff"
+        if "up" in g:
+            e.up, e.down, e.fmt = tensors[g["up"]], tensors[g["down"]], g.get("fmt", "")
         if e.up is None and e.diff is None:  # an alpha alone
             unmatched.append(g["alpha"])
             continue
@@ -284,6 +271,30 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
     for msg in lf.report():
         log.warning("%s", msg)
     return lf
+
+
+def _check_shapes(path: str, g: Dict[str, str], mod_name: str, wshape: tuple, shape_of) -> None:
+    """One layer's keys (``g``: part -> key) against its weight, by the shapes the header gives (``shape_of``)."""
+    if "alpha" in g and numel(shape_of(g["alpha"])) != 1:
+        raise LoRAError(f"{path}: '{g['alpha']}' should be a scalar, it has shape {shape_of(g['alpha'])}")
+    if "diff" in g and numel(shape_of(g["diff"])) != numel(wshape):
+        raise LoRAError(f"{path}: '{g['diff']}' has shape {shape_of(g['diff'])}, but layer '{mod_name}' of this model "
+                        f"has weight {tuple(wshape)}: this LoRA is for a model of another size")
+    if "up" not in g and "down" not in g:
+        return
+    if "up" not in g or "down" not in g:
+        have = g.get("up") or g.get("down")
+        raise LoRAError(f"{path}: '{have}' has no matching {'down (A)' if 'up' in g else 'up (B)'} weight: "
+                        "the LoRA file is incomplete")
+    up, down = shape_of(g["up"]), shape_of(g["down"])
+    out_f, in_f = wshape[0], numel(wshape[1:])
+    if len(up) < 2 or len(down) < 2 or up[1] != down[0] or numel(up[2:]) != 1:
+        raise LoRAError(f"{path}: '{g['up']}' {up} and '{g['down']}' {down} are not a low-rank pair (up [out, r], "
+                        "down [r, in])")
+    if up[0] != out_f or numel(down[1:]) != in_f:
+        raise LoRAError(f"{path}: '{g['down']}' / '{g['up']}' make a [{up[0]}, {numel(down[1:])}] update, but layer "
+                        f"'{mod_name}' of this model has weight {tuple(wshape)}: this LoRA is for a model of another "
+                        "size or architecture")
 
 
 def all_finite(t: torch.Tensor) -> bool:
