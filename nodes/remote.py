@@ -25,6 +25,8 @@ from safetensors.torch import save as save_tensors
 SERVER_NODE = "SGLDiffusion Server"
 GENERATE_NODE = "SGLDiffusion Server Generate"
 DEFAULT_URL = "http://127.0.0.1:30000"
+API_PATH = "/v1"  # a base_url may end in it (the openai SDK's spelling) or not
+SERVER_DEFAULT = 0  # a Server Generate widget left at 0: the value the server's GET /v1/models reports
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0  # between two lines of a run's stream (the server sends one at least every second)
 GENERATE_TIMEOUT_S = 600.0
@@ -56,7 +58,8 @@ def _connect(node: str, base_url: str, timeout: float) -> tuple:
         conn = kind(url.hostname, url.port, timeout=timeout)
     except ValueError as e:  # a bad port
         raise ValueError(f"{node}: base_url {base_url!r:.100}: {e}") from None
-    return conn, url.path.rstrip("/")
+    prefix = url.path.rstrip("/")
+    return conn, prefix[:-len(API_PATH)] if prefix.endswith(API_PATH) else prefix  # .../v1 as openai's base_url
 
 
 def _request(node: str, base_url: str, api_key: str, method: str, path: str, body: Optional[bytes] = None,
@@ -121,16 +124,27 @@ class SGLDiffusionServer:
         return float("nan")  # ask the server each run: it may have restarted with another model
 
     def connect(self, base_url, api_key):
-        conn, response = _request(SERVER_NODE, base_url, api_key, "GET", "/v1/models")
-        listing = _read_json(SERVER_NODE, base_url, conn, response)
+        card = _model_card(SERVER_NODE, base_url, api_key)
         try:
-            card = listing["data"][0]
             model = RemoteModel(base_url.strip().rstrip("/"), api_key, str(card["id"]), int(card["latent_channels"]),
                                 int(card["text_dim"]))
         except (KeyError, IndexError, TypeError, ValueError):
             raise ValueError(f"{SERVER_NODE}: {base_url} is not an sgld server with POST /v1/sample (its /v1/models "
                              "has no latent_channels / text_dim); update it") from None
         return (model,)
+
+
+def _model_card(node: str, base_url: str, api_key: str) -> dict:
+    """The served model's entry of GET /v1/models (its id, defaults and tensor sizes)."""
+    conn, response = _request(node, base_url, api_key, "GET", "/v1/models")
+    listing = _read_json(node, base_url, conn, response)
+    try:
+        card = listing["data"][0]
+        if isinstance(card, dict):
+            return card
+    except (KeyError, IndexError, TypeError):
+        pass
+    raise ValueError(f"{node}: {base_url} is not an sgld server (its /v1/models lists no model)")
 
 
 def _one(node: str, name: str, features: Optional[list]) -> Optional[torch.Tensor]:
@@ -207,16 +221,22 @@ class SGLDiffusionServerGenerate:
             "base_url": ("STRING", {"default": DEFAULT_URL}),
             "api_key": ("STRING", {"default": ""}),
             "prompt": ("STRING", {"multiline": True, "default": ""}),
-            "width": ("INT", {"default": 1024, "min": 1, "max": 8192, "tooltip": "Pixels (the demo model: 64)."}),
-            "height": ("INT", {"default": 1024, "min": 1, "max": 8192}),
+            "width": ("INT", {"default": SERVER_DEFAULT, "min": 0, "max": 8192,
+                              "tooltip": "Pixels; 0: the server model's default size (the demo model: 64)."}),
+            "height": ("INT", {"default": SERVER_DEFAULT, "min": 0, "max": 8192,
+                               "tooltip": "Pixels; 0: the server model's default size."}),
             "seed": ("INT", {"default": 0, "min": 0, "max": 0xffffffffffffffff, "control_after_generate": True}),
-            "steps": ("INT", {"default": 8, "min": 1, "max": 10000}),
-            "cfg": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01}),
+            "steps": ("INT", {"default": SERVER_DEFAULT, "min": 0, "max": 10000,
+                              "tooltip": "0: the server model's default (demo 30, ERNIE-Image 50, Turbo 8)."}),
+            "cfg": ("FLOAT", {"default": SERVER_DEFAULT, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
+                              "tooltip": "0: the server model's default guidance (demo 3, ERNIE-Image 4, Turbo 1)."}),
         }, "optional": {"negative_prompt": ("STRING", {"multiline": True, "default": ""})}}
 
     def generate(self, base_url, api_key, prompt, width, height, seed, steps, cfg, negative_prompt=""):
         import comfy.model_management
 
+        if SERVER_DEFAULT in (width, height, steps, cfg):
+            width, height, steps, cfg = _with_server_defaults(base_url, api_key, width, height, steps, cfg)
         body = json.dumps({"prompt": prompt, "negative_prompt": negative_prompt, "n": 1, "size": f"{width}x{height}",
                            "seed": int(seed), "num_inference_steps": int(steps), "guidance_scale": float(cfg)}).encode()
         connection = []  # the waiting thread's, so an interrupt can close it
@@ -244,6 +264,19 @@ class SGLDiffusionServerGenerate:
         except (KeyError, IndexError, TypeError, ValueError, OSError) as e:
             raise ValueError(f"{GENERATE_NODE}: the sgld server at {base_url} sent no PNG picture ({e})") from None
         return (torch.from_numpy(image)[None],)
+
+
+def _with_server_defaults(base_url: str, api_key: str, width: int, height: int, steps: int, cfg: float) -> tuple:
+    """The widgets left at SERVER_DEFAULT replaced by what the server's GET /v1/models says of its model."""
+    card = _model_card(GENERATE_NODE, base_url, api_key)
+    try:
+        size = [int(side) for side in str(card["default_size"]).lower().split("x")]
+        default_w, default_h = size if len(size) == 2 else (size[0], size[0])
+        default_steps, default_cfg = int(card["default_steps"]), float(card["default_guidance_scale"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise ValueError(f"{GENERATE_NODE}: the sgld server at {base_url} does not tell its defaults (default_size, "
+                         "default_steps, default_guidance_scale in /v1/models); set width, height, steps and cfg") from None
+    return (width or default_w, height or default_h, steps or default_steps, cfg or default_cfg)
 
 
 def _close_from_outside(answer, connection) -> None:

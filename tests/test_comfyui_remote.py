@@ -96,6 +96,37 @@ def test_server_generate_passes_the_judge(comfy, sgld, tmp_path):
     assert judge.passes(image, EXAMPLE_PROMPT), judge.judge(image, EXAMPLE_PROMPT)
 
 
+def generate_graph(url: str, prefix: str, **widgets) -> dict:
+    inputs = {"base_url": url, "api_key": KEY, "prompt": EXAMPLE_PROMPT, "seed": 3, **widgets}
+    return {"1": {"class_type": "SGLDiffusionServerGenerate", "inputs": inputs},
+            "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": prefix}}}
+
+
+def saved_image(comfy, entry) -> np.ndarray:
+    return np.asarray(Image.open(comfy.output_path(entry["outputs"]["2"]["images"][0])).convert("RGB"))
+
+
+def test_base_url_may_end_in_v1(comfy, sgld):
+    """http://HOST:PORT/v1 (the openai SDK's base_url, as the README writes it) works as http://HOST:PORT."""
+    assert sgld.base.endswith("/v1")
+    succeeded(comfy.run(sample_graph(remote(sgld.base + "/"), seed=31, steps=2)))
+    succeeded(comfy.run(generate_graph(sgld.base, "v1_gen", width=64, height=64, steps=2, cfg=3.0)))
+
+
+def test_server_generate_defaults_are_the_servers(comfy, sgld):
+    """Widgets left at 0 take the served model's defaults from GET /v1/models (the demo: 64x64, 30 steps, cfg 3):
+    the picture equals the one asked for with those values; the node's defaults work against the default server."""
+    defaults = {name: spec[1]["default"] for name, spec in
+                comfy.get("/object_info/SGLDiffusionServerGenerate").json()["SGLDiffusionServerGenerate"]["input"]["required"].items()
+                if name in ("width", "height", "steps", "cfg")}
+    assert defaults == {"width": 0, "height": 0, "steps": 0, "cfg": 0}
+    by_default = comfy.run(generate_graph(sgld.url, "default_gen", **defaults))
+    succeeded(by_default)
+    explicit = comfy.run(generate_graph(sgld.url, "explicit_gen", width=64, height=64, steps=30, cfg=3.0))
+    succeeded(explicit)
+    assert np.array_equal(saved_image(comfy, by_default), saved_image(comfy, explicit))
+
+
 def test_wrong_key_or_no_server_is_a_one_line_node_error(comfy, sgld):
     message = failure(comfy.run(sample_graph(remote(sgld.url, key="wrong"), seed=11)))
     assert message.startswith("SGLDiffusion Server: the sgld server at") and "401" in message, message
