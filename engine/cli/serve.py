@@ -51,8 +51,8 @@ def add_parser(sub) -> None:
                    help="on SIGTERM, seconds the running requests may take to finish before they are cancelled")
     s.add_argument("--max-body-bytes", type=_positive(int, 1), default=1 << 20, help="larger request bodies get 413")
     s.add_argument("--header-timeout", type=_positive(float, 0.001), default=10.0,
-                   help="seconds a client has to send a request's headers (from its connection or its previous "
-                        "answer); past it: 408 and the connection closed")
+                   help="seconds a client has to send a request's headers (from its connection, or its first byte after "
+                        "the previous answer); past it: 408 and the connection closed")
     s.add_argument("--body-timeout", type=_positive(float, 0.001), default=60.0,
                    help="seconds a request's whole body may take to arrive; past it: 408 and the connection closed")
     s.add_argument("--keep-alive-timeout", type=_positive(float, 0.001), default=5.0,
