@@ -5,8 +5,9 @@
 //   time, the attention backend, the offload and quantization modes and the run's warnings. Data: the
 //   node's UI output `sgld_stats` (onExecuted) and the `sgldiffusion.run` PromptServer messages (state
 //   running / done / failed / interrupted). ComfyUI sends neither for a KSampler whose cached output it
-//   reuses, and a reloaded page has none: then the panel asks the pack for the node's last run
-//   (GET /sgldiffusion/last_runs?workflow=<the graph's id>). A run that fails or is interrupted clears
+//   reuses, and a reloaded page has none: then the panel asks the pack for the node's last run of this
+//   graph (POST /sgldiffusion/last_runs with the graph's id and its API prompt: runs of another graph under
+//   the same id are not shown), labelled "last run". A run that fails or is interrupted clears
 //   the timeline; results of an earlier prompt are marked as such. The panel grows to what it shows
 //   (a whole error message, every warning). Not run yet, it shows what this ComfyUI lacks for the
 //   ERNIE-Image workflows, if anything (the same request's `compat`, also in the nodes' descriptions).
@@ -162,13 +163,13 @@ class RunPanel {
       idle: "SGLDiffusion: not run yet",
       running: "running…",
       done: this.extra?.reused ? "done · reused" : this.extra?.restored ? "last run" : "done",
-      failed: "failed",
-      interrupted: "interrupted",
+      failed: this.extra?.restored ? "last run: failed" : "failed",
+      interrupted: this.extra?.restored ? "last run: interrupted" : "interrupted",
       stale: "earlier prompt's run",
     }[state] ?? state;
     const lab = h("span", "sgld-state", label);
     if (state === "done" && this.extra?.reused) lab.title = "ComfyUI reused this node's cached output: the run shown is the one that made it";
-    if (state === "done" && this.extra?.restored && !this.extra?.reused) lab.title = "this node's last run on the server (before the page was loaded)";
+    if (this.extra?.restored && !this.extra?.reused) lab.title = "this node's last run of this graph, as the server recorded it (before the graph was loaded)";
     head.append(lab);
     let height = 24;
     if (state === "running") {
@@ -262,7 +263,15 @@ async function restoreRuns(nodeIds = null, reusedFor = null) {
   if (!workflow) return;
   let runs;
   try {
-    const r = await api.fetchApi(`${LAST_RUNS}?workflow=${encodeURIComponent(workflow)}`, { cache: "no-store" });
+    // the graph as it is now (its API form): the pack returns only the runs of this content, so a graph
+    // with the same id but other nodes or values (a template loaded again and changed) shows none of them
+    const prompt = (await app.graphToPrompt())?.output ?? {};
+    const r = await api.fetchApi(LAST_RUNS, {
+      method: "POST",
+      cache: "no-store",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ workflow, prompt }),
+    });
     if (!r.ok) return;
     const body = await r.json();
     runs = body.runs ?? {};
@@ -287,8 +296,8 @@ async function restoreRuns(nodeIds = null, reusedFor = null) {
     } else if (panel.state === "idle") {
       panel.prompt = rec.prompt_id ?? null;
       if (rec.state === "done") panel.set("done", rec, { restored: true });
-      else if (rec.state === "failed") panel.set("failed", null, { error: rec.error });
-      else if (rec.state === "interrupted") panel.set("interrupted", null);
+      else if (rec.state === "failed") panel.set("failed", null, { error: rec.error, restored: true });
+      else if (rec.state === "interrupted") panel.set("interrupted", null, { restored: true });
     }
   }
 }
@@ -303,8 +312,14 @@ function scheduleRestore() {
 // -- server messages -------------------------------------------------------------------------------------------
 let currentPrompt = null;
 
+// A run of another workflow than the one shown (queued before this graph was loaded into the tab): not ours.
+function otherWorkflow(record) {
+  const shown = app.graph?.id;
+  return !!(record?.workflow && shown && String(record.workflow) !== String(shown));
+}
+
 function onRunEvent(detail) {
-  if (!detail) return;
+  if (!detail || otherWorkflow(detail)) return;
   const node = findNode(detail.node);
   if (!node || (node.comfyClass ?? node.type) !== KSAMPLER) return;
   const panel = panelOf(node);
@@ -396,7 +411,7 @@ app.registerExtension({
       nodeType.prototype.onExecuted = function (output) {
         const r = onExecuted?.apply(this, arguments);
         const stats = output?.sgld_stats?.[0];
-        if (stats) {
+        if (stats && !otherWorkflow(stats)) {
           const panel = panelOf(this);
           if (!panel) return r;
           const reused = panel.reusedFor !== undefined && panel.reusedFor === currentPrompt;
