@@ -1,5 +1,6 @@
-"""The web panel's records in a real ComfyUI 0.3.75: POST /sgldiffusion/last_runs gives a KSampler's last run only
-to the graph content that ran it (a template loaded again under the same workflow id, then changed, gets none)."""
+"""What a real ComfyUI 0.3.75 shows of the pack's nodes and the web panel's records: every input of every node
+has a tooltip (GET /object_info), and POST /sgldiffusion/last_runs gives a KSampler's last run only to the graph
+content that ran it (a template loaded again under the same workflow id, then changed, gets none)."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,22 @@ def comfy(tmp_path_factory):
     server = cs.start_server(base)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def object_info(comfy):
+    info = comfy.get("/object_info", timeout=60).json()
+    module = info["SGLDiffusionKSampler"]["python_module"]  # the pack's folder, as ComfyUI names it
+    ours = {k: v for k, v in info.items() if v["python_module"] == module}
+    assert {"SGLDiffusionModelLoader", "SGLDiffusionCacheDiT", "SGLDiffusionServerGenerate"} <= set(ours), sorted(ours)
+    return ours
+
+
+def test_every_input_of_every_node_has_a_tooltip(object_info):
+    missing = [f"{name}.{inp}" for name, node in sorted(object_info.items())
+               for group in ("required", "optional") for inp, spec in node["input"].get(group, {}).items()
+               if len(spec) < 2 or not str((spec[1] or {}).get("tooltip", "")).strip()]
+    assert missing == [], missing
 
 
 def _last_runs(comfy, workflow, prompt):

@@ -2,7 +2,8 @@
 ComfyUI 0.3.75 (frontend 1.32.x; the fixtures and helpers of tests/test_web_extension.py, a server and a
 browser of this module's own): nothing lies where the KSampler's panel grows, computed from the workflow
 files and measured in the page with the panel at its largest; a graph loaded again under the same workflow
-id but changed shows no run of the old one. Screenshots go to test-artifacts/."""
+id but changed shows no run of the old one; the Cache-DiT node shows its advanced fields only when
+`advanced` is on. Screenshots go to test-artifacts/."""
 from __future__ import annotations
 
 import glob
@@ -120,3 +121,36 @@ def test_a_changed_graph_under_the_same_id_shows_no_old_run(comfy, page):
     next(n for n in reseeded["nodes"] if n["type"] == KSAMPLER)["widgets_values"][0] += 1
     load(reseeded)
     assert "last run" in wait_state(page, ks, "done", 30_000)["text"]
+
+
+CACHE_FIELDS = """(id) => {
+  const n = window.app.graph.getNodeById(Number(id)) ?? window.app.graph.getNodeById(id);
+  return {height: n.size[1], shown: n.widgets.filter((w) => !w.hidden).map((w) => w.name),
+          hidden: n.widgets.filter((w) => w.hidden).map((w) => w.name)};
+}"""
+SET_ADVANCED = """([id, on]) => {
+  const n = window.app.graph.getNodeById(Number(id)) ?? window.app.graph.getNodeById(id);
+  const w = n.widgets.find((x) => x.name === "advanced");
+  w.value = on;
+  w.callback?.(on, window.app.canvas, n);
+}"""
+
+
+def test_cache_node_shows_its_advanced_fields_only_when_advanced_is_on(comfy, page):
+    """The Cache-DiT node of the demo workflow (advanced off): only enabled / preset / advanced; switched
+    on, every field, and the node grows to hold them; off again, it shrinks back."""
+    with open(DEMO_WORKFLOW) as f:
+        wf = json.load(f)
+    page.evaluate(LAYOUT, [wf, os.path.basename(DEMO_WORKFLOW), None])
+    cache = str(next(n["id"] for n in wf["nodes"] if n["type"] == "SGLDiffusionCacheDiT"))
+    close_error_dialog(page)
+    off = page.evaluate(CACHE_FIELDS, cache)
+    screenshot(page, "web_cache_basic.png")
+    assert off["shown"] == ["enabled", "preset", "advanced"] and "taylorseer_order" in off["hidden"], off
+    page.evaluate(SET_ADVANCED, [cache, True])
+    on = page.evaluate(CACHE_FIELDS, cache)
+    assert on["hidden"] == [] and {"Fn", "Bn", "residual_diff_threshold", "taylorseer_order"} <= set(on["shown"]), on
+    assert on["height"] > off["height"] + 150, (on, off)
+    screenshot(page, "web_cache_advanced.png")
+    page.evaluate(SET_ADVANCED, [cache, False])
+    assert page.evaluate(CACHE_FIELDS, cache) == off

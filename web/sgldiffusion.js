@@ -1,7 +1,8 @@
 // SGLDiffusion web extension: shows on the graph what the engine did.
 //
 // * SGLDiffusion KSampler: after a run, a panel under the widgets with the step timeline (one cell per
-//   model call: filled = computed, hollow = cached by Cache-DiT), the measured speedup, the sampling
+//   model call: filled = computed, hollow = cached by Cache-DiT), computed / total calls, the speedup measured
+//   on the wall clock, the sampling
 //   time, the attention backend, the offload and quantization modes and the run's warnings. Data: the
 //   node's UI output `sgld_stats` (onExecuted) and the `sgldiffusion.run` PromptServer messages (state
 //   running / done / failed / interrupted). ComfyUI sends neither for a KSampler whose cached output it
@@ -11,8 +12,7 @@
 //   the timeline; results of an earlier prompt are marked as such. The panel grows to what it shows
 //   (a whole error message, every warning). Not run yet, it shows what this ComfyUI lacks for the
 //   ERNIE-Image workflows, if anything (the same request's `compat`, also in the nodes' descriptions).
-// * SGLDiffusion Cache-DiT: hovering the preset widget shows the speedup and quality measured per preset
-//   (engine/features/cache/measured.json, put into the tooltip by the node), the selected preset marked.
+// * SGLDiffusion Cache-DiT: web/sgldiffusion_cache.js.
 //
 // Only stable extension APIs: app.registerExtension (beforeRegisterNodeDef, nodeCreated), onExecuted,
 // api.addEventListener, node.addDOMWidget. Works in the frontend of ComfyUI 0.3.75 (1.32.x) and later ones.
@@ -22,7 +22,6 @@ const app = comfyAPI.app?.app ?? (await import("../../scripts/app.js")).app;
 const api = comfyAPI.api?.api ?? (await import("../../scripts/api.js")).api;
 
 const KSAMPLER = "SGLDiffusionKSampler";
-const CACHE_NODE = "SGLDiffusionCacheDiT";
 const RUN_EVENT = "sgldiffusion.run";
 const WIDGET = "sgld_run";
 const LAST_RUNS = "/sgldiffusion/last_runs";
@@ -195,8 +194,13 @@ class RunPanel {
       const cached = cells.length - computed;
       this.el.dataset.computed = String(computed);
       this.el.dataset.cached = String(cached);
-      const speed = typeof s.speedup === "number" ? `${s.speedup.toFixed(2)}x` : "–";
-      head.append(h("span", "sgld-speed", `speedup ${speed} · ${fmtSeconds(s.sampling_seconds)}`));
+      // what the cache did (calls computed of the total) first; the speedup is measured on the wall clock of
+      // this machine's model calls, so another program on the same CPU/GPU lowers it: said so
+      const speed = typeof s.speedup === "number" ? ` · ${s.speedup.toFixed(2)}x wall clock` : "";
+      const sp = h("span", "sgld-speed", `${computed}/${cells.length} computed${speed} · ${fmtSeconds(s.sampling_seconds)}`);
+      sp.title = "computed / total model calls (Cache-DiT reused the rest); the speedup is measured on the wall " +
+        "clock of this run's model calls against pricing every call as a computed one, so other work on the machine lowers it";
+      head.append(sp);
       const perRow = cells.length <= 64 ? Math.max(cells.length, 1) : 50;
       const rows = Math.ceil(cells.length / perRow) || 0;
       const tl = h("div", "sgld-timeline");
@@ -351,20 +355,6 @@ function onPromptStopped(kind, detail) {
 }
 
 // -- extension -------------------------------------------------------------------------------------------------
-function presetTooltip(base, value, presets) {
-  // nodes/cache_dit.py writes one line per preset ("balanced: ...", "medium (= quality): ..."): the
-  // measurements come first, the selected preset's line on top and marked, the explanation after them
-  const lines = String(base ?? "").split("\n");
-  const isPreset = (line, p) => line.startsWith(`${p}:`) || line.startsWith(`${p} (=`);
-  const perPreset = lines.filter((l) => presets.some((p) => isPreset(l, p)));
-  if (!perPreset.length) return base;
-  const head = lines.filter((l) => l.startsWith("Measured"));
-  const rest = lines.filter((l) => !perPreset.includes(l) && !head.includes(l));
-  const selected = perPreset.filter((l) => isPreset(l, value));
-  const others = perPreset.filter((l) => !selected.includes(l));
-  return [...head, ...selected.map((l) => `▶ ${l}`), ...others, "", ...rest].join("\n");
-}
-
 app.registerExtension({
   name: "sgldiffusion.web",
 
@@ -417,23 +407,6 @@ app.registerExtension({
           const reused = panel.reusedFor !== undefined && panel.reusedFor === currentPrompt;
           panel.prompt = currentPrompt;
           panel.set("done", stats, { reused });
-        }
-        return r;
-      };
-    }
-    if (nodeData?.name === CACHE_NODE) {
-      const base = nodeData.input?.required?.preset?.[1]?.tooltip;
-      const onNodeCreated = nodeType.prototype.onNodeCreated;
-      nodeType.prototype.onNodeCreated = function () {
-        const r = onNodeCreated?.apply(this, arguments);
-        const w = this.widgets?.find((x) => x.name === "preset");
-        if (w && base) {
-          Object.defineProperty(w, "tooltip", {
-            configurable: true,
-            enumerable: true,
-            get: () => presetTooltip(base, w.value, (w.options?.values ?? []).filter((v) => v !== "none")),
-            set: () => {},
-          });
         }
         return r;
       };
