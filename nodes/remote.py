@@ -204,15 +204,20 @@ class SGLDiffusionServerGenerate:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "base_url": ("STRING", {"default": DEFAULT_URL}),
-            "api_key": ("STRING", {"default": ""}),
-            "prompt": ("STRING", {"multiline": True, "default": ""}),
+            "base_url": ("STRING", {"default": DEFAULT_URL, "tooltip": "The server's address (sgld serve --host/--port)."}),
+            "api_key": ("STRING", {"default": "", "tooltip": "The server's --api-key (empty: none)."}),
+            "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "What the picture should show."}),
             "width": ("INT", {"default": 1024, "min": 1, "max": 8192, "tooltip": "Pixels (the demo model: 64)."}),
-            "height": ("INT", {"default": 1024, "min": 1, "max": 8192}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 0xffffffffffffffff, "control_after_generate": True}),
-            "steps": ("INT", {"default": 8, "min": 1, "max": 10000}),
-            "cfg": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01}),
-        }, "optional": {"negative_prompt": ("STRING", {"multiline": True, "default": ""})}}
+            "height": ("INT", {"default": 1024, "min": 1, "max": 8192, "tooltip": "Pixels (the demo model: 64)."}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 0xffffffffffffffff, "control_after_generate": True,
+                             "tooltip": "The random seed used for creating the noise."}),
+            "steps": ("INT", {"default": 8, "min": 1, "max": 10000,
+                              "tooltip": "The number of denoising steps (ERNIE-Image Turbo: 8, Base: 50)."}),
+            "cfg": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
+                              "tooltip": "Classifier-free guidance scale (Turbo: 1.0, which skips the negative prompt; "
+                                         "Base: 4.0)."}),
+        }, "optional": {"negative_prompt": ("STRING", {"multiline": True, "default": "",
+                                                       "tooltip": "What the picture should not show (unused at cfg 1)."})}}
 
     def generate(self, base_url, api_key, prompt, width, height, seed, steps, cfg, negative_prompt=""):
         import comfy.model_management
