@@ -38,7 +38,9 @@ def _add_routes() -> None:
     """GET /sgldiffusion/models: the engines held in memory now (for the web extension and tests).
     GET /sgldiffusion/last_runs?workflow=<id>: {"runs": {node id: the last run of that KSampler}} for
     the web panel, which has nothing to show on a reloaded page or when ComfyUI reuses a cached output,
-    and "compat": what this ComfyUI lacks for the ERNIE-Image workflows ("" when nothing), for the panel too."""
+    and "compat": what this ComfyUI lacks for the ERNIE-Image workflows ("" when nothing), for the panel too.
+    POST /sgldiffusion/last_runs {"workflow": id, "prompt": the API prompt of the graph shown}: the same, only
+    the runs of that graph's content (another graph under the same id shows nothing of them)."""
     try:
         from aiohttp import web
         from server import PromptServer
@@ -56,6 +58,19 @@ def _add_routes() -> None:
         async def sgld_last_runs(request):
             workflow = request.query.get("workflow", "")
             return web.json_response({"workflow": workflow, "runs": last_runs(workflow), "compat": COMPAT_NOTICE})
+
+        @server.routes.post("/sgldiffusion/last_runs")
+        async def sgld_last_runs_of_graph(request):
+            try:
+                body = await request.json()
+            except ValueError:
+                body = None
+            if not isinstance(body, dict) or not isinstance(body.get("prompt"), dict):
+                return web.json_response({"error": "the body must be {\"workflow\": id, \"prompt\": the graph's "
+                                                   "API prompt}"}, status=400)
+            workflow = str(body.get("workflow") or "")
+            return web.json_response({"workflow": workflow, "runs": last_runs(workflow, body["prompt"]),
+                                      "compat": COMPAT_NOTICE})
     except Exception:  # e.g. the router is already frozen: the nodes still work
         logging.getLogger("sgldiffusion").warning("SGLDiffusion: could not add the /sgldiffusion routes", exc_info=True)
 

@@ -21,6 +21,7 @@ class SGLDiffusionDemoTextEncode:
     DESCRIPTION = "Encodes a prompt with the demo model's text encoder (shapes, colours, positions; see the README)."
     CATEGORY = "SGLDiffusion/demo"
     RETURN_TYPES = ("CONDITIONING",)
+    OUTPUT_TOOLTIPS = ("The prompt's text features, for SGLDiffusion KSampler's positive or negative input.",)
     FUNCTION = "encode"
 
     @classmethod
@@ -46,11 +47,13 @@ class SGLDiffusionDemoEmptyLatent:
     DESCRIPTION = "An empty latent for the demo model: 64x64 pixels as 48 channels at 16x16."
     CATEGORY = "SGLDiffusion/demo"
     RETURN_TYPES = ("LATENT",)
+    OUTPUT_TOOLTIPS = ("An empty demo latent [batch_size, 48, 16, 16], for SGLDiffusion KSampler's latent_image.",)
     FUNCTION = "generate"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"batch_size": ("INT", {"default": 1, "min": 1, "max": 64})}}
+        return {"required": {"batch_size": ("INT", {"default": 1, "min": 1, "max": 64,
+                                                    "tooltip": "How many 64x64 pictures to make at once."})}}
 
     def generate(self, batch_size):
         return ({"samples": demo_model.DemoModel.empty_latent(batch_size)},)
@@ -60,11 +63,13 @@ class SGLDiffusionDemoDecode:
     DESCRIPTION = "Decodes a demo-model latent (lossless 4x4 space-to-depth) into a 64x64 image."
     CATEGORY = "SGLDiffusion/demo"
     RETURN_TYPES = ("IMAGE",)
+    OUTPUT_TOOLTIPS = ("The 64x64 pictures.",)
     FUNCTION = "decode"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"samples": ("LATENT",)}}
+        return {"required": {"samples": ("LATENT", {"tooltip": "The demo model's latent from SGLDiffusion KSampler "
+                                                               "(48 channels at 16x16)."})}}
 
     def decode(self, samples):
         latent = samples["samples"]

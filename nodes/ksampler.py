@@ -4,11 +4,14 @@ Only type adaptation happens here: CONDITIONING -> lists of text features, LATEN
 the engine's step callback -> ComfyUI's progress bar, preview and interrupt check, and the run's
 statistics -> the web extension (web/sgldiffusion.js): the ``sgld_stats`` UI output of a finished run,
 and ``sgldiffusion.run`` PromptServer messages (state running / done / failed / interrupted). The last
-finished run of each KSampler is also kept here (``last_runs``, served as GET /sgldiffusion/last_runs):
-ComfyUI does not re-send a cached KSampler's output, and a reloaded page has none.
+finished run of each KSampler is also kept here (``last_runs``, served as /sgldiffusion/last_runs), by
+workflow id, node and graph content (``graph_fingerprint``): ComfyUI does not re-send a cached KSampler's
+output, and a reloaded page has none.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -30,7 +33,8 @@ RUN_EVENT = "sgldiffusion.run"  # PromptServer message the web extension listens
 NODE = "SGLDiffusion KSampler"
 FLUX2_CHANNELS = 128  # ComfyUI's Flux2 latent format, the one ERNIE-Image uses
 ERROR_CHARS = 4000  # an error message longer than this is cut in the run event (the panel shows all of it)
-MAX_LAST_RUNS = 256  # (workflow, node) pairs remembered; the oldest are forgotten first
+MAX_LAST_RUNS = 256  # (workflow, node, graph) runs remembered; the oldest are forgotten first
+GRAPH_KEY = "graph"  # in a run record: graph_fingerprint() of the prompt that ran it
 
 _last_runs: "OrderedDict[tuple, dict]" = OrderedDict()
 _last_runs_lock = threading.Lock()
@@ -43,22 +47,73 @@ def workflow_id(extra_pnginfo) -> str:
     return str(wid) if wid else ""
 
 
+def _control_after_generate(class_type) -> set:
+    """The inputs of a node class that the frontend changes by itself after each queue (a seed on
+    'randomize'): not part of what a graph is."""
+    try:
+        import nodes
+
+        spec = nodes.NODE_CLASS_MAPPINGS[class_type].INPUT_TYPES()
+    except Exception:  # not in a running ComfyUI, an unknown class: every input counts
+        return set()
+    return {name for group in ("required", "optional") for name, entry in (spec.get(group) or {}).items()
+            if isinstance(entry, (list, tuple)) and len(entry) > 1 and isinstance(entry[1], dict)
+            and entry[1].get("control_after_generate")}
+
+
+def _plain(value):
+    """An input value as the browser sends it: ComfyUI's validation turns a FLOAT's 3 into 3.0 in the prompt."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def graph_fingerprint(prompt, node) -> str:
+    """What makes ``node``'s result in an API prompt: its class and inputs and those of every node it
+    depends on (links by the ids they point to), as a hash. The frontend's position, size and title of nodes
+    do not count, nor a seed the frontend changes after each queue. "" when ``node`` is not in ``prompt``."""
+    if not isinstance(prompt, dict) or str(node) not in prompt:
+        return ""
+    seen, todo, parts = set(), [str(node)], {}
+    while todo:
+        nid = todo.pop()
+        entry = prompt.get(nid)
+        if nid in seen or not isinstance(entry, dict):
+            continue
+        seen.add(nid)
+        inputs = entry.get("inputs") if isinstance(entry.get("inputs"), dict) else {}
+        skip = _control_after_generate(entry.get("class_type"))
+        for value in inputs.values():
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], (str, int)):
+                todo.append(str(value[0]))
+        parts[nid] = [entry.get("class_type"), {k: (None if k in skip else _plain(v)) for k, v in inputs.items()}]
+    text = json.dumps(parts, sort_keys=True, default=str, allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def remember_run(workflow: str, record: dict) -> None:
-    """Keep the outcome of a KSampler run (done / failed / interrupted) for GET /sgldiffusion/last_runs."""
+    """Keep the outcome of a KSampler run (done / failed / interrupted) for /sgldiffusion/last_runs, under
+    its workflow id, node and graph (the record's ``graph``; "" when its caller had no prompt)."""
     if record.get("node") is None:
         return
     with _last_runs_lock:
-        key = (workflow, str(record["node"]))
+        key = (workflow, str(record["node"]), str(record.get(GRAPH_KEY) or ""))
         _last_runs.pop(key, None)
         _last_runs[key] = dict(record)
         while len(_last_runs) > MAX_LAST_RUNS:
             _last_runs.popitem(last=False)
 
 
-def last_runs(workflow: str) -> dict:
-    """{node id: last run record} for the KSamplers of one workflow."""
+def last_runs(workflow: str, prompt=None) -> dict:
+    """{node id: last run record} for the KSamplers of one workflow. With ``prompt`` (the API form of the graph
+    the browser shows), only the runs of that very graph: a record of the node's graph as it is now, or one
+    recorded without a graph; another graph under the same workflow id (a template loaded twice and changed)
+    shows nothing of it."""
     with _last_runs_lock:
-        return {node: dict(rec) for (wf, node), rec in _last_runs.items() if wf == workflow}
+        records = [(node, graph, dict(rec)) for (wf, node, graph), rec in _last_runs.items() if wf == workflow]
+    out = {}
+    for node, graph, rec in records:  # oldest first: the newest of a node wins
+        if prompt is None or not graph or graph == graph_fingerprint(prompt, node):
+            out[node] = rec
+    return out
 
 
 def conditioning_features(name: str, conditioning) -> list:
@@ -129,6 +184,7 @@ def send_run_event(data: dict, workflow: str = "") -> None:
             data.setdefault("prompt_id", ctx.prompt_id)
     except Exception:
         pass
+    data.setdefault("workflow", workflow)  # the browser ignores the runs of a workflow it does not show
     if data.get("state") in ("done", "failed", "interrupted"):
         remember_run(workflow, data)
     try:
@@ -198,26 +254,29 @@ class SGLDiffusionKSampler:
             "optional": {
                 "cache": ("SGLD_CACHE", {"tooltip": "Cache-DiT step caching options (SGLDiffusion Cache-DiT node)."}),
             },
-            # the workflow's id keys the node's last run for the web panel (GET /sgldiffusion/last_runs)
-            "hidden": {"unique_id": "UNIQUE_ID", "extra_pnginfo": "EXTRA_PNGINFO"},
+            # the workflow's id and the graph key the node's last run for the web panel (/sgldiffusion/last_runs)
+            "hidden": {"unique_id": "UNIQUE_ID", "extra_pnginfo": "EXTRA_PNGINFO", "prompt": "PROMPT"},
         }
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
-               denoise=1.0, cache=None, unique_id=None, extra_pnginfo=None):
+               denoise=1.0, cache=None, unique_id=None, extra_pnginfo=None, prompt=None):
         node = None if unique_id is None else str(unique_id)
         workflow = workflow_id(extra_pnginfo)
+        graph = {GRAPH_KEY: graph_fingerprint(prompt, node)}
         # the browser clears this node's previous timeline now; a failure below never leaves it showing
         send_run_event({"node": node, "state": "running", "steps": int(steps)}, workflow)
         try:
             result, stats = self._sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
                                          latent_image, denoise, cache, node)
         except comfy.model_management.InterruptProcessingException:
-            send_run_event({"node": node, "state": "interrupted"}, workflow)
+            send_run_event({"node": node, "state": "interrupted", **graph}, workflow)
             raise
         except BaseException as e:
-            send_run_event({"node": node, "state": "failed", "error": f"{type(e).__name__}: {e}"[:ERROR_CHARS]}, workflow)
+            send_run_event({"node": node, "state": "failed", "error": f"{type(e).__name__}: {e}"[:ERROR_CHARS], **graph},
+                           workflow)
             raise
-        send_run_event(dict(stats), workflow)
+        stats["workflow"] = workflow
+        send_run_event({**stats, **graph}, workflow)
         return {"ui": {"sgld_stats": [stats]}, "result": (result,)}
 
     def _sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,

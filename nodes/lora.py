@@ -1,4 +1,7 @@
-"""SGLDiffusion LoRA Loader: SGLD_MODEL + a LoRA file from ComfyUI's ``loras`` folder + strength -> SGLD_MODEL.
+"""SGLDiffusion LoRA Loader: a model of SGLDiffusion Model Loader (either output) + a LoRA file from ComfyUI's
+``loras`` folder + strength -> both outputs again, typed as the loader's (``model`` SGLD_MODEL for SGLDiffusion
+KSampler, ``comfy_model`` MODEL for any sampler), so ComfyUI refuses a wrong link when the graph is drawn and
+when it is queued, not a run later.
 
 Chainable (each node adds one LoRA to the handle). The returned handle shares the base engine with
 its input (nodes/model_cache.py): the LoRA set is part of the handle and the engine applies it
@@ -14,12 +17,16 @@ import os
 import folder_paths
 
 from ..engine import CheckpointError
-from .model_cache import get_engine
+from .model_cache import SGLDModel, get_engine
+from .remote import RemoteModel
 
 log = logging.getLogger("sgldiffusion")
 FOLDER = "loras"
-MODEL_TYPES = "SGLD_MODEL,MODEL"  # either output of the loader; the result has the input's type
+MODEL_TYPES = "SGLD_MODEL,MODEL"  # either output of the loader (or of another LoRA Loader)
 NODE = "SGLDiffusion LoRA Loader"
+REMOTE_WHY_NOT = (f"{NODE}: a model of SGLDiffusion Server is loaded by its `sgld serve`, which holds its LoRAs "
+                  "itself: start it with --lora FILE:STRENGTH, or POST /v1/set_lora with a file of its --lora-dir "
+                  "(docs/serve.md). This node applies files of this ComfyUI's models/loras to a model loaded here.")
 
 
 def lora_files() -> list:
@@ -40,18 +47,18 @@ class SGLDiffusionLoraLoader:
                    "shared with the input model; the LoRA is merged before sampling and removed exactly when a graph "
                    "samples without it. Formats: diffusers/PEFT, ai-toolkit, kohya and the other forms ComfyUI reads.")
     CATEGORY = "SGLDiffusion"
-    RETURN_TYPES = (MODEL_TYPES,)
-    RETURN_NAMES = ("model",)
-    OUTPUT_TOOLTIPS = ("The model with this LoRA added, of the input's type (SGLD_MODEL for SGLDiffusion KSampler, "
-                       "MODEL for any sampler).",)
+    RETURN_TYPES = ("SGLD_MODEL", "MODEL")
+    RETURN_NAMES = ("model", "comfy_model")
+    OUTPUT_TOOLTIPS = ("The model with this LoRA added, for SGLDiffusion KSampler (or another LoRA Loader).",
+                       "The same as ComfyUI's MODEL, for any sampler (KSampler, SamplerCustomAdvanced, ...).")
     FUNCTION = "load"
 
     @classmethod
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": (MODEL_TYPES, {"tooltip": "From SGLDiffusion Model Loader (either output) or another "
-                                                   "SGLDiffusion LoRA Loader."}),
+                "model": (MODEL_TYPES, {"tooltip": "From SGLDiffusion Model Loader or another SGLDiffusion LoRA "
+                                                   "Loader (either output; not SGLDiffusion Server's)."}),
                 "lora_name": (lora_files(), {"tooltip": "The LoRA file (models/loras), trained for ERNIE-Image."}),
                 "strength": ("FLOAT", {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01,
                                        "tooltip": "How strongly the LoRA changes the model; 0 turns it off, negative inverts it."}),
@@ -71,9 +78,11 @@ class SGLDiffusionLoraLoader:
             return float("nan")
 
     def load(self, model, lora_name, strength=1.0):
-        """``model``: SGLD_MODEL, or the loader's ComfyUI MODEL (comfy_model); the result is of the same type."""
+        """``model``: SGLD_MODEL, or the loader's ComfyUI MODEL (comfy_model); both outputs carry the LoRA."""
+        if isinstance(model, RemoteModel):
+            raise ValueError(REMOTE_WHY_NOT)
         comfy = hasattr(model, "sgld_engine")  # the loader's comfy_model (nodes/comfy_model.py)
-        if not comfy and not hasattr(model, "with_lora"):
+        if not comfy and not isinstance(model, SGLDModel):
             raise ValueError(f"{NODE}: 'model' must come from SGLDiffusion Model Loader (got {type(model).__name__})")
         if not math.isfinite(float(strength)):
             raise ValueError(f"{NODE}: strength is {strength}; it must be a finite number (-100 to 100)")
@@ -81,8 +90,15 @@ class SGLDiffusionLoraLoader:
         try:
             # read it now against the model (not applied yet), so a wrong file is reported on this node;
             # the engine's method: a multi-GPU engine reads it on its workers
-            for msg in (model.sgld_engine() if comfy else get_engine(model)).check_lora(path):
+            engine = model.sgld_engine() if comfy else get_engine(model)
+            for msg in engine.check_lora(path):
                 log.warning("%s: %s", NODE, msg)
         except CheckpointError as e:
             raise ValueError(f"{NODE}: {e}") from None
-        return (model.with_loras([(path, float(strength))]) if comfy else model.with_lora(path, strength),)
+        if comfy:
+            patched = model.with_loras([(path, float(strength))])
+            return patched.sgld_handle(), patched
+        from .comfy_model import comfy_model  # ComfyUI's model classes: only inside a running ComfyUI
+
+        handle = model.with_lora(path, strength)
+        return handle, comfy_model(handle, engine)

@@ -218,19 +218,21 @@ class SGLDiffusionServerGenerate:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "base_url": ("STRING", {"default": DEFAULT_URL}),
-            "api_key": ("STRING", {"default": ""}),
-            "prompt": ("STRING", {"multiline": True, "default": ""}),
+            "base_url": ("STRING", {"default": DEFAULT_URL, "tooltip": "The server's address (sgld serve --host/--port); may end in /v1."}),
+            "api_key": ("STRING", {"default": "", "tooltip": "The server's --api-key (empty: none)."}),
+            "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "What the picture should show."}),
             "width": ("INT", {"default": SERVER_DEFAULT, "min": 0, "max": 8192,
                               "tooltip": "Pixels; 0: the server model's default size (the demo model: 64)."}),
             "height": ("INT", {"default": SERVER_DEFAULT, "min": 0, "max": 8192,
                                "tooltip": "Pixels; 0: the server model's default size."}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 0xffffffffffffffff, "control_after_generate": True}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 0xffffffffffffffff, "control_after_generate": True,
+                             "tooltip": "The random seed used for creating the noise."}),
             "steps": ("INT", {"default": SERVER_DEFAULT, "min": 0, "max": 10000,
                               "tooltip": "0: the server model's default (demo 30, ERNIE-Image 50, Turbo 8)."}),
             "cfg": ("FLOAT", {"default": SERVER_DEFAULT, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
                               "tooltip": "0: the server model's default guidance (demo 3, ERNIE-Image 4, Turbo 1)."}),
-        }, "optional": {"negative_prompt": ("STRING", {"multiline": True, "default": ""})}}
+        }, "optional": {"negative_prompt": ("STRING", {"multiline": True, "default": "",
+                                                       "tooltip": "What the picture should not show (unused at cfg 1)."})}}
 
     def generate(self, base_url, api_key, prompt, width, height, seed, steps, cfg, negative_prompt=""):
         import comfy.model_management

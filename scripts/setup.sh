@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with everything the pack, its CLI and (with --dev) its tests need.
+# Create .venv with everything the pack, its CLI (sgld serve included) and (with --dev) its tests need.
 # Idempotent: a second run only checks. Works from any folder name.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,8 +19,9 @@ if ! grep -qx "$want" "$stamp" 2>/dev/null; then
   # torch 2.14.1 + torchvision 0.29.1 are the versions ComfyUI's requirements resolve to;
   # one torch for the CLI and the ComfyUI tests keeps the two worlds identical.
   pip torch==2.14.1 torchvision==0.29.1
-  pip -r requirements.txt
-  pip --no-deps -e .
+  pip -r requirements.txt  # the nodes' imports, as ComfyUI-Manager installs them
+  # the `sgld` command with its HTTP server (pyproject.toml's [serve] extra: fastapi, uvicorn, prometheus-client)
+  pip -e ".[serve]"
   echo "$want" >> "$stamp"
 fi
 if [ "$dev" = 1 ]; then

@@ -155,3 +155,63 @@ def test_comfy_node_pack_ships_what_users_run(tmp_path):
     with open(os.path.join(ROOT, "LICENSE")) as f:
         text = f.read()
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+# -- dependencies: the nodes' in requirements.txt, the server's in the [serve] extra ---------------------------------
+
+SERVER_PACKAGES = ("fastapi", "uvicorn", "prometheus-client", "prometheus_client")
+
+
+def _requirements(path):
+    with open(path) as f:
+        return [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+
+
+def test_requirements_are_ranges_of_what_the_nodes_import():
+    """ComfyUI-Manager pip-installs each line into ComfyUI's shared environment: no pins, no server packages."""
+    import re
+    import tomllib
+
+    reqs = _requirements(os.path.join(ROOT, "requirements.txt"))
+    names = [re.split(r"[<>=!~ ;\[]", r)[0].lower() for r in reqs]
+    assert reqs and not [r for r in reqs if "==" in r or "===" in r], reqs
+    assert all(re.search(r">=\d", r) for r in reqs), reqs
+    assert not set(names) & set(SERVER_PACKAGES), names
+    assert set(names) == {"safetensors", "numpy", "pillow", "scipy"}  # tests/test_imports.py: what nodes/ import
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    deps = [d.split(";")[0].replace(" ", "") for d in project["dependencies"]]
+    assert set(reqs) <= set(deps) and not [d for d in deps if "==" in d or d.split(">")[0] in SERVER_PACKAGES], deps
+    serve = " ".join(project["optional-dependencies"]["serve"])
+    for pkg in ("fastapi", "uvicorn", "prometheus-client"):
+        assert pkg in serve, serve
+    setup = open(os.path.join(ROOT, "scripts", "setup.sh")).read()
+    assert '.[serve]' in setup and "requirements.txt" in setup  # a fresh clone's venv can run `sgld serve`
+    assert "'.[serve]'" in open(os.path.join(ROOT, "README.md")).read()
+
+
+# sgld without the server's packages: a finder that refuses them, as a venv without the [serve] extra would
+BLOCK_SERVER = """
+import sys
+from importlib.abc import MetaPathFinder
+class NoServer(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("fastapi", "starlette", "uvicorn", "prometheus_client"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoServer())
+from engine.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sgld_serve_without_the_extra_says_how_to_install_it(tmp_path):
+    def sgld(*args):
+        return subprocess.run([sys.executable, "-c", BLOCK_SERVER, *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+    r = sgld("serve", "--port", "0")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "sgld serve: error:" in r.stderr
+    assert "fastapi" in r.stderr and "pip install" in r.stderr and ".[serve]" in r.stderr
+    # the other commands do not need the server
+    r = sgld("generate", "--prompt", "a red circle", "--steps", "1", "--out", str(tmp_path / "x.png"))
+    assert r.returncode == 0 and (tmp_path / "x.png").exists(), r.stderr

@@ -73,7 +73,7 @@ def ours_and_comfys(model=MODEL, *, seed=3, steps=4, cfg=3.0, sampler="euler", s
         g["21"] = ({"class_type": "SGLDiffusionLoraLoader", "inputs": {"model": theirs, "lora_name": lora, "strength": 0.7}}
                    if lora else {"class_type": "LoraLoaderModelOnly",
                                  "inputs": {"model": theirs, "lora_name": comfy_lora, "strength_model": 0.7}})
-        theirs = ["21", 0]
+        theirs = ["21", 1 if lora else 0]  # the LoRA Loader's comfy_model output
     if cache:
         g["10"] = {"class_type": "SGLDiffusionCacheDiT", "inputs": {"enabled": True, "preset": cache, "advanced": False}}
         g["5"]["inputs"]["cache"] = ["10", 0]

@@ -164,3 +164,31 @@ def test_the_import_walker_sees_what_python_runs(tmp_path, source, expected):
     path = tmp_path / "a.py"
     path.write_text(source)
     assert [(names[0], top) for _, names, top in imports("engine.x.a", str(path))] == expected
+
+
+# The HTTP server's packages: pyproject.toml's [serve] extra, never in ComfyUI's environment through requirements.txt.
+SERVE_ONLY = ("fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic")
+
+
+def reachable(start: str) -> Set[str]:
+    """The modules ``start``'s modules import at import time, directly or through others."""
+    graph, seen = import_graph(), set()
+    stack = [m for m in graph if m == start or m.startswith(start + ".")]
+    while stack:
+        m = stack.pop()
+        if m not in seen:
+            seen.add(m)
+            stack += graph[m]
+    return seen
+
+
+def test_no_node_module_imports_the_servers_packages():
+    """Neither at import time nor inside a function, in nodes/ or in what they import of engine/."""
+    mods, bad = modules(), []
+    for m in sorted(reachable("nodes")):
+        for node, names, _ in imports(m, mods[m]):
+            if names[0].split(".")[0] in SERVE_ONLY:
+                bad.append(f"{os.path.relpath(mods[m], ROOT)}:{node.lineno}: {names[0]}")
+    assert bad == []
+    assert "engine.serve" not in reachable("nodes") and "engine.cli" not in reachable("nodes")
+

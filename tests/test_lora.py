@@ -422,6 +422,11 @@ def pack(monkeypatch, tmp_path):
     for name, mod in (("comfy", comfy), ("comfy.model_management", mm), ("folder_paths", fp)):
         monkeypatch.setitem(sys.modules, name, mod)
     pack_modules.install_pack(monkeypatch, PACK)
+    # the LoRA Loader's MODEL output needs ComfyUI's model classes, absent here: a stand-in that keeps the handle
+    # (tests/test_comfyui_lora_node.py checks the real one in ComfyUI)
+    comfy_model = types.ModuleType(PACK + ".nodes.comfy_model")
+    comfy_model.comfy_model = lambda handle, engine: types.SimpleNamespace(stand_in_for="MODEL", handle=handle)
+    monkeypatch.setitem(sys.modules, comfy_model.__name__, comfy_model)
     mc = importlib.import_module(PACK + ".nodes.model_cache")
     lora_node = importlib.import_module(PACK + ".nodes.lora")
     from engine.models.random_weights import save_random_checkpoint

@@ -1,17 +1,18 @@
 // SGLDiffusion web extension: shows on the graph what the engine did.
 //
 // * SGLDiffusion KSampler: after a run, a panel under the widgets with the step timeline (one cell per
-//   model call: filled = computed, hollow = cached by Cache-DiT), the measured speedup, the sampling
+//   model call: filled = computed, hollow = cached by Cache-DiT), computed / total calls, the speedup measured
+//   on the wall clock, the sampling
 //   time, the attention backend, the offload and quantization modes and the run's warnings. Data: the
 //   node's UI output `sgld_stats` (onExecuted) and the `sgldiffusion.run` PromptServer messages (state
 //   running / done / failed / interrupted). ComfyUI sends neither for a KSampler whose cached output it
-//   reuses, and a reloaded page has none: then the panel asks the pack for the node's last run
-//   (GET /sgldiffusion/last_runs?workflow=<the graph's id>). A run that fails or is interrupted clears
+//   reuses, and a reloaded page has none: then the panel asks the pack for the node's last run of this
+//   graph (POST /sgldiffusion/last_runs with the graph's id and its API prompt: runs of another graph under
+//   the same id are not shown), labelled "last run". A run that fails or is interrupted clears
 //   the timeline; results of an earlier prompt are marked as such. The panel grows to what it shows
 //   (a whole error message, every warning). Not run yet, it shows what this ComfyUI lacks for the
 //   ERNIE-Image workflows, if anything (the same request's `compat`, also in the nodes' descriptions).
-// * SGLDiffusion Cache-DiT: hovering the preset widget shows the speedup and quality measured per preset
-//   (engine/features/cache/measured.json, put into the tooltip by the node), the selected preset marked.
+// * SGLDiffusion Cache-DiT: web/sgldiffusion_cache.js.
 //
 // Only stable extension APIs: app.registerExtension (beforeRegisterNodeDef, nodeCreated), onExecuted,
 // api.addEventListener, node.addDOMWidget. Works in the frontend of ComfyUI 0.3.75 (1.32.x) and later ones.
@@ -21,7 +22,6 @@ const app = comfyAPI.app?.app ?? (await import("../../scripts/app.js")).app;
 const api = comfyAPI.api?.api ?? (await import("../../scripts/api.js")).api;
 
 const KSAMPLER = "SGLDiffusionKSampler";
-const CACHE_NODE = "SGLDiffusionCacheDiT";
 const RUN_EVENT = "sgldiffusion.run";
 const WIDGET = "sgld_run";
 const LAST_RUNS = "/sgldiffusion/last_runs";
@@ -162,13 +162,13 @@ class RunPanel {
       idle: "SGLDiffusion: not run yet",
       running: "running…",
       done: this.extra?.reused ? "done · reused" : this.extra?.restored ? "last run" : "done",
-      failed: "failed",
-      interrupted: "interrupted",
+      failed: this.extra?.restored ? "last run: failed" : "failed",
+      interrupted: this.extra?.restored ? "last run: interrupted" : "interrupted",
       stale: "earlier prompt's run",
     }[state] ?? state;
     const lab = h("span", "sgld-state", label);
     if (state === "done" && this.extra?.reused) lab.title = "ComfyUI reused this node's cached output: the run shown is the one that made it";
-    if (state === "done" && this.extra?.restored && !this.extra?.reused) lab.title = "this node's last run on the server (before the page was loaded)";
+    if (this.extra?.restored && !this.extra?.reused) lab.title = "this node's last run of this graph, as the server recorded it (before the graph was loaded)";
     head.append(lab);
     let height = 24;
     if (state === "running") {
@@ -194,8 +194,13 @@ class RunPanel {
       const cached = cells.length - computed;
       this.el.dataset.computed = String(computed);
       this.el.dataset.cached = String(cached);
-      const speed = typeof s.speedup === "number" ? `${s.speedup.toFixed(2)}x` : "–";
-      head.append(h("span", "sgld-speed", `speedup ${speed} · ${fmtSeconds(s.sampling_seconds)}`));
+      // what the cache did (calls computed of the total) first; the speedup is measured on the wall clock of
+      // this machine's model calls, so another program on the same CPU/GPU lowers it: said so
+      const speed = typeof s.speedup === "number" ? ` · ${s.speedup.toFixed(2)}x wall clock` : "";
+      const sp = h("span", "sgld-speed", `${computed}/${cells.length} computed${speed} · ${fmtSeconds(s.sampling_seconds)}`);
+      sp.title = "computed / total model calls (Cache-DiT reused the rest); the speedup is measured on the wall " +
+        "clock of this run's model calls against pricing every call as a computed one, so other work on the machine lowers it";
+      head.append(sp);
       const perRow = cells.length <= 64 ? Math.max(cells.length, 1) : 50;
       const rows = Math.ceil(cells.length / perRow) || 0;
       const tl = h("div", "sgld-timeline");
@@ -262,7 +267,15 @@ async function restoreRuns(nodeIds = null, reusedFor = null) {
   if (!workflow) return;
   let runs;
   try {
-    const r = await api.fetchApi(`${LAST_RUNS}?workflow=${encodeURIComponent(workflow)}`, { cache: "no-store" });
+    // the graph as it is now (its API form): the pack returns only the runs of this content, so a graph
+    // with the same id but other nodes or values (a template loaded again and changed) shows none of them
+    const prompt = (await app.graphToPrompt())?.output ?? {};
+    const r = await api.fetchApi(LAST_RUNS, {
+      method: "POST",
+      cache: "no-store",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ workflow, prompt }),
+    });
     if (!r.ok) return;
     const body = await r.json();
     runs = body.runs ?? {};
@@ -287,8 +300,8 @@ async function restoreRuns(nodeIds = null, reusedFor = null) {
     } else if (panel.state === "idle") {
       panel.prompt = rec.prompt_id ?? null;
       if (rec.state === "done") panel.set("done", rec, { restored: true });
-      else if (rec.state === "failed") panel.set("failed", null, { error: rec.error });
-      else if (rec.state === "interrupted") panel.set("interrupted", null);
+      else if (rec.state === "failed") panel.set("failed", null, { error: rec.error, restored: true });
+      else if (rec.state === "interrupted") panel.set("interrupted", null, { restored: true });
     }
   }
 }
@@ -303,8 +316,14 @@ function scheduleRestore() {
 // -- server messages -------------------------------------------------------------------------------------------
 let currentPrompt = null;
 
+// A run of another workflow than the one shown (queued before this graph was loaded into the tab): not ours.
+function otherWorkflow(record) {
+  const shown = app.graph?.id;
+  return !!(record?.workflow && shown && String(record.workflow) !== String(shown));
+}
+
 function onRunEvent(detail) {
-  if (!detail) return;
+  if (!detail || otherWorkflow(detail)) return;
   const node = findNode(detail.node);
   if (!node || (node.comfyClass ?? node.type) !== KSAMPLER) return;
   const panel = panelOf(node);
@@ -336,20 +355,6 @@ function onPromptStopped(kind, detail) {
 }
 
 // -- extension -------------------------------------------------------------------------------------------------
-function presetTooltip(base, value, presets) {
-  // nodes/cache_dit.py writes one line per preset ("balanced: ...", "medium (= quality): ..."): the
-  // measurements come first, the selected preset's line on top and marked, the explanation after them
-  const lines = String(base ?? "").split("\n");
-  const isPreset = (line, p) => line.startsWith(`${p}:`) || line.startsWith(`${p} (=`);
-  const perPreset = lines.filter((l) => presets.some((p) => isPreset(l, p)));
-  if (!perPreset.length) return base;
-  const head = lines.filter((l) => l.startsWith("Measured"));
-  const rest = lines.filter((l) => !perPreset.includes(l) && !head.includes(l));
-  const selected = perPreset.filter((l) => isPreset(l, value));
-  const others = perPreset.filter((l) => !selected.includes(l));
-  return [...head, ...selected.map((l) => `▶ ${l}`), ...others, "", ...rest].join("\n");
-}
-
 app.registerExtension({
   name: "sgldiffusion.web",
 
@@ -396,29 +401,12 @@ app.registerExtension({
       nodeType.prototype.onExecuted = function (output) {
         const r = onExecuted?.apply(this, arguments);
         const stats = output?.sgld_stats?.[0];
-        if (stats) {
+        if (stats && !otherWorkflow(stats)) {
           const panel = panelOf(this);
           if (!panel) return r;
           const reused = panel.reusedFor !== undefined && panel.reusedFor === currentPrompt;
           panel.prompt = currentPrompt;
           panel.set("done", stats, { reused });
-        }
-        return r;
-      };
-    }
-    if (nodeData?.name === CACHE_NODE) {
-      const base = nodeData.input?.required?.preset?.[1]?.tooltip;
-      const onNodeCreated = nodeType.prototype.onNodeCreated;
-      nodeType.prototype.onNodeCreated = function () {
-        const r = onNodeCreated?.apply(this, arguments);
-        const w = this.widgets?.find((x) => x.name === "preset");
-        if (w && base) {
-          Object.defineProperty(w, "tooltip", {
-            configurable: true,
-            enumerable: true,
-            get: () => presetTooltip(base, w.value, (w.options?.values ?? []).filter((v) => v !== "none")),
-            set: () => {},
-          });
         }
         return r;
       };

@@ -9,18 +9,27 @@ import signal
 import socket
 import sys
 
-import uvicorn
-
 from .. import inputs
 from ..models import demo as demo_pkg
 from ..sampling import MAX_IMAGE_SIDE, PRESETS
-from ..serve import ServedModel, ServeSettings, create_app
-from ..serve.batcher import Batcher
-from ..serve.connections import bounded_h11
 from .common import add_cache_arguments, add_engine_arguments, cache_config, engine_config
 from .generate import make_parts, uses_ernie_files
 
+try:  # the HTTP server's packages are an extra (pip install '.[serve]'): without them the other commands still run
+    import uvicorn
+
+    from ..serve import ServedModel, ServeSettings, create_app
+    from ..serve.batcher import Batcher
+    from ..serve.connections import bounded_h11
+    MISSING = None
+except ImportError as e:
+    if (e.name or "").split(".")[0] not in ("fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"):
+        raise
+    MISSING = e.name
+
 DEMO_ID = "sgld-demo"
+INSTALL_HINT = ("pip install 'comfyui-sgldiffusion[serve]' (from the pack's folder: pip install -e '.[serve]'; "
+                "bash scripts/setup.sh does it)")
 
 
 def _positive(kind, low):
@@ -126,6 +135,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args) -> None:
+    if MISSING is not None:
+        raise ValueError(f"the server needs fastapi, uvicorn and prometheus-client ('{MISSING}' is not installed): "
+                         + INSTALL_HINT)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be from 0 to 65535 (got {args.port})")
     if args.lora_dir is not None and not os.path.isdir(args.lora_dir):

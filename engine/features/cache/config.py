@@ -94,7 +94,9 @@ class CacheConfig:
                                         tooltip="Predict the reused residual from the last computed steps.")
     ts_order: Optional[int] = option(None, int, "TaylorSeer order: 1 or 2", choices=TS_ORDERS, optional=True,
                                      flag="--cache-ts-order", env="SGLANG_CACHE_DIT_TS_ORDER",
-                                     widget="taylorseer_order", widget_default=DEFAULTS["ts_order"])
+                                     widget="taylorseer_order", widget_default=DEFAULTS["ts_order"],
+                                     tooltip="TaylorSeer's order: 1 extrapolates the reused residual linearly from the "
+                                             "last two computed steps, 2 also follows its curvature (three steps).")
     # static (mask zeros are always cached) | dynamic (mask zeros still pass rdt / mc)
     scm_policy: Optional[str] = option(None, str, "how a preset's mask is applied", choices=POLICIES,
                                        optional=True, aliases={FROM_PRESET: None}, flag="--cache-policy",

@@ -1,0 +1,156 @@
+"""The shipped workflows' layout and the run panel's second round (issue 25) in a real browser against a real
+ComfyUI 0.3.75 (frontend 1.32.x; the fixtures and helpers of tests/test_web_extension.py, a server and a
+browser of this module's own): nothing lies where the KSampler's panel grows, computed from the workflow
+files and measured in the page with the panel at its largest; a graph loaded again under the same workflow
+id but changed shows no run of the old one; the Cache-DiT node shows its advanced fields only when
+`advanced` is on. Screenshots go to test-artifacts/."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from test_web_extension import (DEMO_WORKFLOW, KSAMPLER, LOAD, LONG_ERROR, PANEL, QUEUE_UI, RECORD_EVENTS, ROOT,
+                                close_error_dialog, comfy, open_page, page, prompt_id, screenshot, wait_state)
+
+__all__ = ["comfy", "page"]  # the fixtures, one ComfyUI and one browser for this module
+
+
+# -- from the workflow files -------------------------------------------------------------------------------------
+TITLE = 30  # LiteGraph.NODE_TITLE_HEIGHT: a node's title bar sits above its pos
+GAP = 40  # room beside a KSampler's column: the panel may widen the node to what it needs (RunPanel.resize)
+
+
+def node_rects(wf):
+    """{node id: (type, [left, top, right, bottom])} of a UI-format workflow, title bars included."""
+    return {n["id"]: (n["type"], [n["pos"][0], n["pos"][1] - TITLE, n["pos"][0] + n["size"][0], n["pos"][1] + n["size"][1]])
+            for n in wf["nodes"]}
+
+
+def overlap(a, b) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json"))), ids=os.path.basename)
+def test_shipped_workflows_leave_room_for_the_panel(path):
+    """No two nodes overlap, and nothing lies below an SGLDiffusion KSampler in its column: the run panel
+    (web/sgldiffusion.js) grows the node downwards to what it shows (every warning, a whole error message:
+    no upper bound), so at its largest it covers the column from the node's top down."""
+    with open(path) as f:
+        rects = node_rects(json.load(f))
+    items = sorted(rects.items())
+    assert not [(a, b) for i, (a, (_, ra)) in enumerate(items) for b, (_, rb) in items[i + 1:] if overlap(ra, rb)]
+    for k, (kind, r) in items:
+        if kind != KSAMPLER:
+            continue
+        column = [r[0] - GAP, r[1], r[2] + GAP, float("inf")]  # the node with its panel at its largest
+        covered = [(n, t) for n, (t, rn) in items if n != k and overlap(column, rn)]
+        assert covered == [], f"{os.path.basename(path)}: the KSampler's panel would cover {covered}"
+
+
+# -- in the browser ----------------------------------------------------------------------------------------------
+
+# Load a workflow as the frontend does (its own sizes, grown only where the frontend grows them), optionally put
+# the KSampler's panel into its largest state (a long failure), then the live rectangles of every node.
+LAYOUT = """async ([wf, name, error]) => {
+  const app = window.app;
+  await app.loadGraphData(wf, true, true, name);
+  await new Promise((r) => setTimeout(r, 400));
+  const ks = app.graph._nodes.find((n) => n.comfyClass === "SGLDiffusionKSampler");
+  if (error) ks.__sgldPanel.set("failed", null, { error });
+  await new Promise((r) => setTimeout(r, 600));  // the panel measures itself once laid out
+  const T = window.LiteGraph.NODE_TITLE_HEIGHT;
+  app.canvas.ds.scale = 0.55;  // the whole graph on the screenshot
+  app.canvas.ds.offset = [120, 220];
+  app.graph.setDirtyCanvas(true, true);
+  return {ks: ks.id, panel: ks.__sgldPanel.height, nodes: app.graph._nodes.map((n) => ({id: n.id, type: n.comfyClass ?? n.type,
+          rect: [n.pos[0], n.pos[1] - T, n.pos[0] + n.size[0], n.pos[1] + n.size[1]]}))};
+}"""
+
+
+@pytest.mark.parametrize("name", ["ERNIE-Image Base (50 steps, SGLDiffusion).json",
+                                  "ERNIE-Image Turbo (8 steps, SGLDiffusion).json"])
+def test_panel_at_its_largest_covers_no_other_node(comfy, page, name):
+    """The shipped ERNIE-Image workflows in the real frontend: with the KSampler's panel showing a long
+    multi-line error (it grows the node to all of it), the node covers no other node (the VAE loader's
+    vae_name widget was under it)."""
+    with open(os.path.join(ROOT, "workflows", name)) as f:
+        wf = json.load(f)
+    out = page.evaluate(LAYOUT, [wf, name, LONG_ERROR])
+    ks = next(n for n in out["nodes"] if n["id"] == out["ks"])
+    assert out["panel"] > 300, out  # the long error made it tall
+    covered = [n["type"] for n in out["nodes"] if n["id"] != ks["id"] and overlap(ks["rect"], n["rect"])]
+    assert covered == [], (covered, out)
+    items = [n for n in out["nodes"] if n["id"] != ks["id"]]
+    assert not [(a["type"], b["type"]) for i, a in enumerate(items) for b in items[i + 1:] if overlap(a["rect"], b["rect"])]
+    close_error_dialog(page)  # ComfyUI's "missing models" (the ERNIE-Image files are not here)
+    screenshot(page, f"web_layout_{name.split(' (')[0].replace(' ', '_')}.png")
+
+
+def test_a_changed_graph_under_the_same_id_shows_no_old_run(comfy, page):
+    """A template loaded again under the same workflow id but changed (another prompt here) is another graph:
+    its KSampler shows none of the recorded run; the graph that ran shows it, labelled "last run", also with
+    another seed (the frontend changes it after each queue)."""
+    with open(DEMO_WORKFLOW) as f:
+        wf = json.load(f)
+    name = os.path.basename(DEMO_WORKFLOW)
+    page.evaluate(RECORD_EVENTS)
+    ks = page.evaluate(LOAD, [wf, name])["ksampler"]
+    close_error_dialog(page)
+    page.evaluate(QUEUE_UI)
+    assert comfy.wait(prompt_id(page), 120)["status"]["status_str"] == "success"
+    wait_state(page, ks, "done", 30_000)
+    saved = page.evaluate("() => JSON.parse(JSON.stringify(window.app.graph.serialize()))")
+
+    def load(graph):
+        open_page(page, comfy)
+        page.evaluate(LOAD, [graph, name])
+
+    load(saved)
+    assert "last run" in wait_state(page, ks, "done", 30_000)["text"]
+    changed = json.loads(json.dumps(saved))
+    text = next(n for n in changed["nodes"] if n["type"] == "SGLDiffusionDemoTextEncode" and n["widgets_values"][0])
+    text["widgets_values"][0] = "a small green square at the top, on a white background"
+    load(changed)
+    page.wait_for_timeout(2000)  # the panel asked the server, and got nothing
+    panel = page.evaluate(PANEL, ks)
+    assert panel["state"] == "idle" and "not run yet" in panel["text"] and panel["mask"] == "", panel
+    reseeded = json.loads(json.dumps(saved))
+    next(n for n in reseeded["nodes"] if n["type"] == KSAMPLER)["widgets_values"][0] += 1
+    load(reseeded)
+    assert "last run" in wait_state(page, ks, "done", 30_000)["text"]
+
+
+CACHE_FIELDS = """(id) => {
+  const n = window.app.graph.getNodeById(Number(id)) ?? window.app.graph.getNodeById(id);
+  return {height: n.size[1], shown: n.widgets.filter((w) => !w.hidden).map((w) => w.name),
+          hidden: n.widgets.filter((w) => w.hidden).map((w) => w.name)};
+}"""
+SET_ADVANCED = """([id, on]) => {
+  const n = window.app.graph.getNodeById(Number(id)) ?? window.app.graph.getNodeById(id);
+  const w = n.widgets.find((x) => x.name === "advanced");
+  w.value = on;
+  w.callback?.(on, window.app.canvas, n);
+}"""
+
+
+def test_cache_node_shows_its_advanced_fields_only_when_advanced_is_on(comfy, page):
+    """The Cache-DiT node of the demo workflow (advanced off): only enabled / preset / advanced; switched
+    on, every field, and the node grows to hold them; off again, it shrinks back."""
+    with open(DEMO_WORKFLOW) as f:
+        wf = json.load(f)
+    page.evaluate(LAYOUT, [wf, os.path.basename(DEMO_WORKFLOW), None])
+    cache = str(next(n["id"] for n in wf["nodes"] if n["type"] == "SGLDiffusionCacheDiT"))
+    close_error_dialog(page)
+    off = page.evaluate(CACHE_FIELDS, cache)
+    screenshot(page, "web_cache_basic.png")
+    assert off["shown"] == ["enabled", "preset", "advanced"] and "taylorseer_order" in off["hidden"], off
+    page.evaluate(SET_ADVANCED, [cache, True])
+    on = page.evaluate(CACHE_FIELDS, cache)
+    assert on["hidden"] == [] and {"Fn", "Bn", "residual_diff_threshold", "taylorseer_order"} <= set(on["shown"]), on
+    assert on["height"] > off["height"] + 150, (on, off)
+    screenshot(page, "web_cache_advanced.png")
+    page.evaluate(SET_ADVANCED, [cache, False])
+    assert page.evaluate(CACHE_FIELDS, cache) == off
