@@ -198,8 +198,14 @@ def _sage_kernel(q, k, v):
         return sdpa(q, k, v)
     main = sage_split(limits, k.shape[1])
     if main:
+        try:
+            out = split_tail(lambda qq, kk, vv: _sage_lse(sageattn, limits, qq, kk, vv), q, k, v, main)
+        except TypeError as e:  # a build whose sageattn takes no return_lse: exact sdpa, said once
+            sage_calls["sdpa"] += 1
+            _warn_once("sage-lse", f"attention 'sage': sageattn(return_lse=True) failed ({e}); such calls use sdpa")
+            return sdpa(q, k, v)
         sage_calls["split"] += 1
-        return split_tail(lambda qq, kk, vv: _sage_lse(sageattn, limits, qq, kk, vv), q, k, v, main)
+        return out
     sage_calls["sage"] += 1
     k = k.clone() if limits.copies_key else k.contiguous()  # 1.x: ``k -= mean`` in place (smooth_k)
     return sageattn(q.contiguous(), k, v.contiguous(), tensor_layout="NHD", is_causal=False)
