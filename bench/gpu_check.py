@@ -26,17 +26,19 @@ from the measured eager forward.
                    eager interleaved, Turbo image, which wins, Turbo + Cache-DiT fast                     150
     base, base-quality, base-balanced, base-fast   Base 50 steps cfg 4 (batch 2), presets with quality    49
     int4           open_engine(file, quant=int4): load peak, inference memory, forward                     20
-    fuse-quant     the engine's order (quantize, fuse) and the reverse: same tensors, state_dict works     12
-    off-bf16, off-bf16-8buf, off-fp8, off-engine   layer-wise offload (bench/gpu_check_offload.py)         55
-    lora           rank-32 LoRA apply / strength / switch / remove on the 8B model (bench/gpu_check_serve.py) 12
+    fuse-quant     the engine's order (quantize, fuse) and the reverse: same tensors, state_dict works     10
+    off-bf16, off-bf16-8buf, off-fp8, off-engine   layer-wise offload (bench/gpu_check_offload.py)         56
+    lora           rank-32 LoRA apply / strength / switch / remove on the 8B model (gpu_check_serve.py)      9
     serve          the real HTTP server (create_app + uvicorn, POST /v1/sample) on the file, Turbo 1024^2:
-                   1 / 4 / 8 concurrent clients vs the same requests one after another                     50
+                   1 / 4 / 8 concurrent clients vs the same requests one after another                     47
     comfy          ComfyUI's KSampler on comfy_model vs SGLDiffusion KSampler: n/a (ComfyUI is not carried) 0
-    all-on         [subprocess] fp8 + the best attention + compiled, Turbo with all of it                 150
+    all-on         [subprocess] fp8 + the best attention + compiled, Turbo with all of it (or 1.3x the
+                   compiled row's compile time when this run measured it)                                 150
     flash          FlashAttention 2 when installed (PyPI has only its sdist: normally n/a)                  0
     gguf, int8     placeholders: "not built yet"                                                            0
-  about 633 s of rows + ~20 s of set-up: more than one 540 s run; the first run answers the headline rows,
-  and $OUT/rerun.txt names the command for the rest (bench/RESULTS.md: the 15-minute plan).
+  about 621 s of rows + ~20 s of set-up: more than one 540 s run (rows 1-23, 471 s, fit); the first run
+  answers the headline rows, and $OUT/rerun.txt names the command for the rest (bench/RESULTS.md: the
+  15-minute plan).
 A row that would not fit the budget left is skipped with that reason; a failing row is reported with its
 error and the check goes on. Each row goes to stdout, $OUT/gpu_check.md and $OUT/gpu_check.jsonl the
 moment it is measured (flushed and fsync'd), after an environment header; so a hard stop loses only the
@@ -94,14 +96,21 @@ def plan(ctx):
     steps = ctx.args.base_steps
     rows += [("base", run_need(steps, 2, None), whole_run("base", steps, 4.0, None))]
     rows += [(f"base-{p}", run_need(steps, 2, p), whole_run(f"base-{p}", steps, 4.0, p)) for p in PRESETS]
-    rows += [("int4", lambda: ctx.checkpoint_estimate() + 8 + load() * 1.5 + 2 * c * f(), opened("int4")),
-             ("fuse-quant", lambda: 6 + 2 * load(), row_fuse_quant)]
+    rows += [("int4", lambda: ctx.checkpoint_estimate("int4") + 8 + load() * 1.5 + 2 * c * f(), opened("int4")),
+             ("fuse-quant", lambda: 8 + 4 * c * f(), row_fuse_quant)]
     rows += offload_rows(ctx)
     rows += [("lora", lambda: 4 + load() / 2 + 2 * c * f(), row_lora),
              ("serve", lambda: serve_estimate(ctx), row_serve), ("comfy", lambda: 0.1, row_comfy),
-             ("all-on", lambda: 150, None), ("flash", lambda: 30, None)]
+             ("all-on", lambda: compile_estimate(ctx), None), ("flash", lambda: 30 if A._package_version("flash_attn")[0] else 0.0, None)]
     rows += [(n, lambda: 0.0, row_placeholder(n)) for n in PLACEHOLDERS]
     return rows
+
+
+def compile_estimate(ctx) -> float:
+    """all-on's seconds: from the compiled row's compile time when this run measured it (another graph, about
+    as long to compile), else 150."""
+    done = [r["compile_s"] for r in ctx.report.rows_named("compiled") if r.get("compile_s")]
+    return 1.3 * done[0] + 30 if done else 150.0
 
 
 def environment(args, dev, cfg, ctx):
@@ -202,8 +211,8 @@ def rerun_advice(ctx, names) -> str:
             f"GPU_CHECK_TIMEOUT=L - 150 (the start costs 1-2 minutes). Rows not measured: {', '.join(todo)}")
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def with_defaults(args) -> torch.device:
+    """Fill in what depends on the machine (size, shapes, repeats, compile backend); returns the device."""
     cuda = torch.cuda.is_available()
     if args.size is None:
         args.size = "8b" if cuda else "tiny"
@@ -218,6 +227,12 @@ def main(argv=None):
     args.compile_backend = args.compile_backend or ("inductor" if dev.type == "cuda" else "aot_eager")
     args.repeat = args.repeat or (3 if dev.type == "cuda" else 1)
     args.base_steps = args.base_steps or (50 if dev.type == "cuda" else 10)
+    return dev
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dev = with_defaults(args)
     cfg = SIZES[args.size]
     if dev.type == "cpu":
         torch.set_num_threads(1)  # the tiny shapes gain nothing from more, and a shared CI machine loses
@@ -244,6 +259,10 @@ def main(argv=None):
         if name not in ("build", "eager") and ((args.only and name not in args.only) or name in args.skip):
             report.row(name, "skipped", notes="--skip" if name in args.skip else "not in --only")
             continue
+        if name == "flash" and not A._package_version("flash_attn")[0]:
+            report.row("flash", "n/a", "flash attention", notes="flash-attn is not installed: PyPI has only its sdist, "
+                       "whose CUDA build takes far longer than the GPU window, so it is not carried")
+            continue
         if fn is None:
             ctx.release()  # the GPU to the worker; this process keeps only its CUDA context
         est = need()
@@ -252,10 +271,6 @@ def main(argv=None):
             continue
         if fn is not None:
             guarded(ctx, name, fn)
-            continue
-        if name == "flash" and not A._package_version("flash_attn")[0]:
-            report.row("flash", "n/a", "flash attention", notes="flash-attn is not installed: PyPI has only its sdist, "
-                       "whose CUDA build takes far longer than the GPU window, so it is not carried")
             continue
         run_worker(ctx, name, min(ctx.left() - 5, WORKER_CAP[name]))
     ctx.release()

@@ -4,6 +4,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -163,7 +164,7 @@ class Ctx:
         path = self.state.get("ckpt")
         if path is None:
             m = self.model()
-            folder = tempfile.mkdtemp(prefix="gpu_check_ckpt_")  # 0700, ours
+            folder = tempfile.mkdtemp(prefix="gpu_check_ckpt_", dir=_ckpt_parent(self.model_bytes(), self.dev))  # 0700, ours
             path = os.path.join(folder, "ernie-image-random.safetensors")
             tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in m.state_dict().items()}
             save_file(tensors, path + ".tmp", metadata={"ernie_image_config": json.dumps(
@@ -173,9 +174,14 @@ class Ctx:
             self.state["ckpt"] = path
         return path
 
-    def checkpoint_estimate(self) -> float:
-        """Seconds to write the checkpoint (0 once written): device to host, then the disk at ~1 GB/s (a lead)."""
-        if "ckpt" in self.state:
+    def will_run(self, name: str) -> bool:
+        """Is row ``name`` asked for (--only / --skip)?"""
+        return name not in self.args.skip and (not self.args.only or name in self.args.only)
+
+    def checkpoint_estimate(self, writer: str = "fp8") -> float:
+        """Seconds to write the checkpoint: device to host, then the file at ~1 GB/s (a lead). Counted in the row
+        ``writer`` that writes it; 0 once written, or for a later row when the fp8 row (the first) will write it."""
+        if "ckpt" in self.state or (writer != "fp8" and self.will_run("fp8")):
             return 0.0
         return 2.0 + self.model_bytes() / 1e9 if self.dev.type == "cuda" else 0.5
 
@@ -216,6 +222,21 @@ def build(cfg, dev, dtype, fmt=None):
         Q.prepare_fast_paths(model)
     fuse_projections(model)
     return model
+
+
+def _ckpt_parent(nbytes: int, dev):
+    """On the GPU machine /dev/shm (memory: the file is written and read at memory speed, not the disk's) when it
+    has room for the file twice over, else (and on CPU) the default temporary folder. SGLD_GPU_CHECK_CKPT_DIR
+    overrides."""
+    env = os.environ.get("SGLD_GPU_CHECK_CKPT_DIR")
+    if env or dev.type != "cuda":
+        return env or None
+    try:
+        if shutil.disk_usage("/dev/shm").free > 2 * nbytes + (8 << 30):
+            return "/dev/shm"
+    except OSError:
+        pass
+    return None
 
 
 def build_model_meta(cfg):

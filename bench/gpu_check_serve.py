@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,7 +31,8 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
 PLACEHOLDERS = ("gguf", "int8")
-SERVE_NEEDS = ("fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "requests")
+SERVE_NEEDS = ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "opentelemetry", "prometheus_client",
+               "requests")
 CLIENTS = (1, 4, 8)
 REQUESTS = 8  # per scenario: 8 clients send one each
 
@@ -69,7 +71,7 @@ def row_lora(ctx):
 def serve_estimate(ctx) -> float:
     f = ctx.forward_estimate
     startup = 8 + ctx.model_bytes() / (2e9 if ctx.dev.type == "cuda" else 1e12)
-    return ctx.checkpoint_estimate() + startup + 1.2 * 8 * f() * (1 + REQUESTS * len(CLIENTS))
+    return ctx.checkpoint_estimate("serve") + startup + 1.2 * 8 * f() * (1 + REQUESTS * len(CLIENTS))
 
 
 def missing_for_serve():
@@ -147,9 +149,15 @@ def _wait_ready(proc, timeout):
         lines.append(line.strip())
         if line.startswith("SERVING "):
             url = line.split()[1]
+            threading.Thread(target=_drain, args=(proc,), daemon=True).start()  # a full pipe would block the server
             _wait_health(url, deadline)
             return url, lines
     raise RuntimeError("the server did not listen in time")
+
+
+def _drain(proc):
+    for line in proc.stdout:
+        print(f"  [serve] {line.rstrip()}", flush=True)
 
 
 def _wait_health(url, deadline):

@@ -144,6 +144,7 @@ def worker_attention(ctx, name):
         start = ctx.start_window()
         times, outs = interleaved(ctx, {"sdpa": with_backend(A.sdpa), name: with_backend(A.FUNCTIONS[name])})
         calls = _calls() if name == "sage" else ""
+        ctx.state["eager_s_here"] = times["sdpa"]
         ctx.report.row(name, "measured", f"DiT forward, {name} attention ({version}), bf16, {ctx.n_img} + {n_txt} keys ({label})",
                        times[name], None, ctx.peak(), start,
                        f"**{times['sdpa'] / times[name]:.2f}x vs sdpa** (interleaved, same process: sdpa {times['sdpa']:.3f} s); "

@@ -316,3 +316,52 @@ def test_bench_resets_the_peak_memory_window_after_the_build_and_warm_up(monkeyp
     assert resets == [1]  # after the build and the one warm-up forward
     assert len(forwards) == 1 + 3 + 2  # warm-up, the timed forwards, the 2-step run: all inside the window
     assert res["forward_ms_min"] > 0
+
+
+# -- issue 29: what each figure measures (the seams the CPU can watch; CUDA's memory counters need a GPU) ------
+def rehearsal_ctx(tmp_path, *argv):
+    import gpu_check_core
+
+    args = gpu_check.parse_args(["--size", "tiny", "--out", str(tmp_path / "out"), *argv])
+    dev = gpu_check.with_defaults(args)
+    args.ref = str(tmp_path / "ref.safetensors")
+    return gpu_check_core.Ctx(args, dev, gpu_check.SIZES["tiny"], gpu_check_core.Report(args.out))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantized_rows_open_the_file_and_start_the_inference_window_after_quantization(tmp_path, monkeypatch, fmt):
+    """Point 1: the fp8 / int4 rows open the bf16 file through open_engine with quant= (quantize-on-load, its own
+    memory window opened with nothing of the model allocated) and time inference in a window opened after the
+    model is quantized: no window opens while a bf16 model is alive, and the inference window opens after the
+    load. The windows are watched through Ctx.start_window (on CUDA it resets the peak counters)."""
+    import gpu_check_core
+    import gpu_check_rows
+
+    monkeypatch.setenv("SGLD_GPU_CHECK_CKPT_DIR", str(tmp_path))  # the bf16 file the row writes and opens
+    ctx = rehearsal_ctx(tmp_path)
+    gpu_check_rows.row_build(ctx)
+    gpu_check_rows.row_eager(ctx)
+    events = []
+    real_window, real_open = gpu_check_core.Ctx.start_window, gpu_check_rows.open_engine
+
+    def window(self):
+        m = self.state.get("model")
+        events.append(("window", None if m is None else Q.model_quant_format(m)))
+        return real_window(self)
+
+    def opened(path, config):
+        events.append(("open", os.path.basename(path), config.quant))
+        eng = real_open(path, config)
+        events.append(("loaded", Q.model_quant_format(eng.model)))
+        return eng
+
+    from engine.features import quant as Q
+
+    monkeypatch.setattr(gpu_check_core.Ctx, "start_window", window)
+    monkeypatch.setattr(gpu_check_rows, "open_engine", opened)
+    gpu_check_rows.opened(fmt)(ctx)
+    assert events[0] == ("window", None) and "model" not in ctx.state  # nothing of the bf16 model left
+    assert events[1][0] == "open" and events[1][1].endswith(".safetensors") and events[1][2] == fmt
+    assert events[2] == ("loaded", fmt) and events[3][0] == "window"  # inference window after quantization
+    rows = ctx.report.rows_named(fmt)
+    assert "quantize-on-load" in rows[0]["what"] and "inference memory" in rows[1]["what"]
