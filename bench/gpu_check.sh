@@ -93,6 +93,12 @@ case "$probe" in
   *) fail "$PY could not run the torch probe (exit $probe)" ;;
 esac
 
+# A run stopped hard leaves its bf16 file (16 GB at 8B) in a private folder of /dev/shm, which is memory: a GPU
+# run removes such folders of this user's before it writes its own (the rehearsal never writes there).
+if [ "$REHEARSAL" = 0 ] && [ -d /dev/shm ]; then
+  find /dev/shm -maxdepth 1 -type d -name 'gpu_check_ckpt_*' -user "$(id -u)" -exec rm -rf {} + 2>/dev/null
+fi
+
 # Inductor / Triton caches outside the checkout; a second run on the same machine reuses the kernels.
 CACHE="${TMPDIR:-/tmp}/sgld_gpu_check"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$CACHE/inductor}"
