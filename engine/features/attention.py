@@ -212,11 +212,10 @@ def _sage_kernel(q, k, v):
 
 
 def _sage_lse(sageattn, limits: SageLimits, q, k, v):
-    """sageattn's output and natural-log LSE [B, H, S] (2.x: ``return_lse``; it corrects for its K smoothing)."""
+    """sageattn's output and its natural-log LSE, [B, H, S] in every layout (2.x: ``return_lse``; it corrects the
+    LSE for its K smoothing itself)."""
     k = k.clone() if limits.copies_key else k.contiguous()
     out, lse = sageattn(q.contiguous(), k, v.contiguous(), tensor_layout="NHD", is_causal=False, return_lse=True)
-    if lse.shape[1] == q.shape[1] and lse.shape[2] == q.shape[2]:  # [B, S, H]: to [B, H, S]
-        lse = lse.transpose(1, 2)
     return out, lse.float()
 
 
