@@ -30,6 +30,8 @@ sys.path.insert(0, ROOT)
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
+from lora_bench import RANK, lora_state_dict  # noqa: E402
+
 PLACEHOLDERS = ("gguf", "int8")
 SERVE_NEEDS = ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "opentelemetry", "prometheus_client",
                "requests")
@@ -40,8 +42,6 @@ REQUESTS = 8  # per scenario: 8 clients send one each
 # -- LoRA ----------------------------------------------------------------------------------------------------------
 def row_lora(ctx):
     """Rank-32 LoRAs on every linear (bench/lora_bench.py's), read from files: apply, strength, switch, remove."""
-    from lora_bench import RANK, lora_state_dict
-
     m = ctx.model()
     eng = Engine(m, EngineConfig(device=str(ctx.dev), attention="sdpa"))
     folder = tempfile.mkdtemp(prefix="gpu_check_lora_")  # 0700, ours

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.features import attention as A
+from engine.features.compile import compile_blocks, default_mode, graph_count, reset_counters
 
 from gpu_check_core import Ctx, Report, err_note, finite_note, guarded, inputs, interleaved, rel_err, time_forward
 from gpu_check_rows import quality_note, sample
@@ -194,8 +195,6 @@ def worker_compiled(ctx, fmt=None, attention="sdpa"):
     """Regional compile of the block in the mode users get (``--compile-mode auto`` = the engine's default:
     max-autotune-no-cudagraphs on a GPU), its compile time, then the compiled and the eager model interleaved
     in this process (the same blocks, their compiled call switched off and on): forward, Turbo image, which wins."""
-    from engine.features.compile import compile_blocks, default_mode, graph_count, reset_counters
-
     name = "all-on" if fmt else "compiled"
     m = ctx.model(fmt)
     choice = A.select_backend(attention, ctx.dev, ctx.dtype, ctx.cfg.head_dim)
