@@ -1,6 +1,9 @@
 """The GPU check (bench/gpu_check.sh) rehearsed on the CPU, so that it cannot rot between GPU windows:
-the same script, rows and code paths as the H200 run (the wheel install, diffusers side by side, the
-subprocess per risky row, incremental reports), at the tiny shape. Also ``sgld bench``'s random model
+the same script, rows and code paths as the H200 run (the wheel install, diffusers side by side as shipped and
+on ours' kernel, Turbo end to end, cache quality, quantize-on-load from a file, the subprocess per risky row,
+offload against resident, LoRA, the HTTP server, incremental reports and the rerun advice), at the tiny
+shape; sage and flash need CUDA (tests/test_attention.py checks sage's split with a CPU stand-in kernel).
+Also ``sgld bench``'s random model
 (built in its dtype, peak stats reset before timing) and the FLOP count the check compares with."""
 import json
 import os
