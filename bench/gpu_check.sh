@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (bench/gpu_check.py says what it measures and in which order): ERNIE-Image
-# 8B shape, random bf16 weights, 1024x1024, diffusers side by side, Turbo / Base images, fp8, int4,
-# offload, then sage, flash, compiled and all-on each in a subprocess of its own. Hard stop at
-# $GPU_CHECK_TIMEOUT seconds (default 450), set-up included; every finished row is already in
-# $OUT/gpu_check.md and $OUT/gpu_check.jsonl (appended and fsync'd as measured), the whole output in
-# $OUT/gpu_check.log.
+# The one prepared GPU check (bench/gpu_check.py says what it measures, in which order, and each row's
+# estimated seconds): ERNIE-Image 8B shape, random bf16 weights, 1024x1024; the article's headline claims
+# first (ours vs diffusers, Turbo end to end, Cache-DiT, FP8, sage, compile), then Base, INT4, the fuse /
+# quant order, offload, LoRA, the HTTP server, all-on. Hard stop at $GPU_CHECK_TIMEOUT seconds (default
+# 540), set-up included; every finished row is already in $OUT/gpu_check.md and $OUT/gpu_check.jsonl
+# (appended and fsync'd as measured), the whole output in $OUT/gpu_check.log, and $OUT/rerun.txt names the
+# command for the rows that did not finish.
 #
-# The run, from a session that has the GPU machine (the wheels first, here, where PyPI is reachable):
-#     bash scripts/gpu_wheels.sh          # .whl/: sageattention 1.0.6 + diffusers 0.42.1, about 6 MiB
-#     run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=480)
-# 480 s = the 450 s hard stop + 30 s of slack; with the machine's start (1-2 min) that leaves about 5
-# minutes of the 15 for a rerun of the rows that failed, e.g.
-#     run(command="bash bench/gpu_check.sh --only sage,compiled --budget 200", carry=[".whl"], timeout_s=260)
+# The 15 minutes of device time (bench/RESULTS.md has the row-by-row plan): the wheels first, here, where
+# PyPI is reachable:
+#     bash scripts/gpu_wheels.sh          # .whl/: sageattention, diffusers, the server's fastapi/uvicorn, ~9 MiB
+#     run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=570)
+# The machine's start takes 1-2 minutes, so about 200 s are left after it. The machine stays warm only ~30 s
+# after a call and none starts with under 4 minutes left: rerun AT ONCE, while it is warm, with what
+# $OUT/rerun.txt says (L = budget_left_s of the reply), e.g.
+#     run(command="GPU_CHECK_TIMEOUT=$((L - 40)) bash bench/gpu_check.sh --only all-on", carry=[".whl"], timeout_s=L - 30)
 # then give_back. The rehearsal, anywhere (CI runs it: tests/test_gpu_check.py):
 #     bash bench/gpu_check.sh --size tiny
 #
@@ -23,7 +26,7 @@
 # measuring a CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-TOTAL="${GPU_CHECK_TIMEOUT:-450}"
+TOTAL="${GPU_CHECK_TIMEOUT:-540}"
 export OUT="${OUT:-${TMPDIR:-/tmp}/sgld_gpu_check_out}"
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
@@ -89,6 +92,12 @@ case "$probe" in
   3) [ "$REHEARSAL" = 1 ] || fail "torch.cuda.is_available() is False on a GPU run ($PY); nothing measured. The CPU rehearsal is: bash bench/gpu_check.sh --size tiny" ;;
   *) fail "$PY could not run the torch probe (exit $probe)" ;;
 esac
+
+# A run stopped hard leaves its bf16 file (16 GB at 8B) in a private folder of /dev/shm, which is memory: a GPU
+# run removes such folders of this user's before it writes its own (the rehearsal never writes there).
+if [ "$REHEARSAL" = 0 ] && [ -d /dev/shm ]; then
+  find /dev/shm -maxdepth 1 -type d -name 'gpu_check_ckpt_*' -user "$(id -u)" -exec rm -rf {} + 2>/dev/null
+fi
 
 # Inductor / Triton caches outside the checkout; a second run on the same machine reuses the kernels.
 CACHE="${TMPDIR:-/tmp}/sgld_gpu_check"

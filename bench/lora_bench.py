@@ -43,7 +43,7 @@ def lora_state_dict(model, rank: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for name, m in target_modules(model).items():
-        if not isinstance(m, torch.nn.Linear):
+        if getattr(m, "in_features", None) is None:  # a conv; linears, quantized ones and fused parts (RowView) stay
             continue
         sd[f"diffusion_model.{name}.lora_A.weight"] = (torch.randn(rank, m.in_features, generator=g) / m.in_features ** 0.5).to(torch.bfloat16)
         sd[f"diffusion_model.{name}.lora_B.weight"] = (torch.randn(m.out_features, rank, generator=g) * 1e-3).to(torch.bfloat16)

@@ -3,7 +3,7 @@
 # .whl/ (git-ignored; it travels to the GPU machine through the device tool's `carry`).
 #
 # The GPU machine (an H200: Python 3.12, torch 2.11.0+cu130, triton 3.6.0, no package index) lacks
-# exactly these two; everything they need at import is already there:
+# these; everything else they need at import is already there:
 #   sageattention 1.0.6   the only sageattention on PyPI (Triton kernels, pure Python); needs torch and
 #                         triton, both preinstalled.
 #   diffusers 0.42.1      the numerical and speed reference (ErnieImageTransformer2DModel). Its
@@ -11,14 +11,20 @@
 #                         regex, requests, safetensors>=0.8.0 (0.8.0 there), Pillow: all preinstalled.
 #                         importlib_metadata is only imported on Python < 3.8
 #                         (diffusers/utils/import_utils.py), so it is not carried.
+#   the HTTP server of the check's serve row (engine/serve under uvicorn), the versions of requirements.txt's
+#   lock here: fastapi 0.165.0 (needs starlette, pydantic, typing-inspection, annotated-doc (there),
+#   opentelemetry-api, typing-extensions >= 4.16), starlette 1.10.0, pydantic 2.14.4 + pydantic-core 2.50.5
+#   (the one compiled wheel: cp312 manylinux2014), annotated-types 0.8.0, typing-inspection 0.4.5, uvicorn
+#   0.54.0 (click, h11: there), opentelemetry-api 1.45.2, typing-extensions 4.16.0 (newer than the machine's
+#   may be; it only adds names). About 3.3 MiB.
 # flash-attn is not carried: PyPI has only its sdist, which compiles CUDA code for far longer than the
 # GPU window; its gpu_check row says so. torch and triton are never carried (the machine's stay).
 #
 #   bash scripts/gpu_wheels.sh          # then, from the session with the GPU:
 #   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=480)
 #
-# Every wheel is pure Python (py3-none-any); the platform flags make pip refuse anything that is not
-# a wheel for CPython 3.12 on x86-64 Linux, should a pin ever change to a compiled package.
+# Every wheel but pydantic-core is pure Python (py3-none-any); the platform flags make pip take only wheels
+# for CPython 3.12 on x86-64 Linux for it (and for any pin that changes to a compiled package).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST="${1:-.whl}"
@@ -30,7 +36,9 @@ if [ -z "$PY" ]; then
 fi
 [ -n "$PY" ] || { echo "gpu_wheels: no Python with pip found (set PYTHON)"; exit 1; }
 
-PINS=(sageattention==1.0.6 diffusers==0.42.1)
+PINS=(sageattention==1.0.6 diffusers==0.42.1
+      fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+      typing-inspection==0.4.5 uvicorn==0.54.0 opentelemetry-api==1.45.2 typing-extensions==4.16.0)
 mkdir -p "$DEST"
 rm -f "$DEST"/*.whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

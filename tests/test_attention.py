@@ -120,14 +120,14 @@ def test_sage_routes_key_lengths_its_version_cannot_mask_to_sdpa(monkeypatch):
     softmax: it goes to sdpa (exact); the others still run the kernel. Counted in ``sage_calls``."""
     calls = []
     monkeypatch.setitem(sys.modules, "sageattention", _fake_sage_1_0_6(calls))
-    monkeypatch.setitem(A.sage_calls, "sage", 0)
-    monkeypatch.setitem(A.sage_calls, "sdpa", 0)
+    for key in ("sage", "split", "sdpa"):
+        monkeypatch.setitem(A.sage_calls, key, 0)
     q, k, v = qkv(s=128, d=64)
     mask = prefix_mask(2, 128, [128, 100])
     out = torch.ops.sgld.sage_attention(q, k, v, mask)
     assert rel(out, A.sdpa(q, k, v, mask)) < 1e-5
-    assert calls == [(128, 128)]  # the 100-key sample did not reach the kernel
-    assert A.sage_calls == {"sage": 1, "sdpa": 1}
+    assert calls == [(128, 128)]  # the 100-key sample did not reach the kernel: 1.0.6 returns no LSE to split by
+    assert A.sage_calls == {"sage": 1, "split": 0, "sdpa": 1}
     q, k, v = qkv(s=128, d=80)  # head_dim 1.0.6 asserts against: sdpa, not an AssertionError
     assert rel(torch.ops.sgld.sage_attention(q, k, v, None), A.sdpa(q, k, v)) < 1e-5
     assert calls == [(128, 128)]
@@ -141,8 +141,9 @@ def test_sage_routes_key_lengths_its_version_cannot_mask_to_sdpa(monkeypatch):
     ("1.0.6", (9, 0), 80, 640, False),      # asserts head_dim in {64, 96, 128}
     ("1.0.6", (9, 0), 256, 640, False),
     ("2.2.0", (9, 0), 80, 300, True),       # 2.x pads head_dim; its sm90 CUDA kernel masks the tail
-    ("2.2.0", (8, 6), 128, 300, False),     # sm86 runs 2.x's Triton kernel: tail not masked
-    ("2.2.0", None, 128, 300, False),       # capability unknown: the stricter rule
+    ("2.2.0", (8, 6), 128, 300, True),      # sm86 runs 2.x's Triton kernel: tail not masked, but it returns
+    ("2.2.0", None, 128, 300, True),        # the LSE: 256 keys by sage, 44 exact, merged (capability unknown too)
+    ("2.2.0", (8, 6), 128, 40, False),      # fewer keys than one block: nothing for the kernel
     ("2.2.0", (9, 0), 192, 640, False),
     ("unknown", (9, 0), 128, 300, False),   # an unreadable version gets 1.x's limits
     ("3.0.0", (9, 0), 128, 4224, True),
@@ -153,6 +154,61 @@ def test_sage_route_follows_the_installed_versions_limits(version, cap, head_dim
     assert (why is None) == ok, why
     if not ok:
         assert version in why
+
+
+def _block_kernel_with_lse(block=64):
+    """A CPU stand-in for a sage kernel (sage needs CUDA, absent here) with sage's block constraint: it refuses
+    key counts that are not a multiple of ``block`` (what sage 1.x and 2.x's Triton path cannot mask) and, like
+    sage 2.x's ``return_lse=True``, returns the natural-log log-sum-exp [B, H, S] beside the output."""
+    seen = []
+
+    def kernel(q, k, v):
+        assert k.shape[1] % block == 0, f"{k.shape[1]} keys is not a multiple of {block}"
+        seen.append(k.shape[1])
+        return A.attention_lse(q, k, v)
+    return kernel, seen
+
+
+@pytest.mark.parametrize("keys", [64 * 5 + 13, 64 + 1, 64 * 3 + 63])
+def test_split_tail_equals_sdpa_at_any_key_count(keys):
+    """Issue 29 point 4: a block-constrained kernel on the largest multiple of its block, the tail exact, merged by
+    log-sum-exp, equals attention over all keys (a typical prompt: 4096 image + 77 text keys, 4173 = 65 x 64 + 13)."""
+    kernel, seen = _block_kernel_with_lse()
+    q, k, v = qkv(b=2, s=keys, h=3, d=64)
+    main = A.sage_split(A.sage_limits("2.2.0", (8, 6)), keys)
+    assert main == keys - keys % 64
+    out = A.split_tail(kernel, q, k, v, main)
+    assert seen == [main]
+    assert rel(out, A.sdpa(q, k, v)) < 1e-5
+    assert A.sage_split(A.sage_limits("1.0.6", (9, 0)), keys) == 0  # 1.0.6 returns no LSE: not split
+
+
+def _fake_sage_2(calls, block=64):
+    """sageattention 2.x's ``sageattn`` as its Triton path behaves (no tail mask: only multiples of ``block``),
+    with ``return_lse``; math on CPU stands in for the CUDA kernel."""
+    kernel, _ = _block_kernel_with_lse(block)
+
+    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, **kw):
+        assert tensor_layout == "NHD" and not is_causal
+        calls.append(k.shape[1])
+        out, lse = kernel(q, k, v)
+        return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
+    return types.SimpleNamespace(sageattn=sageattn, __version__="2.2.0")
+
+
+def test_sage_op_splits_a_tail_its_kernel_cannot_mask(monkeypatch):
+    """Through the registered op: a padded sample with 100 keys runs the kernel on 64 and 36 exact keys merged by
+    log-sum-exp (counted as ``split``); the whole sample runs it whole; both equal masked sdpa."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "sageattention", _fake_sage_2(calls))
+    for key in ("sage", "split", "sdpa"):
+        monkeypatch.setitem(A.sage_calls, key, 0)
+    q, k, v = qkv(s=128, d=64)
+    mask = prefix_mask(2, 128, [128, 100])
+    out = torch.ops.sgld.sage_attention(q, k, v, mask)
+    assert rel(out, A.sdpa(q, k, v, mask)) < 1e-5
+    assert calls == [128, 64] and A.sage_calls == {"sage": 1, "split": 1, "sdpa": 0}
+    assert "merged by log-sum-exp" in A.sage_limits("2.2.0", (8, 6)).describe()
 
 
 def test_sage_selection_reports_the_version_and_its_limits(monkeypatch):

@@ -63,6 +63,29 @@ def test_state_dict_keeps_the_checkpoint_names_order_and_values(quant):
     assert got["layers.0.self_attention.to_k.weight"].untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
 
 
+@pytest.mark.parametrize("quant", ["fp8", "int4", "int4-g64"])
+def test_fuse_then_quantize_equals_the_engines_order_and_keeps_state_dict(quant):
+    """Issue 29, point 7: the engine quantizes, then fuses (engine/local.py). The reverse order (apply_quant on a
+    fused model) used to give plain quantized modules at qkv / gate_up without the fuse record, and state_dict()
+    raised. Quantization is per output row (fp8 scale, int4 groups along the input), so both orders give the same
+    tensors; removing the quantization keeps the model fused and its state_dict working too."""
+    engine_order = random_model(CFG, seed=0)
+    Q.apply_quant(engine_order, quant)
+    fuse_projections(engine_order)
+    reverse = random_model(CFG, seed=0)
+    fuse_projections(reverse)
+    Q.apply_quant(reverse, quant)
+    assert type(reverse.layers[0].self_attention.qkv) is (Q.FP8Linear if quant == "fp8" else Q.Int4Linear)
+    want, got = engine_order.state_dict(), reverse.state_dict()
+    assert list(got) == list(want) and "layers.0.self_attention.to_q.weight" in got
+    assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+    assert torch.equal(forward(reverse), forward(engine_order))
+    assert Q.remove_quant(reverse)
+    dense = reverse.state_dict()  # dequantized, still fused, still the checkpoint's names
+    assert list(dense) == list(random_model(CFG, seed=0).state_dict())
+    assert type(reverse.layers[0].self_attention.qkv) is torch.nn.Linear and fused_groups(reverse) == (4, 4)
+
+
 def test_load_state_dict_takes_the_checkpoint_names(tmp_path):
     src = random_model(CFG, seed=1)
     sd = {k: v.clone() for k, v in src.state_dict().items()}

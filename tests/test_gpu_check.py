@@ -1,6 +1,9 @@
 """The GPU check (bench/gpu_check.sh) rehearsed on the CPU, so that it cannot rot between GPU windows:
-the same script, rows and code paths as the H200 run (the wheel install, diffusers side by side, the
-subprocess per risky row, incremental reports), at the tiny shape. Also ``sgld bench``'s random model
+the same script, rows and code paths as the H200 run (the wheel install, diffusers side by side as shipped and
+on ours' kernel, Turbo end to end, cache quality, quantize-on-load from a file, the subprocess per risky row,
+offload against resident, LoRA, the HTTP server, incremental reports and the rerun advice), at the tiny
+shape; sage and flash need CUDA (tests/test_attention.py checks sage's split with a CPU stand-in kernel).
+Also ``sgld bench``'s random model
 (built in its dtype, peak stats reset before timing) and the FLOP count the check compares with."""
 import json
 import os
@@ -62,7 +65,8 @@ def assert_every_row_accounted_for(md, recs):
     for r in rows:
         assert r["status"] in STATUSES, r
         if r["status"] == "measured":
-            assert r["s_per_step"] is not None or r["s_per_image"] is not None or r["row"] == "build", r
+            assert (r["s_per_step"] is not None or r["s_per_image"] is not None or r["row"] == "build"
+                    or r.get("check")), r  # a check row (fuse-quant, a load) has its figures in the notes
         else:
             assert r["notes"].strip(), f"{r['row']} is {r['status']} without a reason"
     table = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| row |")]
@@ -96,20 +100,54 @@ def test_cpu_rehearsal_runs_every_row_of_the_gpu_check(tmp_path):
     by_name = {}
     for r in rows:
         by_name.setdefault(r["row"], []).append(r)
-    assert set(by_name) == set(gpu_check.ALL_ROWS)
+    assert list(by_name) == list(gpu_check.ALL_ROWS)  # in the plan's order: the article's headline claims first
+    assert gpu_check.ALL_ROWS[:9] == ("build", "eager", "diffusers", "turbo", "turbo-quality", "turbo-balanced",
+                                      "turbo-fast", "fp8", "sage") and gpu_check.ALL_ROWS[9] == "compiled"
+    not_here = {"sage", "flash", "comfy", "gguf", "int8"}  # CUDA only, not installed, not carried, not built yet
     measured = {n for n, rs in by_name.items() if any(r["status"] == "measured" for r in rs)}
-    assert measured == set(gpu_check.ALL_ROWS) - {"sage", "flash"}, {n: [r["notes"] for r in rs] for n, rs in by_name.items()}
+    assert measured == set(gpu_check.ALL_ROWS) - not_here, {n: [r["notes"] for r in rs] for n, rs in by_name.items()}
+    assert all(by_name[n][0]["status"] == "n/a" for n in not_here)
+    assert all("not built yet" in by_name[n][0]["notes"] for n in ("gguf", "int8"))
+    assert "not carried" in by_name["comfy"][0]["notes"]
 
-    # diffusers side by side: both timed, on shared weights, and they agree
-    d = [r for r in by_name["diffusers"] if "diffusers_s" in r][0]
-    assert d["ratio"] > 0 and d["parity"] < 2e-2 and "shared storage" in d["notes"]
+    # diffusers side by side: ours, diffusers as shipped and diffusers on ours' kernel, shared weights, all agree
+    d = {r["what"]: r for r in by_name["diffusers"]}
+    assert len(d) == 3
+    shipped = next(r for w, r in d.items() if "as shipped" in w)
+    same = next(r for w, r in d.items() if "ours' attention kernel" in w)
+    ours = next(r for w, r in d.items() if "ours, interleaved" in w)
+    assert shipped["ratio"] > 0 and shipped["parity"] < 2e-2 and "shared storage" in shipped["notes"]
+    assert same["parity"] < 2e-2 and ours["ratio_same_kernel"] > 0 and "same attention kernel" in ours["notes"]
+    # Turbo end to end against diffusers in the same loop; every cache preset with its quality
+    assert by_name["turbo"][0]["diffusers_s"] > 0 and "the speed of diffusers" in by_name["turbo"][0]["notes"]
+    for base in ("turbo", "base"):
+        for p in ("quality", "balanced", "fast"):
+            q = by_name[f"{base}-{p}"][0]["quality"]
+            assert q["rel_err"] >= 0 and q["psnr_db"] > 20, (base, p, q)
+    # fp8 / int4 opened from a file: the load (quantize-on-load) first, then inference with its own window
+    for fmt in ("fp8", "int4"):
+        what = [r["what"] for r in by_name[fmt]]
+        assert "quantize-on-load" in what[0] and "inference memory" in what[1], what
+        assert by_name[fmt][0]["load_s"] >= 0
+    assert "the same tensors" in by_name["fuse-quant"][0]["notes"] and "raised" not in by_name["fuse-quant"][0]["notes"]
     # the risky rows ran in subprocesses of their own; sage says why it cannot run here
     for name in ("sage", "compiled", "all-on"):
         assert all(r["process"].startswith("worker pid") for r in by_name[name]), by_name[name]
     assert by_name["sage"][0]["status"] == "n/a" and "CUDA" in by_name["sage"][0]["notes"]
     assert "sdist" in by_name["flash"][0]["notes"]
-    assert len(by_name["compiled"]) == 3  # the forward, then Turbo uncached and with Cache-DiT fast
+    compiled = by_name["compiled"]
+    assert len(compiled) == 4  # the forward, the Turbo pair, which wins, Turbo with Cache-DiT fast
+    assert "vs eager** (interleaved" in compiled[0]["notes"] and "wins" in compiled[2]["notes"]
+    # offload: every ratio against a resident run of this process; remove() timed
+    eng = by_name["off-engine"]
+    assert "resident" in eng[0]["what"] and eng[1]["slowdown"] > 0 and "target <= 1.3x" in eng[1]["notes"]
+    assert "pinned" in by_name["off-bf16"][2]["notes"] and "remove()" in by_name["off-bf16-8buf"][0]["notes"]
+    # LoRA and the HTTP server
+    assert {"apply_s", "switch_s", "remove_s"} <= set(by_name["lora"][0])
+    assert [r["clients"] for r in by_name["serve"]] == [1, 4, 8] and all(r["images_per_s"] > 0 for r in by_name["serve"])
+    assert recs[-2].get("footer", "").startswith("rerun: nothing left")
     assert recs[-1].get("footer", "").startswith("wall time")
+    assert (tmp_path / "out" / "rerun.txt").read_text().startswith("rerun: nothing left")
 
 
 def test_a_gpu_run_without_cuda_fails_loudly(tmp_path):
@@ -269,3 +307,72 @@ def test_bench_resets_the_peak_memory_window_after_the_build_and_warm_up(monkeyp
     assert resets == [1]  # after the build and the one warm-up forward
     assert len(forwards) == 1 + 3 + 2  # warm-up, the timed forwards, the 2-step run: all inside the window
     assert res["forward_ms_min"] > 0
+
+
+# -- issue 29: what each figure measures (the seams the CPU can watch; CUDA's memory counters need a GPU) ------
+def rehearsal_ctx(tmp_path, *argv):
+    import gpu_check_core
+
+    args = gpu_check.parse_args(["--size", "tiny", "--out", str(tmp_path / "out"), *argv])
+    dev = gpu_check.with_defaults(args)
+    args.ref = str(tmp_path / "ref.safetensors")
+    return gpu_check_core.Ctx(args, dev, gpu_check.SIZES["tiny"], gpu_check_core.Report(args.out))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantized_rows_open_the_file_and_start_the_inference_window_after_quantization(tmp_path, monkeypatch, fmt):
+    """Point 1: the fp8 / int4 rows open the bf16 file through open_engine with quant= (quantize-on-load, its own
+    memory window opened with nothing of the model allocated) and time inference in a window opened after the
+    model is quantized: no window opens while a bf16 model is alive, and the inference window opens after the
+    load. The windows are watched through Ctx.start_window (on CUDA it resets the peak counters)."""
+    import gpu_check_core
+    import gpu_check_rows
+
+    monkeypatch.setenv("SGLD_GPU_CHECK_CKPT_DIR", str(tmp_path))  # the bf16 file the row writes and opens
+    ctx = rehearsal_ctx(tmp_path)
+    gpu_check_rows.row_build(ctx)
+    gpu_check_rows.row_eager(ctx)
+    events = []
+    real_window, real_open = gpu_check_core.Ctx.start_window, gpu_check_rows.open_engine
+
+    def window(self):
+        m = self.state.get("model")
+        events.append(("window", None if m is None else Q.model_quant_format(m)))
+        return real_window(self)
+
+    def opened(path, config):
+        events.append(("open", os.path.basename(path), config.quant))
+        eng = real_open(path, config)
+        events.append(("loaded", Q.model_quant_format(eng.model)))
+        return eng
+
+    from engine.features import quant as Q
+
+    monkeypatch.setattr(gpu_check_core.Ctx, "start_window", window)
+    monkeypatch.setattr(gpu_check_rows, "open_engine", opened)
+    gpu_check_rows.opened(fmt)(ctx)
+    assert events[0] == ("window", None) and "model" not in ctx.state  # nothing of the bf16 model left
+    assert events[1][0] == "open" and events[1][1].endswith(".safetensors") and events[1][2] == fmt
+    assert events[2] == ("loaded", fmt) and events[3][0] == "window"  # inference window after quantization
+    rows = ctx.report.rows_named(fmt)
+    assert "quantize-on-load" in rows[0]["what"] and "inference memory" in rows[1]["what"]
+
+
+def test_rows_that_did_not_finish_are_named_in_the_rerun_advice(tmp_path):
+    """Point 8: rows skipped for the budget or failed (not build / eager, which every run makes, nor rows left out
+    on purpose) are named in the command of rerun.txt, with when it can run: at once while the machine is warm
+    (~30 s), or after a fresh start (1-2 minutes) only with 6 minutes left."""
+    ctx = rehearsal_ctx(tmp_path, "--skip", "lora")
+    rep = ctx.report
+    rep.header(["test"], {})
+    rep.row("build", "skipped", notes="budget")
+    rep.row("turbo", "measured", s_step=0.1)
+    rep.row("sage", "n/a", notes="needs CUDA")
+    rep.row("compiled", "failed", notes="the worker was stopped")
+    rep.row("serve", "skipped", notes="3 s of the budget left")
+    rep.row("lora", "skipped", notes="--skip")
+    advice = gpu_check.rerun_advice(ctx, ["build", "eager", "turbo", "sage", "compiled", "serve", "lora", "all-on"])
+    assert "--only compiled,serve,all-on" in advice
+    assert "warm" in advice and "L >= 360" in advice and "budget_left_s" in advice
+
+

@@ -77,10 +77,17 @@ class SageLimits:
     key_block: int  # exact only when the key length is a multiple of this (1: any length)
     copies_key: bool  # it smooths K in place, so it must get a copy
     capabilities: FrozenSet[Tuple[int, int]]
+    returns_lse: bool = False  # sageattn(..., return_lse=True): other key lengths split, the tail merged by LSE
 
     def describe(self) -> str:
-        tail = (f"key lengths not a multiple of {self.key_block} use sdpa (its last key block is not masked)"
-                if self.key_block > 1 else "any key length")
+        if self.key_block == 1:
+            tail = "any key length"
+        elif self.returns_lse:
+            tail = (f"other key lengths: sage on the largest multiple of {self.key_block} keys, the rest exact sdpa, "
+                    "merged by log-sum-exp")
+        else:
+            tail = (f"key lengths not a multiple of {self.key_block} use sdpa (its last key block is not masked and "
+                    "it returns no log-sum-exp to merge an exact tail with)")
         return f"sageattention {self.version}: head_dim {self.head_dim_text()}, {tail}"
 
     def head_dim_text(self) -> str:
@@ -98,19 +105,54 @@ def sage_limits(version: str, capability: Optional[Tuple[int, int]] = None) -> S
     major = _major(version)
     if major == 2:
         masked = capability is not None and tuple(capability) in SAGE2_MASKED_TAIL
-        return SageLimits(version, tuple(range(1, 129)), 1 if masked else 64, False, frozenset(SAGE_CAPABILITIES))
-    return SageLimits(version, (64, 96, 128), 64, True, frozenset(SAGE1_CAPABILITIES))
+        return SageLimits(version, tuple(range(1, 129)), 1 if masked else 64, False, frozenset(SAGE_CAPABILITIES), True)
+    return SageLimits(version, (64, 96, 128), 64, True, frozenset(SAGE1_CAPABILITIES), False)
 
 
 def sage_route(limits: SageLimits, head_dim: int, key_len: Optional[int] = None) -> Optional[str]:
-    """None when sageattn computes this call exactly, else why it must go to sdpa (``key_len`` None:
-    only the head size is checked, as at selection)."""
+    """None when sageattn computes this call exactly (whole, or split with an exact tail: ``sage_split``),
+    else why it must go to sdpa (``key_len`` None: only the head size is checked, as at selection)."""
     if head_dim not in limits.head_dims:
         return f"sageattention {limits.version} takes head_dim {limits.head_dim_text()}, not {head_dim}"
-    if key_len is not None and key_len % limits.key_block:
-        return (f"sageattention {limits.version} does not mask its last key block: {key_len} keys is not a "
-                f"multiple of {limits.key_block}")
+    if key_len is not None and key_len % limits.key_block and not sage_split(limits, key_len):
+        return (f"sageattention {limits.version} does not mask its last key block and returns no log-sum-exp: "
+                f"{key_len} keys is not a multiple of {limits.key_block}")
     return None
+
+
+def sage_split(limits: SageLimits, key_len: int) -> int:
+    """Keys the kernel takes when this call is split (0: not split): the largest multiple of its block, the
+    rest exact through ``attention_lse`` and merged by log-sum-exp (``split_tail``)."""
+    if key_len % limits.key_block == 0 or not limits.returns_lse or key_len < limits.key_block:
+        return 0
+    return key_len - key_len % limits.key_block
+
+
+# -- exact tails merged by log-sum-exp ------------------------------------------------------------------------
+def attention_lse(q, k, v) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention [B, S, H, D] and its log-sum-exp [B, H, S] (float32), for a few keys (a tail)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", (scores - lse[..., None]).exp(), v.float())
+    return out, lse
+
+
+def merge_lse(o1, l1, o2, l2) -> torch.Tensor:
+    """Softmax attention over the union of two key sets from each set's output and log-sum-exp (exact)."""
+    lse = torch.logaddexp(l1.float(), l2.float())
+    w1 = (l1.float() - lse).exp().transpose(1, 2)[..., None]  # [B, S, H, 1]
+    w2 = (l2.float() - lse).exp().transpose(1, 2)[..., None]
+    return o1.float() * w1 + o2.float() * w2
+
+
+def split_tail(kernel_lse: Callable, q, k, v, main: int) -> torch.Tensor:
+    """``kernel_lse`` (q, k, v -> out, lse; it takes only key counts of its block) on the first ``main`` keys,
+    the rest exact, merged by log-sum-exp: the attention over all keys, as a kernel without a key mask can
+    give it at any length."""
+    o1, l1 = kernel_lse(q, k[:, :main], v[:, :main])
+    o2, l2 = attention_lse(q, k[:, main:], v[:, main:])
+    return merge_lse(o1, l1, o2, l2).to(q.dtype)
 
 
 def installed_version(module: str, dist: Optional[str] = None) -> str:
@@ -130,7 +172,7 @@ def installed_version(module: str, dist: Optional[str] = None) -> str:
 
 # Calls of the sage op by where they ran (``sage`` kernel or exact ``sdpa`` fallback); the GPU check
 # reports these so that a sage timing says how much of it was sage.
-sage_calls: Dict[str, int] = {"sage": 0, "sdpa": 0}
+sage_calls: Dict[str, int] = {"sage": 0, "split": 0, "sdpa": 0}
 _limits_cache: Dict[tuple, SageLimits] = {}
 
 
@@ -154,9 +196,27 @@ def _sage_kernel(q, k, v):
         sage_calls["sdpa"] += 1
         _warn_once(f"sage-route:{why.split(':')[0]}", f"attention 'sage': {why}; these calls use sdpa")
         return sdpa(q, k, v)
+    main = sage_split(limits, k.shape[1])
+    if main:
+        try:
+            out = split_tail(lambda qq, kk, vv: _sage_lse(sageattn, limits, qq, kk, vv), q, k, v, main)
+        except TypeError as e:  # a build whose sageattn takes no return_lse: exact sdpa, said once
+            sage_calls["sdpa"] += 1
+            _warn_once("sage-lse", f"attention 'sage': sageattn(return_lse=True) failed ({e}); such calls use sdpa")
+            return sdpa(q, k, v)
+        sage_calls["split"] += 1
+        return out
     sage_calls["sage"] += 1
     k = k.clone() if limits.copies_key else k.contiguous()  # 1.x: ``k -= mean`` in place (smooth_k)
     return sageattn(q.contiguous(), k, v.contiguous(), tensor_layout="NHD", is_causal=False)
+
+
+def _sage_lse(sageattn, limits: SageLimits, q, k, v):
+    """sageattn's output and its natural-log LSE, [B, H, S] in every layout (2.x: ``return_lse``; it corrects the
+    LSE for its K smoothing itself)."""
+    k = k.clone() if limits.copies_key else k.contiguous()
+    out, lse = sageattn(q.contiguous(), k, v.contiguous(), tensor_layout="NHD", is_causal=False, return_lse=True)
+    return out, lse.float()
 
 
 @torch.library.custom_op("sgld::sage_attention", mutates_args=())

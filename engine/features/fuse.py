@@ -17,10 +17,11 @@ from torch import nn
 from ..models.ernie_image import Attention, GeGLU
 from . import patching
 from .quant import FP8Linear, Int4Linear
+from .quant.modules import FUSE_RECORD
 
 # module class -> (fused child name, the parts it replaces, in output-row order)
 GROUPS = {Attention: ("qkv", ("to_q", "to_k", "to_v")), GeGLU: ("gate_up", ("gate_proj", "up_proj"))}
-FEATURE = "fuse"
+FEATURE = FUSE_RECORD  # "fuse": quantization carries this per-module record to a fused linear's replacement
 
 
 class RowView:

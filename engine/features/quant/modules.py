@@ -25,6 +25,20 @@ BLOCK_LINEARS = ("self_attention.to_q", "self_attention.to_k", "self_attention.t
 BLOCK_LINEAR_RE = re.compile(r"^layers\.\d+\.(" + "|".join(re.escape(n) for n in BLOCK_LINEARS) + r")$")
 
 
+# engine/features/fuse.py's per-module record (each part's rows) of a fused linear: it belongs to the module's
+# place, so a quantized (or, on removal, dequantized) replacement of a fused linear carries it over. Without
+# it the replacement would be a plain module at ``qkv`` / ``gate_up`` and state_dict() could not split it.
+FUSE_RECORD = "fuse"
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    """``patching.replace_module`` that keeps a fused linear's row record on its replacement."""
+    rows = patching.feature_state(model.get_submodule(name), FUSE_RECORD)
+    patching.replace_module(model, name, new)
+    if rows is not None:
+        patching.state(new)[FUSE_RECORD] = rows
+
+
 def is_block_linear(name: str) -> bool:
     """Is ``name`` (a module path) one of the linear layers that quantization replaces?"""
     return bool(BLOCK_LINEAR_RE.match(name))
@@ -206,7 +220,7 @@ class QuantPatch(patching.Patch):
                 dense.weight = _param(module.dequantize(dtype))
                 if module.bias is not None:
                     dense.bias = _param(module.bias.to(dtype))
-                patching.replace_module(model, name, dense)
+                _replace(model, name, dense)
 
 
 def record_quant(model: nn.Module) -> Optional[QuantPatch]:
@@ -244,7 +258,7 @@ def apply_quant(model: nn.Module, fmt: str) -> QuantPatch:
         if new is None:
             skipped.append(name)
             continue
-        patching.replace_module(model, name, new)
+        _replace(model, name, new)  # a fused linear (fuse, then quantize) stays fused: same rows, same numbers
     if skipped:
         warnings.append(f"int4: {len(skipped)} linear layers have an input size that no group of 32/64/128 divides "
                         f"and stay unquantized (first: {skipped[0]})")

@@ -1,0 +1,235 @@
+"""The GPU check's rows after the headline ones (bench/gpu_check.py): LoRA apply / switch on the 8B model,
+the real HTTP server under concurrent clients, the ComfyUI MODEL path, and placeholders for formats not
+built yet.
+
+serve: the server is engine/serve's own app (``create_app`` over a ``Batcher``, under uvicorn, as ``sgld
+serve`` runs it) on the check's random checkpoint, in a process of its own (this file with ``--serve``).
+``sgld serve`` itself needs a text encoder and a VAE besides the DiT, which a random checkpoint does not
+have, so the clients use ``POST /v1/sample`` (latent and text features in, latent out: every request is a
+whole Turbo run on the batcher, the DiT work of an image request without encoding and decoding). Clients are
+threads with raw HTTP (``requests``); the sequential baseline is the same requests one after another."""
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from safetensors.torch import save, save_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+
+from lora_bench import RANK, lora_state_dict  # noqa: E402
+
+PLACEHOLDERS = ("gguf", "int8")
+SERVE_NEEDS = ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "opentelemetry", "prometheus_client",
+               "requests")
+CLIENTS = (1, 4, 8)
+REQUESTS = 8  # per scenario: 8 clients send one each
+
+
+# -- LoRA ----------------------------------------------------------------------------------------------------------
+def row_lora(ctx):
+    """Rank-32 LoRAs on every linear (bench/lora_bench.py's), read from files: apply, strength, switch, remove."""
+    m = ctx.model()
+    eng = Engine(m, EngineConfig(device=str(ctx.dev), attention="sdpa"))
+    folder = tempfile.mkdtemp(prefix="gpu_check_lora_")  # 0700, ours
+    paths = []
+    for seed in (1, 2):
+        p = os.path.join(folder, f"lora{seed}.safetensors")
+        save_file(lora_state_dict(m, RANK, seed), p)
+        paths.append(p)
+    mib = os.path.getsize(paths[0]) / 2 ** 20
+    times = {}
+    start = ctx.start_window()
+    for label, spec in (("apply", [(paths[0], 1.0)]), ("strength", [(paths[0], 0.5)]), ("switch", [(paths[1], 1.0)]),
+                        ("remove", [])):
+        s = time.perf_counter()
+        eng.set_loras(spec)
+        ctx.sync()
+        times[label] = time.perf_counter() - s
+    for p in paths:
+        os.remove(p)
+    os.rmdir(folder)
+    ctx.report.row("lora", "measured", f"LoRA rank {RANK} on every linear ({mib:.0f} MiB file), Engine.set_loras", None, None,
+                   ctx.peak(), start, "; ".join(f"{k} {v:.2f} s" for k, v in times.items())
+                   + " (apply and switch include reading the file)", check=True, **{f"{k}_s": round(v, 3) for k, v in times.items()})
+
+
+# -- serve ---------------------------------------------------------------------------------------------------------
+def serve_estimate(ctx) -> float:
+    f = ctx.forward_estimate
+    startup = 8 + ctx.model_bytes() / (2e9 if ctx.dev.type == "cuda" else 1e12)
+    return ctx.checkpoint_estimate("serve") + startup + 1.2 * 8 * f() * (1 + REQUESTS * len(CLIENTS))
+
+
+def missing_for_serve():
+    return [m for m in SERVE_NEEDS if importlib.util.find_spec(m) is None]
+
+
+def request_body(ctx, seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"latent": torch.zeros(ctx.cfg.in_channels, ctx.args.height // 16, ctx.args.width // 16),
+               "cond": torch.randn(ctx.args.text_tokens, ctx.cfg.text_in_dim, generator=g)}
+    settings = {"seed": seed, "steps": 8, "cfg": 1.0, "cache": "off"}
+    return save(tensors, metadata={"sgld": json.dumps(settings)})
+
+
+def post_sample(url: str, body: bytes) -> float:
+    """One /v1/sample request, its answer read to the last line; its latency (an error raises)."""
+    import requests
+
+    s = time.perf_counter()
+    with requests.post(url + "/v1/sample", data=body, stream=True, timeout=600,
+                       headers={"Content-Type": "application/octet-stream"}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/v1/sample answered {r.status_code}: {r.text[:200]}")
+        last = None
+        for line in r.iter_lines():
+            if line.strip():
+                last = json.loads(line)
+    if not last or "latent" not in last:
+        raise RuntimeError(f"/v1/sample ended without a latent: {str(last)[:200]}")
+    return time.perf_counter() - s
+
+
+def row_serve(ctx):
+    missing = missing_for_serve()
+    if missing:
+        ctx.report.row("serve", "n/a", "the HTTP server", notes=f"missing on this machine: {', '.join(missing)} (carry them "
+                       "as wheels: bash scripts/gpu_wheels.sh puts fastapi, starlette, pydantic, uvicorn in .whl/)")
+        return
+    path = ctx.checkpoint()
+    ctx.release()  # the GPU to the server process
+    cmd = [sys.executable, "-u", os.path.abspath(__file__), "--serve", path, "--device", str(ctx.dev),
+           "--max-batch", str(max(CLIENTS))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    try:
+        url, log = _wait_ready(proc, timeout=max(30.0, ctx.left()))
+        bodies = [request_body(ctx, i) for i in range(REQUESTS)]
+        post_sample(url, bodies[0])  # warm-up: the first forward's allocations and kernels
+        results = {}
+        for clients in CLIENTS:
+            s = time.perf_counter()
+            with ThreadPoolExecutor(clients) as pool:
+                lat = list(pool.map(lambda b: post_sample(url, b), bodies))
+            wall = time.perf_counter() - s
+            results[clients] = (wall, lat)
+            p = sorted(lat)
+            seq = results[CLIENTS[0]][0]
+            ctx.report.row("serve", "measured", f"POST /v1/sample, Turbo {ctx.args.width}x{ctx.args.height}, 8 steps, bf16: "
+                           f"{REQUESTS} requests from {clients} client(s)" + (" (one after another)" if clients == 1 else ""),
+                           None, wall / REQUESTS, None, None,
+                           f"{REQUESTS / wall:.2f} images/s (**{seq / wall:.2f}x of one after another**); latency p50 "
+                           f"{statistics.median(p):.2f} s, p95 {p[min(len(p) - 1, int(0.95 * len(p)))]:.2f} s; "
+                           f"server: engine/serve's app + Batcher(max_batch {max(CLIENTS)}) under uvicorn",
+                           images_per_s=round(REQUESTS / wall, 3), clients=clients)
+    finally:
+        _stop(proc)
+
+
+def _wait_ready(proc, timeout):
+    deadline = time.time() + timeout
+    lines = []
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the server exited before it listened: {' / '.join(lines[-3:])[:300]}")
+        lines.append(line.strip())
+        if line.startswith("SERVING "):
+            url = line.split()[1]
+            threading.Thread(target=_drain, args=(proc,), daemon=True).start()  # a full pipe would block the server
+            _wait_health(url, deadline)
+            return url, lines
+    raise RuntimeError("the server did not listen in time")
+
+
+def _drain(proc):
+    for line in proc.stdout:
+        print(f"  [serve] {line.rstrip()}", flush=True)
+
+
+def _wait_health(url, deadline):
+    import requests
+
+    while time.time() < deadline:
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url}/health did not answer in time")
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def serve_main(args):
+    """The server process: open the file, serve it on a free port of 127.0.0.1, print ``SERVING url``."""
+    import uvicorn
+
+    from engine.router import open_engine
+    from engine.serve import ServedModel, ServeSettings, create_app
+    from engine.serve.batcher import Batcher
+
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    eng = open_engine(args.serve, EngineConfig(device=args.device, dtype="bf16", attention="sdpa"))
+    cfg = eng.model_config
+
+    def no_text(prompt):
+        raise ValueError("this server has no text encoder: use POST /v1/sample")
+
+    served = ServedModel("gpu-check-random", eng, no_text, lambda w, h: torch.zeros(cfg.in_channels, h // 16, w // 16),
+                         no_text, lambda w, h: None, 1024, 8, 1.0, args.serve)
+    batcher = Batcher(eng, max_batch=args.max_batch)
+    app = create_app(served, batcher, ServeSettings(max_batch=args.max_batch, max_body_bytes=256 << 20))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)  # connections wait in the backlog until uvicorn accepts them
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    print(f"SERVING http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    server.run(sockets=[sock])
+    return 0
+
+
+# -- ComfyUI and the formats not built yet ------------------------------------------------------------------------
+def row_comfy(ctx):
+    ctx.report.row("comfy", "n/a", "ComfyUI KSampler on comfy_model vs SGLDiffusion KSampler, per-step overhead",
+                   notes="ComfyUI is not carried: ComfyUI 0.3.75 (33 MB) with its frontend package (48 MB) is more than the "
+                         "64 MiB that travels with a call, and its requirements are not on the GPU machine; the CPU figures "
+                         "are bench/comfy_model_bench.py's (bench/RESULTS.md)")
+
+
+def row_placeholder(name):
+    def run(ctx):
+        ctx.report.row(name, "n/a", f"{name.upper()} weights", notes=f"not built yet: the engine has no {name.upper()} "
+                       "format; this row measures it once it exists")
+    return run
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="the GPU check's server process (bench/gpu_check_serve.py)")
+    ap.add_argument("--serve", required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-batch", type=int, default=8)
+    sys.exit(serve_main(ap.parse_args()))
