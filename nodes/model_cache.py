@@ -61,7 +61,7 @@ class SGLDModel:
         return engine
 
     def __repr__(self) -> str:
-        extra = "".join(f", lora {os.path.basename(p)} x{s:g}" for p, s in self.loras)
+        extra = "".join(f", lora {os.path.basename(getattr(p, 'name', p))} x{s:g}" for p, s in self.loras)
         return f"SGLDModel({self.name!r}, {self.config}{extra})"
 
 
