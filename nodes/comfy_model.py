@@ -15,6 +15,7 @@ import uuid
 from typing import Dict
 
 import comfy.conds
+import comfy.hooks
 import comfy.latent_formats
 import comfy.lora
 import comfy.model_base
@@ -34,7 +35,7 @@ from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER
 from . import compat
 from .comfy_lora import SOURCES_ATTACHMENT, check_native_keys, comfy_loras, executing_node, source_label
 from .ksampler import ERROR_CHARS, run_stats, send_run_event, workflow_id
-from .model_cache import SGLDModel, drop_engine
+from .model_cache import SGLDModel, drop_engine, find_engine
 
 log = logging.getLogger("sgldiffusion")
 
@@ -42,6 +43,11 @@ CACHE_OPTION = "sgld_cache"  # transformer_options key: the SGLD_CACHE of Apply 
 RUN_OPTION = "sgld_run"  # transformer_options key: the id of the sampling run in progress (see _runs)
 LORAS_ATTACHMENT = "sgld_loras"  # patcher attachment: ((path, strength), ...) of SGLDiffusion LoRA Loader
 WRAPPER_KEY = "sgldiffusion"
+# ComfyUI with a host-memory pin budget (dynamic VRAM, 2026): it counts a non-dynamic patcher's whole size as host
+# memory to pin, evicting other models' pins; the engine pins nothing of ComfyUI's (docs/comfyui_model.md, "Memory")
+PIN_BUDGET = hasattr(comfy.model_management, "ensure_pin_budget")
+UNSUPPORTED = ("SGLDiffusion comfy_model: {what} is not supported: the weights live in the SGLDiffusion engine, not in "
+               "ComfyUI's model object; {instead}")
 
 BRANCHES = {0: "positive", 1: "negative"}  # ComfyUI's cond_or_uncond values
 _runs: Dict[int, "ComfyRun"] = {}  # the runs in progress (transformer_options are copied; ids are not)
@@ -94,6 +100,10 @@ class PaddedText(comfy.conds.CONDRegular):
 def _model_class(base):
     class SGLDiffusionErnieImage(base):
         """ComfyUI's model object; its diffusion model is the engine (``EngineCall``)."""
+
+        def state_dict_for_saving(self, *args, **kwargs):
+            raise ValueError(UNSUPPORTED.format(what="saving the model (ModelSave, CheckpointSave)",
+                                                instead=f"its weights are the file {self.diffusion_model.handle.path}"))
 
         def extra_conds(self, **kwargs):
             out = super().extra_conds(**kwargs)
@@ -279,12 +289,45 @@ class SGLDModelPatcher(comfy.model_patcher.ModelPatcher):
         patched.patches_uuid = uuid.uuid4()  # ComfyUI reloads it (our load: the engine takes this clone's LoRAs)
         return patched
 
+    def held_bytes(self):
+        """Bytes the engine holds on ComfyUI's device now (None: not loaded). Read live, so an engine that
+        SGLDiffusion KSampler or the loader opened is not counted as still to load."""
+        engine = find_engine(self.model.diffusion_model.handle)
+        return None if engine is None else resident_bytes(engine, self.model.sgld_rest_bytes)
+
+    def model_size(self):
+        """What ComfyUI would move or pin for this model: what the engine holds (the checkpoint's size at rest
+        when it is not loaded); 0 under a pin budget, where ComfyUI would pin that much host memory."""
+        if PIN_BUDGET:
+            return 0
+        held = self.held_bytes()
+        return self.model.sgld_rest_bytes if held is None else held
+
+    def loaded_size(self):
+        held = None if PIN_BUDGET else self.held_bytes()
+        return held or 0
+
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
-        engine = self.sgld_engine()
+        self.sgld_engine()
         self.model.device = device_to if device_to is not None else self.load_device
-        self.model.model_loaded_weight_memory = resident_bytes(engine, self.model_size())
+        self.model.model_loaded_weight_memory = self.loaded_size()
         self.model.model_lowvram = False
         self.model.current_weight_patches_uuid = self.patches_uuid
+
+    # ComfyUI paths that need weights in ComfyUI's model object: refused by name instead of a deep AttributeError
+    def get_key_patches(self, filter_prefix=None):
+        raise ValueError(UNSUPPORTED.format(what="reading its weights (model merging: ModelMergeSimple, ...)",
+                                            instead="merge into the checkpoint file, or add LoRAs (LoraLoaderModelOnly)"))
+
+    def register_all_hook_patches(self, hooks, *args, **kwargs):
+        if hooks is not None and hooks.get_type(comfy.hooks.EnumHookType.Weight):
+            raise ValueError(UNSUPPORTED.format(what="a weight hook (Create Hook LoRA, SetClipHooks, ...)",
+                                                instead="use LoraLoaderModelOnly or SGLDiffusion LoRA Loader"))
+        return super().register_all_hook_patches(hooks, *args, **kwargs)
+
+    def deepclone_multigpu(self, *args, **kwargs):
+        raise ValueError(UNSUPPORTED.format(what="ComfyUI's multi-GPU cloning", instead="the engine runs on several GPUs "
+                                            "itself: set num_gpus on SGLDiffusion Model Loader"))
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
         return 0  # the engine is loaded whole or not at all: ComfyUI then unloads it (detach)
@@ -338,6 +381,7 @@ def comfy_model(handle: SGLDModel, engine):
     model.diffusion_model = call
     device = torch.device(handle.config.device)
     size = estimate_bytes(handle.path, handle.config.dtype, handle.config.quant)
+    model.sgld_rest_bytes = size
     patcher = SGLDModelPatcher(model, device, comfy.model_management.unet_offload_device(), size=size,
                                weight_inplace_update=True)
     patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, outer_sample)

@@ -94,6 +94,16 @@ def drop_engine(handle: SGLDModel, reason: str) -> None:
     gc.collect()
 
 
+def find_engine(handle: SGLDModel) -> Optional[Engine]:
+    """The engine for ``handle`` if it is loaded now; None otherwise (never loads)."""
+    try:
+        key = cache_key(handle.path, handle.config)
+    except CheckpointError:
+        return None
+    with _lock:
+        return _engines.get(key)
+
+
 def get_engine(handle: SGLDModel) -> Engine:
     """The engine for ``handle``: from the cache, or loaded now (errors: engine.CheckpointError)."""
     key = cache_key(handle.path, handle.config)
