@@ -244,7 +244,6 @@ def _sample(executor, noise, latent_image, sampler, sigmas, args, kwargs):
         run_id = next(_run_ids)
         _runs[run_id] = run
     options[RUN_OPTION] = run_id
-    ran = False
     try:
         out = executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
     finally:
@@ -318,6 +317,10 @@ class SGLDModelPatcher(comfy.model_patcher.ModelPatcher):
     def get_key_patches(self, filter_prefix=None):
         raise ValueError(UNSUPPORTED.format(what="reading its weights (model merging: ModelMergeSimple, ...)",
                                             instead="merge into the checkpoint file, or add LoRAs (LoraLoaderModelOnly)"))
+
+    def patch_weight_to_device(self, key, *args, **kwargs):
+        raise ValueError(UNSUPPORTED.format(what=f"patching or reading the weight '{key}' in ComfyUI (model saving, ...)",
+                                            instead="LoRAs go to the engine (LoraLoaderModelOnly, SGLDiffusion LoRA Loader)"))
 
     def register_all_hook_patches(self, hooks, *args, **kwargs):
         if hooks is not None and hooks.get_type(comfy.hooks.EnumHookType.Weight):

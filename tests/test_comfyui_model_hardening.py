@@ -102,6 +102,14 @@ def test_comfyuis_lora_patches_reach_the_engine_in_memory(comfy):
     assert f"{LORA} (LoraLoaderModelOnly, node 21)" in loras, loras
 
 
+def test_comfy_lora_patches_reach_worker_ranks_in_memory(comfy):
+    """Two ranks (gloo): the in-memory LoRA crosses to the worker processes as plain arrays."""
+    entry = comfy.run(ours_and_comfys(comfy_lora=LORA, seed=6, loader_options={"num_gpus": 2}), timeout=300)
+    assert entry["status"]["status_str"] == "success", cs.error_message(entry)
+    assert close(cs.saved_latent(comfy, entry, "8"), cs.saved_latent(comfy, entry, "6"))
+    assert not os.path.exists(os.path.join(comfy.tmp, "sgld-comfy-loras"))
+
+
 def test_a_bad_comfy_lora_is_named_by_the_users_file_and_key(comfy):
     message = failed(comfy, comfy_only(comfy_lora=NAN_LORA, seed=6), "7")
     assert f"{NAN_LORA} (LoraLoaderModelOnly, node 21)" in message and f"'{NAN_KEY}' holds NaN" in message, message
