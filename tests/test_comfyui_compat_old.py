@@ -42,6 +42,9 @@ def test_startup_line_says_what_does_not_work(comfy):
     assert "Not working here: the Model Loader's comfy_model output" in line and "decoding ERNIE-Image latents" in line, line
     assert "work as they are" not in line, line
     assert "IMPORT FAILED" not in comfy.log()
+    notice = line[line.index("SGLDiffusion: this ComfyUI"):]
+    loader = comfy.get("/object_info/SGLDiffusionModelLoader").json()["SGLDiffusionModelLoader"]
+    assert loader["description"].endswith(notice), loader["description"]  # said on the node too
 
 
 def test_sgldiffusion_ksampler_works_without_the_flux2_latent_format(comfy):
