@@ -351,11 +351,11 @@ def resident_bytes(engine, total: int) -> int:
     return int(offload["resident_mib"] * 2 ** 20) if offload else total
 
 
-class ComfyModelUnavailable(AttributeError):
-    """What using an Unavailable comfy_model raises (an AttributeError: ``hasattr`` checks stay False)."""
+class ComfyModelUnavailableError(AttributeError):
+    """What using a ComfyModelUnavailable raises (an AttributeError: ``hasattr`` checks stay False)."""
 
 
-class Unavailable:
+class ComfyModelUnavailable:
     """The comfy_model output where this ComfyUI cannot make it (no Flux2 latent format): any use raises
     ``message``, so only a graph that uses the output fails, on the node that uses it."""
 
@@ -363,11 +363,11 @@ class Unavailable:
         object.__setattr__(self, "_message", message)
 
     def __getattr__(self, name):
-        raise ComfyModelUnavailable(object.__getattribute__(self, "_message"))
+        raise ComfyModelUnavailableError(object.__getattribute__(self, "_message"))
 
 
 def comfy_model(handle: SGLDModel, engine):
-    """The MODEL for ``handle`` (``engine``: its engine, already open); an ``Unavailable`` where this ComfyUI
+    """The MODEL for ``handle`` (``engine``: its engine, already open); a ``ComfyModelUnavailable`` where this ComfyUI
     lacks what ERNIE-Image's MODEL needs (SGLD_MODEL works without it)."""
     demo = engine.model_config.in_channels == codec.LATENT_CHANNELS
     if not demo and not compat.found("flux2_latent_format"):
@@ -375,7 +375,7 @@ def comfy_model(handle: SGLDModel, engine):
                 f"{compat.FEATURES['flux2_latent_format']}: update to {compat.UPDATE}. Connect the 'model' output to "
                 "SGLDiffusion KSampler instead.")
         log.warning("%s", text)
-        return Unavailable(text)
+        return ComfyModelUnavailable(text)
     settings = _config_class(demo)({"image_model": "ernie", "disable_unet_model_creation": True})
     call = EngineCall(handle, engine)
     settings.set_inference_dtype(call.dtype, None)
