@@ -3,7 +3,10 @@ not installable here (no network), so the test pack's prestartup script removes 
 and hides the Flux.2 VAE's batch-normed latent from ``AutoencodingEngineLegacy`` before the pack loads
 (SGLD_TEST_REMOVE, tests/comfy_test_pack/prestartup_script.py). The start-up line says what does not work,
 the Model Loader still gives SGLDiffusion KSampler its model, and only a graph that uses comfy_model fails,
-on the node that uses it, with a message saying what to do."""
+on the node that uses it, with a message saying what to do. (Checked once by hand against the real 0.3.64 source
+too, Comfy-Org/ComfyUI a125cd84 run from a local copy with SGLD_COMFYUI_DIR: the same start-up line, SGLDiffusion
+KSampler runs, ComfyUI's KSampler on comfy_model fails with this message; the code before this fix failed the
+Model Loader with ``module 'comfy.latent_formats' has no attribute 'Flux2'``.)"""
 from __future__ import annotations
 
 import os
