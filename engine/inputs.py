@@ -12,7 +12,7 @@ from .errors import InputError
 from .models.demo import codec
 from .models.ernie_image import ErnieImageConfig
 from .sampling import (DEFAULT_SHIFT, LATENT_FACTOR, MAX_BATCH, MAX_BATCH_INDEX, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS,
-                       MAX_SCHEDULE, MAX_SEED, MAX_SHIFT, MAX_STEPS, SAMPLERS, SCHEDULERS)
+                       MAX_INPUT_VALUE, MAX_SCHEDULE, MAX_SEED, MAX_SHIFT, MAX_STEPS, SAMPLERS, SCHEDULERS)
 
 
 def _integer(name: str, value, lo: int, hi: int) -> int:
@@ -35,18 +35,48 @@ def _number(name: str, value, lo: float, hi: float, above_lo: bool = False) -> f
     return v
 
 
+def check_values(name: str, t: torch.Tensor, what: str = "") -> None:
+    """NaN, inf or values beyond MAX_INPUT_VALUE in an input tensor: the model would make NaN from them, which
+    would read as damaged weights. ``what``: where such values come from (for the message)."""
+    if t.numel() == 0:
+        return
+    peak = float(t.detach().abs().amax())  # NaN and inf propagate: one reduction checks all three
+    if peak <= MAX_INPUT_VALUE:
+        return
+    if math.isfinite(peak):
+        raise InputError(f"{name} holds values up to {peak:.3g}; inputs are at most {MAX_INPUT_VALUE:g} in magnitude "
+                         f"(larger ones overflow the model){what}")
+    raise InputError(f"{name} holds NaN or inf values{what}")
+
+
 def check_seed(seed, name: str = "seed") -> int:
     """0 .. 2**64-1, the seeds ComfyUI gives and torch.Generator.manual_seed takes."""
     return _integer(name, seed, 0, MAX_SEED)
 
 
-def check_sigmas(sigmas, steps) -> torch.Tensor:
-    """A caller's own sigma schedule (float32, CPU): 1-D, finite, non-negative, non-increasing, ``steps`` + 1
-    entries (at most MAX_SCHEDULE + 1)."""
+def check_run_sigmas(sigmas) -> torch.Tensor:
+    """Any sampler's sigmas (float32, CPU; ComfyUI's samplers take increasing ones too): 1-D, at most
+    MAX_SCHEDULE + 1, finite, non-negative, and 0 only last (the samplers divide by sigma: a 0 before the
+    end makes inf / NaN)."""
     t = torch.as_tensor(sigmas).detach().to("cpu", torch.float32)
-    if t.dim() != 1 or not 2 <= t.numel() <= MAX_SCHEDULE + 1:
+    if t.dim() != 1 or not 1 <= t.numel() <= MAX_SCHEDULE + 1:
+        raise InputError(f"sigmas must be a 1-D list of 1 to {MAX_SCHEDULE + 1} values; got shape {tuple(t.shape)}")
+    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+        raise InputError(f"sigmas must be finite and non-negative (got {t.tolist()!r:.200})")
+    zeros = (t[:-1] == 0).nonzero().flatten().tolist()
+    if zeros:
+        raise InputError(f"sigma {zeros[0] + 1} of {t.numel()} is 0: only the last sigma may be 0 (the samplers divide "
+                         "by sigma; SetFirstSigma 0 or a schedule of zeros makes inf / NaN). Use a small sigma such as 1e-4")
+    return t
+
+
+def check_sigmas(sigmas, steps) -> torch.Tensor:
+    """A caller's own sigma schedule (float32, CPU): ``check_run_sigmas``, non-increasing, ``steps`` + 1
+    entries (at least 2)."""
+    t = check_run_sigmas(sigmas)
+    if t.numel() < 2:
         raise InputError(f"sigmas must be a 1-D list of 2 to {MAX_SCHEDULE + 1} values; got shape {tuple(t.shape)}")
-    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()) or bool((t[1:] > t[:-1]).any()):
+    if bool((t[1:] > t[:-1]).any()):
         raise InputError("sigmas must be finite, non-negative and non-increasing")
     if steps != t.numel() - 1:
         raise InputError(f"steps is {steps} but the sigmas make {t.numel() - 1} steps; they must agree")
@@ -121,8 +151,7 @@ def check_conditioning(cfg, name: str, cond, batch: int) -> List[torch.Tensor]:
                 f"{name} conditioning #{i} has {c.shape[1]} features per token but this model takes {cfg.text_in_dim}: "
                 "was it made by the right text encoder?"
             )
-        if not torch.isfinite(c).all():
-            raise InputError(f"{name} conditioning #{i} holds NaN or inf values: the text encoder's output is damaged")
+        check_values(f"{name} conditioning #{i}", c, ": is the text encoder's output damaged?")
         feats.append(c)
     if len(feats) == 1 and batch > 1:
         feats = feats * batch
@@ -131,23 +160,34 @@ def check_conditioning(cfg, name: str, cond, batch: int) -> List[torch.Tensor]:
     return feats
 
 
-def check_latent(cfg, latent) -> None:
-    """A latent [B, C, H, W] the model of configuration ``cfg`` takes."""
+def check_latent(cfg, latent, name: str = "latent") -> None:
+    """A latent [B, C, H, W] the model of configuration ``cfg`` takes (``name``: what the message calls it)."""
     if not isinstance(latent, torch.Tensor) or latent.dim() != 4:
         shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
-        raise InputError(f"latent has shape {shape}; expected [batch, {cfg.in_channels}, height, width]")
+        raise InputError(f"{name} has shape {shape}; expected [batch, {cfg.in_channels}, height, width]")
     if latent.shape[1] != cfg.in_channels:
-        raise InputError(f"latent has {latent.shape[1]} channels but this model takes {cfg.in_channels}"
+        raise InputError(f"{name} has {latent.shape[1]} channels but this model takes {cfg.in_channels}"
                          + latent_hint(cfg.in_channels))
     p = cfg.patch_size
     if latent.shape[2] < p or latent.shape[3] < p or latent.shape[2] % p or latent.shape[3] % p:
-        raise InputError(f"latent size {tuple(latent.shape[2:])} is not a multiple of the patch size {p}")
+        raise InputError(f"{name} size {tuple(latent.shape[2:])} is not a multiple of the patch size {p}")
     tokens = (latent.shape[2] // p) * (latent.shape[3] // p)
     if tokens > MAX_IMAGE_TOKENS:
-        raise InputError(f"latent size {tuple(latent.shape[2:])} makes {tokens} image tokens per sample; the limit is "
+        raise InputError(f"{name} size {tuple(latent.shape[2:])} makes {tokens} image tokens per sample; the limit is "
                          f"{MAX_IMAGE_TOKENS} ({MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} pixels for ERNIE-Image)")
-    if not torch.isfinite(latent).all():
-        raise InputError("latent holds NaN or inf values")
+    check_values(name, latent)
+
+
+def check_model_call(cfg, x, text, branches=("conditioning",)) -> None:
+    """One model call of a sampling loop outside the engine (ComfyUI's samplers on the MODEL output): the
+    sampler's latent x [B, C, H, W] and the text features [B, T, C] of each CFG branch (``branches``: their
+    names, in batch order), with the checks ``Engine.sample`` makes on its inputs."""
+    check_latent(cfg, x, "the sampler's latent")
+    if not isinstance(text, torch.Tensor) or text.dim() != 3:
+        shape = tuple(text.shape) if isinstance(text, torch.Tensor) else type(text).__name__
+        raise InputError(f"the text features have shape {shape}; expected [batch, tokens, {cfg.text_in_dim}]")
+    for name, part in zip(branches, text.chunk(len(branches))):
+        check_conditioning(cfg, name, list(part), part.shape[0])
 
 
 MASK_SHAPES = "[height, width], [batch, height, width] or [batch, 1, height, width] (any size: it is scaled to the latent's)"
@@ -163,8 +203,7 @@ def check_noise_mask(mask) -> Optional[torch.Tensor]:
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise InputError(f"noise_mask has shape {shape}; expected {MASK_SHAPES}")
     mask = mask.detach().to("cpu", torch.float32)
-    if not torch.isfinite(mask).all():
-        raise InputError("noise_mask holds NaN or inf values; it takes values from 0 (keep) to 1 (repaint)")
+    check_values("noise_mask", mask, "; it takes values from 0 (keep) to 1 (repaint)")
     lo, hi = float(mask.min()), float(mask.max())
     if lo < 0.0 or hi > 1.0:
         raise InputError(f"noise_mask values must be from 0 (keep) to 1 (repaint) (got {lo:g} to {hi:g})")

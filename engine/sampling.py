@@ -32,6 +32,7 @@ MAX_IMAGE_SIDE = 4096  # pixels (ERNIE-Image files: twice the largest documented
 LATENT_FACTOR = 16  # pixels per latent cell and image token, each way (ERNIE-Image's Flux2 latent)
 MAX_IMAGE_TOKENS = (MAX_IMAGE_SIDE // LATENT_FACTOR) ** 2  # image tokens per sample
 MAX_BATCH = 4096  # latents in an empty batch (ComfyUI's empty-latent nodes allow 1..4096)
+MAX_INPUT_VALUE = 1e6  # |value| of a latent or text feature: beyond it the DiT's sums overflow (NaN, not a picture)
 MAX_BATCH_INDEX = 4095  # a LATENT's batch_index: noise is drawn for every index up to the largest (ImageFromBatch's limit)
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

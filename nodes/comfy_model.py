@@ -7,17 +7,17 @@ LoRA, several GPUs included). Why each piece is so: docs/comfyui_model.md.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
-import tempfile
 import threading
 import uuid
-from typing import Dict, List
+from typing import Dict
 
 import comfy.conds
+import comfy.hooks
 import comfy.latent_formats
+import comfy.lora
 import comfy.model_base
 import comfy.model_management
 import comfy.model_patcher
@@ -25,15 +25,17 @@ import comfy.patcher_extension
 import comfy.supported_models
 import comfy.supported_models_base
 import torch
-from safetensors.torch import save
 
-from ..engine import LoRAError
+from ..engine import InputError
 from ..engine.features.quant import estimate_bytes
-from ..engine.io.atomic import atomic_write
+from ..engine.inputs import check_latent, check_model_call, check_run_sigmas, check_values
 from ..engine.io.load import checkpoint_shapes
 from ..engine.models.demo import codec
 from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER
-from .model_cache import SGLDModel, drop_engine
+from . import compat
+from .comfy_lora import SOURCES_ATTACHMENT, check_native_keys, comfy_loras, executing_node, source_label
+from .ksampler import ERROR_CHARS, run_stats, send_run_event, workflow_id
+from .model_cache import SGLDModel, drop_engine, find_engine
 
 log = logging.getLogger("sgldiffusion")
 
@@ -41,8 +43,13 @@ CACHE_OPTION = "sgld_cache"  # transformer_options key: the SGLD_CACHE of Apply 
 RUN_OPTION = "sgld_run"  # transformer_options key: the id of the sampling run in progress (see _runs)
 LORAS_ATTACHMENT = "sgld_loras"  # patcher attachment: ((path, strength), ...) of SGLDiffusion LoRA Loader
 WRAPPER_KEY = "sgldiffusion"
-LORA_FOLDER = os.path.join(tempfile.gettempdir(), "sgld-comfy-loras")  # ComfyUI LoRA patches as LoRA files
+# ComfyUI with a host-memory pin budget (dynamic VRAM, 2026): it counts a non-dynamic patcher's whole size as host
+# memory to pin, evicting other models' pins; the engine pins nothing of ComfyUI's (docs/comfyui_model.md, "Memory")
+PIN_BUDGET = hasattr(comfy.model_management, "ensure_pin_budget")
+UNSUPPORTED = ("SGLDiffusion comfy_model: {what} is not supported: the weights live in the SGLDiffusion engine, not in "
+               "ComfyUI's model object; {instead}")
 
+BRANCHES = {0: "positive", 1: "negative"}  # ComfyUI's cond_or_uncond values
 _runs: Dict[int, "ComfyRun"] = {}  # the runs in progress (transformer_options are copied; ids are not)
 _run_ids = itertools.count(1)
 _runs_lock = threading.Lock()
@@ -94,6 +101,10 @@ def _model_class(base):
     class SGLDiffusionErnieImage(base):
         """ComfyUI's model object; its diffusion model is the engine (``EngineCall``)."""
 
+        def state_dict_for_saving(self, *args, **kwargs):
+            raise ValueError(UNSUPPORTED.format(what="saving the model (ModelSave, CheckpointSave)",
+                                                instead=f"its weights are the file {self.diffusion_model.handle.path}"))
+
         def extra_conds(self, **kwargs):
             out = super().extra_conds(**kwargs)
             text = kwargs.get("cross_attn")
@@ -105,6 +116,14 @@ def _model_class(base):
     return SGLDiffusionErnieImage
 
 
+def checked(check, *args) -> None:
+    """An engine input check on the MODEL path: its InputError as a plain ValueError (ComfyUI shows the class)."""
+    try:
+        check(*args)
+    except InputError as e:
+        raise ValueError(f"SGLDiffusion comfy_model: {e}") from None
+
+
 class EngineCall(torch.nn.Module):
     """The diffusion model ComfyUI calls: one engine DiT forward per call. It holds the engine's handle, not
     its weights (ComfyUI may free the engine; the next call reopens it)."""
@@ -113,6 +132,7 @@ class EngineCall(torch.nn.Module):
         super().__init__()
         self.handle = handle
         self.dtype = engine.forward.dtype  # ComfyUI casts x and the text to it
+        self.model_config = engine.model_config  # what the input checks check against
         self.shapes = checkpoint_shapes(engine.model_config)
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
@@ -132,6 +152,7 @@ class EngineCall(torch.nn.Module):
         if text_lens is None:
             text_lens = torch.full((x.shape[0],), context.shape[1], dtype=torch.long, device=x.device)
         order = options.get("cond_or_uncond") or [0]
+        checked(check_model_call, self.model_config, x, context, [BRANCHES.get(o, "conditioning") for o in order])
         # ComfyUI batches [uncond, cond] (cond_or_uncond [1, 0]); the engine and its cache take cond first
         chunk = x.shape[0] // len(order)
         perm = torch.cat([torch.arange(i * chunk, (i + 1) * chunk) for i in sorted(range(len(order)), key=lambda i: order[i])])
@@ -165,23 +186,56 @@ class ComfyRun:
             return engine.velocity(x, sigma, text, lens)
         return self.calls(x, sigma, text, lens)
 
-    def finish(self) -> None:
+    def finish(self) -> bool:
+        """Close the engine's run and log it (its warnings too); False when no model call was made."""
         if self.calls is None:
-            return
-        engine = self.engine
+            return False
+        engine, stats = self.engine, self.engine.last_run
         self.calls.finish()
+        if not stats.model_calls:  # a sampler the engine does not count: the calls it made
+            stats.model_calls = len(stats.step_mask)
         if self.split_calls:
-            engine.last_run.warnings.append(f"ComfyUI split the CFG batch for {self.split_calls} model calls; "
-                                            "Cache-DiT could not see those calls and computed them")
-        summary = engine.last_run.to_dict()
+            stats.warnings.append(f"ComfyUI split the CFG batch for {self.split_calls} model calls; "
+                                  "Cache-DiT could not see those calls and computed them")
+        summary = stats.to_dict()
+        for warning in summary["warnings"]:
+            log.warning("SGLDiffusion: %s", warning)
         log.info("SGLDiffusion: %s, %d/%d model calls computed%s", os.path.basename(engine.source), summary["calls_computed"],
-                 summary["model_calls"], f", Cache-DiT {summary['step_mask']}" if engine.last_run.cache else "")
+                 summary["model_calls"], f", Cache-DiT {summary['step_mask']}" if stats.cache else "")
+        return True
 
 
 def outer_sample(executor, noise, latent_image, sampler, sigmas, *args, **kwargs):
-    """ComfyUI's OUTER_SAMPLE wrapper: register the run (sigmas, sampler, the Apply Cache-DiT settings) for the
-    diffusion model's calls, and close it afterwards, whatever happens."""
+    """ComfyUI's OUTER_SAMPLE wrapper: check the inputs, register the run (sigmas, sampler, the Apply Cache-DiT
+    settings) for the diffusion model's calls, close it afterwards whatever happens, and report it as SGLDiffusion
+    KSampler does (run events for the web panel, the node's last run, the log), under the sampler node's id."""
+    node, _, _, extra = executing_node()
+    workflow = workflow_id(extra.get("extra_pnginfo"))
+    send_run_event({"node": node, "state": "running", "steps": max(len(sigmas) - 1, 0)}, workflow)
+    try:
+        result = _sample(executor, noise, latent_image, sampler, sigmas, args, kwargs)
+    except comfy.model_management.InterruptProcessingException:
+        send_run_event({"node": node, "state": "interrupted"}, workflow)
+        raise
+    except BaseException as e:
+        send_run_event({"node": node, "state": "failed", "error": f"{type(e).__name__}: {e}"[:ERROR_CHARS]}, workflow)
+        raise
+    out, engine, ran = result
+    if ran:
+        send_run_event(run_stats(engine, node), workflow)
+    return out
+
+
+def _sample(executor, noise, latent_image, sampler, sigmas, args, kwargs):
+    """The run of outer_sample: (its output, the engine, whether a model call was made)."""
     guider = executor.class_obj
+    call = guider.model_patcher.model.diffusion_model
+    checked(check_latent, call.model_config, latent_image)  # before ComfyUI's own code meets a wrong latent
+    checked(check_latent, call.model_config, noise, "noise")
+    checked(check_run_sigmas, sigmas)
+    mask = args[0] if args else kwargs.get("denoise_mask")  # the LATENT's noise_mask, any shape ComfyUI takes
+    if isinstance(mask, torch.Tensor):
+        checked(check_values, "noise_mask", mask, "; it takes values from 0 (keep) to 1 (repaint)")
     options = guider.model_options.setdefault("transformer_options", {})
     name = getattr(getattr(sampler, "sampler_function", None), "__name__", "")
     run = ComfyRun(guider.model_patcher.sgld_engine(), sigmas, name[len("sample_"):] if name.startswith("sample_") else name,
@@ -191,12 +245,13 @@ def outer_sample(executor, noise, latent_image, sampler, sigmas, *args, **kwargs
         _runs[run_id] = run
     options[RUN_OPTION] = run_id
     try:
-        return executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
+        out = executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
     finally:
         options.pop(RUN_OPTION, None)
         with _runs_lock:
             _runs.pop(run_id, None)
-        run.finish()
+        ran = run.finish()
+    return out, run.engine, ran
 
 
 class SGLDModelPatcher(comfy.model_patcher.ModelPatcher):
@@ -205,13 +260,26 @@ class SGLDModelPatcher(comfy.model_patcher.ModelPatcher):
 
     def sgld_handle(self) -> SGLDModel:
         handle = self.model.diffusion_model.handle
-        if getattr(self, "lora_files_of", None) != self.patches_uuid:  # ComfyUI's patches written once per set
-            self.lora_files, self.lora_files_of = tuple(comfy_lora_files(self.patches)), self.patches_uuid
-        loras = tuple(self.get_attachment(LORAS_ATTACHMENT) or ()) + self.lora_files
+        if getattr(self, "comfy_loras_of", None) != self.patches_uuid:  # ComfyUI's patches converted once per set
+            sources = self.get_attachment(SOURCES_ATTACHMENT) or ()
+            key_map = comfy.lora.model_lora_keys_unet(self.model, {}) if self.patches else {}
+            self.comfy_loras, self.comfy_loras_of = tuple(comfy_loras(self.patches, sources, key_map)), self.patches_uuid
+        loras = tuple(self.get_attachment(LORAS_ATTACHMENT) or ()) + self.comfy_loras
         return SGLDModel(handle.path, handle.config, handle.name, handle.owner, handle.loras + loras)
 
     def sgld_engine(self):
         return self.sgld_handle().engine()
+
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        """ComfyUI's LoRA loaders add their patches here: remember which node and file they came from (messages
+        name them), and refuse a file whose keys this ComfyUI cannot map (it would only log "lora key not loaded")."""
+        node_id, class_type, inputs, _ = executing_node()
+        check_native_keys(inputs.get("lora_name"), patches, getattr(comfy.model_base, "ErnieImage", None) is not None)
+        added = super().add_patches(patches, strength_patch, strength_model)
+        ids = frozenset(id(patches[k]) for k in added)
+        self.set_attachments(SOURCES_ATTACHMENT, tuple(self.get_attachment(SOURCES_ATTACHMENT) or ())
+                             + ((source_label(node_id, class_type, inputs), ids),))
+        return added
 
     def with_loras(self, loras) -> "SGLDModelPatcher":
         """A clone with more LoRAs ((path, strength), ...), applied by the engine (one base in memory)."""
@@ -220,12 +288,49 @@ class SGLDModelPatcher(comfy.model_patcher.ModelPatcher):
         patched.patches_uuid = uuid.uuid4()  # ComfyUI reloads it (our load: the engine takes this clone's LoRAs)
         return patched
 
+    def held_bytes(self):
+        """Bytes the engine holds on ComfyUI's device now (None: not loaded). Read live, so an engine that
+        SGLDiffusion KSampler or the loader opened is not counted as still to load."""
+        engine = find_engine(self.model.diffusion_model.handle)
+        return None if engine is None else resident_bytes(engine, self.model.sgld_rest_bytes)
+
+    def model_size(self):
+        """What ComfyUI would move or pin for this model: what the engine holds (the checkpoint's size at rest
+        when it is not loaded); 0 under a pin budget, where ComfyUI would pin that much host memory."""
+        if PIN_BUDGET:
+            return 0
+        held = self.held_bytes()
+        return self.model.sgld_rest_bytes if held is None else held
+
+    def loaded_size(self):
+        held = None if PIN_BUDGET else self.held_bytes()
+        return held or 0
+
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
-        engine = self.sgld_engine()
+        self.sgld_engine()
         self.model.device = device_to if device_to is not None else self.load_device
-        self.model.model_loaded_weight_memory = resident_bytes(engine, self.model_size())
+        self.model.model_loaded_weight_memory = self.loaded_size()
         self.model.model_lowvram = False
         self.model.current_weight_patches_uuid = self.patches_uuid
+
+    # ComfyUI paths that need weights in ComfyUI's model object: refused by name instead of a deep AttributeError
+    def get_key_patches(self, filter_prefix=None):
+        raise ValueError(UNSUPPORTED.format(what="reading its weights (model merging: ModelMergeSimple, ...)",
+                                            instead="merge into the checkpoint file, or add LoRAs (LoraLoaderModelOnly)"))
+
+    def patch_weight_to_device(self, key, *args, **kwargs):
+        raise ValueError(UNSUPPORTED.format(what=f"patching or reading the weight '{key}' in ComfyUI (model saving, ...)",
+                                            instead="LoRAs go to the engine (LoraLoaderModelOnly, SGLDiffusion LoRA Loader)"))
+
+    def register_all_hook_patches(self, hooks, *args, **kwargs):
+        if hooks is not None and hooks.get_type(comfy.hooks.EnumHookType.Weight):
+            raise ValueError(UNSUPPORTED.format(what="a weight hook (Create Hook LoRA, SetClipHooks, ...)",
+                                                instead="use LoraLoaderModelOnly or SGLDiffusion LoRA Loader"))
+        return super().register_all_hook_patches(hooks, *args, **kwargs)
+
+    def deepclone_multigpu(self, *args, **kwargs):
+        raise ValueError(UNSUPPORTED.format(what="ComfyUI's multi-GPU cloning", instead="the engine runs on several GPUs "
+                                            "itself: set num_gpus on SGLDiffusion Model Loader"))
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
         return 0  # the engine is loaded whole or not at all: ComfyUI then unloads it (detach)
@@ -246,42 +351,31 @@ def resident_bytes(engine, total: int) -> int:
     return int(offload["resident_mib"] * 2 ** 20) if offload else total
 
 
-def comfy_lora_files(patches: dict) -> List[tuple]:
-    """ComfyUI's weight patches (LoraLoaderModelOnly) as LoRA files the engine applies its own way (merged, or
-    a side path on FP8 / INT4, on every rank): one file per strength, named by its content."""
-    groups: Dict[float, dict] = {}
-    for key, entries in sorted(patches.items()):
-        if not key.startswith("diffusion_model.") or not key.endswith(".weight"):
-            raise LoRAError(f"ComfyUI patch on '{key}': only the diffusion model's weights can be patched")
-        name = key[: -len(".weight")]
-        for strength, adapter, strength_model, offset, function in entries:
-            weights = getattr(adapter, "weights", None)
-            if type(adapter).__name__ != "LoRAAdapter" or offset is not None or function is not None or strength_model != 1.0 \
-                    or any(w is not None for w in weights[3:]):
-                raise LoRAError(f"ComfyUI patch on '{key}' is a {type(adapter).__name__}: the engine applies plain LoRA "
-                                "(up/down with alpha); use SGLDiffusion LoRA Loader for other files")
-            up, down, alpha = weights[:3]
-            group = groups.setdefault(float(strength), {})
-            group[f"{name}.lora_B.weight"] = up.float().contiguous()
-            group[f"{name}.lora_A.weight"] = down.float().contiguous()
-            if alpha is not None:
-                group[f"{name}.alpha"] = torch.tensor(float(alpha))
-    return [(_lora_file(tensors), strength) for strength, tensors in groups.items()]
+class ComfyModelUnavailableError(AttributeError):
+    """What using a ComfyModelUnavailable raises (an AttributeError: ``hasattr`` checks stay False)."""
 
 
-def _lora_file(tensors: dict) -> str:
-    data = save(tensors)
-    path = os.path.join(LORA_FOLDER, hashlib.sha256(data).hexdigest()[:32] + ".safetensors")
-    if not os.path.exists(path):
-        os.makedirs(LORA_FOLDER, exist_ok=True)
-        with atomic_write(path) as f:
-            f.write(data)
-    return path
+class ComfyModelUnavailable:
+    """The comfy_model output where this ComfyUI cannot make it (no Flux2 latent format): any use raises
+    ``message``, so only a graph that uses the output fails, on the node that uses it."""
+
+    def __init__(self, message: str):
+        object.__setattr__(self, "_message", message)
+
+    def __getattr__(self, name):
+        raise ComfyModelUnavailableError(object.__getattribute__(self, "_message"))
 
 
-def comfy_model(handle: SGLDModel, engine) -> SGLDModelPatcher:
-    """The MODEL for ``handle`` (``engine``: its engine, already open)."""
+def comfy_model(handle: SGLDModel, engine):
+    """The MODEL for ``handle`` (``engine``: its engine, already open); a ``ComfyModelUnavailable`` where this ComfyUI
+    lacks what ERNIE-Image's MODEL needs (SGLD_MODEL works without it)."""
     demo = engine.model_config.in_channels == codec.LATENT_CHANNELS
+    if not demo and not compat.found("flux2_latent_format"):
+        text = (f"SGLDiffusion Model Loader: its comfy_model output does not work in this ComfyUI, which lacks "
+                f"{compat.FEATURES['flux2_latent_format']}: update to {compat.UPDATE}. Connect the 'model' output to "
+                "SGLDiffusion KSampler instead.")
+        log.warning("%s", text)
+        return ComfyModelUnavailable(text)
     settings = _config_class(demo)({"image_model": "ernie", "disable_unet_model_creation": True})
     call = EngineCall(handle, engine)
     settings.set_inference_dtype(call.dtype, None)
@@ -290,6 +384,7 @@ def comfy_model(handle: SGLDModel, engine) -> SGLDModelPatcher:
     model.diffusion_model = call
     device = torch.device(handle.config.device)
     size = estimate_bytes(handle.path, handle.config.dtype, handle.config.quant)
+    model.sgld_rest_bytes = size
     patcher = SGLDModelPatcher(model, device, comfy.model_management.unet_offload_device(), size=size,
                                weight_inplace_update=True)
     patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, outer_sample)

@@ -1,12 +1,14 @@
 """What this ComfyUI lacks for the ERNIE-Image workflows, found once at start-up by feature, never by
-version number: ComfyUI's EmptyFlux2LatentImage node, CLIPLoader's ``flux2`` type (both since 0.3.72)
-and the Ministral-3 3B text encoder (``TEModel.MINISTRAL_3_3B``, ``comfy/text_encoders/ernie.py``: since
-0.19). Anything missing is logged in one line and shown on the pack's nodes (their description, and
+version number: ComfyUI's EmptyFlux2LatentImage node, CLIPLoader's ``flux2`` type, the Flux2 latent format
+and the Flux.2 VAE (all since about 0.3.72) and the Ministral-3 3B text encoder (``TEModel.MINISTRAL_3_3B``,
+``comfy/text_encoders/ernie.py``: since 0.19). Without the Flux2 latent format the Model Loader builds no
+``comfy_model`` (comfy_model.py); SGLDiffusion KSampler needs none of these. Anything missing is logged in one line and shown on the pack's nodes (their description, and
 the web extension through GET /sgldiffusion/last_runs), so a user knows to update ComfyUI. A probe that
 finds ComfyUI's modules shaped differently counts as "not found"; it never raises."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 
 UPDATE = "ComfyUI 0.19 or newer"
@@ -15,7 +17,12 @@ FEATURES = {
     "empty_flux2_latent": "the EmptyFlux2LatentImage node (SGLDiffusion Empty Latent (ERNIE) makes the same latent)",
     "flux2_clip_type": "CLIPLoader's 'flux2' type",
     "ministral3_text_encoder": "the Ministral-3 text encoder (ministral-3-3b.safetensors in CLIPLoader)",
+    "flux2_latent_format": "the Flux2 latent format (comfy.latent_formats.Flux2)",
+    "flux2_vae": "the Flux.2 VAE (flux2-vae.safetensors in VAELoader)",
 }
+# feature -> what does not work without it (the rest of the pack does)
+BROKEN = {"flux2_latent_format": "the Model Loader's comfy_model output (ComfyUI's own samplers on ERNIE-Image)",
+          "flux2_vae": "decoding ERNIE-Image latents (VAEDecode)"}
 log = logging.getLogger("sgldiffusion")
 
 
@@ -39,19 +46,36 @@ def _has_ministral3_text_encoder() -> bool:
     return hasattr(comfy.sd.TEModel, "MINISTRAL_3_3B") or importlib.util.find_spec("comfy.text_encoders.ernie") is not None
 
 
+def _has_flux2_latent_format() -> bool:
+    import comfy.latent_formats
+
+    return hasattr(comfy.latent_formats, "Flux2")
+
+
+def _has_flux2_vae() -> bool:
+    """The Flux.2 VAE's batch-normed latent (its ``bn.running_mean``), which ComfyUI's VAE builds in
+    AutoencodingEngineLegacy (where older ComfyUI loads flux2-vae.safetensors as a wrong 32-channel VAE)."""
+    import comfy.ldm.models.autoencoder as autoencoder
+
+    return "batch_norm_latent" in inspect.getsource(autoencoder.AutoencodingEngineLegacy.__init__)
+
+
 PROBES = {"empty_flux2_latent": _has_empty_flux2_latent, "flux2_clip_type": _has_flux2_clip_type,
-          "ministral3_text_encoder": _has_ministral3_text_encoder}
+          "ministral3_text_encoder": _has_ministral3_text_encoder, "flux2_latent_format": _has_flux2_latent_format,
+          "flux2_vae": _has_flux2_vae}
 
 
 def probe() -> dict:
     """{feature: found} for each of FEATURES, in this ComfyUI (a probe that raises counts as not found)."""
-    found = {}
-    for name, check in PROBES.items():
-        try:
-            found[name] = bool(check())
-        except Exception:
-            found[name] = False
-    return found
+    return {name: found(name) for name in PROBES}
+
+
+def found(name: str) -> bool:
+    """One probe of PROBES (False when it raises)."""
+    try:
+        return bool(PROBES[name]())
+    except Exception:
+        return False
 
 
 def version() -> str:
@@ -70,8 +94,11 @@ def notice(found: dict, version: str = "") -> str:
     if not missing:
         return ""
     this = f"this ComfyUI ({version})" if version else "this ComfyUI"
+    broken = [BROKEN[name] for name in BROKEN if not found.get(name, False)]
+    works = (f"Not working here: {'; '.join(broken)}. SGLDiffusion KSampler and the demo work." if broken else
+             "The pack's nodes and its demo work as they are.")
     return (f"SGLDiffusion: {this} lacks {'; '.join(missing)}, which the ERNIE-Image workflows need: update to "
-            f"{UPDATE}. The pack's nodes and its demo work as they are.")
+            f"{UPDATE}. {works}")
 
 
 def mark_nodes(node_classes, text: str) -> None:

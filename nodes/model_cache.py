@@ -61,7 +61,7 @@ class SGLDModel:
         return engine
 
     def __repr__(self) -> str:
-        extra = "".join(f", lora {os.path.basename(p)} x{s:g}" for p, s in self.loras)
+        extra = "".join(f", lora {os.path.basename(getattr(p, 'name', p))} x{s:g}" for p, s in self.loras)
         return f"SGLDModel({self.name!r}, {self.config}{extra})"
 
 
@@ -92,6 +92,16 @@ def drop_engine(handle: SGLDModel, reason: str) -> None:
         if key in _engines:
             _drop(key, reason)
     gc.collect()
+
+
+def find_engine(handle: SGLDModel) -> Optional[Engine]:
+    """The engine for ``handle`` if it is loaded now; None otherwise (never loads)."""
+    try:
+        key = cache_key(handle.path, handle.config)
+    except CheckpointError:
+        return None
+    with _lock:
+        return _engines.get(key)
 
 
 def get_engine(handle: SGLDModel) -> Engine:

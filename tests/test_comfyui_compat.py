@@ -70,9 +70,13 @@ def found_in_this_comfyui(object_info) -> dict:
     (/object_info) and whether its tree defines the Ministral-3 text encoder."""
     with open(os.path.join(cs.COMFY_DIR, "comfy", "sd.py"), encoding="utf-8") as f:
         ministral = "MINISTRAL_3_3B" in f.read() or os.path.exists(os.path.join(cs.COMFY_DIR, "comfy", "text_encoders", "ernie.py"))
+    with open(os.path.join(cs.COMFY_DIR, "comfy", "latent_formats.py"), encoding="utf-8") as f:
+        flux2 = "class Flux2(" in f.read()
+    with open(os.path.join(cs.COMFY_DIR, "comfy", "ldm", "models", "autoencoder.py"), encoding="utf-8") as f:
+        vae = "batch_norm_latent" in f.read()
     return {"empty_flux2_latent": "EmptyFlux2LatentImage" in object_info,
             "flux2_clip_type": "flux2" in object_info["CLIPLoader"]["input"]["required"]["type"][0],
-            "ministral3_text_encoder": ministral}
+            "ministral3_text_encoder": ministral, "flux2_latent_format": flux2, "flux2_vae": vae}
 
 
 def expected_notice(object_info) -> str:
@@ -122,8 +126,10 @@ def test_probe_on_real_modules(where, tmp_path):
     if where == "no-comfyui":
         assert out == {"before": {name: False for name in compat_module().FEATURES}}
         return
-    assert out["before"] == {"empty_flux2_latent": False, "flux2_clip_type": True, "ministral3_text_encoder": False}
-    assert out["after"] == {"empty_flux2_latent": True, "flux2_clip_type": True, "ministral3_text_encoder": False}
+    assert out["before"] == {"empty_flux2_latent": False, "flux2_clip_type": True, "ministral3_text_encoder": False,
+                             "flux2_latent_format": True, "flux2_vae": True}
+    assert out["after"] == {"empty_flux2_latent": True, "flux2_clip_type": True, "ministral3_text_encoder": False,
+                            "flux2_latent_format": True, "flux2_vae": True}
 
 
 def test_startup_line_logged_once_naming_what_is_missing(comfy, object_info):

@@ -24,7 +24,7 @@ from ..io.checkpoint import Checkpoint, check_architecture, parse_dtype
 from ..sampling import MULTIPLIER
 from .plan import ParallelPlan, check_devices, check_model, make_plan
 from .pool import check_settings, detach, get_pool
-from .wire import pack, unpack
+from .wire import pack, pack_loras, unpack
 
 log = logging.getLogger("sgld.parallel")
 _ids = itertools.count(1)
@@ -135,7 +135,7 @@ class RemoteForward:
         self.warnings: List[str] = []
         self.notes: List[str] = [f"parallel: {plan.describe()} over {backend}"]
         self.attention_backend = "parallel"
-        self.loras: list = []  # [(path, strength)] active on the ranks (put back after a reload)
+        self.loras: list = []  # [(path or LoRATensors, strength)] active on the ranks (put back after a reload)
         self.lora_report: List[str] = []
         self.info: dict = {}
         self.transport = transport or PoolTransport(plan, backend)
@@ -170,7 +170,7 @@ class RemoteForward:
         if info:
             self.info = info
             if self.loras:  # fresh weights (first load, reload, restarted pool): put the LoRAs back
-                self.lora_report = self._worker_call(("loras", list(self.loras)))
+                self.lora_report = self._worker_call(("loras", pack_loras(self.loras)))
             self.attention_backend = f"{info['attention']} (parallel)"
             self.warnings[:] = list(dict.fromkeys(self.warnings + info.get("warnings", [])))
             self.notes[:] = [self.notes[0]] + info.get("notes", [])
@@ -184,7 +184,7 @@ class RemoteForward:
             self._refuse_tp()
         self._ensure()
         try:
-            self.lora_report = list(self._worker_call(("loras", items)) or [])
+            self.lora_report = list(self._worker_call(("loras", pack_loras(items))) or [])
         except ValueError:  # the ranks refused the set (nothing changed) or rolled back to the base: make
             self.loras, self.lora_report = [], []  # every rank the base, so this engine knows what is active
             try:
@@ -201,7 +201,7 @@ class RemoteForward:
         return list(self._worker_call(("check_lora", os.fspath(path))) or [])
 
     def active_loras(self) -> list:
-        return list(self.loras)
+        return [(getattr(p, "name", p), s) for p, s in self.loras]
 
     def _refuse_tp(self) -> None:
         if self.plan.tp > 1:

@@ -41,7 +41,7 @@ from ..sampling import MULTIPLIER
 from .comm import build_groups, destroy_groups
 from .forward import ParallelModel, cache_runner
 from .plan import ParallelPlan
-from .wire import pack, unpack
+from .wire import pack, unpack, unpack_loras
 
 HEARTBEAT_PERIOD_S = 0.5
 
@@ -140,7 +140,7 @@ class WorkerState:
 
     def cmd_loras(self, items):
         try:
-            return self.engine.set_loras(items)
+            return self.engine.set_loras(unpack_loras(items))
         except Exception as e:  # the same file on every rank: the same error everywhere, no collective inside
             return {"error": (type(e).__name__, str(e))}
 

@@ -6,8 +6,10 @@
 the KSampler first uses them: a stand-in for a failure deep inside a run (out of memory, a driver
 error) with a long multi-line message, which this machine cannot produce on purpose.
 ``SGLDTestNoiseMask`` sets a LATENT's ``noise_mask`` to any value and channel count: ComfyUI's own mask nodes
-only make valid masks, so this stands in for another pack's node that makes a bad one. Imports only
-torch, so tests can load this file outside ComfyUI.
+only make valid masks, so this stands in for another pack's node that makes a bad one. ``SGLDTestModelMemory``
+shows what ComfyUI's memory management reads from a MODEL (its sizes, what load_models_gpu would free for it and
+the host memory a 2026 ComfyUI would pin for it), or calls a newest-ComfyUI path on it (``deepclone_multigpu``,
+which 0.3.75's nodes never call). Imports only torch at the top, so tests can load this file outside ComfyUI.
 """
 import torch
 
@@ -76,7 +78,37 @@ class SGLDTestNoiseMask:
         return (dict(samples, noise_mask=torch.full((s.shape[0], int(channels), *s.shape[2:]), float(value))),)
 
 
+class SGLDTestModelMemory:
+    CATEGORY = "_for_testing/sgldiffusion"
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+    FUNCTION = "probe"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "action": (["memory", "deepclone_multigpu"],)},
+                "optional": {"after": ("LATENT", {"tooltip": "Run after the sampler that makes this latent."})}}
+
+    @classmethod
+    def IS_CHANGED(cls, **kwargs):
+        return float("nan")  # always run: it reads the state of the moment
+
+    def probe(self, model, action, after=None):
+        import comfy.model_management as mm
+
+        if action == "deepclone_multigpu":
+            model.deepclone_multigpu(new_load_device=model.load_device)
+        loaded = mm.LoadedModel(model)
+        report = {"model_size": int(model.model_size()), "loaded_size": int(model.loaded_size()),
+                  "memory_required": int(loaded.model_memory_required(model.load_device)),
+                  "pins_2026": 0 if getattr(model, "is_dynamic", lambda: False)() else int(loaded.model_memory()),
+                  "pin_requests": list(getattr(mm, "PIN_BUDGET_REQUESTS", [])),
+                  "in_current_loaded_models": any(m.model is model or m.model.model is model.model
+                                                  for m in mm.current_loaded_models if m.model is not None)}
+        return {"ui": {"memory": [report]}}
+
+
 NODE_CLASS_MAPPINGS = {"SGLDTestTextFeatures": SGLDTestTextFeatures, "SGLDTestFaultyLatent": SGLDTestFaultyLatent,
-                       "SGLDTestNoiseMask": SGLDTestNoiseMask}
+                       "SGLDTestNoiseMask": SGLDTestNoiseMask, "SGLDTestModelMemory": SGLDTestModelMemory}
 NODE_DISPLAY_NAME_MAPPINGS = {"SGLDTestTextFeatures": "SGLD Test Text Features", "SGLDTestFaultyLatent": "SGLD Test Faulty Latent",
-                              "SGLDTestNoiseMask": "SGLD Test Noise Mask"}
+                              "SGLDTestNoiseMask": "SGLD Test Noise Mask", "SGLDTestModelMemory": "SGLD Test Model Memory"}

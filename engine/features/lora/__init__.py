@@ -7,9 +7,9 @@ API (``apply_loras``, ``active_loras``, ``remove_loras``); files: specs and ``Lo
 """
 from ...errors import LoRAError
 from .files import LoRAFileCache, normalize, parse_spec
-from .formats import LoRAEntry, LoRAFile, key_map, read_lora, target_modules
+from .formats import LoRAEntry, LoRAFile, LoRATensors, key_map, read_lora, target_modules
 from .records import UlpDiff, restore_mode
 from .state import LoRAState, active_loras, apply_loras, remove_loras
 
-__all__ = ["LoRAError", "LoRAEntry", "LoRAFile", "LoRAFileCache", "LoRAState", "UlpDiff", "active_loras", "apply_loras",
+__all__ = ["LoRAError", "LoRAEntry", "LoRAFile", "LoRAFileCache", "LoRAState", "LoRATensors", "UlpDiff", "active_loras", "apply_loras",
            "key_map", "normalize", "parse_spec", "read_lora", "remove_loras", "restore_mode", "target_modules"]

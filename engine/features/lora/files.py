@@ -10,7 +10,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from torch import nn
 
 from ...errors import LoRAError
-from .formats import LoRAFile, read_lora
+from .formats import LoRAFile, LoRATensors, read_lora
 
 MAX_CACHED_FILES = 8
 
@@ -31,20 +31,20 @@ def parse_spec(spec: str) -> Tuple[str, float]:
 
 
 def normalize(loras: Optional[Iterable]) -> List[Tuple[object, float]]:
-    """[(path or LoRAFile, strength)] from paths, (path, strength) pairs or "FILE:STRENGTH" strings."""
+    """[(path, LoRAFile or LoRATensors, strength)] from paths, (path, strength) pairs or "FILE:STRENGTH" strings."""
     out = []
     for item in loras or ():
         if isinstance(item, str):
             item = parse_spec(item)
         path, strength = item
-        name = getattr(path, "path", path)
+        name = getattr(path, "path", getattr(path, "name", path))
         try:
             strength = float(strength)
         except (TypeError, ValueError):
             raise LoRAError(f"{name}: LoRA strength '{strength}' is not a number") from None
         if not math.isfinite(strength):
             raise LoRAError(f"{name}: LoRA strength {strength} is not a finite number")
-        out.append((path if isinstance(path, LoRAFile) else os.fspath(path), strength))
+        out.append((path if isinstance(path, (LoRAFile, LoRATensors)) else os.fspath(path), strength))
     return out
 
 
@@ -61,16 +61,20 @@ class LoRAFileCache:
 
     def __init__(self, size: int = MAX_CACHED_FILES):
         self.size = size
-        self._files: Dict[tuple, LoRAFile] = {}
+        self._files: Dict[tuple, tuple] = {}  # key -> (what was read, LoRAFile)
 
     def read(self, path, model: nn.Module) -> LoRAFile:
-        """The LoRA at ``path`` read against ``model``, from the cache while the file is unchanged."""
-        path = os.fspath(path)
-        key = _file_key(path)
-        lf = self._files.pop(key, None)
-        if lf is None:
+        """The LoRA at ``path`` (or a LoRATensors) read against ``model``, from the cache while the file is
+        unchanged (a LoRATensors: while it is the same object, which the cache keeps alive with its entry)."""
+        if isinstance(path, LoRATensors):
+            key = ("memory", id(path))
+        else:
+            path = os.fspath(path)
+            key = _file_key(path)
+        source, lf = self._files.pop(key, (None, None))
+        if lf is None or (isinstance(path, LoRATensors) and source is not path):
             lf = read_lora(path, model)
-        self._files[key] = lf  # most recently used last
+        self._files[key] = (path, lf)  # most recently used last
         while len(self._files) > self.size:
             self._files.pop(next(iter(self._files)))
         return lf

@@ -132,6 +132,27 @@ class LoRAFile:
                 f"rank {'/'.join(map(str, ranks)) or '-'}")
 
 
+@dataclass(eq=False)
+class LoRATensors:
+    """A LoRA held in memory (ComfyUI's LoRA patches on the MODEL path): read like a file, never written to
+    one. ``name``: what messages call it (the user's file); ``origin``: a key here -> the key the user's file
+    has (messages name the user's keys). Compared by identity: the same object is the same LoRA."""
+
+    name: str
+    weights: Dict[str, torch.Tensor]
+    origin: Dict[str, str] = field(default_factory=dict)
+    metadata: Dict[str, str] = field(default_factory=dict)
+
+    def keys(self):
+        return list(self.weights)
+
+    def tensors(self, keys):
+        return [(k, self.weights[k]) for k in keys]
+
+    def shape(self, key) -> tuple:
+        return tuple(self.weights[key].shape)
+
+
 def target_modules(model: nn.Module) -> Dict[str, nn.Module]:
     """What a LoRA can adapt, by checkpoint name: linears, convs, quantized linears, and the parts of fused
     projections (``engine.features.fuse.RowView``: ``to_q`` is rows of ``qkv``)."""
@@ -183,13 +204,21 @@ def _guess_architecture(keys: Sequence[str]) -> str:
     return ""
 
 
-def read_lora(path: str, model: nn.Module) -> LoRAFile:
-    """Read a LoRA .safetensors file against ``model`` (tensors stay on the CPU in the file's dtype)."""
-    path = os.fspath(path)
+def _open(source):
+    """(name for messages, reader with keys() / tensors() / metadata, key -> the user's spelling)."""
+    if isinstance(source, LoRATensors):
+        return source.name, source, lambda k: source.origin.get(k, k)
+    path = os.fspath(source)
     try:
-        f = SafetensorsFile(path)
+        return path, SafetensorsFile(path), lambda k: k
     except CheckpointError as e:
         raise LoRAError(str(e)) from None
+
+
+def read_lora(source, model: nn.Module) -> LoRAFile:
+    """Read a LoRA against ``model``: a .safetensors path, or a ``LoRATensors`` held in memory (tensors stay
+    on the CPU in their dtype)."""
+    path, f, user = _open(source)
     keys = list(f.keys())
     if not keys:
         raise LoRAError(f"{path}: this LoRA file holds no tensors")
@@ -201,7 +230,7 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
     for k in keys:
         prefix, part, fmt = _split_key(k)
         if part.startswith("unsupported:"):
-            unsupported.append((k, part.split(":", 1)[1]))
+            unsupported.append((user(k), part.split(":", 1)[1]))
         elif not part:
             unknown.append(k)
         else:
@@ -209,7 +238,7 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
             if fmt:
                 groups[prefix]["fmt"] = fmt
     matched = {p: g for p, g in groups.items() if p in kmap}
-    unmatched = sorted(unknown + [k for p, g in groups.items() if p not in kmap for part, k in g.items() if part != "fmt"])
+    unmatched = sorted(map(user, unknown + [k for p, g in groups.items() if p not in kmap for part, k in g.items() if part != "fmt"]))
     if not matched and any(_split_key(k)[0] in kmap for k, _ in unsupported):
         kinds = sorted({w for _, w in unsupported})
         raise LoRAError(f"{path}: this adapter for ERNIE-Image uses {', '.join(kinds)}, which this engine does not apply "
@@ -219,17 +248,17 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
         meta = {k: v for k, v in f.metadata.items() if k in ("ss_base_model_version", "modelspec.architecture", "ss_network_module")}
         raise LoRAError(
             f"{path}: not a LoRA for ERNIE-Image: none of its {len(keys)} keys names a layer of the ERNIE-Image DiT "
-            f"(first keys: {', '.join(sorted(keys)[:3])})" + (f"; it looks like a LoRA for {arch}" if arch else "")
+            f"(first keys: {', '.join(sorted(map(user, keys))[:3])})" + (f"; it looks like a LoRA for {arch}" if arch else "")
             + (f"; file metadata: {meta}" if meta else "")
             + ". Use a LoRA trained for ERNIE-Image / ERNIE-Image-Turbo.")
     seen: Dict[str, str] = {}
     for prefix, g in matched.items():  # names and shapes from the header, before any data is read
         mod_name = kmap[prefix]
         if mod_name in seen and set(g) & {"up", "down", "diff"}:
-            raise LoRAError(f"{path}: layer '{mod_name}' is adapted twice (keys '{seen[mod_name]}' and '{prefix}')")
+            raise LoRAError(f"{path}: layer '{mod_name}' is adapted twice (keys '{user(seen[mod_name])}' and '{user(prefix)}')")
         if set(g) & {"up", "down", "diff"}:
             seen[mod_name] = prefix
-        _check_shapes(path, g, mod_name, weight_shape(modules[mod_name]), f.shape)
+        _check_shapes(path, g, mod_name, weight_shape(modules[mod_name]), f.shape, user)
     try:
         tensors = dict(f.tensors([k for g in matched.values() for part, k in g.items() if part != "fmt"]))
     except CheckpointError as e:
@@ -243,17 +272,17 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
         if "alpha" in g:
             e.alpha = float(tensors[g["alpha"]].float().reshape(()))
             if not math.isfinite(e.alpha):
-                raise LoRAError(f"{path}: '{g['alpha']}' is {e.alpha}: a LoRA alpha must be a finite number")
+                raise LoRAError(f"{path}: '{user(g['alpha'])}' is {e.alpha}: a LoRA alpha must be a finite number")
         if "diff" in g:
             e.diff, e.fmt = tensors[g["diff"]], "diff"
         if "up" in g:
             e.up, e.down, e.fmt = tensors[g["up"]], tensors[g["down"]], g.get("fmt", "")
         if e.up is None and e.diff is None:  # an alpha alone
-            unmatched.append(g["alpha"])
+            unmatched.append(user(g["alpha"]))
             continue
         for part in ("up", "down", "diff"):
             if part in g and not all_finite(tensors[g[part]]):
-                raise LoRAError(f"{path}: '{g[part]}' holds NaN or infinite values: the LoRA file is damaged "
+                raise LoRAError(f"{path}: '{user(g[part])}' holds NaN or infinite values: the LoRA file is damaged "
                                 "(a LoRA trained with a diverged loss?)")
         formats.add(e.fmt)
         nbytes += sum(t.numel() * t.element_size() for t in (e.up, e.down, e.diff) if t is not None)
@@ -273,26 +302,27 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
     return lf
 
 
-def _check_shapes(path: str, g: Dict[str, str], mod_name: str, wshape: tuple, shape_of) -> None:
-    """One layer's keys (``g``: part -> key) against its weight, by the shapes the header gives (``shape_of``)."""
+def _check_shapes(path: str, g: Dict[str, str], mod_name: str, wshape: tuple, shape_of, user) -> None:
+    """One layer's keys (``g``: part -> key) against its weight, by the shapes the header gives (``shape_of``);
+    ``user`` names a key as the user's file spells it."""
     if "alpha" in g and numel(shape_of(g["alpha"])) != 1:
-        raise LoRAError(f"{path}: '{g['alpha']}' should be a scalar, it has shape {shape_of(g['alpha'])}")
+        raise LoRAError(f"{path}: '{user(g['alpha'])}' should be a scalar, it has shape {shape_of(g['alpha'])}")
     if "diff" in g and numel(shape_of(g["diff"])) != numel(wshape):
-        raise LoRAError(f"{path}: '{g['diff']}' has shape {shape_of(g['diff'])}, but layer '{mod_name}' of this model "
+        raise LoRAError(f"{path}: '{user(g['diff'])}' has shape {shape_of(g['diff'])}, but layer '{mod_name}' of this model "
                         f"has weight {tuple(wshape)}: this LoRA is for a model of another size")
     if "up" not in g and "down" not in g:
         return
     if "up" not in g or "down" not in g:
         have = g.get("up") or g.get("down")
-        raise LoRAError(f"{path}: '{have}' has no matching {'down (A)' if 'up' in g else 'up (B)'} weight: "
+        raise LoRAError(f"{path}: '{user(have)}' has no matching {'down (A)' if 'up' in g else 'up (B)'} weight: "
                         "the LoRA file is incomplete")
     up, down = shape_of(g["up"]), shape_of(g["down"])
     out_f, in_f = wshape[0], numel(wshape[1:])
     if len(up) < 2 or len(down) < 2 or up[1] != down[0] or numel(up[2:]) != 1:
-        raise LoRAError(f"{path}: '{g['up']}' {up} and '{g['down']}' {down} are not a low-rank pair (up [out, r], "
+        raise LoRAError(f"{path}: '{user(g['up'])}' {up} and '{user(g['down'])}' {down} are not a low-rank pair (up [out, r], "
                         "down [r, in])")
     if up[0] != out_f or numel(down[1:]) != in_f:
-        raise LoRAError(f"{path}: '{g['down']}' / '{g['up']}' make a [{up[0]}, {numel(down[1:])}] update, but layer "
+        raise LoRAError(f"{path}: '{user(g['down'])}' / '{user(g['up'])}' make a [{up[0]}, {numel(down[1:])}] update, but layer "
                         f"'{mod_name}' of this model has weight {tuple(wshape)}: this LoRA is for a model of another "
                         "size or architecture")
 
