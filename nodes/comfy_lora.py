@@ -18,8 +18,8 @@ FALLBACK = "ComfyUI's LoRA patches"
 
 
 def executing_node() -> tuple:
-    """(node id, class_type, inputs, the prompt's extra data) of the node ComfyUI runs now, from its running
-    prompt; (None, "", {}, {}) when it cannot be read (outside a server)."""
+    """(node id, class_type, inputs, the prompt's extra data, the prompt) of the node ComfyUI runs now, from its
+    running prompt; (None, "", {}, {}, {}) when it cannot be read (outside a server)."""
     try:
         from comfy_execution.utils import get_executing_context
         from server import PromptServer
@@ -30,10 +30,10 @@ def executing_node() -> tuple:
             if ctx is not None and item[1] == ctx.prompt_id:
                 node = item[2].get(str(ctx.node_id), {})
                 extra = item[3] if len(item) > 3 and isinstance(item[3], dict) else {}
-                return str(ctx.node_id), str(node.get("class_type", "")), dict(node.get("inputs", {})), extra
+                return str(ctx.node_id), str(node.get("class_type", "")), dict(node.get("inputs", {})), extra, item[2]
     except Exception:
         pass
-    return None, "", {}, {}
+    return None, "", {}, {}, {}
 
 
 def source_label(node_id, class_type: str, inputs: dict) -> str:

@@ -34,7 +34,7 @@ from ..engine.models.demo import codec
 from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER
 from . import compat
 from .comfy_lora import SOURCES_ATTACHMENT, check_native_keys, comfy_loras, executing_node, source_label
-from .ksampler import ERROR_CHARS, run_stats, send_run_event, workflow_id
+from .ksampler import ERROR_CHARS, GRAPH_KEY, graph_fingerprint, run_stats, send_run_event, workflow_id
 from .model_cache import SGLDModel, drop_engine, find_engine
 
 log = logging.getLogger("sgldiffusion")
@@ -209,20 +209,21 @@ def outer_sample(executor, noise, latent_image, sampler, sigmas, *args, **kwargs
     """ComfyUI's OUTER_SAMPLE wrapper: check the inputs, register the run (sigmas, sampler, the Apply Cache-DiT
     settings) for the diffusion model's calls, close it afterwards whatever happens, and report it as SGLDiffusion
     KSampler does (run events for the web panel, the node's last run, the log), under the sampler node's id."""
-    node, _, _, extra = executing_node()
+    node, _, _, extra, prompt = executing_node()
     workflow = workflow_id(extra.get("extra_pnginfo"))
+    graph = {GRAPH_KEY: graph_fingerprint(prompt, node)}
     send_run_event({"node": node, "state": "running", "steps": max(len(sigmas) - 1, 0)}, workflow)
     try:
         result = _sample(executor, noise, latent_image, sampler, sigmas, args, kwargs)
     except comfy.model_management.InterruptProcessingException:
-        send_run_event({"node": node, "state": "interrupted"}, workflow)
+        send_run_event({"node": node, "state": "interrupted", **graph}, workflow)
         raise
     except BaseException as e:
-        send_run_event({"node": node, "state": "failed", "error": f"{type(e).__name__}: {e}"[:ERROR_CHARS]}, workflow)
+        send_run_event({"node": node, "state": "failed", "error": f"{type(e).__name__}: {e}"[:ERROR_CHARS], **graph}, workflow)
         raise
     out, engine, ran = result
     if ran:
-        send_run_event(run_stats(engine, node), workflow)
+        send_run_event({**run_stats(engine, node), **graph}, workflow)
     return out
 
 
@@ -273,7 +274,7 @@ class SGLDModelPatcher(comfy.model_patcher.ModelPatcher):
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
         """ComfyUI's LoRA loaders add their patches here: remember which node and file they came from (messages
         name them), and refuse a file whose keys this ComfyUI cannot map (it would only log "lora key not loaded")."""
-        node_id, class_type, inputs, _ = executing_node()
+        node_id, class_type, inputs, _, _ = executing_node()
         check_native_keys(inputs.get("lora_name"), patches, getattr(comfy.model_base, "ErnieImage", None) is not None)
         added = super().add_patches(patches, strength_patch, strength_model)
         ids = frozenset(id(patches[k]) for k in added)
@@ -394,8 +395,9 @@ def comfy_model(handle: SGLDModel, engine):
 class SGLDiffusionApplyCacheDiT:
     """MODEL + SGLD_CACHE -> MODEL: any ComfyUI sampler on our MODEL runs with Cache-DiT."""
 
-    CATEGORY = "sampling/SGLDiffusion"
+    CATEGORY = "SGLDiffusion"
     RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The same model; ComfyUI's samplers on it run with this Cache-DiT setting.",)
     FUNCTION = "apply"
     DESCRIPTION = ("Cache-DiT for any sampler on the SGLDiffusion Model Loader's comfy_model output. The step index "
                    "and total come from the sampler's sigmas; euler, euler_ancestral, heun and dpmpp_2m are counted.")

@@ -23,6 +23,7 @@ import tempfile
 import time
 
 import pytest
+import requests
 
 try:
     from . import pack_modules
@@ -555,4 +556,58 @@ def test_timeline_in_vue_nodes_mode(comfy, page):
         screenshot(page, "web_extension_vue_nodes.png")
     finally:
         page.evaluate("() => window.app.extensionManager.setting.set('Comfy.VueNodes.Enabled', false)")
+    assert not SHARED["errors"], SHARED["errors"]
+
+
+# ComfyUI's own KSampler on the Model Loader's comfy_model output, through Apply Cache-DiT with the graph's Cache-DiT
+# node, decoded and previewed: the nodes added to the graph shown (removed again by REMOVE_NODES).
+ADD_COMFY_KSAMPLER = """([ksId, cacheId]) => {
+  const g = window.app.graph, LG = window.LiteGraph;
+  const ks = g.getNodeById(Number(ksId));
+  const source = (name) => {
+    const id = ks.inputs[ks.inputs.findIndex((i) => i.name === name)].link;
+    return g.getNodeById((g.links.get ? g.links.get(id) : g.links[id]).origin_id);
+  };
+  const loader = source("model");
+  const add = (type, dx, dy) => { const n = LG.createNode(type); n.pos = [ks.pos[0] + dx, ks.pos[1] + dy]; g.add(n); return n; };
+  const apply = add("SGLDiffusionApplyCacheDiT", -350, 700), k = add("KSampler", 0, 700);
+  const decode = add("SGLDiffusionDemoDecode", 350, 700), preview = add("PreviewImage", 650, 700);
+  loader.connect(loader.outputs.findIndex((o) => o.name === "comfy_model"), apply, 0);
+  g.getNodeById(Number(cacheId)).connect(0, apply, 1);
+  apply.connect(0, k, 0);
+  source("positive").connect(0, k, 1);
+  source("negative").connect(0, k, 2);
+  source("latent_image").connect(0, k, 3);
+  const set = (name, v) => { k.widgets.find((w) => w.name === name).value = v; };
+  set("steps", 12); set("cfg", 3.0); set("sampler_name", "euler"); set("scheduler", "simple");
+  k.connect(0, decode, 0);
+  decode.connect(0, preview, 0);
+  return {ksampler: String(k.id), added: [apply.id, k.id, decode.id, preview.id]};
+}"""
+REMOVE_NODES = "(ids) => { const g = window.app.graph; for (const id of ids) g.remove(g.getNodeById(id)); }"
+
+
+def test_comfyuis_own_ksampler_on_comfy_model_gets_the_panel(comfy, page):
+    """Issue 25 item 14: a run of ComfyUI's KSampler on comfy_model (with Apply Cache-DiT) sends the same run events
+    as SGLDiffusion KSampler, and the page shows them on that KSampler: its timeline is the run's step mask."""
+    ks, cache = ids_from_first_test()
+    added = page.evaluate(ADD_COMFY_KSAMPLER, [ks, cache])
+    k = added["ksampler"]
+    try:
+        page.evaluate(QUEUE_UI)
+        pid = prompt_id(page)
+        panel = wait_state(page, k, "done", 90_000)
+        assert comfy.wait(pid, 30)["status"]["status_str"] == "success"
+        done = [e["detail"] for e in events(page) if e["type"] == "sgldiffusion.run"
+                and e["detail"].get("node") == k and e["detail"].get("state") == "done"]
+        assert done, events(page)
+        assert panel["mask"] == done[-1]["step_mask"] and panel["cached"] > 0, (panel, done[-1])
+        assert f"{done[-1]['calls_computed']}/{done[-1]['model_calls']} computed" in panel["text"], panel["text"]
+        # the server keeps it as that node's last run, for this graph
+        prompt = page.evaluate("async () => (await window.app.graphToPrompt()).output")
+        wf = page.evaluate("() => window.app.graph.id")
+        runs = requests.post(comfy.url + "/sgldiffusion/last_runs", json={"workflow": wf, "prompt": prompt}, timeout=10).json()["runs"]
+        assert runs[k]["step_mask"] == done[-1]["step_mask"], runs
+    finally:
+        page.evaluate(REMOVE_NODES, added["added"])
     assert not SHARED["errors"], SHARED["errors"]

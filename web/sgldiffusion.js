@@ -91,16 +91,21 @@ function findNode(id) {
   return node ?? null;
 }
 
-function ourNodes() {
+function allNodes() {
   const out = [];
   const walk = (g) => {
     for (const n of g?._nodes ?? g?.nodes ?? []) {
-      if (n.comfyClass === KSAMPLER || n.type === KSAMPLER) out.push(n);
+      out.push(n);
       if (n.subgraph) walk(n.subgraph);
     }
   };
   walk(app.graph);
   return out;
+}
+
+// SGLDiffusion KSamplers, and any other sampler that ran on our comfy_model output (it has a panel by then)
+function ourNodes() {
+  return allNodes().filter((n) => (n.comfyClass ?? n.type) === KSAMPLER || n.__sgldPanel);
 }
 
 // -- the run panel ---------------------------------------------------------------------------------------------
@@ -286,9 +291,11 @@ async function restoreRuns(nodeIds = null, reusedFor = null) {
   } catch (e) {
     return; // an older pack or an unreachable server: the panel stays as it is
   }
-  for (const node of ourNodes()) {
+  // the server keeps runs of SGLDiffusion KSamplers and of ComfyUI's samplers on comfy_model alike
+  for (const node of allNodes()) {
     const id = String(node.id);
     const rec = runs[id];
+    if (!rec && (node.comfyClass ?? node.type) !== KSAMPLER) continue;
     const panel = panelOf(node);
     if (!rec || !panel || (nodeIds && !nodeIds.includes(id))) continue;
     if (reusedFor) {
@@ -324,8 +331,8 @@ function otherWorkflow(record) {
 
 function onRunEvent(detail) {
   if (!detail || otherWorkflow(detail)) return;
+  // from SGLDiffusion KSampler, or from any sampler on the Model Loader's comfy_model output
   const node = findNode(detail.node);
-  if (!node || (node.comfyClass ?? node.type) !== KSAMPLER) return;
   const panel = panelOf(node);
   if (!panel) return;
   panel.prompt = detail.prompt_id ?? currentPrompt;
@@ -375,7 +382,7 @@ app.registerExtension({
         const node = findNode(id);
         const panel = panelOf(node, false);
         if (panel) panel.reusedFor = pid;
-        if (node && (node.comfyClass ?? node.type) === KSAMPLER) ours.push(String(id));
+        if (node && ((node.comfyClass ?? node.type) === KSAMPLER || node.__sgldPanel)) ours.push(String(id));
       }
       // reused without a run and without a message: a panel with nothing of this page gets the server's record
       if (ours.length) restoreRuns(ours, pid);
