@@ -6,7 +6,7 @@ import pytest
 
 from engine.cli.common import add_cache_arguments, cache_config
 from engine.features.cache import CacheConfig, CacheConfigError, estimated_speedup, measured_speedup
-from engine.features.cache.docs import render
+from tools.cache_docs import render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +40,7 @@ def test_speedups():
 
 def test_docs_are_generated_from_the_code():
     with open(os.path.join(ROOT, "docs", "cache_dit.md")) as f:
-        assert f.read() == render(), "docs/cache_dit.md is stale: run python -m engine.features.cache.docs docs/cache_dit.md"
+        assert f.read() == render(), "docs/cache_dit.md is stale: run python -m tools.cache_docs docs/cache_dit.md"
     text = render()
     for n in (8, 20, 28, 50):
         assert f"{n} steps" in text

@@ -1,10 +1,10 @@
-"""Writes docs/cache_dit.md from the code: ``python -m engine.features.cache.docs [out.md]``."""
+"""Writes docs/cache_dit.md from the code: ``python -m tools.cache_docs [out.md]``."""
 from __future__ import annotations
 
 import sys
 
-from .config import DEFAULTS, PRESET_KNOBS
-from .masks import ALIASES, PRESETS, mask_note, mask_str, preset_mask
+from engine.features.cache.config import DEFAULTS, PRESET_KNOBS
+from engine.features.cache.masks import ALIASES, PRESETS, mask_note, mask_str, preset_mask
 
 STEP_COUNTS = (8, 20, 28, 50)
 ORDER = ("quality", "balanced", "fast", "slow", "ultra")
