@@ -99,7 +99,7 @@ def main(argv=None):
         with open(argv[0], "w") as f:
             f.write(text)
     else:
-        print(text)
+        print(text, end="")
 
 
 if __name__ == "__main__":
