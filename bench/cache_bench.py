@@ -186,8 +186,8 @@ def random_bench(n_pairs: int, layers: int = 36) -> Bench:
 
 def demo_bench(n_pairs: int, weights: Optional[str] = None) -> Bench:
     from engine import open_demo
-    from engine.models.demo import data as demo_data
-    from engine.models.demo.judge import passes
+    from tools.demo import data as demo_data
+    from tools.demo.judge import passes
 
     demo = open_demo(weights)
     uncond = demo.encode([""])

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import open_demo  # noqa: E402
 from engine.models.demo import DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_STEPS  # noqa: E402
-from engine.models.demo import data, judge  # noqa: E402
+from tools.demo import data, judge  # noqa: E402
 
 
 def held_out(n: int, start: int = data.HELD_OUT_SEED_START):

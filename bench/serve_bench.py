@@ -29,7 +29,7 @@ import requests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from engine.models.demo.data import COLOURS, SHAPES, SIZES, WHERE  # noqa: E402
+from tools.demo.data import COLOURS, SHAPES, SIZES, WHERE  # noqa: E402
 
 MODEL = "sgld-demo"
 

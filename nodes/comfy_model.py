@@ -84,8 +84,8 @@ def _config_class(demo: bool):
 
 class PaddedText(comfy.conds.CONDRegular):
     """Text features [B, T, C] that batch with other lengths by zero-padding; ``text_lens`` tells the DiT which
-    tokens are real. (ComfyUI's CONDCrossAttn repeats tokens instead, which changes ERNIE-Image's joint
-    attention, so prompt and negative of different lengths would not share one call.)"""
+    tokens are real, so prompt and negative of different lengths share one call (plain CONDRegular, as ComfyUI
+    0.19+'s native ERNIE-Image uses, runs them as separate calls; docs/comfyui_model.md)."""
 
     def can_concat(self, other):
         a, b = self.cond.shape, other.cond.shape

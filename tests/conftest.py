@@ -7,6 +7,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import comfy_server  # noqa: E402  (tests/ is on sys.path: pytest puts a conftest's folder there)
+
+
+@pytest.fixture(scope="module")
+def comfy(request, tmp_path_factory):
+    """A real ComfyUI 0.3.75 server with this pack for the whole test module, stopped (its process group) at
+    the end. The module fills the server's base folder with its own ``comfy_base(base)`` (default: the folders
+    alone, tests/comfy_server.py make_base_dir) and may give ``COMFY_ARGS`` (extra command-line arguments)."""
+    base = str(tmp_path_factory.mktemp("comfy"))
+    getattr(request.module, "comfy_base", comfy_server.make_base_dir)(base)
+    server = comfy_server.start_server(base, getattr(request.module, "COMFY_ARGS", ()))
+    try:
+        yield server
+    finally:
+        server.stop()
+
 
 @pytest.fixture
 def tiny_checkpoint(tmp_path):

@@ -1,12 +1,15 @@
 """Cache-DiT: CLI flags, speedup statistics, generated docs."""
 import argparse
+import importlib.util
+import json
 import os
+import sys
 
 import pytest
 
 from engine.cli.common import add_cache_arguments, cache_config
-from engine.features.cache import CacheConfig, CacheConfigError, estimated_speedup, measured_speedup
-from engine.features.cache.docs import render
+from engine.features.cache import MEASURED_PATH, CacheConfig, CacheConfigError, estimated_speedup, measured_speedup
+from tools.cache_docs import render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,11 +43,12 @@ def test_speedups():
 
 def test_docs_are_generated_from_the_code():
     with open(os.path.join(ROOT, "docs", "cache_dit.md")) as f:
-        assert f.read() == render(), "docs/cache_dit.md is stale: run python -m engine.features.cache.docs docs/cache_dit.md"
+        assert f.read() == render(), "docs/cache_dit.md is stale: run python -m tools.cache_docs docs/cache_dit.md"
     text = render()
     for n in (8, 20, 28, 50):
         assert f"{n} steps" in text
-    assert "SGLANG_CACHE_DIT_SCM_PRESET" in text and "computes every step at 8 steps" in text
+    assert "SGLANG_CACHE_DIT_SCM_PRESET" in text and "`quality` computes every step below 12 steps" in text
+    assert "cache preset '" not in text  # a run's warning is not pasted in as a sentence
 
 
 def test_run_line():
@@ -56,3 +60,23 @@ def test_run_line():
     line = run_line(st)
     assert line.startswith("Cache-DiT fast: 3/4 model calls computed (1 cached), measured 1.2") and "mask 1011" in line
     assert run_line(RunStats(steps=2, model_calls=2, step_mask=[True, True])) == "Cache-DiT off: 2/2 model calls computed"
+
+
+def test_shipped_preset_figures_are_the_bench_tables():
+    """engine/features/cache/measured.json ships (the Cache-DiT node's tooltip reads it; bench/ does not ship):
+    it must be what bench/cache_bench.py derives from the committed tables (``--merge`` rewrites it)."""
+    spec = importlib.util.spec_from_file_location("cache_bench", os.path.join(ROOT, "bench", "cache_bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["cache_bench"] = bench  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(bench)
+        rows = {}
+        for name in ("cache_results_random.json", "cache_results_demo.json"):
+            with open(os.path.join(ROOT, "bench", name)) as f:
+                rows.update(json.load(f))
+        derived = json.loads(json.dumps(bench.measured(rows)))
+    finally:
+        sys.modules.pop("cache_bench", None)
+    with open(MEASURED_PATH) as f:
+        assert json.load(f) == derived, ("run: python bench/cache_bench.py --merge bench/cache_results_random.json "
+                                              "bench/cache_results_demo.json")

@@ -1,8 +1,10 @@
 """The `sgld` command line and the two ways the engine is imported."""
 import json
 import os
+import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -116,24 +118,54 @@ def test_generate_with_cache_preset_and_bad_preset(tmp_path):
     assert bad.returncode == 2 and "turbo" in bad.stderr and "balanced" in bad.stderr and "Traceback" not in bad.stderr
 
 
+# What only developers run: never in the wheel or the Comfy Registry pack (tools/: docs/architecture.md).
+DEVELOPER_ONLY = ("tests/", "bench/", "tools/", "scripts/", ".ci/")
+DEVELOPER_MODULES = ("demo/train.py", "demo/judge.py", "demo/data.py", "cache_docs.py", "cache/docs.py")
+
+
+def tracked_copy(dest):
+    """A copy of this tree as git would track it (committed and new files, minus .gitignore's)."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for rel in filter(None, files):
+        if os.path.isfile(os.path.join(ROOT, rel)):  # not a file deleted in the work tree
+            os.makedirs(dest / os.path.dirname(rel), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, rel), dest / rel)
+    return dest
+
+
+def developer_files(names):
+    return sorted(n for n in names if n.startswith(DEVELOPER_ONLY) or n.endswith(DEVELOPER_MODULES))
+
+
+def test_wheel_ships_the_engine_and_its_data_but_no_developer_tools(tmp_path):
+    """`pip install .` of this tree: the engine package with the demo weights and the Cache-DiT figures the node
+    reads, the `sgld` command; no tests, benchmarks, demo training / judge or docs generator."""
+    tree = tracked_copy(tmp_path / "src")
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(tmp_path / "wheel"), str(tree)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (whl,) = (tmp_path / "wheel").glob("*.whl")
+    with zipfile.ZipFile(whl) as z:
+        names = z.namelist()
+        entry_points = next(z.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"engine"}
+    for f in ("engine/__init__.py", "engine/cli/__init__.py", "engine/models/demo/__init__.py",
+              "engine/models/demo/weights/demo.safetensors", "engine/features/cache/measured.json"):
+        assert f in names, f"{f} missing from the wheel"
+    assert "sgld = engine.cli:main" in entry_points
+    assert developer_files(names) == []
+
+
 def test_comfy_node_pack_ships_what_users_run(tmp_path):
     """`comfy node pack` (comfy-cli: the git-tracked files minus .comfyignore, plus [tool.comfy] includes)
     on a copy of this tree as git would track it: the pack's code, web extension, workflows with their
-    thumbnails, the demo weights, LICENSE, README and metadata; no tests/ and no benchmarks."""
-    import shutil
-    import zipfile
-
+    thumbnails, the demo weights, LICENSE, README and metadata; no tests/, benchmarks or tools/."""
     cli = os.path.join(ROOT, ".cache", "venv-cli", "bin", "comfy")
     cli = cli if os.path.exists(cli) else shutil.which("comfy")
     if not cli:
         pytest.skip("comfy-cli not installed (bash scripts/comfyui.sh installs it into .cache/venv-cli)")
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split("\0")
-    tree = tmp_path / "pack"
-    for rel in filter(None, files):
-        if os.path.isfile(os.path.join(ROOT, rel)):  # not a file deleted in the work tree
-            os.makedirs(tree / os.path.dirname(rel), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, rel), tree / rel)
+    tree = tracked_copy(tmp_path / "pack")
     for cmd in (["init", "-q"], ["add", "-A"]):
         subprocess.run(["git", *cmd], cwd=tree, check=True, capture_output=True)
     r = subprocess.run([cli, "--skip-prompt", "--no-enable-telemetry", "node", "pack"], cwd=tree, capture_output=True,
@@ -149,9 +181,10 @@ def test_comfy_node_pack_ships_what_users_run(tmp_path):
         assert f in names, f"{f} missing from the pack"
     workflows = sorted(n for n in names if n.startswith("workflows/"))
     assert workflows and all(n.replace(".json", ".jpg") in names for n in workflows if n.endswith(".json")), workflows
-    assert not [n for n in names if n.startswith("tests/")]
     # no bench/: the Cache-DiT node's preset tooltip reads the figures from the engine package
-    assert not [n for n in names if n.startswith("bench/")] and "engine/features/cache/measured.json" in names
+    assert "engine/features/cache/measured.json" in names
+    assert [n for n in developer_files(names) if not n.startswith("scripts/")] == []
+    assert "scripts/setup.sh" in names and not [n for n in names if n.startswith("scripts/") and n != "scripts/setup.sh"]
     with open(os.path.join(ROOT, "LICENSE")) as f:
         text = f.read()
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text

@@ -43,19 +43,13 @@ def compat_module():
     return pack_modules.node_module("compat")
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("comfy-compat"))
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
+def comfy_base(base):
     cs.make_base_dir(base)
     settings = os.path.join(base, "user", "default")
     os.makedirs(settings, exist_ok=True)
     with open(os.path.join(settings, "comfy.settings.json"), "w") as f:  # no first-run template dialog
         json.dump({"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False}, f)
-    server = cs.start_server(base)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -27,15 +27,9 @@ REPAINT = 0.6
 test_pack = cs.load_test_pack()
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("comfy-base"))
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
+def comfy_base(base):
     cs.base_with_tiny_model(base, TINY)
-    server = cs.start_server(base)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def pixel_mask() -> torch.Tensor:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 import comfy_server as cs
@@ -17,16 +16,10 @@ from test_serve import Server
 LORA = "style.safetensors"
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    if not os.path.exists(os.path.join(cs.COMFY_DIR, ".sgld-ready")):
-        pytest.skip("ComfyUI is not installed (scripts/comfyui.sh)")
-    base = str(tmp_path_factory.mktemp("comfy-lora-node"))
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
+def comfy_base(base):
     cs.base_with_tiny_model(base)
     write_lora(os.path.join(base, "models", "loras", LORA), make_pairs(BLOCK_LINEARS, seed=21), "ai_toolkit")
-    server = cs.start_server(base)
-    yield server
-    server.stop()
 
 
 def lora_graph(source, into_comfy_ksampler=False, output=0, prefix="lora-node"):

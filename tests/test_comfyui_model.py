@@ -37,19 +37,10 @@ def write_lora(path: str, rank: int = 2) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("comfy-model"))
-    cs.make_base_dir(base)
-    models = os.path.join(base, "models")
-    cs.write_tiny_checkpoint(os.path.join(models, "diffusion_models", MODEL))
-    os.makedirs(os.path.join(models, "loras"), exist_ok=True)
-    write_lora(os.path.join(models, "loras", LORA))
-    server = cs.start_server(base)
-    try:
-        yield server
-    finally:
-        server.stop()
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
+def comfy_base(base):
+    cs.base_with_tiny_model(base, MODEL)
+    write_lora(os.path.join(base, "models", "loras", LORA))
 
 
 def run_ok(server, prompt, timeout=240) -> dict:
@@ -209,7 +200,8 @@ def test_free_unloads_our_model_and_the_next_run_reloads_it(comfy):
 
 
 def test_demo_with_comfyuis_ksampler_makes_a_picture_the_judge_passes(comfy):
-    from engine.models.demo import codec, judge
+    from engine.models.demo import codec
+    from tools.demo import judge
 
     prompt = "a large red circle on the left, on a blue background"
     g = {

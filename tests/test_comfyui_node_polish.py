@@ -4,7 +4,6 @@ content that ran it (a template loaded again under the same workflow id, then ch
 from __future__ import annotations
 
 import json
-import os
 import uuid
 
 import pytest
@@ -12,15 +11,9 @@ import pytest
 import comfy_server as cs
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    if not os.path.exists(os.path.join(cs.COMFY_DIR, ".sgld-ready")):
-        pytest.skip("ComfyUI is not installed (scripts/comfyui.sh)")
-    base = str(tmp_path_factory.mktemp("comfy-polish"))
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
+def comfy_base(base):
     cs.base_with_tiny_model(base)
-    server = cs.start_server(base)
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -46,19 +46,13 @@ def write_lora(path: str, rank: int = 2) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("comfy-offload"))
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
+def comfy_base(base):
     cs.make_base_dir(base)
     models = os.path.join(base, "models")
     write_checkpoint(os.path.join(models, "diffusion_models", MODEL))
     os.makedirs(os.path.join(models, "loras"), exist_ok=True)
     write_lora(os.path.join(models, "loras", LORA))
-    server = cs.start_server(base)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def graph(seed: int, options: dict, lora: bool = False) -> dict:

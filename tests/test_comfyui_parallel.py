@@ -8,7 +8,6 @@ import os
 import time
 
 import psutil
-import pytest
 import torch
 
 try:  # tests/ may or may not be a package
@@ -20,16 +19,10 @@ TINY = "tiny-ernie.safetensors"
 LOADER = "SGLDiffusionModelLoader"
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("comfy-parallel"))
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
+def comfy_base(base):  # the fixture stops the whole process group: the server and any worker left
     cs.make_base_dir(base)
     cs.write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", TINY))
-    server = cs.start_server(base)
-    try:
-        yield server
-    finally:
-        server.stop()  # the whole process group: the server and any worker left
 
 
 def graph(seed: int, **loader_options) -> dict:

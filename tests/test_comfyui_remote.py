@@ -16,9 +16,10 @@ import torch
 from PIL import Image
 from safetensors.torch import save
 
-from comfy_server import error_message, free_port, saved_latent, start_server
-from engine.models.demo import EXAMPLE_PROMPT, judge
+from comfy_server import error_message, free_port, saved_latent
+from engine.models.demo import EXAMPLE_PROMPT
 from test_serve import Server
+from tools.demo import judge
 
 KEY = "remote-key"
 DEMO_CHOICE = "sgld-demo (embedded, 64x64)"
@@ -32,11 +33,7 @@ def sgld(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory, sgld):
-    server = start_server(str(tmp_path_factory.mktemp("comfy")))
-    yield server
-    server.stop()
+# The ComfyUI server is tests/conftest.py's `comfy` fixture (the folders alone: the models are on the sgld server).
 
 
 def sample_graph(model_node: dict, *, seed: int = 7, steps: int = 6, cfg: float = 3.0, prefix: str = "remote") -> dict:

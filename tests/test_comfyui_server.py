@@ -42,9 +42,11 @@ DIM = cs.text_dim()  # text features per token of the tiny model
 test_pack = cs.load_test_pack()
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("comfy-base"))
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
+COMFY_ARGS = ("--preview-method", "auto")
+
+
+def comfy_base(base):
     cs.make_base_dir(base)
     models = os.path.join(base, "models")
     cs.write_tiny_checkpoint(os.path.join(models, "diffusion_models", TINY))
@@ -57,11 +59,6 @@ def comfy(tmp_path_factory):
               os.path.join(models, "diffusion_models", "not-ernie.safetensors"))
     for name in ("pickled.ckpt", "pickled.pt"):  # pickles must be refused without being unpickled
         torch.save({"x_embedder.proj.weight": torch.zeros(2)}, os.path.join(models, "diffusion_models", name))
-    server = cs.start_server(base, ["--preview-method", "auto"])
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +333,7 @@ def test_demo_workflow_runs_on_cpu_and_the_judge_accepts_it(comfy, object_info):
     import numpy as np
     from PIL import Image
 
-    from engine.models.demo.judge import judge
+    from tools.demo.judge import judge
 
     with open(DEMO_WORKFLOW) as f:
         api = ui_to_api(json.load(f), object_info)

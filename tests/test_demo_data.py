@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models.demo import codec, data, judge
+from engine.models.demo import codec
 from engine.models.demo.text_encoder import WordTokenizer
+from tools.demo import data, judge
 
 
 def test_generator_is_deterministic_by_seed():

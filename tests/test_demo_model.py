@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine import Engine, load_model
-from engine.models.demo import (DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_STEPS, DEMO_WEIGHTS, is_demo_file, judge, load_demo)
+from engine.models.demo import DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_STEPS, DEMO_WEIGHTS, is_demo_file, load_demo
+from tools.demo import judge
 
 # (prompt, seed) pairs checked at FEW_STEPS; all passed when the weights were trained.
 FEW_STEPS = 12

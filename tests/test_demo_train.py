@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from engine.models.demo import codec, data, train
+from engine.models.demo import codec
+from tools.demo import data, train
 
 
 def test_object_weights_cover_the_object_and_the_background_around_it():

@@ -1,5 +1,5 @@
 """The house rules on imports (docs/architecture.md), checked on the source: no import cycle among the
-modules of engine/ and nodes/, engine/ never imports ComfyUI or nodes/, and imports sit at the top of a
+modules of engine/, nodes/ and tools/, engine/ never imports ComfyUI or nodes/, neither imports tools/, and imports sit at the top of a
 module except for optional dependencies (a kernel, ComfyUI's own modules, torch._dynamo)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Dict, Iterator, List, Set, Tuple
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("engine", "nodes")
+PACKAGES = ("engine", "nodes", "tools")
 # Imported inside a function on purpose: absent on some machines (kernels, scipy), only there inside a
 # running ComfyUI (its modules), or slow to import and needed only by one option (torch._dynamo).
 OPTIONAL = ("sageattention", "flash_attn", "scipy", "torch._dynamo", "comfy", "comfy_execution", "server",
@@ -111,7 +111,8 @@ def test_no_import_cycles():
 # The layers of docs/architecture.md, lowest first: a module imports only from its own layer or below.
 LAYERS = [("engine.errors", "engine.options"), ("engine.models.ernie_image",), ("engine.io",),
           ("engine.models",), ("engine.features",), ("engine.config", "engine.sampling"), ("engine.inputs", "engine.local"),
-          ("engine.engine",), ("engine.parallel",), ("engine.router",), ("engine", "engine.cli", "engine.serve", "nodes")]
+          ("engine.engine",), ("engine.parallel",), ("engine.router",), ("engine", "engine.cli", "engine.serve", "nodes"),
+          ("tools",)]  # developer tools (not shipped) sit on top: nothing below may import them
 
 
 def layer(module: str) -> int:
@@ -142,6 +143,14 @@ def test_engine_never_imports_comfyui_or_nodes():
             for node, names, _ in imports(m, path):
                 if names[0].split(".")[0] in COMFYUI:
                     bad.append(f"{path}:{node.lineno}: {names[0]}")
+    assert bad == []
+
+
+def test_the_shipped_packages_never_import_tools():
+    """tools/ is in neither the wheel nor the Comfy Registry pack (tests/test_cli_and_packaging.py): engine/ and
+    nodes/ must run without it, at import time or inside a function."""
+    bad = [f"{os.path.relpath(path, ROOT)}:{node.lineno}: {names[0]}" for m, path in modules().items()
+           if not m.startswith("tools") for node, names, _ in imports(m, path) if names[0].split(".")[0] == "tools"]
     assert bad == []
 
 

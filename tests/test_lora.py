@@ -492,7 +492,7 @@ def test_node_reports_wrong_files_on_the_node(pack):
 
 # -- a LoRA trained here on the demo model: blue backgrounds rendered green -----------------------------------
 def _blue_scene(rng):
-    from engine.models.demo import data
+    from tools.demo import data
 
     while True:
         sc = data.Scene(data.random_scene(rng).objects, "blue")
@@ -505,8 +505,9 @@ def train_demo_lora(demo, steps=200, batch=2, rank=4, lr=3e-3, seed=0):
     background -> images with a green one. Returns {module: (A, B)}."""
     import numpy as np
 
-    from engine.models.demo import codec, data
-    from engine.models.demo.train import sample_sigma
+    from engine.models.demo import codec
+    from tools.demo import data
+    from tools.demo.train import sample_sigma
     from engine.engine import pad_text
 
     dit = demo.dit
@@ -544,7 +545,7 @@ def test_lora_trained_on_the_demo_model_changes_what_the_judge_sees(tmp_path):
     import numpy as np
 
     from engine.models.demo import load_demo
-    from engine.models.demo.judge import judge
+    from tools.demo.judge import judge
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the shared 2-core machine: one thread is several times faster

@@ -26,7 +26,8 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from engine.models.demo import EXAMPLE_PROMPT, judge
+from engine.models.demo import EXAMPLE_PROMPT
+from tools.demo import judge
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key"

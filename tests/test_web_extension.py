@@ -132,23 +132,17 @@ def workflow():
         return os.path.relpath(path, ROOT), json.load(f)
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
+def comfy_base(base):
+    """The base folder of tests/conftest.py's `comfy` server for this module (and test_web_layout.py)."""
     missing = _browser_missing()
     if missing:
         pytest.skip(missing)
-    base = str(tmp_path_factory.mktemp("comfy-web"))
     cs.make_base_dir(base)
     cs.write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", TINY))
     settings = os.path.join(base, "user", "default")
     os.makedirs(settings, exist_ok=True)
     with open(os.path.join(settings, "comfy.settings.json"), "w") as f:  # no first-run template dialog
         json.dump({"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False}, f)
-    server = cs.start_server(base)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -84,14 +84,6 @@ class LoRAEntry:
             return 1.0
         return float(self.alpha) / (self.rank ** 0.5 if self.rslora else self.rank)
 
-    def delta(self, weight_shape, device=None) -> torch.Tensor:
-        """The float32 weight difference at strength 1 (already scaled by alpha / rank)."""
-        if self.diff is not None:
-            return self.diff.to(device=device, dtype=torch.float32).reshape(weight_shape)
-        up = self.up.to(device=device, dtype=torch.float32).flatten(1)
-        down = self.down.to(device=device, dtype=torch.float32).flatten(1)
-        return (up @ down).mul_(self.scale).reshape(weight_shape)
-
 
 @dataclass
 class LoRAFile:

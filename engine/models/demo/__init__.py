@@ -11,7 +11,7 @@
 The DiT is a plain ``ErnieImageTransformer`` read by ``engine.load_model`` from the same file
 (``DEMO_WEIGHTS``; keys ``diffusion_model.*``), so ``engine.Engine`` samples it unchanged. Latents
 are the lossless 4x4 space-to-depth of the image (``codec``): [B, 48, 16, 16] for 64x64 pixels.
-Retrain with ``python -m engine.models.demo.train`` (under an hour on 2 CPU cores).
+Retrained with ``python -m tools.demo.train`` from the repository (under an hour on 2 CPU cores).
 """
 from __future__ import annotations
 

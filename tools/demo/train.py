@@ -1,4 +1,4 @@
-"""Train the demo model: ``python -m engine.models.demo.train [--stop-after N] [--out PATH]``.
+"""Train the demo model: ``python -m tools.demo.train [--stop-after N] [--out PATH]``.
 
 Rectified flow in ERNIE-Image's convention: sigma ~ logit-normal (half of them uniform), shifted by
 ComfyUI's shift 3 (sigma' = 3s / (1 + 2s)); x = sigma * noise + (1 - sigma) * x0; the DiT predicts
@@ -12,7 +12,7 @@ Deterministic for a seed and thread count. The run stops at ``--time-limit`` min
 it is; ``--stop-after <steps>`` reproduces a run that stopped early (the step count is in the file's
 metadata, ``demo_config.train``). The shipped weights are one run of the defaults:
 
-    python -m engine.models.demo.train
+    python -m tools.demo.train
 """
 from __future__ import annotations
 
@@ -27,14 +27,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..ernie_image import ErnieImageConfig, ErnieImageTransformer
-from . import codec, data
-from ...io.load import read_model
-from .text_encoder import DemoTextEncoder, TextEncoderConfig, WordTokenizer
-from .weights_io import read_demo_parts, save_demo
+from engine.io.load import read_model
+from engine.models.demo import DEMO_WEIGHTS, codec
+from engine.models.demo.text_encoder import DemoTextEncoder, TextEncoderConfig, WordTokenizer
+from engine.models.demo.weights_io import read_demo_parts, save_demo
+from engine.models.ernie_image import ErnieImageConfig, ErnieImageTransformer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_OUT = os.path.join(HERE, "weights", "demo.safetensors")
+from . import data
+
+DEFAULT_OUT = DEMO_WEIGHTS
 
 HIDDEN = 384
 LAYERS = 4

@@ -1,10 +1,10 @@
-"""Writes docs/cache_dit.md (the README section) from the code: ``python -m engine.features.cache.docs [out.md]``."""
+"""Writes docs/cache_dit.md from the code: ``python -m tools.cache_docs [out.md]``."""
 from __future__ import annotations
 
 import sys
 
-from .config import DEFAULTS, PRESET_KNOBS
-from .masks import ALIASES, mask_note, mask_str, preset_mask
+from engine.features.cache.config import DEFAULTS, PRESET_KNOBS
+from engine.features.cache.masks import ALIASES, PRESETS, mask_note, mask_str, preset_mask
 
 STEP_COUNTS = (8, 20, 28, 50)
 ORDER = ("quality", "balanced", "fast", "slow", "ultra")
@@ -23,19 +23,20 @@ def mask_table() -> str:
 
 
 def render() -> str:
-    notes = [mask_note(p, 8) for p in ORDER if mask_note(p, 8)]
+    notes = [f"`{p}` computes every step below {PRESETS[p].min_steps} steps (it needs that many to keep the image; "
+             f"the run's note says so)." for p in ORDER if mask_note(p, 8)]
     knobs = PRESET_KNOBS["balanced"]
-    return f"""## Cache-DiT (step caching)
+    return f"""# Cache-DiT (step caching)
 
 Cache-DiT reuses work between sampling steps: on a *cached* step the first `Fn` transformer blocks
 run, the saved residual of the middle blocks (predicted by TaylorSeer) is added, and the last `Bn`
 blocks run; every other step computes all blocks (DBCache). Which steps are cached is decided by a
 **step computation mask** (the presets) or by a threshold on how much the first blocks' output
 changed since the last computed step. It needs no training and works with CFG, batches, denoise < 1,
-every sampler (heun: the mask counts model calls) and any resolution; with the cache off the output
-is bit-identical to the uncached engine.
+inpainting masks (blended outside the DiT), every sampler (heun: the mask counts model calls) and any
+resolution; with the cache off the output is bit-identical to the uncached engine.
 
-### Switching it on
+## Switching it on
 
 Two environment variables (the same names SGLang uses):
 
@@ -45,9 +46,12 @@ SGLANG_CACHE_DIT_ENABLED=true SGLANG_CACHE_DIT_SCM_PRESET=fast sgld generate ...
 ```
 
 or the **SGLDiffusion Cache-DiT** node (preset, or `advanced` fields) connected to the `cache` input of
-**SGLDiffusion KSampler**; the node wins over the environment (`enabled` off there = no cache). From
-Python: `engine.sample(..., cache=CacheConfig(preset="balanced"))` or `EngineConfig(cache=...)`;
-`engine.last_run` then holds the step mask that happened, `calls_computed` and the measured speedup.
+**SGLDiffusion KSampler**, or to **SGLDiffusion Apply Cache-DiT** for any sampler on the loader's
+`comfy_model`; the node wins over the environment (`enabled` off there = no cache). CLI: `--cache-preset`
+and the other `--cache-*` flags (`sgld generate --help`); `sgld serve`: a request's `"cache"` field (a
+preset or `off`). From Python: `Engine.sample(..., cache=CacheConfig(preset="balanced"))` or
+`EngineConfig(cache=...)`; the engine's `last_run` then holds the step mask that happened,
+`calls_computed` and the measured speedup.
 
 | variable | values | default | meaning |
 |---|---|---|---|
@@ -69,7 +73,7 @@ Explicitly set knobs override the preset's. Without a preset the threshold decid
 defaults: F1B0, warm-up 4, rdt 0.24, MC 3); the threshold's scale depends on the model, so the
 presets use static masks by default.
 
-### Presets
+## Presets
 
 `quality`, `balanced` and `fast` are the names to use; cache-dit's `medium` is an alias of
 `quality`{' (' + ', '.join(f'{a} = {b}' for a, b in ALIASES.items() if a != 'medium') + ')' if len(ALIASES) > 1 else ''},
@@ -80,9 +84,8 @@ Masks (1 = compute, 0 = cached; computed/total):
 
 {mask_table()}
 
-{' '.join(notes)}
 At 8 steps (ERNIE-Image Turbo) every step is a large part of the trajectory, so the presets cache
-at most two steps there, in the second half.
+at most two steps there, in the second half. {' '.join(notes)}
 
 Targets at 50 steps (wall clock of sampling): quality 1.67x, balanced 2.0x, fast 2.69x; measured
 figures are in `bench/RESULTS.md` (`python bench/cache_bench.py`).
@@ -96,7 +99,7 @@ def main(argv=None):
         with open(argv[0], "w") as f:
             f.write(text)
     else:
-        print(text)
+        print(text, end="")
 
 
 if __name__ == "__main__":
