@@ -177,14 +177,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_server(base: str, extra_args=(), boot_timeout: float = 120) -> ComfyServer:
+def start_server(base: str, extra_args=(), boot_timeout: float = 120, extra_env=None) -> ComfyServer:
+    """A ComfyUI server on ``base`` (``extra_env``: variables the server process gets besides this one's)."""
     ensure_comfyui()
     make_base_dir(base)
     port = free_port()
     log_path = os.path.join(base, "comfyui.log")
     cmd = [python(), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
            "--base-directory", base, "--disable-auto-launch", *extra_args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DO_NOT_TRACK="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DO_NOT_TRACK="1", **(extra_env or {}))
     env.pop("PYTHONPATH", None)
     logf = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=COMFY_DIR, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

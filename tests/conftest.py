@@ -14,10 +14,13 @@ import comfy_server  # noqa: E402  (tests/ is on sys.path: pytest puts a conftes
 def comfy(request, tmp_path_factory):
     """A real ComfyUI 0.3.75 server with this pack for the whole test module, stopped (its process group) at
     the end. The module fills the server's base folder with its own ``comfy_base(base)`` (default: the folders
-    alone, tests/comfy_server.py make_base_dir) and may give ``COMFY_ARGS`` (extra command-line arguments)."""
+    alone, tests/comfy_server.py make_base_dir) and may give ``COMFY_ARGS`` (extra command-line arguments) and
+    ``COMFY_ENV`` (the server's extra environment: a dict, or a function of the base folder giving one)."""
     base = str(tmp_path_factory.mktemp("comfy"))
     getattr(request.module, "comfy_base", comfy_server.make_base_dir)(base)
-    server = comfy_server.start_server(base, getattr(request.module, "COMFY_ARGS", ()))
+    env = getattr(request.module, "COMFY_ENV", {})
+    server = comfy_server.start_server(base, getattr(request.module, "COMFY_ARGS", ()),
+                                       extra_env=env(base) if callable(env) else env)
     try:
         yield server
     finally:

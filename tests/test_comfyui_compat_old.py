@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 
 try:  # tests/ may or may not be a package
     from . import comfy_server as cs
@@ -21,20 +20,12 @@ except ImportError:
 MODEL = "tiny-ernie.safetensors"
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("comfy-old"))
+COMFY_ENV = {"SGLD_TEST_REMOVE": "flux2_latent_format,flux2_vae"}  # read by the test pack's prestartup script
+
+
+def comfy_base(base):
     cs.make_base_dir(base)
     cs.write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", MODEL))
-    os.environ["SGLD_TEST_REMOVE"] = "flux2_latent_format,flux2_vae"
-    try:
-        server = cs.start_server(base)
-    finally:
-        os.environ.pop("SGLD_TEST_REMOVE")
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_startup_line_says_what_does_not_work(comfy):

@@ -10,7 +10,6 @@ import json
 import os
 import time
 
-import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -27,9 +26,7 @@ PEFT_LORA = "peft-lora.safetensors"
 NAN_KEY = "diffusion_model.layers.0.self_attention.to_q.lora_up.weight"
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("comfy-hardening"))
+def comfy_base(base):
     cs.make_base_dir(base)
     models = os.path.join(base, "models")
     cs.write_tiny_checkpoint(os.path.join(models, "diffusion_models", MODEL))
@@ -45,22 +42,12 @@ def comfy(tmp_path_factory):
     h = cs.tiny_config().hidden_size
     save_file({"transformer.layers.0.self_attention.to_q.lora_A.weight": torch.randn(2, h),
                "transformer.layers.0.self_attention.to_q.lora_B.weight": torch.randn(h, 2)}, os.path.join(loras, PEFT_LORA))
-    tmp = os.path.join(base, "tmp")
-    os.makedirs(tmp)
-    old = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = tmp  # the server's shared temp folder, where the old code wrote LoRA files
-    try:
-        server = cs.start_server(base)
-    finally:
-        if old is None:
-            os.environ.pop("TMPDIR")
-        else:
-            os.environ["TMPDIR"] = old
-    server.tmp = tmp
-    try:
-        yield server
-    finally:
-        server.stop()
+    os.makedirs(os.path.join(base, "tmp"))
+
+
+def COMFY_ENV(base):  # noqa: N802 (tests/conftest.py's comfy fixture reads it by this name)
+    """The server's shared temp folder, where the old code wrote LoRA files: a folder of this test's own."""
+    return {"TMPDIR": os.path.join(base, "tmp")}
 
 
 def failed(server, graph, node: str) -> str:
@@ -95,8 +82,8 @@ def test_comfyuis_lora_patches_reach_the_engine_in_memory(comfy):
     entry = comfy.run(ours_and_comfys(comfy_lora=LORA, seed=6), timeout=240)
     assert entry["status"]["status_str"] == "success", cs.error_message(entry)
     assert close(cs.saved_latent(comfy, entry, "8"), cs.saved_latent(comfy, entry, "6"))
-    assert not os.path.exists(os.path.join(comfy.tmp, "sgld-comfy-loras")), os.listdir(comfy.tmp)
-    assert not [f for _, _, files in os.walk(comfy.tmp) for f in files if f.endswith(".safetensors")]
+    assert not os.path.exists(os.path.join(os.path.join(comfy.base, "tmp"), "sgld-comfy-loras")), os.listdir(os.path.join(comfy.base, "tmp"))
+    assert not [f for _, _, files in os.walk(os.path.join(comfy.base, "tmp")) for f in files if f.endswith(".safetensors")]
     assert comfy.run(comfy_only(comfy_lora=LORA, seed=16))["status"]["status_str"] == "success"  # its LoRA active last
     loras = [name for d in comfy.get("/sgldiffusion/models").json()["loaded"] for name, _ in d["loras"]]
     assert f"{LORA} (LoraLoaderModelOnly, node 21)" in loras, loras
@@ -107,7 +94,7 @@ def test_comfy_lora_patches_reach_worker_ranks_in_memory(comfy):
     entry = comfy.run(ours_and_comfys(comfy_lora=LORA, seed=6, loader_options={"num_gpus": 2}), timeout=300)
     assert entry["status"]["status_str"] == "success", cs.error_message(entry)
     assert close(cs.saved_latent(comfy, entry, "8"), cs.saved_latent(comfy, entry, "6"))
-    assert not os.path.exists(os.path.join(comfy.tmp, "sgld-comfy-loras"))
+    assert not os.path.exists(os.path.join(os.path.join(comfy.base, "tmp"), "sgld-comfy-loras"))
 
 
 def test_a_bad_comfy_lora_is_named_by_the_users_file_and_key(comfy):

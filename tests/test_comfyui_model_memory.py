@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
 
 try:  # tests/ may or may not be a package
     from . import comfy_server as cs
@@ -23,26 +22,16 @@ except ImportError:
     from test_comfyui_model import LORA, MODEL, close, ours_and_comfys, write_lora
 
 
-def make_server(base: str, **env):
+def comfy_base(base: str):
     cs.make_base_dir(base)
     cs.write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", MODEL))
     os.makedirs(os.path.join(base, "models", "loras"), exist_ok=True)
     write_lora(os.path.join(base, "models", "loras", LORA))
-    os.environ.update(env)
-    try:
-        return cs.start_server(base)
-    finally:
-        for k in env:
-            os.environ.pop(k)
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    server = make_server(str(tmp_path_factory.mktemp("comfy-memory")))
-    try:
-        yield server
-    finally:
-        server.stop()
+def make_server(base: str, **env):
+    comfy_base(base)
+    return cs.start_server(base, extra_env=env)
 
 
 def probe(server, action="memory", after=None, model=("1", 1)) -> dict:
