@@ -17,18 +17,13 @@ from torch import nn
 
 from ..errors import ParallelConfigError
 from ..models.ernie_image import ErnieImageConfig, ErnieImageTransformer
-from .checkpoint import Checkpoint, CheckpointError, check_architecture, parse_dtype
+from .checkpoint import Checkpoint, CheckpointError, check_architecture, open_checkpoint, parse_dtype
 from .safetensors import nbytes
 
 # Tensor parallel: the block linears split across ranks, and the dim of their weight that is split
 # (0: output features, column parallel, the heads; 1: input features, row parallel, outputs all-reduced).
 SHARD_DIMS = {"self_attention.to_q": 0, "self_attention.to_k": 0, "self_attention.to_v": 0, "mlp.gate_proj": 0,
               "mlp.up_proj": 0, "self_attention.to_out.0": 1, "mlp.linear_fc2": 1}
-
-
-def open_checkpoint(source: Union[str, os.PathLike, Checkpoint]) -> Checkpoint:
-    """``source`` opened (a path), or as it is (a Checkpoint a caller already opened)."""
-    return source if isinstance(source, Checkpoint) else Checkpoint(os.fspath(source))
 
 
 def build_model(cfg: ErnieImageConfig, device: Union[str, torch.device] = "meta") -> ErnieImageTransformer:

@@ -29,7 +29,7 @@ from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import ParallelConfigError
 from ..features.cache import CacheConfig
-from ..io.checkpoint import Checkpoint, check_architecture, parse_dtype
+from ..io.checkpoint import check_architecture, open_checkpoint, parse_dtype
 from ..models.random_weights import random_checkpoint
 from .plan import check_model, make_plan
 from .remote import LocalTransport, RemoteForward
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     local = int(os.environ.get("LOCAL_RANK", 0))
     path = args.model or random_checkpoint(args.size, args.dtype)
     plan = make_plan(args.tp, args.ulysses_degree, args.ring_degree, args.cfg_parallel)
-    ckpt = Checkpoint(path)
+    ckpt = open_checkpoint(path)
     mcfg = check_architecture(ckpt)
     if plan.world_size != world:
         raise ParallelConfigError(f"{plan.describe()} needs {plan.world_size} processes but torchrun started {world} "

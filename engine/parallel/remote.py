@@ -20,7 +20,7 @@ import torch
 from ..config import EngineConfig
 from ..errors import CheckpointError, LoRAError
 from ..features.lora import normalize
-from ..io.checkpoint import Checkpoint, check_architecture, parse_dtype
+from ..io.checkpoint import check_architecture, open_checkpoint, parse_dtype
 from ..sampling import MULTIPLIER
 from .plan import ParallelPlan, check_devices, check_model, make_plan
 from .pool import check_settings, detach, get_pool
@@ -253,7 +253,7 @@ class RemoteForward:
 
 def open_remote_forward(path: str, config: EngineConfig, transport=None, available_gpus: Optional[int] = None) -> RemoteForward:
     """Read the header, validate the plan (before any worker starts) and start the ranks on the weights."""
-    ckpt = Checkpoint(str(path))
+    ckpt = open_checkpoint(path)
     model_config = check_architecture(ckpt)
     plan, backend = validate(config, model_config.num_attention_heads, model_config.ffn_hidden_size, available_gpus)
     dtype = parse_dtype(config.dtype) or ckpt.stored_dtype()

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ...errors import LoRAError
-from ...io.safetensors import CheckpointError, SafetensorsFile
+from ...io.readers import open_file
+from ...io.safetensors import CheckpointError
 from ..fuse import RowView, linear_parts
 from ..quant import quant_modules
 from .peft import PEFT_FORMATS, peft_alpha, peft_config
@@ -187,7 +188,7 @@ def read_lora(path: str, model: nn.Module) -> LoRAFile:
     """Read a LoRA .safetensors file against ``model`` (tensors stay on the CPU in the file's dtype)."""
     path = os.fspath(path)
     try:
-        f = SafetensorsFile(path)
+        f = open_file(path)
     except CheckpointError as e:
         raise LoRAError(str(e)) from None
     keys = list(f.keys())

@@ -9,7 +9,7 @@ from typing import Dict, List, Tuple, Union
 
 import torch
 
-from ...io.checkpoint import CONFIG_METADATA_KEY, Checkpoint, check_architecture, parse_dtype
+from ...io.checkpoint import CONFIG_METADATA_KEY, check_architecture, open_checkpoint, parse_dtype
 from ...io.safetensors import write_safetensors_streaming
 from .formats import SGLD_META_KEY, QuantPlan
 from .modules import is_block_linear, stored_tensors
@@ -25,7 +25,7 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
     target = get_format(kind)
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError("the output file must differ from the input")
-    ckpt = Checkpoint(src)
+    ckpt = open_checkpoint(src)
     cfg = check_architecture(ckpt)
     plan = QuantPlan(ckpt)
     compute = parse_dtype(dtype) or plan.compute_dtype()

@@ -105,6 +105,12 @@ class QuantPlan:
         for fmt in FORMATS.values():  # registration order: the first format that claims a layer has it
             for layer, info in fmt.read_layers(self, keys).items():
                 self.layers.setdefault(layer, {**info, "kind": fmt.name})
+        for k in sorted(keys):  # an integer weight with a scale that no registered format reads
+            layer = k[: -len(".weight")]
+            if (k.endswith(".weight") and layer not in self.layers and not ckpt.header(k)[0].is_floating_point
+                    and (layer + ".weight_scale" in keys or layer + ".weight_zero" in keys)):
+                raise CheckpointError(f"{ckpt.where(k)}: a quantized weight stored as {DTYPE_NAMES[ckpt.header(k)[0]]} "
+                                      f"that no weight format reads (formats: {', '.join(FORMATS)})")
         for layer in declared:
             if layer not in self.layers:
                 raise CheckpointError(f"{ckpt.describe()}: layer '{layer}' is marked quantized but its weight is not float8")

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointError
-from ...io.checkpoint import Checkpoint
-from ...io.load import LoadPlan, Transform, build_model, open_checkpoint
+from ...io.checkpoint import Checkpoint, open_checkpoint
+from ...io.load import LoadPlan, Transform, build_model
 from ...io.safetensors import nbytes
 from ...models.ernie_image import ErnieImageConfig
 from .. import patching
