@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..config import EngineConfig
 from ..engine import Engine
-from ..features import patching
+from ..features.cache import apply_cache, remove_cache
 from ..features.cache.config import ResolvedCache
 from ..features.quant import load_model
 from ..local import open_local
@@ -113,8 +113,9 @@ class WorkerState:
         model = self.engine.model
         runner = cache_runner(ResolvedCache(**plan), branches, self.groups) if plan is not None else None
         self.run = {"text": unpack(text, model.dtype, self.device), "lens": unpack(lens, torch.long, self.device),
-                    "cfg_batched": bool(cfg_batched), "runner": runner,
-                    "before": patching.set_slot(model, "block_runner", runner) if runner is not None else None}
+                    "cfg_batched": bool(cfg_batched), "runner": runner}
+        if runner is not None:
+            apply_cache(model, runner)
         return True
 
     @torch.no_grad()
@@ -135,7 +136,7 @@ class WorkerState:
         run, self.run = self.run, None
         if run is None or run["runner"] is None:
             return None
-        patching.set_slot(self.engine.model, "block_runner", run["before"])
+        remove_cache(self.engine.model)
         return run["runner"].summary()
 
     def cmd_loras(self, items):

@@ -16,7 +16,7 @@ from torch import nn
 
 from ...errors import CheckpointError
 from ...io.checkpoint import Checkpoint, open_checkpoint
-from ...io.load import LoadPlan, Transform, build_model
+from ...io.load import SHARD_DIMS, LoadPlan, Transform, build_model
 from ...io.safetensors import nbytes
 from ...models.ernie_image import ErnieImageConfig
 from .. import patching
@@ -42,6 +42,10 @@ class QuantTransform(Transform):
 
     def compute_dtype(self, ckpt: Checkpoint) -> torch.dtype:
         return self.plan.compute_dtype()
+
+    def prepare(self, model: nn.Module, shard: Optional[Tuple[int, int]]) -> None:
+        if shard is not None:
+            shard_skeleton(model, shard[0])
 
     def check(self, ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]]) -> Set[str]:
         """Pre-quantized layers: their weights must be the model's, in its shapes (as stored, unpacked)."""
@@ -117,6 +121,18 @@ class QuantTransform(Transform):
         if self.plan.quantized or self.kind:
             log.info("loaded %s: %s%s", self.plan.ckpt.describe(), self.plan.describe(),
                      f", quantized to {self.quant} at load" if self.kind else "")
+
+
+def shard_skeleton(model: nn.Module, tp: int) -> None:
+    """Give a meta model's block linears their tensor-parallel shard shapes (through ``replace_module``) and
+    its attention its share of the heads."""
+    with torch.device("meta"):
+        for i, block in enumerate(model.layers):
+            block.self_attention.heads //= tp
+            for name, dim in SHARD_DIMS.items():
+                old = block.get_submodule(name)
+                shape = (old.in_features, old.out_features // tp) if dim == 0 else (old.in_features // tp, old.out_features)
+                patching.replace_module(model, f"layers.{i}.{name}", nn.Linear(*shape, bias=False))
 
 
 def plan_load(checkpoint, dtype=None, quant: Optional[str] = None,
