@@ -26,13 +26,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import EngineConfig
-from ..engine import Engine
 from ..errors import ParallelConfigError
 from ..features.cache import CacheConfig
-from ..io.checkpoint import check_architecture, open_checkpoint, parse_dtype
+from ..io.checkpoint import check_architecture, open_checkpoint
 from ..models.random_weights import random_checkpoint
 from .plan import check_model, make_plan
-from .remote import LocalTransport, RemoteForward
+from ..router import open_engine
+from .remote import LocalTransport
 from .worker import WorkerState
 
 
@@ -85,9 +85,7 @@ def main(argv=None) -> int:
                           ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree, cfg_parallel=args.cfg_parallel)
     state = WorkerState(rank, world, device)
     state.return_all = True
-    forward = RemoteForward(path, config, mcfg, parse_dtype(args.dtype) or ckpt.stored_dtype(), plan, backend,
-                            transport=LocalTransport(state))
-    eng = Engine(forward, config, source=path)
+    eng = open_engine(path, config, transport=LocalTransport(state))
     if args.text:
         feats = load_file(args.text)
         cond, uncond = [feats["cond"]], ([feats["uncond"]] if "uncond" in feats else None)

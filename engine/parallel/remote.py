@@ -252,10 +252,16 @@ class RemoteForward:
 
 
 def open_remote_forward(path: str, config: EngineConfig, transport=None, available_gpus: Optional[int] = None) -> RemoteForward:
-    """Read the header, validate the plan (before any worker starts) and start the ranks on the weights."""
+    """Read the header, validate the plan (before any worker starts) and start the ranks on the weights.
+    ``transport``: ranks that already run (torchrun, across machines): this machine's GPUs are not counted."""
     ckpt = open_checkpoint(path)
     model_config = check_architecture(ckpt)
-    plan, backend = validate(config, model_config.num_attention_heads, model_config.ffn_hidden_size, available_gpus)
+    if transport is None:
+        plan, backend = validate(config, model_config.num_attention_heads, model_config.ffn_hidden_size, available_gpus)
+    else:
+        plan = plan_from_config(config)
+        check_model(plan, model_config.num_attention_heads, model_config.ffn_hidden_size)
+        backend = "nccl" if str(config.device).startswith("cuda") else "gloo"
     dtype = parse_dtype(config.dtype) or ckpt.stored_dtype()
     num_params = sum(torch.Size(shape).numel() for shape in ckpt.shapes().values())
     return RemoteForward(path, config, model_config, dtype, plan, backend, transport, num_params=num_params)

@@ -32,11 +32,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import EngineConfig
-from ..engine import Engine
 from ..features.cache import apply_cache, remove_cache
 from ..features.cache.config import ResolvedCache
 from ..features.quant import load_model
-from ..local import open_local
+from ..router import open_engine
 from ..sampling import MULTIPLIER
 from .comm import build_groups, destroy_groups
 from .forward import ParallelModel, cache_runner
@@ -90,9 +89,9 @@ class WorkerState:
         if plan.tp > 1:
             model = load_model(spec["path"], dtype=config.dtype, device=self.device, quant=config.quant,
                                shard=(plan.tp, self.groups.coords[3]))
-            self.engine = Engine(model, config, source=spec["path"])
+            self.engine = open_engine(model, config, label=spec["path"])
         else:
-            self.engine = Engine(open_local(spec["path"], config), config, source=spec["path"])
+            self.engine = open_engine(spec["path"], config)  # one rank's config: this process
         self.parallel = ParallelModel(self.engine.model, self.groups)
         described = self.engine.describe()
         return {"attention": self.engine.attention_backend, "warnings": list(self.engine.warnings),
