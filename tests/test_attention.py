@@ -327,6 +327,7 @@ def test_a_registered_backend_is_listed_chosen_and_run(counted_backend):
     above sage and flash), described with torch's version (no package) and is what the model calls."""
     backend, calls = counted_backend
     assert "counted" in A.backend_names() and "counted" in A.available_backends("cpu", torch.float32, 64)
+    assert EngineConfig(attention="Counted").attention == "counted"  # the option's choices are the table's
     choice = A.select_backend("counted", "cpu", torch.float32, 64, log_choice=False)
     assert (choice.name, choice.reason, choice.warnings) == ("counted", "test kernel", [])
     assert choice.version.startswith("torch ")

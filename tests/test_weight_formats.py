@@ -83,6 +83,7 @@ def test_the_quant_option_offers_the_tables_names():
 
 def test_a_registered_format_is_parsed_applied_fused_and_split(int8):
     assert Q.parse_format("int8") == ("int8", 0) and "int8" in Q.choices()
+    assert "int8" in declared(EngineConfig)["quant"].choices and EngineConfig(quant="INT8").quant == "int8"
     ref = random_model(CFG, seed=0)
     with torch.no_grad():
         y_ref = ref(*_inputs()).float()

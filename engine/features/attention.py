@@ -21,6 +21,7 @@ from torch import nn
 
 from ..models.ernie_image import sdpa  # the model's own attention: the default backend
 from . import patching
+from .tables import LiveNames
 
 log = logging.getLogger("sgld.attention")
 
@@ -370,7 +371,7 @@ def backend_names() -> Tuple[str, ...]:
 for _b in (Backend("sdpa", sdpa, _pytorch), Backend("sage", sage, _check_sage, "sageattention", auto=2),
            Backend("flash", flash, _check_flash, "flash_attn", auto=1), Backend("math", math_attention, _pytorch)):
     register_backend(_b)
-BACKENDS = backend_names()  # EngineConfig.attention's choices, from the table
+BACKENDS = LiveNames(backend_names)  # EngineConfig.attention's choices: the table's, read when asked
 FUNCTIONS: Dict[str, Callable] = {n: b.fn for n, b in BACKEND_TABLE.items()}  # the built-ins' functions (benchmarks)
 
 

@@ -6,6 +6,7 @@ formats: pre-quantized files (``QuantPlan``); loading: quantize-on-read in the l
 convert: ``sgld quantize``. Formats and compute paths: docs/quantization.md; adding a format:
 docs/architecture.md.
 """
+from ..tables import LiveNames
 from .convert import quantize_file
 from .formats import QuantPlan
 from .loading import QuantTransform, estimate_bytes, load_model, plan_load
@@ -18,7 +19,7 @@ from .registry import (WeightFormat, choices, format_of, get_format, parse_forma
                        unregister_format)
 from .registry import FORMATS as FORMAT_TABLE
 
-FORMATS = choices()  # EngineConfig.quant's choices, from the table (int4 = groups of 128)
+FORMATS = LiveNames(choices)  # EngineConfig.quant's choices: the table's, read when asked (int4 = groups of 128)
 
 __all__ = ["BLOCK_LINEARS", "FORMATS", "FORMAT_TABLE", "FP8_DTYPE", "FP8_MAX", "QUANT_MODULES", "FP8Linear", "Int4Linear",
            "QuantPatch", "QuantPlan", "QuantTransform", "WeightFormat", "apply_quant", "choices", "dequantize_fp8",
