@@ -214,7 +214,7 @@ def _fp8_layer(ckpt, layer: str, keys, style: str, scaled: bool, legacy: bool) -
             want = layer + (".weight_scale" if style == "sgld" or not legacy else ".scale_weight")
             raise CheckpointError(f"{ckpt.where(wkey)}: fp8 weight without its scale '{want}' (this file's fp8 "
                                   "weights are scaled; only a file without any fp8 scale reads as scale 1)")
-        return {"kind": "fp8", "scale_key": None, "shape": wshape}
+        return {"scale_key": None, "shape": wshape}
     skey = present[0]
     sdtype, sshape = ckpt.header(skey)
     per_channel = len(wshape) == 2 and sshape == (wshape[0],)
@@ -229,7 +229,7 @@ def _fp8_layer(ckpt, layer: str, keys, style: str, scaled: bool, legacy: bool) -
     if not ok:
         raise CheckpointError(f"{ckpt.where(skey)}: scale of fp8 weight '{wkey}' {list(wshape)} is "
                               f"{DTYPE_NAMES[sdtype]} {list(sshape)}; allowed: {allowed}")
-    return {"kind": "fp8", "scale_key": skey, "shape": wshape}
+    return {"scale_key": skey, "shape": wshape}
 
 
 def _int4_layer(ckpt, layer: str, keys) -> dict:
@@ -252,4 +252,4 @@ def _int4_layer(ckpt, layer: str, keys) -> dict:
     if ckpt.header(skey)[1] != ckpt.header(zkey)[1]:
         raise CheckpointError(f"{ckpt.where(zkey)} has shape {list(ckpt.header(zkey)[1])}, but '{skey}' has "
                               f"{list(ckpt.header(skey)[1])}; they must match")
-    return {"kind": "int4", "scale_key": skey, "zero_key": zkey, "shape": (out, in_features)}
+    return {"scale_key": skey, "zero_key": zkey, "shape": (out, in_features)}

@@ -26,7 +26,8 @@ class WeightFormat:
     group, dense dtype)``: bytes at rest once quantized; ``from_stored(parts)`` / ``dequantize(parts)``: a
     module / the float32 weight from a file's tensors ({"weight", "weight_scale", "weight_zero"}, scale and
     zero possibly None); ``read_layers(plan, keys)``: the file's layers in this format, each checked from the
-    header (engine/features/quant/formats.py); ``concat(parts)`` / ``rows(module, start, stop)``: fused
+    header, as {layer: {"scale_key", "zero_key" (either may be absent or None), "shape" ([out, in] unpacked)}}
+    (engine/features/quant/formats.py); ``concat(parts)`` / ``rows(module, start, stop)``: fused
     projections' join of same-format parts (with their joined bias; None: cannot be joined) and split (the
 part's bias given); ``join(leaf, tensors, rows)``: one checkpoint
     tensor per part -> the fused tensor (a per-tensor scale repeated per row); ``packed``: the file stores the
