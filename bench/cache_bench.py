@@ -37,6 +37,7 @@ if ROOT not in sys.path:
 
 from engine.features.cache import ALL_PRESETS, MEASURED_PATH, CacheConfig, mask_str  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.router import open_engine  # noqa: E402
 from engine.models.random_weights import SIZES, random_model  # noqa: E402
 
 
@@ -180,7 +181,7 @@ def random_bench(n_pairs: int, layers: int = 36) -> Bench:
         a = lat[0].permute(1, 2, 0).numpy()
         return a, None
 
-    return Bench(f"random tiny ({layers} blocks, hidden {cfg.hidden_size}, 16x16 latent, CFG 4)", Engine(model), pairs,
+    return Bench(f"random tiny ({layers} blocks, hidden {cfg.hidden_size}, 16x16 latent, CFG 4)", open_engine(model), pairs,
                  torch.zeros(1, cfg.in_channels, 16, 16), 4.0, to_image=to_image)
 
 
@@ -479,7 +480,7 @@ def alternating_timing(seconds: float, steps: int = 50, batch: int = 2) -> dict:
     import statistics
 
     model = random_model(replace(SIZES["tiny"], num_layers=36))
-    eng = Engine(model)
+    eng = open_engine(model)
     g = torch.Generator().manual_seed(0)
     lat = torch.zeros(batch, 16, 16, 16)
     cond = [torch.randn(10 + i, 48, generator=g) for i in range(batch)]

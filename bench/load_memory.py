@@ -21,7 +21,7 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
 from engine import load_model
-from engine.io.checkpoint import Checkpoint, check_architecture
+from engine.io.checkpoint import check_architecture, open_checkpoint
 from engine.models.ernie_image import ErnieImageTransformer
 
 def status_kb(field):
@@ -36,7 +36,7 @@ if sys.argv[3] == "engine":
     model = load_model(sys.argv[2])
 else:
     from safetensors.torch import load_file
-    cfg = check_architecture(Checkpoint(sys.argv[2]))
+    cfg = check_architecture(open_checkpoint(sys.argv[2]))
     model = ErnieImageTransformer(cfg)
     model.load_state_dict(load_file(sys.argv[2]))
 secs = time.perf_counter() - t

@@ -60,7 +60,7 @@ def digest(model, names) -> str:
 def measure(layers: int, repeat: int, tmp: str) -> dict:
     from safetensors.torch import save_file
 
-    from engine import Engine
+    from engine import open_engine
     from engine.io.load import build_model
     from engine.features import patching
     from engine.features.lora import read_lora
@@ -69,7 +69,7 @@ def measure(layers: int, repeat: int, tmp: str) -> dict:
     cfg = ErnieImageConfig(num_layers=layers)
     torch.manual_seed(0)
     model = build_model(cfg, "cpu").to(torch.bfloat16).eval().requires_grad_(False)  # random init, the 8B widths
-    eng = Engine(model)
+    eng = open_engine(model)
     paths = []
     for seed in (1, 2):
         p = os.path.join(tmp, f"lora{layers}_{seed}.safetensors")

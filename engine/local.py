@@ -15,22 +15,22 @@ from torch import nn
 from .config import EngineConfig
 from .features import attention as attention_backends
 from .features import quant
-from .features.cache import DBCacheRunner
+from .features.cache import DBCacheRunner, apply_cache, remove_cache
 from .features.compile import compile_blocks, is_compiled
 from .features.fuse import fuse_projections, fused_groups
 from .features.lora import LoRAFileCache, active_loras, apply_loras
 from .features.offload import apply_layerwise_offload, choose_offload, get_offload
-from .features.patching import set_slot
 from .sampling import MULTIPLIER
 
 
 class LocalRun:
-    """One sampling run on a local model: the Cache-DiT runner (if any) in the model's block-runner slot."""
+    """One sampling run on a local model: the Cache-DiT runner (if any) attached as the "cache" patch."""
 
     def __init__(self, forward: "LocalForward", plan, cfg_batched: bool):
         self.forward = forward
         self.runner = DBCacheRunner(plan, branches=2 if cfg_batched else 1) if plan is not None else None
-        self._before = set_slot(forward.model, "block_runner", self.runner) if self.runner is not None else None
+        if self.runner is not None:
+            apply_cache(forward.model, self.runner)
 
     def call(self, x: torch.Tensor, sigma: torch.Tensor, text: torch.Tensor, lens: torch.Tensor):
         """(velocity in float32 on x's device, whether the DiT was computed at this call)."""
@@ -42,7 +42,7 @@ class LocalRun:
         """Put the model's own block runner back; the cache's summary of the run (None when off)."""
         if self.runner is None:
             return None
-        set_slot(self.forward.model, "block_runner", self._before)
+        remove_cache(self.forward.model)
         return self.runner.summary()
 
 

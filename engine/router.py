@@ -1,31 +1,45 @@
-"""open_engine: the one way to open an engine, for every entry point (CLI, nodes, server, benchmarks).
+"""open_engine: the one way to open an engine, for every entry point (CLI, nodes, server, benchmarks,
+the parallel ranks and the torchrun launch).
 
-It reads the checkpoint's header once, decides layer-wise offload before loading (an offloaded model
-is loaded into CPU memory, never whole onto the GPU), quantizes while reading, and starts worker
-ranks when the parallel degrees ask for more than one. The embedded demo model is a file like any
-other (``DEMO_WEIGHTS``), so it takes the same path, several ranks included.
+For a file it reads the checkpoint's header once, decides layer-wise offload before loading (an
+offloaded model is loaded into CPU memory, never whole onto the GPU), quantizes while reading, and
+starts worker ranks when the parallel degrees ask for more than one (or uses the ranks a ``transport``
+reaches: torchrun). The embedded demo model is a file like any other (``DEMO_WEIGHTS``), so it takes
+the same path, several ranks included. A model already in memory gets its features attached here too.
 """
 from __future__ import annotations
 
 import os
 from typing import Optional
 
+from torch import nn
+
 from .config import EngineConfig
 from .engine import Engine
-from .local import open_local
+from .errors import ParallelConfigError
+from .local import LocalForward, open_local
 from .models import demo as demo_model
 from .parallel import open_remote_forward
 
 DEMO = "demo"  # open_engine("demo"): the embedded demo model's DiT
 
 
-def open_engine(source, config: Optional[EngineConfig] = None) -> Engine:
-    """An Engine for ``source``: an ERNIE-Image .safetensors file or diffusers folder, or ``"demo"``."""
+def open_engine(source, config: Optional[EngineConfig] = None, *, label: Optional[str] = None,
+                offload_decision: Optional[tuple] = None, transport=None) -> Engine:
+    """An Engine for ``source``: an ERNIE-Image .safetensors file or diffusers folder, ``"demo"``, or an
+    ERNIE-Image model already in memory (an ``nn.Module``: ``config``'s features are attached to it in this
+    process; ``label`` names it, ``offload_decision`` is ("none" | "layerwise", why) when the caller decided
+    before building it). ``transport``: ranks that already run (torchrun: ``parallel.remote.LocalTransport``)."""
     config = config or EngineConfig()
+    if isinstance(source, nn.Module):
+        if config.world_size > 1 or transport is not None:
+            raise ParallelConfigError(f"a model in memory runs in this process; {config.world_size} ranks load their "
+                                      "weights from a file: open the engine on its checkpoint path")
+        return Engine(LocalForward(source, config, offload_decision=offload_decision), config, source=label or "")
     path = demo_model.DEMO_WEIGHTS if source == DEMO else os.fspath(source)
-    if config.world_size > 1:  # several ranks: the DiT runs in worker processes (engine/parallel)
-        return Engine(open_remote_forward(path, config), config, source=path)
-    return Engine(open_local(path, config), config, source=path)
+    if config.world_size > 1 or transport is not None:  # several ranks: the DiT runs on them (engine/parallel)
+        return Engine(open_remote_forward(path, config, transport), config, source=label or path)
+    return Engine(open_local(path, config), config, source=label or path)
 
 
 def open_demo(path: Optional[str] = None, cached: bool = True) -> demo_model.DemoModel:
@@ -34,5 +48,5 @@ def open_demo(path: Optional[str] = None, cached: bool = True) -> demo_model.Dem
     options open ``open_engine(DEMO, config)``."""
     demo = demo_model.load_demo(path, cached=cached)
     if demo.engine is None:
-        demo.engine = Engine(demo.dit, EngineConfig(), source=demo.path)
+        demo.engine = open_engine(demo.dit, EngineConfig(), label=demo.path)
     return demo

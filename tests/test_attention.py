@@ -305,3 +305,50 @@ def test_cli_shows_the_fallback_warning(capsys):
     assert any("'flash' cannot run here" in w for w in res["warnings"])
     assert "sgld: warning: attention 'flash' cannot run here" in err
     assert "sgld: attention: sdpa (requested flash" in err
+
+
+# -- the table is the single source -------------------------------------------------------------------------
+@pytest.fixture
+def counted_backend():
+    calls = []
+
+    def counted(q, k, v, key_mask=None):
+        calls.append(tuple(q.shape))
+        return A.math_attention(q, k, v, key_mask)
+
+    backend = A.register_backend(A.Backend("counted", counted, lambda device, dtype, head_dim: (True, "test kernel"),
+                                           auto=3))
+    yield backend, calls
+    A.unregister_backend("counted")
+
+
+def test_a_registered_backend_is_listed_chosen_and_run(counted_backend):
+    """A backend registered in BACKEND_TABLE is accepted by name, listed as available, ranked by auto (3:
+    above sage and flash), described with torch's version (no package) and is what the model calls."""
+    backend, calls = counted_backend
+    assert "counted" in A.backend_names() and "counted" in A.available_backends("cpu", torch.float32, 64)
+    assert EngineConfig(attention="Counted").attention == "counted"  # the option's choices are the table's
+    choice = A.select_backend("counted", "cpu", torch.float32, 64, log_choice=False)
+    assert (choice.name, choice.reason, choice.warnings) == ("counted", "test kernel", [])
+    assert choice.version.startswith("torch ")
+    assert A.select_backend("auto", "cpu", torch.float32, 64, log_choice=False).name == "counted"
+    m = random_model(SIZES["tiny"], seed=0)
+    ref = m(*_tiny_inputs()).float()
+    A.apply_attention(m, choice)
+    out = m(*_tiny_inputs()).float()
+    assert len(calls) == SIZES["tiny"].num_layers and (out - ref).abs().max() < 1e-4
+    assert A.remove_attention(m) and m.attention is A.sdpa
+
+
+def test_unknown_backends_are_named_from_the_table():
+    with pytest.raises(ValueError, match=r"attention 'nope' is not supported; choose one of auto, sdpa, sage, flash, math"):
+        A.select_backend("nope")
+    assert A.check_backend("nope") == (False, "unknown backend 'nope'")
+    assert A.BACKENDS == A.backend_names() and tuple(A.FUNCTIONS) == tuple(A.BACKEND_TABLE)
+
+
+def _tiny_inputs():
+    cfg = SIZES["tiny"]
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, cfg.in_channels, 4, 4, generator=g), torch.tensor([500.0]),
+            torch.randn(1, 3, cfg.text_in_dim, generator=g), torch.tensor([3]))

@@ -2,19 +2,25 @@
 model's registry and describes itself as plain data; removed (in reverse order), the model is what it was:
 no registry entry, no per-module state, the original classes, modules, slots and weights (bit for bit)."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from engine import load_model
+from engine.errors import ParallelConfigError
 from engine.features import attention as A
 from engine.features import patching
 from engine.features import quant as Q
+from engine.features.cache import CacheConfig, remove_cache
 from engine.features.compile import compile_blocks, uncompile_blocks
 from engine.features.fuse import fuse_projections, remove_fused_projections
 from engine.features.lora import active_loras, apply_loras, read_lora, remove_loras
 from engine.features.offload import apply_layerwise_offload, remove_offload
-from engine.models.random_weights import SIZES, random_model
+from engine.io.load import read_model
+from engine.local import LocalForward
+from engine.models.random_weights import SIZES, random_model, save_random_checkpoint
 
 CFG = SIZES["tiny"]
 
@@ -98,3 +104,32 @@ def test_each_feature_is_registered_and_removing_them_leaves_the_original_model(
     assert list(after) == list(bits) and all(torch.equal(after[k], bits[k]) for k in bits)
     assert torch.equal(forward(model), y0)
 
+
+
+def test_cache_dit_attaches_through_the_registry_for_one_run():
+    """The Cache-DiT runner is the "cache" patch while a run lasts (LocalRun: apply_cache / remove_cache), not a
+    slot written from outside; a run that never finished (an exception) is replaced by the next one."""
+    model = random_model(replace(CFG, num_layers=4), seed=0)
+    local = LocalForward(model)
+    own = model.block_runner
+    plan = CacheConfig(preset="balanced").resolve(8, 4)
+    run = local.run(plan, cfg_batched=False)
+    assert "cache" in patching.attached(model) and model.block_runner is run.runner
+    assert patching.get(model, "cache").describe() == {"runner": "DBCacheRunner", "calls_so_far": 0}
+    abandoned = run.runner
+    run = local.run(plan, cfg_batched=False)  # the first never finished
+    assert model.block_runner is run.runner is not abandoned
+    assert run.finish()["calls"] >= 0 and "cache" not in patching.attached(model) and model.block_runner is own
+    assert not remove_cache(model)
+
+
+def test_tensor_parallel_shapes_go_through_the_quant_transform(tmp_path):
+    """The shard skeleton replaces the block linears through patching.replace_module (the load transform of
+    engine/features); the plain io loop, which cannot, refuses a shard with an error saying where to go."""
+    path = tmp_path / "m.safetensors"
+    save_random_checkpoint(str(path), CFG, seed=0)
+    m = load_model(path, shard=(2, 1))
+    assert m.layers[0].mlp.gate_proj.weight.shape == (CFG.ffn_hidden_size // 2, CFG.hidden_size)
+    assert m.layers[0].self_attention.to_out[0].weight.shape == (CFG.hidden_size, CFG.hidden_size // 2)
+    with pytest.raises(ParallelConfigError, match="tensor parallel loads through engine.load_model"):
+        read_model(path, shard=(2, 1))

@@ -1,5 +1,6 @@
-"""Attention backends (sdpa, sage, flash, math; auto picks the best that runs), chosen once at load and set
-as the model's ``attention`` slot by the "attention" Patch. Every backend takes q, k, v as
+"""Attention backends as one table (``BACKEND_TABLE``: sdpa, sage, flash, math; auto picks the best that
+runs), chosen once at load and set as the model's ``attention`` slot by the "attention" Patch. A new
+backend is one ``register_backend(Backend(...))`` (docs/architecture.md). Every backend takes q, k, v as
 [B, S, heads, head_dim] and an optional boolean key mask [B, S] (True = attend). The kernels without a mask
 run each padded sample on its valid keys (ERNIE-Image pads only the end of the text), which is exactly
 what masked SDPA computes; they are custom ops, so compiled graphs keep them. Each sageattention
@@ -20,10 +21,10 @@ from torch import nn
 
 from ..models.ernie_image import sdpa  # the model's own attention: the default backend
 from . import patching
+from .tables import LiveNames
 
 log = logging.getLogger("sgld.attention")
 
-BACKENDS = ("auto", "sdpa", "sage", "flash", "math")
 # SageAttention 2.x's sageattn() dispatches on these compute capabilities and raises on others.
 SAGE_CAPABILITIES = {(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (12, 1)}
 # 1.x is Triton only; its README lists Ampere, Ada and Hopper parts.
@@ -274,10 +275,7 @@ def _guarded(name: str, op: Callable, max_head_dim: int) -> Callable:
 sage = _guarded("sage", _sage_op, 128)
 flash = _guarded("flash", _flash_op, 256)
 
-FUNCTIONS: Dict[str, Callable] = {"sdpa": sdpa, "sage": sage, "flash": flash, "math": math_attention}
-
-
-# -- availability and selection -----------------------------------------------------------------------------
+# -- availability: each backend's check ------------------------------------------------------------------------
 def _package_version(module: str) -> Tuple[bool, str]:
     """Import a kernel package; (ok, version or the reason it cannot be used)."""
     try:
@@ -288,34 +286,45 @@ def _package_version(module: str) -> Tuple[bool, str]:
     return True, installed_version(module)
 
 
-def check_backend(name: str, device="cpu", dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> Tuple[bool, str]:
-    """Can backend ``name`` run for this device / dtype / head size? (ok, reason)."""
-    device = torch.device(device)
-    dt = str(dtype).replace("torch.", "")
-    if name in ("sdpa", "math"):
-        return True, "PyTorch"
-    if name not in ("sage", "flash"):
-        return False, f"unknown backend '{name}'"
+def _pytorch(device: torch.device, dtype: torch.dtype, head_dim: int) -> Tuple[bool, str]:
+    return True, "PyTorch"
+
+
+def _cuda_half(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """Why a CUDA fp16/bf16 kernel cannot run here, or None."""
     if device.type != "cuda":
-        return False, f"it needs a CUDA GPU (device is {device.type})"
+        return f"it needs a CUDA GPU (device is {device.type})"
     if not torch.cuda.is_available():
-        return False, "CUDA is not available"
+        return "CUDA is not available"
     if dtype not in HALF_DTYPES:
-        return False, f"it needs fp16/bf16 weights (model is {dt})"
+        return f"it needs fp16/bf16 weights (model is {str(dtype).replace('torch.', '')})"
+    return None
+
+
+def _check_sage(device: torch.device, dtype: torch.dtype, head_dim: int) -> Tuple[bool, str]:
+    why = _cuda_half(device, dtype)
+    if why is not None:
+        return False, why
     cap = torch.cuda.get_device_capability(device)
-    if name == "sage":
-        if head_dim > 128:
-            return False, f"head_dim {head_dim} > 128"
-        ok, ver = _package_version("sageattention")
-        if not ok:
-            return False, ver
-        limits = sage_limits(ver, cap)
-        if cap not in limits.capabilities:
-            return False, f"sageattention {ver} has no kernel for compute capability sm{cap[0]}{cap[1]}"
-        why = sage_route(limits, head_dim)
-        if why is not None:
-            return False, why
-        return True, f"{limits.describe()}, on sm{cap[0]}{cap[1]}"
+    if head_dim > 128:
+        return False, f"head_dim {head_dim} > 128"
+    ok, ver = _package_version("sageattention")
+    if not ok:
+        return False, ver
+    limits = sage_limits(ver, cap)
+    if cap not in limits.capabilities:
+        return False, f"sageattention {ver} has no kernel for compute capability sm{cap[0]}{cap[1]}"
+    why = sage_route(limits, head_dim)
+    if why is not None:
+        return False, why
+    return True, f"{limits.describe()}, on sm{cap[0]}{cap[1]}"
+
+
+def _check_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> Tuple[bool, str]:
+    why = _cuda_half(device, dtype)
+    if why is not None:
+        return False, why
+    cap = torch.cuda.get_device_capability(device)
     if head_dim > 256:
         return False, f"head_dim {head_dim} > 256"
     if cap < (8, 0):
@@ -324,8 +333,59 @@ def check_backend(name: str, device="cpu", dtype: torch.dtype = torch.bfloat16, 
     return (True, f"flash-attn {ver} on sm{cap[0]}{cap[1]}") if ok else (False, ver)
 
 
+# -- the table ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Backend:
+    """One attention backend: ``fn(q, k, v, key_mask=None)`` ([B, S, heads, head_dim], mask [B, S] True =
+    attend); ``check(device, dtype, head_dim)`` -> (runs here, why); ``package``: the module whose version
+    describes it (None: torch); ``auto``: its rank when "auto" chooses (higher first; 0: never chosen)."""
+
+    name: str
+    fn: Callable
+    check: Callable[[torch.device, torch.dtype, int], Tuple[bool, str]]
+    package: Optional[str] = None
+    auto: int = 0
+
+
+BACKEND_TABLE: Dict[str, Backend] = {}  # in registration order: the order of lists and messages
+
+
+def register_backend(backend: Backend) -> Backend:
+    if backend.name == "auto" or backend.name in BACKEND_TABLE:
+        raise ValueError(f"attention backend '{backend.name}' is registered twice (or named 'auto')")
+    BACKEND_TABLE[backend.name] = backend
+    return backend
+
+
+def unregister_backend(name: str) -> None:
+    """Take a backend out of the table (tests that register one of their own); sdpa, the fallback, stays."""
+    if name != "sdpa":
+        BACKEND_TABLE.pop(name, None)
+
+
+def backend_names() -> Tuple[str, ...]:
+    """What EngineConfig.attention accepts: "auto" and every registered backend."""
+    return ("auto", *BACKEND_TABLE)
+
+
+for _b in (Backend("sdpa", sdpa, _pytorch), Backend("sage", sage, _check_sage, "sageattention", auto=2),
+           Backend("flash", flash, _check_flash, "flash_attn", auto=1), Backend("math", math_attention, _pytorch)):
+    register_backend(_b)
+BACKENDS = LiveNames(backend_names)  # EngineConfig.attention's choices: the table's, read when asked
+FUNCTIONS: Dict[str, Callable] = {n: b.fn for n, b in BACKEND_TABLE.items()}  # the built-ins' functions (benchmarks)
+
+
+# -- selection ------------------------------------------------------------------------------------------------
+def check_backend(name: str, device="cpu", dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> Tuple[bool, str]:
+    """Can backend ``name`` run for this device / dtype / head size? (ok, reason)."""
+    backend = BACKEND_TABLE.get(name)
+    if backend is None:
+        return False, f"unknown backend '{name}'"
+    return backend.check(torch.device(device), dtype, head_dim)
+
+
 def available_backends(device="cpu", dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> List[str]:
-    return [n for n in ("sdpa", "sage", "flash", "math") if check_backend(n, device, dtype, head_dim)[0]]
+    return [n for n in BACKEND_TABLE if check_backend(n, device, dtype, head_dim)[0]]
 
 
 @dataclass
@@ -342,7 +402,8 @@ class AttentionChoice:
     @property
     def version(self) -> str:
         """The version of what computes it: the kernel package, or torch for sdpa / math."""
-        package = {"sage": "sageattention", "flash": "flash_attn"}.get(self.name)
+        backend = BACKEND_TABLE.get(self.name)
+        package = backend.package if backend is not None else None
         return installed_version(package) if package else f"torch {torch.__version__}"
 
 
@@ -351,23 +412,24 @@ def select_backend(requested: Optional[str] = "auto", device="cpu", dtype: torch
     """Choose the attention backend once; one log line says which and why. Never raises for a
     backend that cannot run here: that falls back to sdpa with a warning in ``.warnings``."""
     req = (requested or "auto").lower()
-    if req not in BACKENDS:
-        raise ValueError(f"attention '{requested}' is not supported; choose one of {', '.join(BACKENDS)}")
+    if req not in backend_names():
+        raise ValueError(f"attention '{requested}' is not supported; choose one of {', '.join(backend_names())}")
     warnings: List[str] = []
     if req == "auto":
         reasons = []
-        for name in ("sage", "flash"):
-            ok, why = check_backend(name, device, dtype, head_dim)
+        ranked = sorted((b for b in BACKEND_TABLE.values() if b.auto > 0), key=lambda b: -b.auto)
+        for backend in ranked:
+            ok, why = check_backend(backend.name, device, dtype, head_dim)
             if ok:
-                choice = AttentionChoice(req, name, FUNCTIONS[name], why)
+                choice = AttentionChoice(req, backend.name, backend.fn, why)
                 break
-            reasons.append(f"{name}: {why}")
+            reasons.append(f"{backend.name}: {why}")
         else:
             choice = AttentionChoice(req, "sdpa", sdpa, "best available; " + "; ".join(reasons))
     else:
         ok, why = check_backend(req, device, dtype, head_dim)
         if ok:
-            choice = AttentionChoice(req, req, FUNCTIONS[req], why)
+            choice = AttentionChoice(req, req, BACKEND_TABLE[req].fn, why)
         else:
             msg = f"attention '{req}' cannot run here ({why}); using sdpa instead"
             warnings.append(msg)

@@ -2,8 +2,9 @@
 
 ``fuse_projections(model)`` registers the "fuse" Patch: each group (``self_attention.to_q/to_k/to_v``
 -> ``self_attention.qkv``, ``mlp.gate_proj/up_proj`` -> ``mlp.gate_up``) becomes one module of the
-same kind (``nn.Linear``, ``FP8Linear``, ``Int4Linear``) whose output rows are the parts back to
-back: exact, each row keeps its own weights, fp8 scale and int4 groups. The checkpoint's names stay
+same kind (``nn.Linear``, or a quantized layer: its format's ``concat`` / ``rows`` in the format table,
+engine/features/quant/registry.py) whose output rows are the parts back to back: exact, each row keeps
+its own weights, fp8 scale and int4 groups. The checkpoint's names stay
 outside (state_dict, load_state_dict, LoRA targets through ``linear_parts``); see
 docs/attention_compile_quant.md.
 """
@@ -16,7 +17,7 @@ from torch import nn
 
 from ..models.ernie_image import Attention, GeGLU
 from . import patching
-from .quant import FP8Linear, Int4Linear
+from .quant import FORMAT_TABLE, format_of
 from .quant.modules import FUSE_RECORD
 
 # module class -> (fused child name, the parts it replaces, in output-row order)
@@ -53,15 +54,9 @@ def _concat(parts: List[nn.Module]) -> Optional[nn.Module]:
     bias = None if first.bias is None else torch.cat([p.bias for p in parts])
     if type(first) is nn.Linear:
         return _linear(torch.cat([p.weight for p in parts]), bias)
-    if type(first) is FP8Linear:
-        scales = [p.weight_scale.reshape(-1).expand(p.out_features) for p in parts]
-        return FP8Linear(torch.cat([p.weight for p in parts]), torch.cat(scales), bias)
-    if type(first) is Int4Linear:
-        if any(p.group_size != first.group_size for p in parts):
-            return None
-        return Int4Linear(torch.cat([p.weight for p in parts]), torch.cat([p.weight_scale for p in parts]),
-                          torch.cat([p.weight_zero for p in parts]), bias)
-    return None  # e.g. a LoRA side path or another wrapper: left as it is
+    fmt = next((f for f in FORMAT_TABLE.values() if type(first) is f.module), None)  # exactly: not a LoRA subclass
+    # None: e.g. a LoRA side path or another wrapper, left as it is
+    return None if fmt is None else fmt.concat(parts, bias)
 
 
 def _linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Linear:
@@ -75,13 +70,9 @@ def _linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Linear:
 def _rows(fused: nn.Module, start: int, stop: int) -> nn.Module:
     """The part ``start:stop`` of a fused module as a module of its own (copies: un-fusing)."""
     bias = None if fused.bias is None else fused.bias[start:stop].clone()
-    if isinstance(fused, FP8Linear):
-        part = FP8Linear(fused.weight[start:stop].clone(), fused.weight_scale[start:stop].clone(), bias)
-        part.use_scaled_mm = fused.use_scaled_mm
-        return part
-    if isinstance(fused, Int4Linear):
-        return Int4Linear(fused.weight[start:stop].clone(), fused.weight_scale[start:stop].clone(),
-                          fused.weight_zero[start:stop].clone(), bias)
+    fmt = format_of(fused)
+    if fmt is not None:
+        return fmt.rows(fused, start, stop, bias)
     return _linear(fused.weight[start:stop].clone(), bias)
 
 
@@ -138,9 +129,9 @@ def _join_state(module, state_dict, prefix) -> None:
         keys = [f"{prefix}{p}.{leaf}" for p in part_names]
         if all(k in state_dict for k in keys):
             tensors = [state_dict.pop(k) for k in keys]
-            if leaf == "weight_scale":  # a per-tensor fp8 scale becomes the same scale on every row of its part
-                tensors = [t.reshape(-1).expand(rows) for t, (_, rows) in zip(tensors, fused_parts(fused))]
-            state_dict[f"{prefix}{fused_name}.{leaf}"] = torch.cat(tensors)
+            fmt = format_of(fused)  # a quantized fused module joins its tensors its format's way (an fp8 scale)
+            rows = [n for _, n in fused_parts(fused)]
+            state_dict[f"{prefix}{fused_name}.{leaf}"] = torch.cat(tensors) if fmt is None else fmt.join(leaf, tensors, rows)
 
 
 class FusedProjections(patching.Patch):

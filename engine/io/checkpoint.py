@@ -1,7 +1,7 @@
-"""The checkpoint opener: one .safetensors file or a diffusers folder (shards, config.json), its tensors
-without their prefix, and the architecture read from the header alone (engine/io/load.py reads the
-tensors). Every problem with the input is a ``CheckpointError`` whose message names the file and what
-is wrong.
+"""The checkpoint opener, ``open_checkpoint``: one weight file or a diffusers folder (shards, config.json),
+each file opened by its reader (engine/io/readers.py), its tensors without their prefix, and the
+architecture read from the header alone (engine/io/load.py reads the tensors). Every problem with the
+input is a ``CheckpointError`` whose message names the file and what is wrong.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from ..models.ernie_image import SIGNATURE_KEYS, ErnieImageConfig
-from .safetensors import COMPUTE_DTYPES, DTYPE_NAMES, CheckpointError, SafetensorsFile, load_json_object, refuse_pickle
+from .readers import open_file, shard_suffixes
+from .safetensors import COMPUTE_DTYPES, DTYPE_NAMES, CheckpointError, load_json_object, refuse_pickle
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")
 CONFIG_METADATA_KEY = "ernie_image_config"  # optional JSON config stored in a file's metadata
@@ -66,11 +67,12 @@ def shards_of_index(index_path: str) -> List[str]:
 
 
 class Checkpoint:
-    """The tensors of one model, possibly spread over shards, with their prefix removed."""
+    """The tensors of one model, possibly spread over shards, with their prefix removed (open one with
+    ``open_checkpoint``). ``files``: the opened files (readers.py), in shard order."""
 
     def __init__(self, path: str):
         self.path = path
-        self.files: List[SafetensorsFile] = []
+        self.files: List[object] = []
         self.config_overrides: dict = {}
         self.config_source = ""  # where config_overrides came from, for messages
         if os.path.isdir(path):
@@ -78,13 +80,13 @@ class Checkpoint:
         else:
             if not os.path.exists(path):
                 raise CheckpointError(f"{path}: file not found")
-            self.files = [SafetensorsFile(path)]
+            self.files = [open_file(path)]
             meta = self.files[0].metadata.get(CONFIG_METADATA_KEY)
             if meta:
                 self.config_source = f"metadata '{CONFIG_METADATA_KEY}'"
                 self.config_overrides = load_json_object(meta, f"{path}: {self.config_source}")
         # key (without prefix) -> (file, key in file)
-        self.index: Dict[str, Tuple[SafetensorsFile, str]] = {}
+        self.index: Dict[str, Tuple[object, str]] = {}
         all_keys = [(f, k) for f in self.files for k in f.keys()]
         prefix = self._detect_prefix([k for _, k in all_keys])
         for f, k in all_keys:
@@ -109,13 +111,14 @@ class Checkpoint:
             if missing:
                 raise CheckpointError(f"{index_files[0]}: shard file '{missing[0]}' named by the index is missing")
         else:
-            shards = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+            shards = sorted({os.path.basename(p) for suffix in shard_suffixes()
+                             for p in glob.glob(os.path.join(folder, "*" + suffix))})
         if not shards:
             pickles = [p for p in os.listdir(folder) if p.lower().endswith((".bin", ".pt", ".ckpt", ".pth"))]
             if pickles:
                 refuse_pickle(os.path.join(folder, pickles[0]))
             raise CheckpointError(f"{path}: no .safetensors weights found in this folder")
-        self.files = [SafetensorsFile(os.path.join(folder, s)) for s in shards]
+        self.files = [open_file(os.path.join(folder, s)) for s in shards]
 
     @staticmethod
     def _detect_prefix(keys: List[str]) -> str:
@@ -165,6 +168,12 @@ class Checkpoint:
         return self.path if len(self.files) == 1 else f"{self.path} ({len(self.files)} shards)"
 
 
+def open_checkpoint(source: Union[str, os.PathLike, Checkpoint]) -> Checkpoint:
+    """The one way to open a model's weights: ``source`` opened (a file or a folder, each file by its reader),
+    or as it is (a Checkpoint a caller already opened)."""
+    return source if isinstance(source, Checkpoint) else Checkpoint(os.fspath(source))
+
+
 def check_architecture(ckpt: Checkpoint) -> ErnieImageConfig:
     """The configuration, from the header alone (nothing is built or read yet): the key set, the layer
     numbering, the shapes and any config the file carries must agree (ErnieImageConfig.from_shapes)."""
@@ -186,13 +195,14 @@ def check_architecture(ckpt: Checkpoint) -> ErnieImageConfig:
 
 def check_float_dtypes(ckpt: "Checkpoint") -> None:
     """Model weights and biases must be floating point (an integer or bool tensor would fail deep inside torch
-    later); the one exception is an int4 weight, uint8 with its ``_scale`` / ``_zero`` (engine/features/quant/)."""
+    later); the one exception is a quantized weight, integer with its ``_scale`` / ``_zero``, which a weight
+    format of engine/features/quant/registry.py must then claim (QuantPlan refuses it otherwise)."""
     for k, (f, fk) in ckpt.index.items():
         leaf = k.rpartition(".")[2]
         dt = f.dtype(fk)
         if leaf not in ("weight", "bias") or dt.is_floating_point:
             continue
-        if leaf == "weight" and dt == torch.uint8 and (k + "_scale" in ckpt.index or k + "_zero" in ckpt.index):
+        if leaf == "weight" and dt != torch.bool and (k + "_scale" in ckpt.index or k + "_zero" in ckpt.index):
             continue
         raise CheckpointError(f"{f.path}: tensor '{fk}' is stored as {DTYPE_NAMES[dt]}, but model weights must be floating point "
                               "(F32, F16, BF16, F64, or F8 with a scale)")

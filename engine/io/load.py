@@ -17,18 +17,13 @@ from torch import nn
 
 from ..errors import ParallelConfigError
 from ..models.ernie_image import ErnieImageConfig, ErnieImageTransformer
-from .checkpoint import Checkpoint, CheckpointError, check_architecture, parse_dtype
+from .checkpoint import Checkpoint, CheckpointError, check_architecture, open_checkpoint, parse_dtype
 from .safetensors import nbytes
 
 # Tensor parallel: the block linears split across ranks, and the dim of their weight that is split
 # (0: output features, column parallel, the heads; 1: input features, row parallel, outputs all-reduced).
 SHARD_DIMS = {"self_attention.to_q": 0, "self_attention.to_k": 0, "self_attention.to_v": 0, "mlp.gate_proj": 0,
               "mlp.up_proj": 0, "self_attention.to_out.0": 1, "mlp.linear_fc2": 1}
-
-
-def open_checkpoint(source: Union[str, os.PathLike, Checkpoint]) -> Checkpoint:
-    """``source`` opened (a path), or as it is (a Checkpoint a caller already opened)."""
-    return source if isinstance(source, Checkpoint) else Checkpoint(os.fspath(source))
 
 
 def build_model(cfg: ErnieImageConfig, device: Union[str, torch.device] = "meta") -> ErnieImageTransformer:
@@ -68,18 +63,6 @@ def shard_tensor(key: str, t: torch.Tensor, shard: Tuple[int, int]) -> torch.Ten
     return t if dim is None else t.chunk(tp, dim=dim)[index].contiguous()
 
 
-def shard_skeleton(model: ErnieImageTransformer, tp: int) -> None:
-    """Give a meta model's block linears their shard shapes and its attention its share of the heads."""
-    with torch.device("meta"):
-        for block in model.layers:
-            block.self_attention.heads //= tp
-            for name, dim in SHARD_DIMS.items():
-                old = block.get_submodule(name)
-                shape = (old.in_features, old.out_features // tp) if dim == 0 else (old.in_features // tp, old.out_features)
-                parent, _, child = name.rpartition(".")
-                block.get_submodule(parent)._modules[child] = nn.Linear(*shape, bias=False)
-
-
 def check_shard(shard: Optional[Tuple[int, int]], cfg: ErnieImageConfig) -> Optional[Tuple[int, int]]:
     """``(tp_degree, tp_index)`` checked against the model (None, or a degree of 1: no sharding)."""
     if shard is None or shard[0] == 1:
@@ -109,6 +92,14 @@ class Transform:
         """Bytes tensor ``key`` will take in the loaded model."""
         floating = stored.is_floating_point and stored.itemsize >= 2
         return nbytes(dtype if floating else stored, shape)
+
+    def prepare(self, model: nn.Module, shard: Optional[Tuple[int, int]]) -> None:
+        """Change the meta model before a tensor is read: under tensor parallel its block linears take their
+        shard shapes, which only a transform of engine/features can do (modules are replaced through
+        engine/features/patching.py; the quantizing transform does it, so shard through ``engine.load_model``)."""
+        if shard is not None:
+            raise ParallelConfigError("tensor parallel loads through engine.load_model (its transform gives the "
+                                      "model's block linears their shard shapes)")
 
     def take(self, model: nn.Module, key: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The model tensors made from one checkpoint tensor (none when it went into a module, or while
@@ -150,8 +141,7 @@ class LoadPlan:
         """Build the model on the meta device and assign each tensor as it is read, in file order."""
         ckpt, transform = self.checkpoint, self.transform
         model = build_model(self.config)
-        if self.shard is not None:
-            shard_skeleton(model, self.shard[0])
+        transform.prepare(model, self.shard)
         state: Dict[str, torch.Tensor] = {}
         for key, t in ckpt.tensors():
             if key not in self.stored:

@@ -26,13 +26,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import EngineConfig
-from ..engine import Engine
 from ..errors import ParallelConfigError
 from ..features.cache import CacheConfig
-from ..io.checkpoint import Checkpoint, check_architecture, parse_dtype
+from ..io.checkpoint import check_architecture, open_checkpoint
 from ..models.random_weights import random_checkpoint
 from .plan import check_model, make_plan
-from .remote import LocalTransport, RemoteForward
+from ..router import open_engine
+from .remote import LocalTransport
 from .worker import WorkerState
 
 
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     local = int(os.environ.get("LOCAL_RANK", 0))
     path = args.model or random_checkpoint(args.size, args.dtype)
     plan = make_plan(args.tp, args.ulysses_degree, args.ring_degree, args.cfg_parallel)
-    ckpt = Checkpoint(path)
+    ckpt = open_checkpoint(path)
     mcfg = check_architecture(ckpt)
     if plan.world_size != world:
         raise ParallelConfigError(f"{plan.describe()} needs {plan.world_size} processes but torchrun started {world} "
@@ -85,9 +85,7 @@ def main(argv=None) -> int:
                           ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree, cfg_parallel=args.cfg_parallel)
     state = WorkerState(rank, world, device)
     state.return_all = True
-    forward = RemoteForward(path, config, mcfg, parse_dtype(args.dtype) or ckpt.stored_dtype(), plan, backend,
-                            transport=LocalTransport(state))
-    eng = Engine(forward, config, source=path)
+    eng = open_engine(path, config, transport=LocalTransport(state))
     if args.text:
         feats = load_file(args.text)
         cond, uncond = [feats["cond"]], ([feats["uncond"]] if "uncond" in feats else None)

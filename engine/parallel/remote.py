@@ -20,7 +20,7 @@ import torch
 from ..config import EngineConfig
 from ..errors import CheckpointError, LoRAError
 from ..features.lora import normalize
-from ..io.checkpoint import Checkpoint, check_architecture, parse_dtype
+from ..io.checkpoint import check_architecture, open_checkpoint, parse_dtype
 from ..sampling import MULTIPLIER
 from .plan import ParallelPlan, check_devices, check_model, make_plan
 from .pool import check_settings, detach, get_pool
@@ -252,10 +252,16 @@ class RemoteForward:
 
 
 def open_remote_forward(path: str, config: EngineConfig, transport=None, available_gpus: Optional[int] = None) -> RemoteForward:
-    """Read the header, validate the plan (before any worker starts) and start the ranks on the weights."""
-    ckpt = Checkpoint(str(path))
+    """Read the header, validate the plan (before any worker starts) and start the ranks on the weights.
+    ``transport``: ranks that already run (torchrun, across machines): this machine's GPUs are not counted."""
+    ckpt = open_checkpoint(path)
     model_config = check_architecture(ckpt)
-    plan, backend = validate(config, model_config.num_attention_heads, model_config.ffn_hidden_size, available_gpus)
+    if transport is None:
+        plan, backend = validate(config, model_config.num_attention_heads, model_config.ffn_hidden_size, available_gpus)
+    else:
+        plan = plan_from_config(config)
+        check_model(plan, model_config.num_attention_heads, model_config.ffn_hidden_size)
+        backend = "nccl" if str(config.device).startswith("cuda") else "gloo"
     dtype = parse_dtype(config.dtype) or ckpt.stored_dtype()
     num_params = sum(torch.Size(shape).numel() for shape in ckpt.shapes().values())
     return RemoteForward(path, config, model_config, dtype, plan, backend, transport, num_params=num_params)

@@ -32,11 +32,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import EngineConfig
-from ..engine import Engine
-from ..features import patching
+from ..features.cache import apply_cache, remove_cache
 from ..features.cache.config import ResolvedCache
 from ..features.quant import load_model
-from ..local import open_local
+from ..router import open_engine
 from ..sampling import MULTIPLIER
 from .comm import build_groups, destroy_groups
 from .forward import ParallelModel, cache_runner
@@ -90,9 +89,9 @@ class WorkerState:
         if plan.tp > 1:
             model = load_model(spec["path"], dtype=config.dtype, device=self.device, quant=config.quant,
                                shard=(plan.tp, self.groups.coords[3]))
-            self.engine = Engine(model, config, source=spec["path"])
+            self.engine = open_engine(model, config, label=spec["path"])
         else:
-            self.engine = Engine(open_local(spec["path"], config), config, source=spec["path"])
+            self.engine = open_engine(spec["path"], config)  # one rank's config: this process
         self.parallel = ParallelModel(self.engine.model, self.groups)
         described = self.engine.describe()
         return {"attention": self.engine.attention_backend, "warnings": list(self.engine.warnings),
@@ -113,8 +112,9 @@ class WorkerState:
         model = self.engine.model
         runner = cache_runner(ResolvedCache(**plan), branches, self.groups) if plan is not None else None
         self.run = {"text": unpack(text, model.dtype, self.device), "lens": unpack(lens, torch.long, self.device),
-                    "cfg_batched": bool(cfg_batched), "runner": runner,
-                    "before": patching.set_slot(model, "block_runner", runner) if runner is not None else None}
+                    "cfg_batched": bool(cfg_batched), "runner": runner}
+        if runner is not None:
+            apply_cache(model, runner)
         return True
 
     @torch.no_grad()
@@ -135,7 +135,7 @@ class WorkerState:
         run, self.run = self.run, None
         if run is None or run["runner"] is None:
             return None
-        patching.set_slot(self.engine.model, "block_runner", run["before"])
+        remove_cache(self.engine.model)
         return run["runner"].summary()
 
     def cmd_loras(self, items):

@@ -2,14 +2,16 @@
 
 Switch on with ``Engine.sample(..., cache=CacheConfig(preset="balanced"))``, ``EngineConfig(cache=...)``
 or the environment (``SGLANG_CACHE_DIT_ENABLED=true SGLANG_CACHE_DIT_SCM_PRESET=balanced``).
-``Engine.sample`` installs a ``DBCacheRunner`` as ``model.block_runner`` for the run and puts the
-model's own runner back afterwards (also on an exception), so with the cache off nothing changes.
+``Engine.sample`` attaches a ``DBCacheRunner`` as the "cache" patch (``apply_cache``: the model's
+``block_runner`` slot) for the run and removes it afterwards (``remove_cache``, also on an exception), so
+with the cache off nothing changes.
 """
 from __future__ import annotations
 
 import os
 from typing import List, Optional
 
+from .attach import CachePatch, apply_cache, remove_cache
 from .config import (DEFAULTS, FROM_PRESET, PRESET_KNOBS, CacheConfig, CacheConfigError, ResolvedCache, config_from_dict,
                      from_env, resolve_config)
 from .dbcache import DBCacheRunner
@@ -51,7 +53,7 @@ def estimated_speedup(mask: List[bool], fn: int, bn: int, num_layers: int) -> fl
     return len(mask) / (c + s * (fn + bn) / num_layers) if mask else 1.0
 
 
-__all__ = ["run_line", "CacheConfig", "CacheConfigError", "ResolvedCache", "DBCacheRunner", "TaylorSeer", "from_env",
+__all__ = ["run_line", "CachePatch", "apply_cache", "remove_cache", "CacheConfig", "CacheConfigError", "ResolvedCache", "DBCacheRunner", "TaylorSeer", "from_env",
            "resolve_config", "config_from_dict", "make_runner", "measured_speedup", "estimated_speedup",
            "preset_mask", "mask_note", "mask_str", "parse_mask", "longest_cached_run", "PRESETS", "ALIASES",
            "ALL_PRESETS", "USER_PRESETS", "DEFAULTS", "FROM_PRESET", "MEASURED_PATH", "PRESET_KNOBS"]

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from ...errors import LoRAError
-from ...io.safetensors import CheckpointError, SafetensorsFile
+from ...io.readers import open_file
+from ...io.safetensors import CheckpointError
 from ..fuse import RowView, linear_parts
-from ..quant import QUANT_MODULES
+from ..quant import quant_modules
 from .peft import PEFT_FORMATS, peft_alpha, peft_config
 
 log = logging.getLogger("sgld.lora")
@@ -148,13 +149,13 @@ class LoRATensors:
 def target_modules(model: nn.Module) -> Dict[str, nn.Module]:
     """What a LoRA can adapt, by checkpoint name: linears, convs, quantized linears, and the parts of fused
     projections (``engine.features.fuse.RowView``: ``to_q`` is rows of ``qkv``)."""
-    kinds = (nn.Linear, nn.Conv2d, RowView) + tuple(QUANT_MODULES)
+    kinds = (nn.Linear, nn.Conv2d, RowView) + quant_modules()
     return {name: m for name, m in linear_parts(model).items() if name and isinstance(m, kinds)}
 
 
 def is_quantized(target) -> bool:
     """An FP8 / INT4 layer (or a part of a fused one): never merged, a side path instead."""
-    return isinstance(target.module if isinstance(target, RowView) else target, QUANT_MODULES)
+    return isinstance(target.module if isinstance(target, RowView) else target, quant_modules())
 
 
 def key_map(model: nn.Module) -> Dict[str, str]:
@@ -202,7 +203,7 @@ def _open(source):
         return source.name, source, lambda k: source.origin.get(k, k)
     path = os.fspath(source)
     try:
-        return path, SafetensorsFile(path), lambda k: k
+        return path, open_file(path), lambda k: k
     except CheckpointError as e:
         raise LoRAError(str(e)) from None
 

@@ -1,5 +1,6 @@
-"""``sgld quantize``: write an ERNIE-Image checkpoint's block linears as fp8 / int4 in the sgld format,
-one tensor in memory at a time (streaming writer, atomic: engine/io/safetensors.py)."""
+"""``sgld quantize``: write an ERNIE-Image checkpoint's block linears in a format of the table (registry.py)
+in the sgld layout (each layer's module's own tensors), one layer in memory at a time (streaming writer,
+atomic: engine/io/safetensors.py)."""
 from __future__ import annotations
 
 import json
@@ -8,29 +9,29 @@ from typing import Dict, List, Tuple, Union
 
 import torch
 
-from ...io.checkpoint import CONFIG_METADATA_KEY, Checkpoint, check_architecture, parse_dtype
+from ...io.checkpoint import CONFIG_METADATA_KEY, check_architecture, open_checkpoint, parse_dtype
 from ...io.safetensors import write_safetensors_streaming
 from .formats import SGLD_META_KEY, QuantPlan
-from .modules import is_block_linear
-from .numerics import FP8_DTYPE, int4_group, parse_format, quantize_fp8, quantize_int4
+from .modules import is_block_linear, stored_tensors
+from .registry import choices, get_format, parse_format
 
 
 def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dtype] = None) -> dict:
-    """Read an ERNIE-Image checkpoint (bf16/fp16/fp32, or already quantized) and write its block linears as
-    fp8 / int4 in the sgld format; everything else in the compute dtype. Returns a summary."""
+    """Read an ERNIE-Image checkpoint (bf16/fp16/fp32, or already quantized) and write its block linears in
+    format ``fmt`` in the sgld layout; everything else in the compute dtype. Returns a summary."""
     kind, group = parse_format(fmt)
     if kind is None:
-        raise ValueError("--format must be fp8, int4 or int4-g64")
+        raise ValueError("--format must be one of " + ", ".join(choices()))
+    target = get_format(kind)
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError("the output file must differ from the input")
-    ckpt = Checkpoint(src)
+    ckpt = open_checkpoint(src)
     cfg = check_architecture(ckpt)
     plan = QuantPlan(ckpt)
     compute = parse_dtype(dtype) or plan.compute_dtype()
     skip = plan.stored_keys() - {layer + ".weight" for layer in plan.layers}
     specs: List[Tuple[str, torch.dtype, tuple]] = []
     jobs: Dict[str, Tuple[str, str]] = {}  # out key -> (layer, part)
-    layer_groups: Dict[str, int] = {}
     for k in sorted(ckpt.keys()):
         if k in skip:
             continue
@@ -39,19 +40,14 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
         if leaf == "weight" and is_block_linear(layer):
             n = shape[0]
             k_in = cfg.hidden_size if not layer.endswith("linear_fc2") else cfg.ffn_hidden_size
-            g = int4_group(k_in, group) if kind == "int4" else 0
-            if kind == "fp8":
-                specs += [(k, FP8_DTYPE, (n, k_in)), (layer + ".weight_scale", torch.float32, (n,))]
-            elif g:
-                specs += [(k, torch.uint8, (n, k_in // 2)), (layer + ".weight_scale", torch.bfloat16, (n, k_in // g)),
-                          (layer + ".weight_zero", torch.bfloat16, (n, k_in // g))]
-                layer_groups[layer] = g
-            else:
+            shaped = target.quantize(torch.empty(n, k_in, device="meta"), None, group)  # its tensors' shapes only
+            if shaped is None:  # the format leaves this layer dense
                 specs.append((k, compute, (n, k_in)))
                 jobs[k] = (layer, "dense")
                 continue
-            for key, _, _ in specs[-(2 if kind == "fp8" else 3):]:
-                jobs[key] = (layer, key[len(layer) + 1:])
+            for leaf, t in stored_tensors(shaped).items():
+                specs.append((f"{layer}.{leaf}", t.dtype, tuple(t.shape)))
+                jobs[f"{layer}.{leaf}"] = (layer, leaf)
         elif leaf == "weight" and layer in plan.layers:  # a quantized non-block layer: store it dense
             specs.append((k, compute, shape))
             jobs[k] = (layer, "dense")
@@ -72,17 +68,10 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
         if part == "dense":
             return dense(layer).to(compute)
         if cache.get("layer", (None,))[0] != layer:
-            w = dense(layer)
-            if kind == "fp8":
-                q, s = quantize_fp8(w)
-                parts = {"weight": q, "weight_scale": s}
-            else:
-                q, s, z = quantize_int4(w, layer_groups[layer])
-                parts = {"weight": q, "weight_scale": s, "weight_zero": z}
-            cache["layer"] = (layer, parts)
+            cache["layer"] = (layer, stored_tensors(target.quantize(dense(layer), None, group)))
         return cache["layer"][1][part]
 
-    meta = {SGLD_META_KEY: json.dumps({"format": kind, "group_size": group if kind == "int4" else None, "version": 1,
+    meta = {SGLD_META_KEY: json.dumps({"format": kind, "group_size": group or None, "version": 1,
                                        "compute_dtype": str(compute).replace("torch.", "")})}
     ernie_meta = next((f.metadata[CONFIG_METADATA_KEY] for f in ckpt.files if CONFIG_METADATA_KEY in f.metadata), None)
     if ernie_meta:

@@ -1,15 +1,16 @@
 """Pre-quantized checkpoints: which layers a file stores quantized and how (``QuantPlan``), every quantized
-weight's companions checked from the header, and the scales checked as they are read. The formats
-(sgld, ComfyUI scaled_fp8, ComfyUI mixed precision) are in docs/quantization.md."""
+weight's companions checked from the header, and the scales checked as they are read. The file dialects
+(sgld, ComfyUI scaled_fp8, ComfyUI mixed precision) are in docs/quantization.md; each weight format finds
+its own layers (``read_layers`` of its entry in registry.py: ``read_fp8_layers``, ``read_int4_layers``)."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set
 
 import torch
 
 from ...errors import CheckpointError
 from ...io.safetensors import COMPUTE_DTYPES, DTYPE_NAMES, load_json_object
-from .numerics import dequantize_fp8, dequantize_int4
+from .registry import FORMATS, get_format
 
 FP8_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2)
 SGLD_META_KEY = "sgld_quant"
@@ -20,8 +21,8 @@ IGNORED_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant")
 MAX_COMFY_QUANT_BYTES = 64 * 1024  # a ComfyUI per-layer format tag is a few dozen bytes of JSON
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 COMPUTE_DTYPE_NAMES = tuple(str(d).replace("torch.", "") for d in COMPUTE_DTYPES.values())  # as sgld quantize records
-SGLD_META_FIELDS = {  # field -> (check, what is allowed)
-    "format": (lambda v: v in ("fp8", "int4"), "'fp8' or 'int4'"),
+SGLD_META_FIELDS = {  # field -> (check, what is allowed; "format": the table's names, filled in when checked)
+    "format": (lambda v: isinstance(v, str) and v in FORMATS, ""),
     "group_size": (lambda v: v is None or type(v) is int and v > 0, "a positive integer or null"),
     "version": (lambda v: type(v) is int and v == 1, "1"),
     "compute_dtype": (lambda v: v in COMPUTE_DTYPE_NAMES, "'bfloat16', 'float16' or 'float32'"),
@@ -40,11 +41,12 @@ def _parse_comfy_quant(ckpt, key: str) -> dict:
 def _parse_sgld_meta(f) -> dict:
     where = f"{f.path}: metadata '{SGLD_META_KEY}'"
     meta = load_json_object(f.metadata[SGLD_META_KEY], where)
+    formats = " or ".join(repr(name) for name in FORMATS)
     if "format" not in meta:
-        raise CheckpointError(f"{where}: field 'format' is missing (allowed: 'fp8' or 'int4')")
+        raise CheckpointError(f"{where}: field 'format' is missing (allowed: {formats})")
     for name, (ok, allowed) in SGLD_META_FIELDS.items():
         if name in meta and not ok(meta[name]):
-            raise CheckpointError(f"{where}: field '{name}' = {meta[name]!r} must be {allowed}")
+            raise CheckpointError(f"{where}: field '{name}' = {meta[name]!r} must be {allowed or formats}")
     return meta
 
 
@@ -64,7 +66,7 @@ class QuantPlan:
     ``X.weight_scale`` (comfy_quant); an fp8 file without any scale is a plain cast (scale 1, as ComfyUI
     reads it), but once some fp8 weights have scales, all need one; int4 needs ``X.weight`` U8 [out, in/2]
     with ``X.weight_scale`` / ``X.weight_zero`` [out, in/group] (group dividing in). Scale values are
-    checked as they are read (``scales``)."""
+    checked as they are read (``stored``)."""
 
     def __init__(self, ckpt):
         self.ckpt = ckpt
@@ -99,82 +101,20 @@ class QuantPlan:
                     f"{ckpt.describe()}: layer '{layer}' uses ComfyUI quantization format '{fmt or '?'}', which "
                     "SGLDiffusion does not load (supported: float8_e4m3fn, float8_e5m2); use a bf16 or fp8 file")
             self.sources.add("comfy_quant")
-        fp8_layers = [k[: -len(".weight")] for k in sorted(keys) if k.endswith(".weight") and ckpt.header(k)[0] in FP8_STORAGE]
-        scaled = bool(meta) or legacy or bool(declared) or any(
-            layer + s in keys for layer in fp8_layers for s in (".weight_scale", ".scale_weight"))
-        for layer in fp8_layers:
-            style = "sgld" if meta else "comfy" if legacy or layer in declared else "fp8"
-            self.layers[layer] = self._fp8_layer(layer, keys, style, scaled, legacy)
-            if layer in declared:
-                pass
-            elif self.layers[layer]["scale_key"] and self.layers[layer]["scale_key"].endswith(".weight_scale"):
-                self.sources.add("sgld" if meta else "fp8")
-            elif not self.sources:
-                self.sources.add("fp8")
-        for k in sorted(keys):  # sorted: the first bad layer reported is the same on every run
+        self.keys, self.legacy, self.declared = keys, legacy, declared
+        for fmt in FORMATS.values():  # registration order: the first format that claims a layer has it
+            for layer, info in fmt.read_layers(self, keys).items():
+                self.layers.setdefault(layer, {**info, "kind": fmt.name})
+        for k in sorted(keys):  # an integer weight with a scale that no registered format reads
             layer = k[: -len(".weight")]
-            if (k.endswith(".weight") and ckpt.header(k)[0] == torch.uint8
+            if (k.endswith(".weight") and layer not in self.layers and not ckpt.header(k)[0].is_floating_point
                     and (layer + ".weight_scale" in keys or layer + ".weight_zero" in keys)):
-                self.layers[layer] = self._int4_layer(layer, keys)
-                self.sources.add("sgld")
+                raise CheckpointError(f"{ckpt.where(k)}: a quantized weight stored as {DTYPE_NAMES[ckpt.header(k)[0]]} "
+                                      f"that no weight format reads (formats: {', '.join(FORMATS)})")
         for layer in declared:
             if layer not in self.layers:
                 raise CheckpointError(f"{ckpt.describe()}: layer '{layer}' is marked quantized but its weight is not float8")
         self.ignored += [k for k in keys if k.endswith(IGNORED_SUFFIXES)]
-
-    def _fp8_layer(self, layer: str, keys, style: str, scaled: bool, legacy: bool) -> dict:
-        """Check an fp8 weight's scale from the header. ``style``: "sgld" | "comfy" | "fp8" (no marker)."""
-        ckpt, wkey = self.ckpt, layer + ".weight"
-        _, wshape = ckpt.header(wkey)
-        present = [layer + s for s in (".weight_scale", ".scale_weight") if layer + s in keys]
-        if len(present) > 1:
-            raise CheckpointError(f"{ckpt.where(wkey)}: fp8 weight has two scales, '{present[0]}' and '{present[1]}'; "
-                                  "a file holds one of them")
-        if style == "sgld" and present and present[0].endswith(".scale_weight"):
-            present = []  # an sgld file names its scales X.weight_scale
-        if not present:
-            if scaled:
-                want = layer + (".weight_scale" if style == "sgld" or not legacy else ".scale_weight")
-                raise CheckpointError(f"{ckpt.where(wkey)}: fp8 weight without its scale '{want}' (this file's fp8 "
-                                      "weights are scaled; only a file without any fp8 scale reads as scale 1)")
-            return {"kind": "fp8", "scale_key": None, "shape": wshape}
-        skey = present[0]
-        sdtype, sshape = ckpt.header(skey)
-        per_channel = len(wshape) == 2 and sshape == (wshape[0],)
-        scalar = sshape in ((), (1,))
-        if style == "sgld":
-            ok, allowed = sdtype == torch.float32 and per_channel, f"F32 {[wshape[0]] if wshape else []} (one per output channel)"
-        elif style == "comfy":
-            ok, allowed = sdtype in SCALE_DTYPES and scalar, "a scalar (one per tensor) of F32, BF16, F16 or F64"
-        else:
-            ok, allowed = sdtype in SCALE_DTYPES and (scalar or per_channel), \
-                f"a scalar or [{wshape[0] if wshape else ''}] (one per output channel) of F32, BF16, F16 or F64"
-        if not ok:
-            raise CheckpointError(f"{ckpt.where(skey)}: scale of fp8 weight '{wkey}' {list(wshape)} is "
-                                  f"{DTYPE_NAMES[sdtype]} {list(sshape)}; allowed: {allowed}")
-        return {"kind": "fp8", "scale_key": skey, "shape": wshape}
-
-    def _int4_layer(self, layer: str, keys) -> dict:
-        ckpt, wkey = self.ckpt, layer + ".weight"
-        skey, zkey = layer + ".weight_scale", layer + ".weight_zero"
-        for k in (skey, zkey):
-            if k not in keys:
-                raise CheckpointError(f"{ckpt.where(wkey)}: int4 weight without '{k}' (int4 needs X.weight_scale and "
-                                      "X.weight_zero)")
-        _, wshape = ckpt.header(wkey)
-        if len(wshape) != 2:
-            raise CheckpointError(f"{ckpt.where(wkey)}: int4 weight has shape {list(wshape)}; allowed: U8 [out, in/2]")
-        out, in_features = wshape[0], 2 * wshape[1]
-        for k in (skey, zkey):
-            dt, shape = ckpt.header(k)
-            if dt not in SCALE_DTYPES or len(shape) != 2 or shape[0] != out or not shape[1] or in_features % shape[1]:
-                raise CheckpointError(
-                    f"{ckpt.where(k)} is {DTYPE_NAMES[dt]} {list(shape)}; int4 weight '{wkey}' {list(wshape)} needs "
-                    f"[{out}, in/group] with a group size dividing in = {in_features}, of F32, BF16, F16 or F64")
-        if ckpt.header(skey)[1] != ckpt.header(zkey)[1]:
-            raise CheckpointError(f"{ckpt.where(zkey)} has shape {list(ckpt.header(zkey)[1])}, but '{skey}' has "
-                                  f"{list(ckpt.header(skey)[1])}; they must match")
-        return {"kind": "int4", "scale_key": skey, "zero_key": zkey, "shape": (out, in_features)}
 
     def keys_of(self, layer: str) -> List[str]:
         """The file's tensors of a quantized layer: its weight, then its scale and zero if stored."""
@@ -185,15 +125,14 @@ class QuantPlan:
         """Every key that is part of a quantized layer, a marker or an unused input scale."""
         return {k for layer in self.layers for k in self.keys_of(layer)} | set(self.ignored)
 
-    def scales(self, layer: str, parts: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(scale, zero or None) of a quantized layer from its tensors, checked: scales finite and > 0, zeros finite."""
+    def stored(self, layer: str, parts: Dict[str, torch.Tensor]) -> Dict[str, Optional[torch.Tensor]]:
+        """A quantized layer's tensors by their role ("weight", "weight_scale", "weight_zero"; None when the
+        file has none), checked: scales finite and > 0, zeros finite."""
         info = self.layers[layer]
-        weight = parts[layer + ".weight"]
-        if info["kind"] == "fp8" and not info["scale_key"]:
-            return torch.ones((), device=weight.device), None
-        scale = self._finite(info["scale_key"], parts[info["scale_key"]], positive=True)
-        zero = self._finite(info["zero_key"], parts[info["zero_key"]], positive=False) if info["kind"] == "int4" else None
-        return scale, zero
+        scale, zero = info.get("scale_key"), info.get("zero_key")
+        return {"weight": parts[layer + ".weight"],
+                "weight_scale": self._finite(scale, parts[scale], positive=True) if scale else None,
+                "weight_zero": self._finite(zero, parts[zero], positive=False) if zero else None}
 
     def _finite(self, key: str, t: torch.Tensor, positive: bool) -> torch.Tensor:
         values = t.float()
@@ -206,11 +145,7 @@ class QuantPlan:
 
     def dequantize(self, layer: str, parts: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The float32 weight of a quantized layer from its tensors (``keys_of``), on their device."""
-        weight = parts[layer + ".weight"]
-        scale, zero = self.scales(layer, parts)
-        if self.layers[layer]["kind"] == "fp8":
-            return dequantize_fp8(weight, scale, torch.float32)
-        return dequantize_int4(weight, scale, zero)
+        return get_format(self.layers[layer]["kind"]).dequantize(self.stored(layer, parts)).float()
 
     def read_dense(self, layer: str) -> torch.Tensor:
         """The float32 weight of a quantized layer, read from the file."""
@@ -230,3 +165,91 @@ class QuantPlan:
     def describe(self) -> str:
         kinds = sorted({v["kind"] for v in self.layers.values()})
         return f"{len(self.layers)} {'/'.join(kinds) or 'no'} layers ({', '.join(sorted(self.sources)) or 'plain'})"
+
+
+# -- the built-in formats' layers in a file (their ``read_layers``) ---------------------------------------------
+def read_fp8_layers(plan: QuantPlan, keys: Set[str]) -> Dict[str, dict]:
+    """Every float8 weight, its scale checked by the file's dialect (sgld, ComfyUI, or no scale at all)."""
+    ckpt, meta, legacy, declared = plan.ckpt, plan.sgld_meta, plan.legacy, plan.declared
+    fp8_layers = [k[: -len(".weight")] for k in sorted(keys) if k.endswith(".weight") and ckpt.header(k)[0] in FP8_STORAGE]
+    scaled = bool(meta) or legacy or bool(declared) or any(
+        layer + s in keys for layer in fp8_layers for s in (".weight_scale", ".scale_weight"))
+    layers = {}
+    for layer in fp8_layers:
+        style = "sgld" if meta else "comfy" if legacy or layer in declared else "fp8"
+        layers[layer] = info = _fp8_layer(ckpt, layer, keys, style, scaled, legacy)
+        if layer in declared:
+            pass
+        elif info["scale_key"] and info["scale_key"].endswith(".weight_scale"):
+            plan.sources.add("sgld" if meta else "fp8")
+        elif not plan.sources:
+            plan.sources.add("fp8")
+    return layers
+
+
+def read_int4_layers(plan: QuantPlan, keys: Set[str]) -> Dict[str, dict]:
+    """Every U8 weight with X.weight_scale / X.weight_zero (sgld), its companions checked."""
+    ckpt, layers = plan.ckpt, {}
+    for k in sorted(keys):  # sorted: the first bad layer reported is the same on every run
+        layer = k[: -len(".weight")]
+        if (k.endswith(".weight") and ckpt.header(k)[0] == torch.uint8
+                and (layer + ".weight_scale" in keys or layer + ".weight_zero" in keys)):
+            layers[layer] = _int4_layer(ckpt, layer, keys)
+            plan.sources.add("sgld")
+    return layers
+
+
+def _fp8_layer(ckpt, layer: str, keys, style: str, scaled: bool, legacy: bool) -> dict:
+    """Check an fp8 weight's scale from the header. ``style``: "sgld" | "comfy" | "fp8" (no marker)."""
+    wkey = layer + ".weight"
+    _, wshape = ckpt.header(wkey)
+    present = [layer + s for s in (".weight_scale", ".scale_weight") if layer + s in keys]
+    if len(present) > 1:
+        raise CheckpointError(f"{ckpt.where(wkey)}: fp8 weight has two scales, '{present[0]}' and '{present[1]}'; "
+                              "a file holds one of them")
+    if style == "sgld" and present and present[0].endswith(".scale_weight"):
+        present = []  # an sgld file names its scales X.weight_scale
+    if not present:
+        if scaled:
+            want = layer + (".weight_scale" if style == "sgld" or not legacy else ".scale_weight")
+            raise CheckpointError(f"{ckpt.where(wkey)}: fp8 weight without its scale '{want}' (this file's fp8 "
+                                  "weights are scaled; only a file without any fp8 scale reads as scale 1)")
+        return {"scale_key": None, "shape": wshape}
+    skey = present[0]
+    sdtype, sshape = ckpt.header(skey)
+    per_channel = len(wshape) == 2 and sshape == (wshape[0],)
+    scalar = sshape in ((), (1,))
+    if style == "sgld":
+        ok, allowed = sdtype == torch.float32 and per_channel, f"F32 {[wshape[0]] if wshape else []} (one per output channel)"
+    elif style == "comfy":
+        ok, allowed = sdtype in SCALE_DTYPES and scalar, "a scalar (one per tensor) of F32, BF16, F16 or F64"
+    else:
+        ok, allowed = sdtype in SCALE_DTYPES and (scalar or per_channel), \
+            f"a scalar or [{wshape[0] if wshape else ''}] (one per output channel) of F32, BF16, F16 or F64"
+    if not ok:
+        raise CheckpointError(f"{ckpt.where(skey)}: scale of fp8 weight '{wkey}' {list(wshape)} is "
+                              f"{DTYPE_NAMES[sdtype]} {list(sshape)}; allowed: {allowed}")
+    return {"scale_key": skey, "shape": wshape}
+
+
+def _int4_layer(ckpt, layer: str, keys) -> dict:
+    wkey = layer + ".weight"
+    skey, zkey = layer + ".weight_scale", layer + ".weight_zero"
+    for k in (skey, zkey):
+        if k not in keys:
+            raise CheckpointError(f"{ckpt.where(wkey)}: int4 weight without '{k}' (int4 needs X.weight_scale and "
+                                  "X.weight_zero)")
+    _, wshape = ckpt.header(wkey)
+    if len(wshape) != 2:
+        raise CheckpointError(f"{ckpt.where(wkey)}: int4 weight has shape {list(wshape)}; allowed: U8 [out, in/2]")
+    out, in_features = wshape[0], 2 * wshape[1]
+    for k in (skey, zkey):
+        dt, shape = ckpt.header(k)
+        if dt not in SCALE_DTYPES or len(shape) != 2 or shape[0] != out or not shape[1] or in_features % shape[1]:
+            raise CheckpointError(
+                f"{ckpt.where(k)} is {DTYPE_NAMES[dt]} {list(shape)}; int4 weight '{wkey}' {list(wshape)} needs "
+                f"[{out}, in/group] with a group size dividing in = {in_features}, of F32, BF16, F16 or F64")
+    if ckpt.header(skey)[1] != ckpt.header(zkey)[1]:
+        raise CheckpointError(f"{ckpt.where(zkey)} has shape {list(ckpt.header(zkey)[1])}, but '{skey}' has "
+                              f"{list(ckpt.header(skey)[1])}; they must match")
+    return {"scale_key": skey, "zero_key": zkey, "shape": (out, in_features)}

@@ -2,8 +2,8 @@
 ``load_model``, the public loader (``engine.load_model``).
 
 The transform quantizes the blocks' linear layers as they are read when a format is asked for, and
-reads the layers of a pre-quantized file (sgld, ComfyUI scaled_fp8, ComfyUI mixed) as FP8Linear /
-Int4Linear modules, re-quantized when another format is asked for; quantized layers outside the
+reads the layers of a pre-quantized file (sgld, ComfyUI scaled_fp8, ComfyUI mixed) as their format's
+modules (registry.py), re-quantized when another format is asked for; quantized layers outside the
 blocks are dequantized to the compute dtype. A pre-quantized file is refused under tensor parallel.
 """
 from __future__ import annotations
@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointError
-from ...io.checkpoint import Checkpoint
-from ...io.load import LoadPlan, Transform, build_model, open_checkpoint
+from ...io.checkpoint import Checkpoint, open_checkpoint
+from ...io.load import SHARD_DIMS, LoadPlan, Transform, build_model
 from ...io.safetensors import nbytes
 from ...models.ernie_image import ErnieImageConfig
 from .. import patching
 from .formats import QuantPlan
-from .modules import FP8Linear, Int4Linear, is_block_linear, make_quant_linear, quantized_bytes, record_quant
-from .numerics import FP8_DTYPE, dequantize_fp8, parse_format
+from .modules import is_block_linear, record_quant
+from .registry import get_format, parse_format
 
 log = logging.getLogger("sgld.quant")
 
@@ -33,6 +33,7 @@ class QuantTransform(Transform):
     def __init__(self, plan: Optional[QuantPlan], quant: Optional[str]):
         self.plan = plan
         self.kind, self.group = parse_format(quant)
+        self.format = get_format(self.kind) if self.kind else None  # the format asked for
         self.quant = quant
         layers = plan.layers if plan is not None else {}
         self.layer_of = {k: layer for layer in layers for k in plan.keys_of(layer)}  # stored key -> its layer
@@ -42,6 +43,10 @@ class QuantTransform(Transform):
     def compute_dtype(self, ckpt: Checkpoint) -> torch.dtype:
         return self.plan.compute_dtype()
 
+    def prepare(self, model: nn.Module, shard: Optional[Tuple[int, int]]) -> None:
+        if shard is not None:
+            shard_skeleton(model, shard[0])
+
     def check(self, ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]]) -> Set[str]:
         """Pre-quantized layers: their weights must be the model's, in its shapes (as stored, unpacked)."""
         unexpected = []
@@ -50,7 +55,8 @@ class QuantTransform(Transform):
             if wkey not in expected:
                 unexpected.append(wkey)
             elif tuple(info["shape"]) != expected[wkey]:
-                stored = "" if info["kind"] == "fp8" else f" (stored packed as {list(ckpt.header(wkey)[1])})"
+                packed = get_format(info["kind"]).packed
+                stored = f" (stored packed as {list(ckpt.header(wkey)[1])})" if packed else ""
                 raise CheckpointError(f"{ckpt.describe()}: {info['kind']} tensor '{wkey}' has shape {tuple(info['shape'])}"
                                       f"{stored}, but a model of this configuration needs {expected[wkey]}")
         if unexpected:
@@ -74,7 +80,7 @@ class QuantTransform(Transform):
                 return 0  # a scale or zero of a layer that is dequantized or re-quantized
             stored, shape = dtype, self.plan.layers[layer]["shape"]  # dequantized
         if self.kind and leaf == "weight" and is_block_linear(layer):
-            return quantized_bytes(self.kind, self.group, shape, dtype)
+            return self.format.weight_bytes(shape, self.group, dtype)
         return super().bytes_at_rest(key, stored, shape, dtype)
 
     def take(self, model: nn.Module, key: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -89,7 +95,7 @@ class QuantTransform(Transform):
             return self._stored_layer(model, layer, self.parts.pop(layer))
         layer, _, leaf = key.rpartition(".")
         if self.kind and leaf == "weight" and is_block_linear(layer):
-            module = make_quant_linear(self.kind, self.group, tensor)
+            module = self.format.quantize(tensor, None, self.group)
             if module is not None:
                 patching.replace_module(model, layer, module)
                 return {}
@@ -99,19 +105,12 @@ class QuantTransform(Transform):
         """A pre-quantized layer, all its tensors read: a quantized module, or a dense weight for the state."""
         info, wkey = self.plan.layers[layer], layer + ".weight"
         if self._keeps(layer):
-            weight = parts[wkey]
-            scale, zero = self.plan.scales(layer, parts)
-            if info["kind"] == "int4":
-                module = Int4Linear(weight, scale, zero)
-            elif weight.dtype != FP8_DTYPE:  # e5m2 storage: re-stored as e4m3 per channel
-                module = FP8Linear.from_dense(dequantize_fp8(weight, scale.float()))
-            else:
-                module = FP8Linear(weight, scale.float())
+            module = get_format(info["kind"]).from_stored(self.plan.stored(layer, parts))
             patching.replace_module(model, layer, module)
             return {}
         dense = self.plan.dequantize(layer, parts)
         if is_block_linear(layer):  # stored in another format than the one asked for: re-quantized
-            module = make_quant_linear(self.kind, self.group, dense)
+            module = self.format.quantize(dense, None, self.group)
             if module is not None:
                 patching.replace_module(model, layer, module)
                 return {}
@@ -122,6 +121,18 @@ class QuantTransform(Transform):
         if self.plan.quantized or self.kind:
             log.info("loaded %s: %s%s", self.plan.ckpt.describe(), self.plan.describe(),
                      f", quantized to {self.quant} at load" if self.kind else "")
+
+
+def shard_skeleton(model: nn.Module, tp: int) -> None:
+    """Give a meta model's block linears their tensor-parallel shard shapes (through ``replace_module``) and
+    its attention its share of the heads."""
+    with torch.device("meta"):
+        for i, block in enumerate(model.layers):
+            block.self_attention.heads //= tp
+            for name, dim in SHARD_DIMS.items():
+                old = block.get_submodule(name)
+                shape = (old.in_features, old.out_features // tp) if dim == 0 else (old.in_features // tp, old.out_features)
+                patching.replace_module(model, f"layers.{i}.{name}", nn.Linear(*shape, bias=False))
 
 
 def plan_load(checkpoint, dtype=None, quant: Optional[str] = None,
@@ -140,7 +151,8 @@ def load_model(checkpoint, dtype=None, device="cpu", quant: Optional[str] = None
                shard: Optional[Tuple[int, int]] = None) -> nn.Module:
     """Load an ERNIE-Image DiT from a .safetensors file or a diffusers folder (or an opened Checkpoint), in eval mode.
 
-    ``dtype``: bf16 | fp16 | fp32 | None (as stored). ``quant`` ("fp8" | "int4" | "int4-g64"): quantize the
+    ``dtype``: bf16 | fp16 | fp32 | None (as stored). ``quant`` (a name of the format table: "fp8", "int4",
+    "int4-g64", ...): quantize the
     blocks' linear layers while loading; pre-quantized files always load quantized. ``shard`` =
     (tp_degree, tp_index): keep this tensor-parallel rank's slices only."""
     return plan_load(checkpoint, dtype, quant, shard).read(device)

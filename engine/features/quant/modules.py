@@ -1,7 +1,8 @@
-"""The quantized linear layers and the "quant" feature: ``apply_quant(model, fmt)`` replaces the blocks'
-linear layers by FP8Linear / Int4Linear (through engine/features/patching.py) and records the patch;
-``prepare_fast_paths`` switches fp8 layers to ``torch._scaled_mm`` where a probe says it runs and agrees.
-Why weight-only, and the compute paths: docs/quantization.md."""
+"""The quantized linear layers, their entries in the format table (registry.py: "fp8", "int4"), and the
+"quant" feature: ``apply_quant(model, fmt)`` replaces the blocks' linear layers by the format's module
+(through engine/features/patching.py) and records the patch; ``prepare_fast_paths`` switches fp8 layers to
+``torch._scaled_mm`` where a probe says it runs and agrees. Why weight-only, and the compute paths:
+docs/quantization.md."""
 from __future__ import annotations
 
 import logging
@@ -14,8 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import patching
-from .numerics import (FP8_DTYPE, FP8_MAX, dequantize_fp8, dequantize_int4, int4_group, parse_format, quantize_fp8,
-                       quantize_int4)
+from .formats import read_fp8_layers, read_int4_layers
+from .numerics import FP8_DTYPE, FP8_MAX, dequantize_fp8, dequantize_int4, int4_group, parse_int4, quantize_fp8, quantize_int4
+from .registry import WeightFormat, format_of, get_format, parse_format, quant_modules, register_format
+from .registry import choices as quant_choices  # noqa: I001
 
 log = logging.getLogger("sgld.quant")
 
@@ -51,8 +54,6 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 class FP8Linear(nn.Module):
     """Linear with an e4m3 weight and a float32 scale per output channel (or one per tensor)."""
 
-    fmt = "fp8"
-
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -84,8 +85,6 @@ class FP8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """Linear with 4-bit group-wise weights (two per byte), bf16 scale and zero per group."""
 
-    fmt = "int4"
-
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: Optional[torch.Tensor] = None):
         super().__init__()
         self.out_features = packed.shape[0]
@@ -110,7 +109,78 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
 
 
-QUANT_MODULES = (FP8Linear, Int4Linear)
+# -- the table's entries ---------------------------------------------------------------------------------------
+def _fp8_from_stored(parts) -> FP8Linear:
+    weight, scale = parts["weight"], parts["weight_scale"]
+    scale = torch.ones((), device=weight.device) if scale is None else scale.float()  # no scale: a plain cast
+    if weight.dtype != FP8_DTYPE:  # e5m2 storage: re-stored as e4m3 per channel
+        return FP8Linear.from_dense(dequantize_fp8(weight, scale))
+    return FP8Linear(weight, scale)
+
+
+def _fp8_dequantize(parts) -> torch.Tensor:
+    scale = parts["weight_scale"]
+    weight = parts["weight"]
+    return dequantize_fp8(weight, torch.ones((), device=weight.device) if scale is None else scale, torch.float32)
+
+
+def _fp8_concat(parts: List[FP8Linear], bias: Optional[torch.Tensor]) -> FP8Linear:
+    scales = [p.weight_scale.reshape(-1).expand(p.out_features) for p in parts]  # a per-tensor scale on every row
+    return FP8Linear(torch.cat([p.weight for p in parts]), torch.cat(scales), bias)
+
+
+def _fp8_rows(fused: FP8Linear, start: int, stop: int, bias: Optional[torch.Tensor]) -> FP8Linear:
+    part = FP8Linear(fused.weight[start:stop].clone(), fused.weight_scale[start:stop].clone(), bias)
+    part.use_scaled_mm = fused.use_scaled_mm
+    return part
+
+
+def _fp8_join(leaf: str, tensors: List[torch.Tensor], rows: List[int]) -> torch.Tensor:
+    if leaf == "weight_scale":  # a per-tensor scale becomes the same scale on every row of its part
+        tensors = [t.reshape(-1).expand(n) for t, n in zip(tensors, rows)]
+    return torch.cat(tensors)
+
+
+def _int4_quantize(weight: torch.Tensor, bias: Optional[torch.Tensor], group: int) -> Optional[Int4Linear]:
+    g = int4_group(weight.shape[1], group)
+    return Int4Linear.from_dense(weight, bias, g) if g else None
+
+
+def _int4_bytes(shape: Tuple[int, int], group: int, dense: torch.dtype) -> int:
+    n, g = shape[0] * shape[1], int4_group(shape[1], group)
+    return n // 2 + 4 * n // g if g else n * dense.itemsize  # two weights a byte, bf16 scale and zero a group
+
+
+def _int4_concat(parts: List[Int4Linear], bias: Optional[torch.Tensor]) -> Optional[Int4Linear]:
+    if any(p.group_size != parts[0].group_size for p in parts):
+        return None
+    return Int4Linear(torch.cat([p.weight for p in parts]), torch.cat([p.weight_scale for p in parts]),
+                      torch.cat([p.weight_zero for p in parts]), bias)
+
+
+def _int4_rows(fused: Int4Linear, start: int, stop: int, bias: Optional[torch.Tensor]) -> Int4Linear:
+    return Int4Linear(fused.weight[start:stop].clone(), fused.weight_scale[start:stop].clone(),
+                      fused.weight_zero[start:stop].clone(), bias)
+
+
+FP8 = register_format(WeightFormat(
+    "fp8", FP8Linear, parse=lambda text: 0 if text == "fp8" else None, choices=("fp8",),
+    quantize=lambda weight, bias, group: FP8Linear.from_dense(weight, bias),
+    weight_bytes=lambda shape, group, dense: shape[0] * shape[1] + 4 * shape[0],  # e4m3, a float32 scale a row
+    from_stored=_fp8_from_stored, dequantize=_fp8_dequantize, read_layers=read_fp8_layers,
+    concat=_fp8_concat, rows=_fp8_rows, join=_fp8_join))
+INT4 = register_format(WeightFormat(
+    "int4", Int4Linear, parse=parse_int4, choices=("int4", "int4-g64"), quantize=_int4_quantize,
+    weight_bytes=_int4_bytes, from_stored=lambda p: Int4Linear(p["weight"], p["weight_scale"], p["weight_zero"]),
+    dequantize=lambda p: dequantize_int4(p["weight"], p["weight_scale"], p["weight_zero"]),
+    read_layers=read_int4_layers, concat=_int4_concat, rows=_int4_rows, packed=True,
+    dense_why="have an input size that no group of 32/64/128 divides"))
+QUANT_MODULES = quant_modules()  # the built-in classes; code that must see every registered one calls quant_modules()
+
+
+def stored_tensors(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """The tensors a file stores for a quantized layer (its own names: weight, weight_scale, ...), bias apart."""
+    return {k: v for k, v in module.state_dict().items() if k != "bias"}
 
 
 def fp8_scaled_mm_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -178,26 +248,17 @@ def prepare_fast_paths(model: nn.Module) -> List[str]:
 
 # -- the feature ----------------------------------------------------------------------------------------------
 def make_quant_linear(kind: str, group: int, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Optional[nn.Module]:
-    """A quantized layer of ``weight``, or None when no int4 group divides its input size."""
-    if kind == "fp8":
-        return FP8Linear.from_dense(weight, bias)
-    g = int4_group(weight.shape[1], group)
-    if not g:
-        return None
-    return Int4Linear.from_dense(weight, bias, g)
+    """A quantized layer of ``weight`` in format ``kind``, or None when the format leaves it dense."""
+    return get_format(kind).quantize(weight, bias, group)
 
 
 def quantized_bytes(kind: str, group: int, shape: Tuple[int, int], dense: torch.dtype) -> int:
     """Bytes of an [out, in] weight once ``make_quant_linear`` made it (``dense`` when it stays dense)."""
-    out, n = shape[0], shape[0] * shape[1]
-    if kind == "fp8":
-        return n + 4 * out  # e4m3 weight, float32 scale per channel
-    g = int4_group(shape[1], group)
-    return n // 2 + 4 * n // g if g else n * dense.itemsize  # two weights a byte, bf16 scale and zero a group
+    return get_format(kind).weight_bytes(shape, group, dense)
 
 
 class QuantPatch(patching.Patch):
-    """The model's block linears are quantized: ``format`` ("fp8", "int4" or "mixed"), ``layers`` (how many),
+    """The model's block linears are quantized: ``format`` (a format name or "mixed"), ``layers`` (how many),
     ``warnings`` (layers left dense or re-quantized). Removing it puts dense layers back (dequantized)."""
 
     name = "quant"
@@ -215,7 +276,7 @@ class QuantPatch(patching.Patch):
             return
         dtype = model.dtype
         for name, module in list(model.named_modules()):
-            if isinstance(module, QUANT_MODULES):
+            if format_of(module) is not None:
                 dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
                 dense.weight = _param(module.dequantize(dtype))
                 if module.bias is not None:
@@ -225,7 +286,7 @@ class QuantPatch(patching.Patch):
 
 def record_quant(model: nn.Module) -> Optional[QuantPatch]:
     """Register (or update) the "quant" patch from the quantized layers the model holds; None if it has none."""
-    layers = [m for n, m in model.named_modules() if isinstance(m, QUANT_MODULES)]
+    layers = [m for m in model.modules() if format_of(m) is not None]
     if not layers:
         return None
     patch = patching.get(model, QuantPatch.name) or patching.attach(model, QuantPatch(model))
@@ -239,29 +300,31 @@ def apply_quant(model: nn.Module, fmt: str) -> QuantPatch:
     weights. The patch's ``warnings``: layers that could not be quantized or were re-quantized."""
     kind, group = parse_format(fmt)
     if kind is None:
-        raise ValueError("apply_quant needs a format: fp8, int4 or int4-g64")
+        raise ValueError("apply_quant needs a format: " + ", ".join(quant_choices()))
+    target = get_format(kind)
     warnings = []
     skipped = []
     for name, mod in list(model.named_modules()):
         if not is_block_linear(name):
             continue
-        if isinstance(mod, FP8Linear if kind == "fp8" else Int4Linear):
+        now = format_of(mod)
+        if now is target:
             continue
-        if isinstance(mod, QUANT_MODULES):
+        if now is not None:
             dense, bias = mod.dequantize(torch.float32), mod.bias
-            warnings.append(f"{name}: re-quantized from {mod.fmt} to {kind}")
+            warnings.append(f"{name}: re-quantized from {now.name} to {kind}")
         elif isinstance(mod, nn.Linear):
             dense, bias = mod.weight.detach(), mod.bias
         else:
             continue
-        new = make_quant_linear(kind, group, dense, None if bias is None else bias.detach())
+        new = target.quantize(dense, None if bias is None else bias.detach(), group)
         if new is None:
             skipped.append(name)
             continue
         _replace(model, name, new)  # a fused linear (fuse, then quantize) stays fused: same rows, same numbers
     if skipped:
-        warnings.append(f"int4: {len(skipped)} linear layers have an input size that no group of 32/64/128 divides "
-                        f"and stay unquantized (first: {skipped[0]})")
+        warnings.append(f"{kind}: {len(skipped)} linear layers {target.dense_why} and stay unquantized "
+                        f"(first: {skipped[0]})")
     for w in warnings:
         log.warning(w)
     patch = record_quant(model) or patching.attach(model, QuantPatch(model))
@@ -275,8 +338,8 @@ def remove_quant(model: nn.Module) -> bool:
 
 
 def model_quant_format(model: nn.Module) -> Optional[str]:
-    """"fp8", "int4", "mixed" or None, from the block linears."""
-    kinds = {m.fmt for n, m in model.named_modules() if isinstance(m, QUANT_MODULES)}
+    """The format name ("fp8", "int4", ...), "mixed" or None, from the quantized layers."""
+    kinds = {f.name for f in map(format_of, model.modules()) if f is not None}
     if not kinds:
         return None
     return kinds.pop() if len(kinds) == 1 else "mixed"

@@ -10,25 +10,17 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INT4_GROUPS = (32, 64, 128, 256)
-FORMATS = ("fp8", "int4", "int4-g64")  # EngineConfig.quant's choices (int4 = groups of 128)
 
 
-def parse_format(fmt: Optional[str]) -> Tuple[Optional[str], int]:
-    """"fp8" | "int4" | "int4-g64" | "int4-g128" | None -> (kind, group_size)."""
-    if fmt is None:
-        return None, 0
-    f = str(fmt).lower()
-    if f in ("none", "off", ""):
-        return None, 0
-    if f == "fp8":
-        return "fp8", 0
-    m = re.fullmatch(r"int4(?:[-_]g(\d+))?", f)
-    if m:
-        g = int(m.group(1) or 128)
-        if g not in INT4_GROUPS:
-            raise ValueError(f"int4 group size {g} is not supported; use 64 or 128")
-        return "int4", g
-    raise ValueError(f"quantization format '{fmt}' is not supported; choose one of fp8, int4 (groups of 128), int4-g64")
+def parse_int4(text: str) -> Optional[int]:
+    """"int4" | "int4-g64" | "int4_g128" ... -> the group size (128 when not given); None for other names."""
+    m = re.fullmatch(r"int4(?:[-_]g(\d+))?", text)
+    if not m:
+        return None
+    g = int(m.group(1) or 128)
+    if g not in INT4_GROUPS:
+        raise ValueError(f"int4 group size {g} is not supported; use 64 or 128")
+    return g
 
 
 def quantize_fp8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ...io.load import read_model
-from ...io.safetensors import SafetensorsFile
+from ...io.readers import open_file
 from . import codec
 from .text_encoder import DemoTextEncoder, TextEncoderConfig, WordTokenizer
 from .weights_io import DEMO_METADATA_KEY, read_demo_parts
@@ -102,7 +102,7 @@ class DemoModel:
 def is_demo_file(path: str) -> bool:
     """True if ``path`` is a safetensors file carrying the demo model's text encoder and vocabulary."""
     try:
-        return DEMO_METADATA_KEY in SafetensorsFile(path).metadata
+        return DEMO_METADATA_KEY in open_file(path).metadata
     except Exception:
         return False
 

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import save
 
 from ...io.atomic import atomic_write
-from ...io.safetensors import CheckpointError, SafetensorsFile
+from ...io.readers import open_file
+from ...io.safetensors import CheckpointError
 
 DIT_PREFIX = "diffusion_model."
 TE_PREFIX = "text_encoder."
@@ -36,7 +37,7 @@ def save_demo(path: str, dit, te, tok, te_cfg, info: Optional[dict] = None, dtyp
 
 def read_demo_parts(path: str):
     """(demo_config dict, text-encoder state dict in float32) from a demo file."""
-    f = SafetensorsFile(path)
+    f = open_file(path)
     raw = f.metadata.get(DEMO_METADATA_KEY)
     if not raw:
         raise CheckpointError(f"{path}: not a demo model file (no '{DEMO_METADATA_KEY}' metadata)")

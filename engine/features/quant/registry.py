@@ -1,0 +1,104 @@
+"""The weight formats as one table: ``FORMATS`` (name -> ``WeightFormat``). Everything that depends on the
+format (how a dense weight is quantized, the module class, bytes at rest, the tensors a file stores, how a
+file's layers are found and checked, how fused projections concatenate and split it) is a field of its
+entry, so a new format is one module that calls ``register_format`` (docs/architecture.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+
+def _cat_rows(leaf: str, tensors: List[torch.Tensor], rows: List[int]) -> torch.Tensor:
+    return torch.cat(tensors)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """One weight format of the blocks' linear layers.
+
+    ``parse(text)`` -> the group size (0: none) when ``text`` names this format, else None; ``choices``: the
+    names offered as EngineConfig.quant / ``sgld quantize --format``; ``module``: the layer class (with
+    ``from_dense``-made instances, ``.dequantize(dtype)``, ``.in_features``, ``.out_features``, ``.bias``);
+    ``quantize(weight, bias, group)`` -> a module, or None when this layer stays dense; ``weight_bytes(shape,
+    group, dense dtype)``: bytes at rest once quantized; ``from_stored(parts)`` / ``dequantize(parts)``: a
+    module / the float32 weight from a file's tensors ({"weight", "weight_scale", "weight_zero"}, scale and
+    zero possibly None); ``read_layers(plan, keys)``: the file's layers in this format, each checked from the
+    header, as {layer: {"scale_key", "zero_key" (either may be absent or None), "shape" ([out, in] unpacked)}}
+    (engine/features/quant/formats.py); ``concat(parts)`` / ``rows(module, start, stop)``: fused
+    projections' join of same-format parts (with their joined bias; None: cannot be joined) and split (the
+part's bias given); ``join(leaf, tensors, rows)``: one checkpoint
+    tensor per part -> the fused tensor (a per-tensor scale repeated per row); ``packed``: the file stores the
+    weight in another shape than [out, in] (messages)."""
+
+    name: str
+    module: type
+    parse: Callable[[str], Optional[int]]
+    choices: Tuple[str, ...]
+    quantize: Callable[[torch.Tensor, Optional[torch.Tensor], int], Optional[nn.Module]]
+    weight_bytes: Callable[[Tuple[int, int], int, torch.dtype], int]
+    from_stored: Callable[[Dict[str, Optional[torch.Tensor]]], nn.Module]
+    dequantize: Callable[[Dict[str, Optional[torch.Tensor]]], torch.Tensor]
+    read_layers: Callable[[object, set], Dict[str, dict]]
+    concat: Callable[[List[nn.Module], Optional[torch.Tensor]], Optional[nn.Module]]
+    rows: Callable[[nn.Module, int, int, Optional[torch.Tensor]], nn.Module]
+    join: Callable[[str, List[torch.Tensor], List[int]], torch.Tensor] = _cat_rows
+    packed: bool = False
+    dense_why: str = "cannot be stored in this format"  # why ``quantize`` left a layer dense (a warning)
+
+
+FORMATS: Dict[str, WeightFormat] = {}  # in registration order: the order of choices and messages
+
+
+def register_format(fmt: WeightFormat) -> WeightFormat:
+    if fmt.name in FORMATS:
+        raise ValueError(f"weight format '{fmt.name}' is registered twice")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def unregister_format(name: str) -> None:
+    """Take a format out of the table (tests that register one of their own)."""
+    FORMATS.pop(name, None)
+
+
+def choices() -> Tuple[str, ...]:
+    """Every name a user may ask for (EngineConfig.quant, ``sgld quantize --format``)."""
+    return tuple(c for f in FORMATS.values() for c in f.choices)
+
+
+def parse_format(fmt: Optional[str]) -> Tuple[Optional[str], int]:
+    """A user's format name ("fp8", "int4", "int4-g64", ...; None / "none" / "off": no quantization) ->
+    (format name, group size)."""
+    if fmt is None:
+        return None, 0
+    text = str(fmt).lower()
+    if text in ("none", "off", ""):
+        return None, 0
+    for f in FORMATS.values():
+        group = f.parse(text)
+        if group is not None:
+            return f.name, group
+    raise ValueError(f"quantization format '{fmt}' is not supported; choose one of {', '.join(choices())}")
+
+
+def get_format(name: str) -> WeightFormat:
+    """The table's entry for a format name (as ``parse_format`` gives it)."""
+    if name not in FORMATS:
+        raise ValueError(f"weight format '{name}' is not registered (registered: {', '.join(FORMATS)})")
+    return FORMATS[name]
+
+
+def format_of(module: nn.Module) -> Optional[WeightFormat]:
+    """The format of a quantized layer (its class or a subclass, e.g. a LoRA side path), else None."""
+    for f in FORMATS.values():
+        if isinstance(module, f.module):
+            return f
+    return None
+
+
+def quant_modules() -> Tuple[type, ...]:
+    """Every registered layer class (for ``isinstance``)."""
+    return tuple(f.module for f in FORMATS.values())
