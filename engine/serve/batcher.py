@@ -152,9 +152,9 @@ class Batcher:
 
     # -- the API ---------------------------------------------------------------------------------------
     def submit(self, job: Job) -> concurrent.futures.Future:
-        """Queue ``job``; its future gets the final latent ([C, h, w] or [B, C, h, w] as the job's; float32, CPU), and ``run_stats``
-        (model_calls, calls_computed) just before; ``job.stats`` holds its whole run. Bad jobs raise InputError
-        here, before anything is queued."""
+        """Queue ``job``; its future gets the final latent ([C, h, w] or [B, C, h, w], as the job's; float32, CPU),
+        and ``run_stats`` (model_calls, calls_computed) just before; ``job.stats`` holds its whole run. Bad jobs
+        raise InputError here, before anything is queued."""
         return self.submit_many([job])[0]
 
     def submit_many(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
