@@ -7,6 +7,7 @@ denoise < 1 on an input latent, LatentFromBatch batches, custom sigmas and shift
 sampling driver, issue 26)."""
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pickle
@@ -19,10 +20,11 @@ import pytest
 import requests
 import torch
 from PIL import Image
-from safetensors.torch import save
+from safetensors.torch import load, save
 
 from comfy_server import error_message, free_port, saved_latent, start_server
-from engine.models.demo import EXAMPLE_PROMPT, judge
+from engine import EngineConfig, open_engine
+from engine.models.demo import EXAMPLE_PROMPT, judge, load_demo
 from test_serve import Server
 
 KEY = "remote-key"
@@ -262,13 +264,6 @@ def test_sample_endpoint_refuses_bad_bodies(sgld):
 def test_sample_endpoint_denoise_equals_engine_sample(sgld):
     """img2img through /v1/sample (denoise 0.5 from a non-zero latent) is Engine.sample's run; denoise 0 answers the
     latent unchanged with Engine.sample's warning (it was refused before)."""
-    import base64
-
-    from safetensors.torch import load
-
-    from engine import EngineConfig, open_engine
-    from engine.models.demo import load_demo
-
     demo = load_demo()
     latent, cond = torch.linspace(-1, 1, 48 * 16 * 16).reshape(48, 16, 16), demo.encode([EXAMPLE_PROMPT])[0]
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -298,13 +293,6 @@ def sample_events(sgld, settings: dict, **tensors) -> list:
 def test_sample_endpoint_takes_everything_engine_sample_takes(sgld):
     """Custom sigmas, shift, a batch latent [B, C, h, w] with per-sample batch_index and a noise mask, over the wire:
     Engine.sample's latent bit for bit (a batch answers [B, C, h, w])."""
-    import base64
-
-    from safetensors.torch import load
-
-    from engine import EngineConfig, open_engine
-    from engine.models.demo import load_demo
-
     demo = load_demo()
     cond, uncond = demo.encode([EXAMPLE_PROMPT])[0], demo.encode([""])[0]
     eng = open_engine("demo", EngineConfig(dtype="fp32"))
