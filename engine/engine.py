@@ -1,5 +1,9 @@
 """Engine: the one sampling loop that nodes, the CLI, the server and benchmarks call.
 
+One preparation (``Engine.prepare`` -> ``Run``: checked inputs, sigmas, cache plan, noise, stats) and one loop
+(``Engine.loop``) whose model calls are answered by whoever drives it: ``Engine.sample`` by the forward's own
+run, the server's batcher (engine/serve/batcher.py) by its shared batched forward.
+
 It owns the loop, so what runs the model (``forward``: the DiT in this process, ``LocalForward``, or
 on worker ranks, ``engine.parallel.RemoteForward``) sees the step index, the step count and the CFG
 branch, and Cache-DiT decides per model call. Open one with ``engine.open_engine`` (engine/router.py);
@@ -196,17 +200,24 @@ class Engine:
         if sampler == "heun" and n and float(sigmas[-1]) != 0.0:
             calls += 1  # heun's second call on the last step too when the schedule does not end at 0
         self.last_run = RunStats(steps=n, model_calls=calls, sampler=sampler)
-        plan = self._cache_plan(cache) if calls else None
+        plan = self._cache_plan(cache, calls) if calls else None
         if not calls and resolve_config(cache if cache is not None else self.config.cache).enabled:
             self.last_run.warnings.append(f"Cache-DiT is off for this run: it counts model calls for the samplers "
                                           f"{', '.join(SAMPLERS)}, not '{sampler}'")
         return ModelCalls(self.last_run, self.forward.run(plan, cfg_batched=cfg_batched))
 
-    def _start_run(self, latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift, seed, noise_mask, batch_index,
-                   sigmas=None):
-        """Check every input (InputError naming what is wrong), make the sigmas and reset ``last_run``.
-        Returns (latent as float32 on the CPU, cond, uncond or None when unused, sigmas, the denoise mask
-        made for the latent or None, batch_index or None)."""
+    def _cache_plan(self, cache, calls: int):
+        """The resolved Cache-DiT settings of a run of ``calls`` model calls, or None when the cache is off."""
+        cc = resolve_config(cache if cache is not None else self.config.cache)
+        return cc.resolve(calls, self.model_config.num_layers) if cc.enabled else None
+
+    def prepare(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
+                sampler: str = "euler", scheduler: str = "simple", denoise: float = 1.0, shift: float = DEFAULT_SHIFT,
+                cache=None, noise_mask: Optional[torch.Tensor] = None, batch_index: Optional[Sequence[int]] = None,
+                sigmas=None) -> "Run":
+        """Everything a run needs before its first model call, for ``Engine.sample`` and the server's batcher alike:
+        every input checked (InputError naming what is wrong; CacheConfigError for the cache), the sigmas, the
+        cache plan, ComfyUI's seeded noise and the run's fresh ``RunStats``. Touches nothing of the engine's."""
         check_sampler(sampler, scheduler)
         check_sampling_settings(steps=steps, cfg=cfg, denoise=denoise, shift=shift)
         check_seed(seed)
@@ -219,26 +230,36 @@ class Engine:
         batch_index = check_batch_index(batch_index, b)
         sigmas = sigma_schedule(int(steps), scheduler, denoise, shift) if sigmas is None else check_sigmas(sigmas, steps)
         n = max(len(sigmas) - 1, 0)  # denoise 0: no sigmas at all
-        self.last_run = RunStats(steps=n, model_calls=model_calls(sampler, n) if n else 0, sampler=sampler)
+        stats = RunStats(steps=n, model_calls=model_calls(sampler, n) if n else 0, sampler=sampler)
+        latent = latent.detach().to("cpu", torch.float32)
         if not n:
-            self.last_run.warnings.append("denoise is 0: nothing was denoised, the latent is returned unchanged")
+            stats.warnings.append("denoise is 0: nothing was denoised, the latent is returned unchanged")
+            return Run(latent, cond, uncond, float(cfg), sampler, int(seed), sigmas, None, None, None, stats)
+        plan = self._cache_plan(cache, stats.model_calls)
         mask = None if mask is None else prepare_mask(mask, latent.shape)
-        return latent.detach().to("cpu", torch.float32), cond, uncond, sigmas, mask, batch_index
-
-    @staticmethod
-    def _first_step(latent, sigmas, seed, batch_index, callback):
-        """ComfyUI's seeded noise, the starting x (that noise scaled to sigmas[0]) and the sampler's step callback."""
         noise = seeded_noise(latent.shape, seed, batch_index)
-        total = len(sigmas) - 1
-        step_cb = None if callback is None else (lambda i, x_i, denoised: callback(i, total, x_i, denoised))
-        return noise, noise_scaling(sigmas[0], noise, latent), step_cb
-
-    def _cache_plan(self, cache):
-        """The resolved Cache-DiT settings of this run, or None when the cache is off."""
-        cc = resolve_config(cache if cache is not None else self.config.cache)
-        return cc.resolve(self.last_run.model_calls, self.model_config.num_layers) if cc.enabled else None
+        return Run(latent, cond, uncond, float(cfg), sampler, int(seed), sigmas, mask, noise, plan, stats)
 
     @torch.no_grad()
+    def loop(self, run: "Run", answer, callback: Optional[Callable] = None) -> torch.Tensor:
+        """The one sampling loop: ``run`` (from ``prepare``) from its noised start through its sampler, every model
+        call answered by ``answer`` (``call(x, sigma, text, lens) -> (velocity, computed)`` and ``finish() -> cache
+        summary or None``: the forward's own run for ``Engine.sample``, the shared batched forward for the server's
+        batcher). ``callback(step, total, x, denoised)`` after each step. Returns the latent (float32, CPU)."""
+        if not run.steps:
+            return run.latent.clone()
+        total = run.steps
+        step_cb = None if callback is None else (lambda i, x_i, denoised: callback(i, total, x_i, denoised))
+        calls = ModelCalls(run.stats, answer)
+        try:
+            denoiser = self.make_denoiser(run.cond, run.uncond, run.cfg, calls)
+            if run.mask is not None:
+                denoiser = inpaint_denoiser(denoiser, run.mask, run.noise, run.latent)
+            x = noise_scaling(run.sigmas[0], run.noise, run.latent)
+            return run_sampler(run.sampler, denoiser, x, run.sigmas, callback=step_cb, seed=run.seed)
+        finally:
+            calls.finish()
+
     def sample(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
                sampler: str = "euler", scheduler: str = "simple", denoise: float = 1.0,
                shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None, cache=None,
@@ -256,27 +277,54 @@ class Engine:
         0 = keep) is scaled to the latent and blended in at every model call (``sampling.inpaint_denoiser``);
         with ``denoise < 1`` the repainted region starts from the input too. ``batch_index`` (a LATENT's, from
         LatentFromBatch): which sample of the seed's batch noise each latent gets.
+
+        ``prepare`` then ``loop`` with this engine's forward answering the calls (the server's batcher runs the
+        same two with its shared forward instead).
         """
-        latent, cond, uncond, sigmas, mask, batch_index = self._start_run(
-            latent, cond, uncond, steps, cfg, sampler, scheduler, denoise, shift, seed, noise_mask, batch_index, sigmas)
-        if len(sigmas) < 2:
-            return latent.clone()
-        noise, x, step_cb = self._first_step(latent, sigmas, seed, batch_index, callback)
-        plan = self._cache_plan(cache)
-        calls = ModelCalls(self.last_run, self.forward.run(plan, cfg_batched=uncond is not None))
-        denoiser = self.make_denoiser(cond, uncond, cfg, calls)
-        if mask is not None:
-            denoiser = inpaint_denoiser(denoiser, mask, noise, latent)
-        try:
-            out = run_sampler(sampler, denoiser, x, sigmas, callback=step_cb, seed=seed)
-        finally:
-            calls.finish()
-        return out
+        prepared = self.prepare(latent, cond, uncond, seed=seed, steps=steps, cfg=cfg, sampler=sampler,
+                                scheduler=scheduler, denoise=denoise, shift=shift, cache=cache, noise_mask=noise_mask,
+                                batch_index=batch_index, sigmas=sigmas)
+        self.last_run = prepared.stats
+        if not prepared.steps:
+            return prepared.latent.clone()
+        return self.loop(prepared, self.forward.run(prepared.plan, cfg_batched=prepared.cfg_batched), callback)
+
+
+@dataclass
+class Run:
+    """One prepared sampling run (``Engine.prepare``): checked inputs, sigmas, cache plan, noise, statistics."""
+
+    latent: torch.Tensor  # [B, C, h, w] float32 CPU: the input (zeros for text-to-image)
+    cond: List[torch.Tensor]  # per-sample text features [T_i, C]
+    uncond: Optional[List[torch.Tensor]]  # None: no CFG (none given, or cfg 1)
+    cfg: float
+    sampler: str
+    seed: int
+    sigmas: torch.Tensor
+    mask: Optional[torch.Tensor]  # the denoise mask at the latent's shape (inpainting), or None
+    noise: Optional[torch.Tensor]  # ComfyUI's seeded noise for the latent (None when there is no step)
+    plan: object  # the resolved Cache-DiT settings, or None when off
+    stats: RunStats
+
+    @property
+    def steps(self) -> int:
+        return self.stats.steps
+
+    @property
+    def cfg_batched(self) -> bool:
+        """Every model call holds the cond samples, then as many uncond ones."""
+        return self.uncond is not None
+
+    @property
+    def rows(self) -> int:
+        """Samples in each model call (CFG branches count)."""
+        return self.latent.shape[0] * (2 if self.cfg_batched else 1)
 
 
 class ModelCalls:
-    """The model calls of one run: velocity through the forward's run (the Cache-DiT runner in the block
-    loop when on), each call's time and whether the DiT was computed in ``stats``, NaN/inf refused."""
+    """The model calls of one run: velocity through ``run`` (the forward's run, with the Cache-DiT runner in the
+    block loop when on, or the batcher's shared forward), each call's time and whether the DiT was computed in
+    ``stats``, NaN/inf refused."""
 
     def __init__(self, stats: RunStats, run):
         self.stats, self.run = stats, run

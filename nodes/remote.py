@@ -11,6 +11,7 @@ import dataclasses
 import http.client
 import io
 import json
+import operator
 import socket
 import urllib.parse
 from dataclasses import dataclass
@@ -157,26 +158,37 @@ def _one(node: str, name: str, features: Optional[list]) -> Optional[torch.Tenso
     return (t[0] if t.dim() == 3 and t.shape[0] == 1 else t).detach().to("cpu", torch.float32).contiguous()
 
 
+def _mask_tensor(node: str, mask) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{node}: the latent's noise_mask is a {type(mask).__name__}, not a MASK tensor")
+    return mask.detach().to("cpu", torch.float32).contiguous()
+
+
 def sample_remote(node: str, model: RemoteModel, latent: dict, samples: torch.Tensor, cond: list, uncond: Optional[list],
-                  *, seed, steps, cfg, sampler, scheduler, denoise, cache) -> tuple:
-    """A KSampler's run on ``model``'s server: (the denoised samples [1, C, h, w], the run's stats)."""
+                  *, seed, steps, cfg, sampler, scheduler, denoise, cache, shift=None, sigmas=None) -> tuple:
+    """A KSampler's run on ``model``'s server, with what the local engine takes (the LATENT's batch, noise_mask and
+    batch_index; ``shift`` None: the server's default; ``sigmas``: the caller's own schedule): (the denoised
+    samples [B, C, h, w], the run's stats). The server checks every input, as the local engine does."""
     import comfy.model_management
     import comfy.utils
 
-    for key in ("noise_mask", "batch_index"):
-        if latent.get(key) is not None:
-            raise ValueError(f"{node}: a remote model does not take a latent with {key} (inpainting / LatentFromBatch); "
-                             "sample locally")
-    if samples.dim() != 4 or samples.shape[0] != 1 or samples.shape[1] != model.latent_channels:
-        raise ValueError(f"{node}: a remote model takes one latent [1, {model.latent_channels}, height, width] "
-                         f"(got {tuple(samples.shape)}); use batch size 1")
-    if denoise == 0:  # as the local engine: nothing to denoise, the latent is the answer
-        return samples.clone(), {"steps": 0, "warnings": ["denoise is 0: the latent is returned unchanged"]}
-    tensors = {"latent": samples[0].detach().to("cpu", torch.float32).contiguous(), "cond": _one(node, "positive", cond)}
+    if not isinstance(samples, torch.Tensor) or samples.dim() != 4 or samples.shape[1] != model.latent_channels:
+        shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
+        raise ValueError(f"{node}: a remote model takes latents [batch, {model.latent_channels}, height, width] "
+                         f"(got {shape})")
+    tensors = {"latent": samples.detach().to("cpu", torch.float32).contiguous(), "cond": _one(node, "positive", cond)}
     if uncond is not None and cfg != 1.0:
         tensors["uncond"] = _one(node, "negative", uncond)
+    if latent.get("noise_mask") is not None:
+        tensors["noise_mask"] = _mask_tensor(node, latent["noise_mask"])
+    if sigmas is not None:
+        tensors["sigmas"] = torch.as_tensor(sigmas).detach().to("cpu", torch.float32).reshape(-1).contiguous()
     settings = {"seed": int(seed), "steps": int(steps), "cfg": float(cfg), "sampler": sampler, "scheduler": scheduler,
                 "denoise": float(denoise), "cache": None if cache is None else dataclasses.asdict(cache)}
+    if shift is not None:
+        settings["shift"] = float(shift)
+    if latent.get("batch_index") is not None:
+        settings["batch_index"] = _plain_list(node, latent["batch_index"])
     body = save_tensors(tensors, metadata={"sgld": json.dumps(settings)})
     conn, response = _request(node, model.base_url, model.api_key, "POST", "/v1/sample", body,
                               "application/octet-stream", READ_TIMEOUT_S)
@@ -198,14 +210,22 @@ def sample_remote(node: str, model: RemoteModel, latent: dict, samples: torch.Te
             elif "error" in event:
                 raise ValueError(f"{node}: the sgld server at {model.base_url}: {event['error']['message']}")
             else:
-                out = load_tensors(base64.b64decode(event["latent"]))["latent"][None]
+                out = load_tensors(base64.b64decode(event["latent"]))["latent"]
                 computed = event.get("calls_computed") or 0
                 return out, {"remote": model.base_url, "model": model.model_id, "steps": int(steps),
                              "model_calls": event.get("model_calls"), "calls_computed": computed,
                              "calls_cached": (event.get("model_calls") or 0) - computed,
-                             "timeline": event.get("timeline", []), "warnings": []}
+                             "timeline": event.get("timeline", []), "warnings": list(event.get("warnings", []))}
     finally:
         conn.close()
+
+
+def _plain_list(node: str, values) -> list:
+    """A LATENT's batch_index as JSON integers (the server checks their count and range, naming the field)."""
+    try:
+        return [None if isinstance(v, bool) else operator.index(v) for v in values]
+    except TypeError:
+        raise ValueError(f"{node}: the latent's batch_index must be a list of integers (got {values!r:.80})") from None
 
 
 class SGLDiffusionServerGenerate:

@@ -2,11 +2,17 @@
 ComfyUI with this pack. SGLDiffusion Server -> SGLDiffusion KSampler gives the local Model Loader's latent
 bit for bit (both run the same CPU arithmetic: the batcher's job is ``Engine.sample``, tests/test_batcher.py);
 Server Generate makes a picture the demo judge passes; a wrong key / no server is a one-line node error;
-ComfyUI's interrupt cancels the server's job; POST /v1/sample refuses anything but its safetensors body."""
+ComfyUI's interrupt cancels the server's job; POST /v1/sample refuses anything but its safetensors body. Inpainting,
+denoise < 1 on an input latent, LatentFromBatch batches, custom sigmas and shift give the local latents too (one
+sampling driver, issue 26)."""
 from __future__ import annotations
 
+import base64
 import json
+import os
 import pickle
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -14,10 +20,11 @@ import pytest
 import requests
 import torch
 from PIL import Image
-from safetensors.torch import save
+from safetensors.torch import load, save
 
 from comfy_server import error_message, free_port, saved_latent
-from engine.models.demo import EXAMPLE_PROMPT
+from engine import EngineConfig, open_engine
+from engine.models.demo import EXAMPLE_PROMPT, load_demo
 from test_serve import Server
 from tools.demo import judge
 
@@ -26,9 +33,18 @@ DEMO_CHOICE = "sgld-demo (embedded, 64x64)"
 LONG = 10000  # steps: minutes of work, always interrupted
 
 
+def default_threads() -> int:
+    """The CPU threads a fresh torch process takes (ComfyUI's): the server runs with as many, since MKL splits a
+    batch's larger GEMMs by thread and rounds them differently at another count (`sgld serve` takes 1 by default)."""
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
+                         text=True, check=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    return int(out.stdout.strip())
+
+
 @pytest.fixture(scope="module")
 def sgld(tmp_path_factory):
-    server = Server(tmp_path_factory.mktemp("sgld") / "serve.log", "--api-key", KEY).wait_ready()
+    server = Server(tmp_path_factory.mktemp("sgld") / "serve.log", "--api-key", KEY, "--threads",
+                    str(default_threads())).wait_ready()
     yield server
     server.stop()
 
@@ -77,6 +93,62 @@ def test_remote_ksampler_equals_local(comfy, sgld):
     assert got.shape == want.shape == (1, 48, 16, 16)
     assert torch.equal(got, want), (got - want).abs().max()
     assert sgld.metric("sgld_requests_total", endpoint="/v1/sample", status="200") >= 1
+
+
+def local() -> dict:
+    return {"class_type": "SGLDiffusionModelLoader", "inputs": {"unet_name": DEMO_CHOICE, "weight_dtype": "default"}}
+
+
+def second_pass_graph(model_node: dict, *, batch: int, cut=None, mask: bool, denoise: float, sampler: str = "euler",
+                      prefix: str) -> dict:
+    """sample_graph's text-to-image latent (batch ``batch``), then [LatentFromBatch ``cut`` = (index, length)] ->
+    [SetLatentNoiseMask: repaint the right part, at 0.7] -> a second SGLDiffusion KSampler at ``denoise`` -> node 8."""
+    g = sample_graph(model_node, seed=17, steps=3, prefix=prefix + "_first")
+    g["4"]["inputs"]["batch_size"] = batch
+    source = ["5", 0]
+    if cut is not None:
+        g["9"] = {"class_type": "LatentFromBatch", "inputs": {"samples": source, "batch_index": cut[0], "length": cut[1]}}
+        source = ["9", 0]
+    if mask:
+        g.update({
+            "10": {"class_type": "SolidMask", "inputs": {"value": 0.0, "width": 64, "height": 64}},
+            "11": {"class_type": "SolidMask", "inputs": {"value": 0.7, "width": 28, "height": 64}},
+            "12": {"class_type": "MaskComposite", "inputs": {"destination": ["10", 0], "source": ["11", 0], "x": 36,
+                                                             "y": 0, "operation": "add"}},
+            "13": {"class_type": "SetLatentNoiseMask", "inputs": {"samples": source, "mask": ["12", 0]}}})
+        source = ["13", 0]
+    g["7"] = {"class_type": "SGLDiffusionKSampler", "inputs": {
+        "model": ["1", 0], "seed": 23, "steps": 4, "cfg": 2.5, "sampler_name": sampler, "scheduler": "simple",
+        "positive": ["2", 0], "negative": ["3", 0], "latent_image": source, "denoise": denoise}}
+    g["8"] = {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": prefix}}
+    return g
+
+
+@pytest.mark.parametrize("name, kw", [
+    ("inpaint", dict(batch=1, mask=True, denoise=1.0)),
+    ("img2img", dict(batch=1, mask=False, denoise=0.55, sampler="dpmpp_2m")),
+    ("batch_cut_inpaint", dict(batch=3, cut=(1, 2), mask=True, denoise=0.8, sampler="heun")),
+    ("denoise_0", dict(batch=2, mask=False, denoise=0.0)),
+])
+def test_remote_second_pass_equals_local(comfy, sgld, name, kw):
+    """Inpainting (a latent noise mask), denoise < 1 on an input latent, a batch cut by LatentFromBatch (its
+    batch_index) and denoise 0 through SGLDiffusion Server give the local Model Loader's latents bit for bit."""
+    remote_entry = comfy.run(second_pass_graph(remote(sgld.url), prefix=f"r_{name}", **kw))
+    succeeded(remote_entry)
+    local_entry = comfy.run(second_pass_graph(local(), prefix=f"l_{name}", **kw))
+    succeeded(local_entry)
+    for node in ("6", "8"):
+        got, want = saved_latent(comfy, remote_entry, node), saved_latent(comfy, local_entry, node)
+        assert got.shape == want.shape and got.shape[1:] == (48, 16, 16), (node, got.shape)
+        assert torch.equal(got, want), (node, (got - want).abs().max())
+    first, second = saved_latent(comfy, remote_entry, "6"), saved_latent(comfy, remote_entry, "8")
+    if kw.get("cut"):
+        first = first[kw["cut"][0]:kw["cut"][0] + kw["cut"][1]]
+    assert second.shape == first.shape
+    if kw["mask"]:  # the kept region (mask 0, left of pixel 32) is the input's
+        assert torch.allclose(second[..., :8], first[..., :8], atol=1e-5) and not torch.allclose(second, first, atol=1e-3)
+    if kw["denoise"] == 0.0:
+        assert torch.equal(second, first)
 
 
 def test_server_generate_passes_the_judge(comfy, sgld, tmp_path):
@@ -187,14 +259,8 @@ def test_sample_endpoint_refuses_bad_bodies(sgld):
 
 
 def test_sample_endpoint_denoise_equals_engine_sample(sgld):
-    """img2img through /v1/sample (denoise 0.5 from a non-zero latent) is Engine.sample's run; denoise 0 is refused."""
-    import base64
-
-    from safetensors.torch import load
-
-    from engine import EngineConfig, open_engine
-    from engine.models.demo import load_demo
-
+    """img2img through /v1/sample (denoise 0.5 from a non-zero latent) is Engine.sample's run; denoise 0 answers the
+    latent unchanged with Engine.sample's warning (it was refused before)."""
     demo = load_demo()
     latent, cond = torch.linspace(-1, 1, 48 * 16 * 16).reshape(48, 16, 16), demo.encode([EXAMPLE_PROMPT])[0]
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -209,4 +275,57 @@ def test_sample_endpoint_denoise_equals_engine_sample(sgld):
     assert torch.equal(got, want)
     r = requests.post(sgld.base + "/sample", data=body({"sgld": json.dumps({**settings, "denoise": 0.0})},
                                                        latent=latent, cond=cond), headers=headers, timeout=60)
-    assert r.status_code == 400 and "denoise" in r.json()["error"]["message"]
+    last = json.loads(r.text.strip().splitlines()[-1])
+    assert r.status_code == 200 and torch.equal(load(base64.b64decode(last["latent"]))["latent"], latent)
+    assert last["model_calls"] == 0 and "denoise is 0" in last["warnings"][0]
+
+
+def sample_events(sgld, settings: dict, **tensors) -> list:
+    r = requests.post(sgld.base + "/sample", data=body({"sgld": json.dumps(settings)}, **tensors),
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return [json.loads(line) for line in r.text.splitlines() if line.strip()]
+
+
+def test_sample_endpoint_takes_everything_engine_sample_takes(sgld):
+    """Custom sigmas, shift, a batch latent [B, C, h, w] with per-sample batch_index and a noise mask, over the wire:
+    Engine.sample's latent bit for bit (a batch answers [B, C, h, w])."""
+    demo = load_demo()
+    cond, uncond = demo.encode([EXAMPLE_PROMPT])[0], demo.encode([""])[0]
+    eng = open_engine("demo", EngineConfig(dtype="fp32"))
+    start = torch.linspace(-1, 1, 2 * 48 * 16 * 16).reshape(2, 48, 16, 16)
+    mask = torch.zeros(1, 64, 64)
+    mask[:, 10:40, 20:60] = 1.0
+    sigmas = torch.tensor([0.9, 0.6, 0.35, 0.1, 0.0])
+    runs = {
+        "sigmas": ({"seed": 8, "steps": 4, "cfg": 3.0, "sampler": "euler_ancestral"},
+                   dict(latent=torch.zeros(48, 16, 16), cond=cond, uncond=uncond, sigmas=sigmas),
+                   dict(sigmas=sigmas, sampler="euler_ancestral")),
+        "shift": ({"seed": 9, "steps": 5, "cfg": 1.0, "shift": 1.25, "scheduler": "normal"},
+                  dict(latent=torch.zeros(48, 16, 16), cond=cond), dict(shift=1.25, scheduler="normal")),
+        "batch_mask": ({"seed": 10, "steps": 4, "cfg": 2.0, "denoise": 0.7, "batch_index": [4, 2]},
+                       dict(latent=start, cond=cond, uncond=uncond, noise_mask=mask),
+                       dict(denoise=0.7, batch_index=[4, 2], noise_mask=mask)),
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(default_threads())  # the server's count: a batch's GEMMs round alike
+    try:
+        for name, (settings, tensors, kw) in runs.items():
+            events = sample_events(sgld, settings, **tensors)
+            assert [e["step"] for e in events[:-1]] == list(range(1, settings["steps"] + 1)), name
+            got = load(base64.b64decode(events[-1]["latent"]))["latent"]
+            latent = tensors["latent"]
+            batched = latent.dim() == 4
+            want = eng.sample(latent if batched else latent[None], [cond], [uncond] if "uncond" in tensors else None,
+                              seed=settings["seed"], steps=settings["steps"], cfg=settings["cfg"], **kw)
+            assert torch.equal(got, want if batched else want[0]), name
+    finally:
+        torch.set_num_threads(threads)
+    bad = {"seed": 1, "steps": 3, "cfg": 1.0, "batch_index": [0]}
+    r = requests.post(sgld.base + "/sample", data=body({"sgld": json.dumps(bad)}, latent=start, cond=cond),
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400 and "batch_index must be a list of 2 integers" in r.json()["error"]["message"]
+    r = requests.post(sgld.base + "/sample", data=body({"sgld": json.dumps({"seed": 1, "steps": 3, "cfg": 1.0})},
+                                                       latent=start[0], cond=cond, sigmas=sigmas),
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400 and "steps is 3 but the sigmas make 4 steps" in r.json()["error"]["message"]

@@ -203,3 +203,15 @@ def test_no_node_module_imports_the_servers_packages():
     assert bad == []
     assert "engine.serve" not in reachable("nodes") and "engine.cli" not in reachable("nodes")
 
+
+
+def test_no_private_names_imported_across_modules():
+    """A name starting with _ is its module's own (issue 26 item 5: remote.py took protocol.py's _Strict): a
+    relative ``from .x import _name`` in engine/ or nodes/ is refused."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                found += [f"{name}: from {'.' * node.level}{node.module or ''} import {a.name}"
+                          for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, found

@@ -24,9 +24,9 @@ import pytest
 import requests
 import torch
 from PIL import Image
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
-from engine.models.demo import EXAMPLE_PROMPT
+from engine.models.demo import EXAMPLE_PROMPT, load_demo
 from tools.demo import judge
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -376,3 +376,24 @@ def test_a_port_in_use_is_a_one_line_error(server):
     assert r.stderr.strip().splitlines()[-1].startswith(f"sgld serve: error: --host 127.0.0.1 --port {server.port}: "
                                                         "cannot listen there")
     assert server.healthy()
+
+
+def test_sample_and_generations_share_one_admission(strict):
+    """The server object's one bound (issue 26 item 5): while a POST /v1/sample run holds the strict server's only
+    place, a generation is 429; closing the stream cancels the run and frees the place for the next request."""
+    cond = load_demo().encode([PROMPTS[0]])[0]
+    data = save({"latent": torch.zeros(48, 16, 16), "cond": cond},
+                metadata={"sgld": json.dumps({"seed": 1, "steps": LONG, "cfg": 1.0})})
+    stream = requests.post(strict.base + "/sample", data=data, headers={"Authorization": f"Bearer {KEY}"}, stream=True,
+                           timeout=30)
+    try:
+        assert stream.status_code == 200
+        strict.wait_metric("sgld_images_in_flight", 1)
+        with pytest.raises(openai.RateLimitError) as e:
+            generate(strict, "x", 2, 4, api_key=KEY)
+        assert e.value.code == "queue_full"
+    finally:
+        stream.close()
+    strict.wait_metric("sgld_images_in_flight", 0, timeout=30)
+    strict.wait_metric("sgld_running_batch_size", 0, timeout=30)
+    assert len(generate(strict, PROMPTS[0], 3, 4, api_key=KEY)[1]) == 1

@@ -1,10 +1,15 @@
 """The HTTP app of ``sgld serve`` (FastAPI): OpenAI's Images API and SGLang's extras over a batcher.
 
+``ImageServer`` is the server's state: its settings, the batcher, the LoRA state, the admission bound
+(--max-batch + --max-queue images in flight) and the ``Gate``; one router per concern is built from it
+(images, sample: engine/serve/remote.py, loras, health and metrics) and ``ImageServer.app()`` puts them
+together under the API-key / body guard and the metrics.
+
 Prompts are encoded here (the text encoder lives in the server process); each image is one ``Job`` for the
-batcher, which owns the DiT. Every request is admitted against a bound (--max-batch + --max-queue images),
-waited for with its client and its deadline: a client that leaves or a request past --request-timeout has
-its jobs cancelled and its place freed. LoRA changes wait for the running generations and hold new ones
-back (``Gate``), so the batcher never samples while the weights change."""
+batcher, which owns the DiT. Every request is admitted against the bound, waited for with its client and its
+deadline: a client that leaves or a request past --request-timeout has its jobs cancelled and its place freed.
+LoRA changes wait for the running generations and hold new ones back (``Gate``), so the batcher never samples
+while the weights change."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -33,7 +38,7 @@ from .loras import Loras
 from .metrics import CLIENT_GONE, Metrics
 from .protocol import (ApiError, Generation, SetLoraRequest, UnsetLoraRequest, error_body, parse, parse_generation)
 from .batcher import Job
-from .remote import add_sample_route
+from .remote import sample_router
 
 log = logging.getLogger("sgld")
 
@@ -107,8 +112,8 @@ class Gate:
                 self._cond.notify_all()
 
 
-class _ClientGone(Exception):
-    pass
+class ClientGone(Exception):
+    """The client closed the connection before its answer (the metrics count it as 499)."""
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -144,60 +149,41 @@ def _png_b64(image) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def create_app(served: ServedModel, batcher, settings: ServeSettings) -> FastAPI:
-    """The app over ``batcher`` (submit / cancel / close / stats); closing the app closes the batcher."""
-    in_flight = [0]  # images admitted and not answered
-    gate = Gate()
-    loras = Loras(served.engine, settings.lora_dir, settings.loras)
-    metrics = Metrics(batcher.stats, lambda: in_flight[0])
-    encode_lock = threading.Lock()  # one text-encoder call at a time, even after its request was cancelled
-    capacity = settings.max_batch + settings.max_queue
-    created = int(time.time())
+class ImageServer:
+    """What ``sgld serve`` holds while it runs: the served model, its batcher (submit / cancel / close / stats),
+    the settings, the LoRA state, the images in flight against --max-batch + --max-queue, and the gate between
+    sampling and LoRA changes. Closing its app closes the batcher."""
 
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        # uvicorn has stopped listening and let the running requests finish (or cancelled them after
-        # --shutdown-grace): cancel what is left, stop the batcher's worker and the engine's workers
-        await asyncio.to_thread(batcher.close, True)
-        await asyncio.to_thread(served.engine.release)
+    def __init__(self, served: ServedModel, batcher, settings: ServeSettings):
+        self.served, self.batcher, self.settings = served, batcher, settings
+        self.in_flight = 0  # images admitted and not answered
+        self.capacity = settings.max_batch + settings.max_queue
+        self.gate = Gate()
+        self.loras = Loras(served.engine, settings.lora_dir, settings.loras)
+        self.metrics = Metrics(batcher.stats, lambda: self.in_flight)
+        self.created = int(time.time())
+        self._encode_lock = threading.Lock()  # one text-encoder call at a time, even after its request was cancelled
 
-    app = FastAPI(title="sgld serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.exception_handler(ApiError)
-    async def api_error(request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, e):
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        message = (f"no endpoint {request.method} {request.url.path}" if kind else str(e.detail))
-        return JSONResponse(error_body(message, code=kind), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request, e):
-        log.exception("internal error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}"[:500], "server_error",
-                                       code="internal_error"), status_code=500)
-
-    def admit(images: int) -> None:
-        if in_flight[0] + images > capacity:
-            raise ApiError(429, f"the server is full ({in_flight[0]} images in flight, room for {capacity}: "
+    # -- admission -------------------------------------------------------------------------------------
+    def admit(self, images: int) -> None:
+        """Count ``images`` in flight, or 429 when they do not fit; ``release`` them when answered."""
+        if self.in_flight + images > self.capacity:
+            raise ApiError(429, f"the server is full ({self.in_flight} images in flight, room for {self.capacity}: "
                                 "--max-batch + --max-queue); retry later", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"})
-        in_flight[0] += images
+        self.in_flight += images
 
-    def release(images: int) -> None:
-        in_flight[0] -= images
+    def release(self, images: int) -> None:
+        self.in_flight -= images
 
-    async def answer(request: Request, images: int, work) -> dict:
+    async def answer(self, request: Request, images: int, work) -> dict:
         """Runs ``work`` (a coroutine) for an admitted request until it is done, the client leaves or the
         deadline passes; whatever happens, its jobs are cancelled and its place is freed before this returns."""
-        admit(images)
+        self.admit(images)
         task = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
-            done, _ = await asyncio.wait({task, gone}, timeout=settings.request_timeout,
+            done, _ = await asyncio.wait({task, gone}, timeout=self.settings.request_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # uvicorn's shutdown, past --shutdown-grace: a clear answer, not a 500
             raise ApiError(503, "the server is shutting down; the request was cancelled", "server_error",
@@ -207,60 +193,56 @@ def create_app(served: ServedModel, batcher, settings: ServeSettings) -> FastAPI
             if not task.done():
                 task.cancel()
                 await asyncio.wait({task})
-            release(images)
+            self.release(images)
         if task in done:
             return task.result()
         if gone in done:
-            raise _ClientGone()
-        raise ApiError(503, f"the request took longer than --request-timeout {settings.request_timeout:g} s; its work "
-                            "was cancelled", "server_error", code="timeout", headers={"x-should-retry": "false"})
+            raise ClientGone()
+        raise ApiError(503, f"the request took longer than --request-timeout {self.settings.request_timeout:g} s; its "
+                            "work was cancelled", "server_error", code="timeout", headers={"x-should-retry": "false"})
 
-    def encode_alone(prompt: str) -> torch.Tensor:
-        with encode_lock:
-            return served.encode(prompt)
+    # -- the work --------------------------------------------------------------------------------------
+    def _encode_alone(self, prompt: str) -> torch.Tensor:
+        with self._encode_lock:
+            return self.served.encode(prompt)
 
-    async def encode(prompt: str) -> torch.Tensor:
-        return await asyncio.to_thread(encode_alone, prompt)
+    async def encode(self, prompt: str) -> torch.Tensor:
+        return await asyncio.to_thread(self._encode_alone, prompt)
 
-    async def sample(jobs: List[Job]) -> list:
+    def submit(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
+        """The jobs to the batcher (all checked before any is queued): a bad one is a 400, a closed batcher a 503.
+        Call it under ``gate.shared()``."""
+        try:
+            return self.batcher.submit_many(jobs)
+        except USER_ERRORS as e:
+            raise ApiError(400, str(e), code="invalid_value") from None
+        except RuntimeError:  # closed: the server is stopping
+            raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down") from None
+
+    async def sample(self, jobs: List[Job]) -> list:
         """The jobs through the batcher, under the shared gate; their latents and run stats."""
-        async with gate.shared():
+        async with self.gate.shared():
             futures = []
             try:
-                try:
-                    futures = batcher.submit_many(jobs)  # all checked before any is queued
-                except USER_ERRORS as e:
-                    raise ApiError(400, str(e), code="invalid_value") from None
-                except RuntimeError:  # closed: the server is stopping
-                    raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down") from None
+                futures = self.submit(jobs)
                 await _all_done(futures)
             finally:
                 for f in futures:
                     if not f.done():
-                        batcher.cancel(f)
+                        self.batcher.cancel(f)
         return [_outcome(f) for f in futures]
 
-    def _outcome(future: concurrent.futures.Future):
-        if future.cancelled() or isinstance(future.exception(), concurrent.futures.CancelledError):
-            raise ApiError(503, "the server is shutting down; the request was cancelled", "server_error",
-                           code="shutting_down")
-        error = future.exception()
-        if isinstance(error, USER_ERRORS):
-            raise ApiError(400, str(error), code="invalid_value")
-        if error is not None:
-            raise error
-        return future.result(), getattr(future, "run_stats", None)
-
-    async def generate(gen: Generation) -> dict:
+    async def generate(self, gen: Generation) -> dict:
+        served = self.served
         started = time.perf_counter()
-        cond = await encode(gen.prompt)
-        uncond = await encode(gen.negative_prompt)
+        cond = await self.encode(gen.prompt)
+        uncond = await self.encode(gen.negative_prompt)
         seed = random.randrange(MAX_SEED + 1) if gen.seed is None else gen.seed
         seeds = [(seed + i) % (MAX_SEED + 1) for i in range(gen.n)]  # image i: the request's seed + i
         latent = served.empty_latent(gen.width, gen.height)
-        results = await sample([Job(latent, cond, uncond, s, gen.steps, gen.cfg, cache=gen.cache) for s in seeds])
+        results = await self.sample([Job(latent, cond, uncond, s, gen.steps, gen.cfg, cache=gen.cache) for s in seeds])
         images = await asyncio.to_thread(lambda: [_png_b64(served.decode(z)) for z, _ in results])
-        metrics.images.inc(gen.n)
+        self.metrics.images.inc(gen.n)
         stats = [s for _, s in results if s]
         out = {"created": int(time.time()), "data": [{"b64_json": b, "seed": s} for b, s in zip(images, seeds)],
                "model": served.id, "size": f"{gen.width}x{gen.height}", "num_inference_steps": gen.steps,
@@ -270,78 +252,149 @@ def create_app(served: ServedModel, batcher, settings: ServeSettings) -> FastAPI
             out["steps_computed"] = sum(s["calls_computed"] for s in stats)
         return out
 
-    @app.post("/v1/images/generations")
-    async def generations(request: Request):
-        gen = parse_generation(await _json(request), served)
-        try:
-            return await answer(request, gen.n, generate(gen))
-        except _ClientGone:
-            return Response(status_code=CLIENT_GONE)  # nobody reads it; the metrics count it
+    async def tiny_generation(self) -> dict:
+        """One image of one step at the default size, through the batcher: the whole path works."""
+        started = time.perf_counter()
+        cond = await self.encode("")
+        latent = self.served.empty_latent(self.served.default_size, self.served.default_size)
+        (z, _), = await self.sample([Job(latent, cond, None, 0, 1, 1.0)])
+        await asyncio.to_thread(self.served.decode, z)
+        return {"status": "ok", "inference_time_s": round(time.perf_counter() - started, 4)}
 
-    add_sample_route(app, batcher, gate, admit, release, settings.request_timeout, metrics)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id != served.id:
-            raise ApiError(404, f"The model '{model_id:.80}' does not exist; this server serves '{served.id}'",
-                           param="model", code="model_not_found")
-        return card()
-
-    def card() -> dict:
-        mc = served.engine.model_config
-        return {"id": served.id, "object": "model", "created": created, "owned_by": "sgld", "root": served.root,
+    def card(self) -> dict:
+        served, mc = self.served, self.served.engine.model_config
+        return {"id": served.id, "object": "model", "created": self.created, "owned_by": "sgld", "root": served.root,
                 "default_size": f"{served.default_size}x{served.default_size}", "default_steps": served.default_steps,
-                "default_guidance_scale": served.default_cfg, "max_batch": settings.max_batch,
+                "default_guidance_scale": served.default_cfg, "max_batch": self.settings.max_batch,
                 "latent_channels": mc.in_channels, "text_dim": mc.text_in_dim}  # for POST /v1/sample's tensors
 
-    async def change_loras(plan) -> dict:
-        async with gate.alone():
-            messages = await asyncio.to_thread(loras.apply, plan)
+    async def change_loras(self, plan) -> dict:
+        async with self.gate.alone():
+            messages = await asyncio.to_thread(self.loras.apply, plan)
         return {"status": "ok", "message": "active LoRAs: " + (", ".join(n for n, _, _ in plan) or "none"),
-                "warnings": messages, **loras.listing()}
+                "warnings": messages, **self.loras.listing()}
 
-    @app.post("/v1/set_lora")
+    # -- the app ---------------------------------------------------------------------------------------
+    @asynccontextmanager
+    async def lifespan(self, app):
+        yield
+        # uvicorn has stopped listening and let the running requests finish (or cancelled them after
+        # --shutdown-grace): cancel what is left, stop the batcher's worker and the engine's workers
+        await asyncio.to_thread(self.batcher.close, True)
+        await asyncio.to_thread(self.served.engine.release)
+
+    def app(self):
+        """The ASGI app: every router, OpenAI-shaped errors, the guard and the metrics around them."""
+        app = FastAPI(title="sgld serve", lifespan=self.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(ApiError, _api_error)
+        app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(Exception, _internal_error)
+        for router in (images_router(self), sample_router(self), loras_router(self), health_router(self)):
+            app.include_router(router)
+        guarded = Guard(app, self.settings.api_key, self.settings.max_body_bytes, OPEN_PATHS, self.settings.body_timeout)
+        return self.metrics.middleware(guarded, ENDPOINTS)
+
+
+def create_app(served: ServedModel, batcher, settings: ServeSettings):
+    """The app over ``batcher`` (submit / cancel / close / stats); closing the app closes the batcher."""
+    return ImageServer(served, batcher, settings).app()
+
+
+async def _api_error(request, e: ApiError):
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _http_error(request, e):
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    message = (f"no endpoint {request.method} {request.url.path}" if kind else str(e.detail))
+    return JSONResponse(error_body(message, code=kind), status_code=e.status_code)
+
+
+async def _internal_error(request, e):
+    log.exception("internal error on %s", request.url.path)
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}"[:500], "server_error",
+                                   code="internal_error"), status_code=500)
+
+
+def _outcome(future: concurrent.futures.Future):
+    if future.cancelled() or isinstance(future.exception(), concurrent.futures.CancelledError):
+        raise ApiError(503, "the server is shutting down; the request was cancelled", "server_error",
+                       code="shutting_down")
+    error = future.exception()
+    if isinstance(error, USER_ERRORS):
+        raise ApiError(400, str(error), code="invalid_value")
+    if error is not None:
+        raise error
+    return future.result(), getattr(future, "run_stats", None)
+
+
+def images_router(server: ImageServer) -> APIRouter:
+    """OpenAI's Images API and its model listing."""
+    router = APIRouter()
+
+    @router.post("/v1/images/generations")
+    async def generations(request: Request):
+        gen = parse_generation(await _json(request), server.served)
+        try:
+            return await server.answer(request, gen.n, server.generate(gen))
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)  # nobody reads it; the metrics count it
+
+    @router.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [server.card()]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != server.served.id:
+            raise ApiError(404, f"The model '{model_id:.80}' does not exist; this server serves '{server.served.id}'",
+                           param="model", code="model_not_found")
+        return server.card()
+
+    return router
+
+
+def loras_router(server: ImageServer) -> APIRouter:
+    """SGLang's LoRA endpoints: each change waits for the running generations (``Gate``)."""
+    router = APIRouter()
+
+    @router.post("/v1/set_lora")
     async def set_lora(request: Request):
-        return await change_loras(loras.plan_set(parse(SetLoraRequest, await _json(request))))
+        return await server.change_loras(server.loras.plan_set(parse(SetLoraRequest, await _json(request))))
 
-    @app.post("/v1/unset_lora")
+    @router.post("/v1/unset_lora")
     async def unset_lora(request: Request):
         body = await _json(request, empty_ok=True)
-        return await change_loras(loras.plan_unset(parse(UnsetLoraRequest, body)))
+        return await server.change_loras(server.loras.plan_unset(parse(UnsetLoraRequest, body)))
 
-    @app.get("/v1/list_loras")
+    @router.get("/v1/list_loras")
     async def list_loras():
-        return loras.listing()
+        return server.loras.listing()
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
+    return router
+
+
+def health_router(server: ImageServer) -> APIRouter:
+    """Health checks (open: no API key) and the Prometheus scrape."""
+    router = APIRouter()
+
+    @router.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health():
         return {"status": "ok"}
 
-    @app.get("/health_generate")
+    @router.get("/health_generate")
     async def health_generate(request: Request):
-        """One image of one step at the default size, through the batcher: the whole path works."""
-        async def tiny():
-            started = time.perf_counter()
-            cond = await encode("")
-            latent = served.empty_latent(served.default_size, served.default_size)
-            (z, _), = await sample([Job(latent, cond, None, 0, 1, 1.0)])
-            await asyncio.to_thread(served.decode, z)
-            return {"status": "ok", "inference_time_s": round(time.perf_counter() - started, 4)}
         try:
-            return await answer(request, 1, tiny())
-        except _ClientGone:
+            return await server.answer(request, 1, server.tiny_generation())
+        except ClientGone:
             return Response(status_code=CLIENT_GONE)
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def scrape():
-        body, content_type = metrics.render()
+        body, content_type = server.metrics.render()
         return Response(body, media_type=content_type)
 
-    return metrics.middleware(Guard(app, settings.api_key, settings.max_body_bytes, OPEN_PATHS, settings.body_timeout), ENDPOINTS)
+    return router
 
 
 async def _json(request: Request, empty_ok: bool = False):

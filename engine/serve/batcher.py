@@ -4,15 +4,16 @@
 batch at the next denoising step and leaves when its own schedule ends; each keeps its own text, seed,
 noise, sigma schedule, step position, cfg and sampler state.
 
-How: every admitted job runs ``engine.sampling.run_sampler`` (the samplers' own arithmetic, all of
-``SAMPLERS``: heun's second call is just the next tick) in a thread of its own, through
-``Engine.make_denoiser`` (ComfyUI's CFG, as ``Engine.sample``). Its model calls do not run the model: they
-post the call and wait. The loop thread waits until every running job has posted its next call (or left),
-groups the calls by latent size (only equal sizes share a forward), makes one DiT forward per group
-(``engine.serve.forward.joint_velocity``: each sample with the shapes it has alone) and hands every job its
-velocity. So a job's latent is ``Engine.sample`` of the same job alone, bit for bit on this CPU, also while
-batched (tests/test_batcher.py measures it; on a GPU the batched GEMMs may round differently: fp32
-tolerance, stated there).
+How: a job is ``Engine.sample`` split in its two halves. At submit, ``Engine.prepare`` makes its ``Run`` (every
+check, the sigmas from steps / scheduler / denoise / shift or the job's own, the cache plan, the seeded noise
+with its batch_index, the noise mask): so everything ``Engine.sample`` takes, a job takes. Admitted, it runs
+``Engine.loop`` (the samplers' own arithmetic, CFG, inpainting; heun's second call is just the next tick) in a
+thread of its own, its model calls answered by the batcher (``SharedCall``): a call posts itself and waits. The
+loop thread waits until every running job has posted its next call (or left), groups the calls by latent size
+(only equal sizes share a forward), makes one DiT forward per group (``engine.serve.forward.joint_velocity``:
+each sample with the shapes it has alone) and hands every job its velocity. So a job's latent is
+``Engine.sample`` of the same job alone, bit for bit on this CPU, also while batched (tests/test_batcher.py
+measures it; on a GPU the batched GEMMs may round differently: fp32 tolerance, stated there).
 
 Per-request Cache-DiT: a job whose cache is on (its ``cache``, else the engine's, else the environment's)
 gets its own ``DBCacheRunner`` (its preset's step mask over its own model calls, its residuals, its
@@ -33,38 +34,46 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from ..engine import Engine, RunStats
+from ..engine import Engine, Run, RunStats
 from ..errors import CacheConfigError, InputError
-from ..features.cache import CacheConfig, DBCacheRunner, resolve_config
-from ..inputs import check_conditioning, check_latent, check_sampler, check_sampling_settings, check_seed
-from ..sampling import model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule
+from ..features.cache import CacheConfig, DBCacheRunner
+from ..sampling import DEFAULT_SHIFT
 from .forward import Call, joint_velocity
+
+Features = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
 @dataclass
 class Job:
-    """One image to make. ``latent`` [C, h, w] float32 (zeros for text-to-image); ``cond`` / ``uncond`` text
-    features [T, C_text] (``uncond`` None or ``cfg`` 1: no CFG). ``cache``: this job's Cache-DiT (None: the
+    """One sampling run, with what ``Engine.sample`` takes. ``latent`` [C, h, w] (one sample; the result is
+    [C, h, w]) or [B, C, h, w] (a batch; the result is [B, C, h, w]), float32, zeros for text-to-image;
+    ``cond`` / ``uncond`` text features [T, C_text] (for every sample) or a list of one per sample (``uncond``
+    None or ``cfg`` 1: no CFG). ``denoise`` below 1: the last steps of a longer schedule (img2img); 0: the latent
+    back unchanged. ``sigmas``: the job's own schedule (``steps`` + 1 values). ``noise_mask`` (inpainting) and
+    ``batch_index`` (LatentFromBatch) as a LATENT holds them. ``cache``: this job's Cache-DiT (None: the
     engine's, else the environment's). ``on_step(step, total)`` runs after each step's model call (``step``
     counts from 1) in the job's thread; it may raise to cancel the job (its future gets the error). It must
     return quickly: the next step of every job waits for it."""
 
     latent: torch.Tensor
-    cond: torch.Tensor
-    uncond: Optional[torch.Tensor]
+    cond: Features
+    uncond: Optional[Features]
     seed: int
     steps: int
     cfg: float
     sampler: str = "euler"
     scheduler: str = "simple"
-    denoise: float = 1.0  # below 1: the last steps of a longer schedule (img2img), as Engine.sample
+    denoise: float = 1.0
+    shift: float = DEFAULT_SHIFT
+    sigmas: Optional[torch.Tensor] = None
+    noise_mask: Optional[torch.Tensor] = None
+    batch_index: Optional[List[int]] = None
     cache: Optional[CacheConfig] = None
     on_step: Optional[Callable[[int, int], None]] = None
     stats: RunStats = field(default_factory=RunStats, init=False)  # this job's run: step mask, cache summary
@@ -75,21 +84,36 @@ class _Cancelled(Exception):
 
 
 class _Slot:
-    """An admitted or queued job: what it needs to run, its thread and the model call it waits on."""
+    """An admitted or queued job: its prepared run, its thread and the model call it waits on."""
 
-    def __init__(self, job: Job, future, latent, cond, uncond, sigmas, plan):
-        self.job, self.future = job, future
-        self.latent, self.cond, self.uncond, self.sigmas, self.plan = latent, cond, uncond, sigmas, plan
-        self.rows = 2 if uncond is not None else 1
-        self.bucket = tuple(latent.shape[1:])
+    def __init__(self, job: Job, future, run: Run, batched: bool):
+        self.job, self.future, self.run, self.batched = job, future, run, batched
+        self.rows = run.rows
+        self.bucket = tuple(run.latent.shape[1:])
         self.runner: Optional[DBCacheRunner] = None  # this job's Cache-DiT (local engine)
         self.remote_run = None  # its run on the ranks (remote engine)
         self.call: Optional[Call] = None  # the model call it waits on
-        self.answer = None  # (velocity, computed, seconds) from the loop
+        self.answer = None  # (velocity, computed) from the loop
         self.error: Optional[BaseException] = None  # its forward failed
         self.cancelled = False
         self.done = False
         self.thread: Optional[threading.Thread] = None
+
+
+class SharedCall:
+    """A job's model calls for ``Engine.loop``, answered by the batcher's shared forward: ``call`` posts the call
+    and waits for the loop's answer; ``finish`` gives the job's cache summary (its runner's, or the ranks')."""
+
+    def __init__(self, batcher: "Batcher", slot: _Slot):
+        self.batcher, self.slot = batcher, slot
+
+    def call(self, x, sigma, text, lens):
+        return self.batcher.wait_answer(self.slot, Call(x, sigma, text, lens))
+
+    def finish(self) -> Optional[dict]:
+        if self.slot.remote_run is not None:
+            return self.slot.remote_run.finish()
+        return self.slot.runner.summary() if self.slot.runner is not None else None
 
 
 def _settle(future, result=None, error: Optional[BaseException] = None) -> None:
@@ -101,6 +125,12 @@ def _settle(future, result=None, error: Optional[BaseException] = None) -> None:
             future.set_result(result)
     except concurrent.futures.InvalidStateError:
         pass
+
+
+def _features(value) -> Optional[list]:
+    if value is None:
+        return None
+    return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
 class Batcher:
@@ -122,9 +152,9 @@ class Batcher:
 
     # -- the API ---------------------------------------------------------------------------------------
     def submit(self, job: Job) -> concurrent.futures.Future:
-        """Queue ``job``; its future gets the final latent [C, h, w] (float32, CPU), and ``run_stats``
-        (model_calls, calls_computed) just before; ``job.stats`` holds its whole run. Bad jobs raise InputError
-        here, before anything is queued."""
+        """Queue ``job``; its future gets the final latent ([C, h, w] or [B, C, h, w], as the job's; float32, CPU),
+        and ``run_stats`` (model_calls, calls_computed) just before; ``job.stats`` holds its whole run. Bad jobs
+        raise InputError here, before anything is queued."""
         return self.submit_many([job])[0]
 
     def submit_many(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
@@ -135,11 +165,15 @@ class Batcher:
             if self._closed:
                 raise RuntimeError("the batcher is closed: it takes no more jobs")
             for slot in slots:
-                self._slots[slot.future] = slot
-                self._queue.append(slot)
+                if slot.run.steps:
+                    self._slots[slot.future] = slot
+                    self._queue.append(slot)
             self._cv.notify_all()
         for slot in slots:
-            slot.future.add_done_callback(self._on_done)
+            if slot.run.steps:
+                slot.future.add_done_callback(self._on_done)
+            else:  # denoise 0: nothing to sample, the latent is the answer (as Engine.sample)
+                self._answer(slot, slot.run.latent.clone())
         return [slot.future for slot in slots]
 
     def cancel(self, future: concurrent.futures.Future) -> None:
@@ -175,33 +209,28 @@ class Batcher:
 
     # -- checks at submit ------------------------------------------------------------------------------
     def _prepare(self, job: Job) -> _Slot:
-        """Every check ``Engine.sample`` makes (InputError naming the field), the sigmas and the cache plan."""
+        """The job's ``Engine.prepare``: every check ``Engine.sample`` makes (InputError naming the field), the
+        sigmas, the cache plan and the noise."""
         if not isinstance(job, Job):
             raise InputError(f"submit takes a Job, not {type(job).__name__}")
-        check_sampler(job.sampler, job.scheduler)
-        check_sampling_settings(steps=job.steps, cfg=job.cfg, denoise=job.denoise)
-        if job.denoise == 0:
-            raise InputError("a job's denoise must be above 0 (denoise 0 samples nothing: the latent is the answer)")
-        check_seed(job.seed)
         mc = self.engine.model_config
-        if not isinstance(job.latent, torch.Tensor) or job.latent.dim() != 3:
+        if not isinstance(job.latent, torch.Tensor) or job.latent.dim() not in (3, 4):
             shape = tuple(job.latent.shape) if isinstance(job.latent, torch.Tensor) else type(job.latent).__name__
-            raise InputError(f"a job's latent has shape {shape}; expected [{mc.in_channels}, height, width]")
-        latent = job.latent[None].detach().to("cpu", torch.float32)
-        check_latent(mc, latent)
-        cond = check_conditioning(mc, "positive", [job.cond], 1)
-        uncond = check_conditioning(mc, "negative", [job.uncond], 1) if job.uncond is not None and job.cfg != 1.0 else None
+            raise InputError(f"a job's latent has shape {shape}; expected [{mc.in_channels}, height, width] or "
+                             f"[batch, {mc.in_channels}, height, width]")
         if job.on_step is not None and not callable(job.on_step):
             raise InputError(f"a job's on_step must be callable, not {type(job.on_step).__name__}")
-        sigmas = sigma_schedule(int(job.steps), job.scheduler, job.denoise)
-        calls = model_calls(job.sampler, len(sigmas) - 1)
+        batched = job.latent.dim() == 4
         try:
-            cc = resolve_config(job.cache if job.cache is not None else self.engine.config.cache)
-            plan = cc.resolve(calls, mc.num_layers) if cc.enabled else None
+            run = self.engine.prepare(
+                job.latent if batched else job.latent[None], _features(job.cond), _features(job.uncond), seed=job.seed,
+                steps=job.steps, cfg=job.cfg, sampler=job.sampler, scheduler=job.scheduler, denoise=job.denoise,
+                shift=job.shift, cache=job.cache, noise_mask=job.noise_mask, batch_index=job.batch_index,
+                sigmas=job.sigmas)
         except CacheConfigError as e:
             raise InputError(str(e)) from e
-        job.stats = RunStats(steps=len(sigmas) - 1, model_calls=calls, sampler=job.sampler)
-        return _Slot(job, concurrent.futures.Future(), latent, cond, uncond, sigmas, plan)
+        job.stats = run.stats
+        return _Slot(job, concurrent.futures.Future(), run, batched)
 
     def _on_done(self, future) -> None:
         """A future settled or cancelled (by anyone): forget it; a cancelled running job's thread wakes and
@@ -218,38 +247,40 @@ class Batcher:
 
     # -- a job's thread --------------------------------------------------------------------------------
     def _run_job(self, slot: _Slot) -> None:
-        """The job's whole sampling run, as ``Engine.sample`` makes it, its model calls answered by the loop."""
+        """The job's ``Engine.loop``, its model calls answered by the batcher's loop."""
         job = slot.job
-        total = len(slot.sigmas) - 1
+
+        def step_done(i, total, x, denoised):
+            with self._cv:
+                self._counts["steps_done"] += 1
+            if job.on_step is not None:
+                job.on_step(i + 1, total)
         try:
             torch.set_num_threads(self._threads)
             with torch.inference_mode():
-                noise = seeded_noise(slot.latent.shape, job.seed)
-                x = noise_scaling(slot.sigmas[0], noise, slot.latent)
-                denoiser = self.engine.make_denoiser(slot.cond, slot.uncond, job.cfg, lambda *a: self._model_call(slot, *a))
-
-                def step_done(i, x_i, denoised):
-                    with self._cv:
-                        self._counts["steps_done"] += 1
-                    if job.on_step is not None:
-                        job.on_step(i + 1, total)
-
-                out = run_sampler(job.sampler, denoiser, x, slot.sigmas, callback=step_done, seed=job.seed)
-            slot.future.run_stats = {"model_calls": len(job.stats.step_mask), "calls_computed": job.stats.calls_computed}
-            _settle(slot.future, out[0])
+                out = self.engine.loop(slot.run, SharedCall(self, slot), callback=step_done)
+            self._answer(slot, out)
         except _Cancelled:
             pass  # its future is cancelled already
         except BaseException as e:  # noqa: BLE001 - any failure is this job's alone
             _settle(slot.future, error=e)
         finally:
-            self._finish_job(slot)
+            with self._cv:
+                slot.done = True
+                self._cv.notify_all()
 
-    def _model_call(self, slot: _Slot, x, sigma, text, lens) -> torch.Tensor:
-        """Post the call, wait for the loop's answer; NaN/inf refused as ``Engine.sample`` does."""
+    @staticmethod
+    def _answer(slot: _Slot, out: torch.Tensor) -> None:
+        stats = slot.job.stats
+        slot.future.run_stats = {"model_calls": len(stats.step_mask), "calls_computed": stats.calls_computed}
+        _settle(slot.future, out if slot.batched else out[0])
+
+    def wait_answer(self, slot: _Slot, call: Call) -> tuple:
+        """Post ``call`` for the loop and wait for its (velocity, computed); _Cancelled once the job is."""
         with self._cv:
             if slot.cancelled:
                 raise _Cancelled()
-            slot.call = Call(x, sigma, text, lens)
+            slot.call = call
             self._cv.notify_all()
             while slot.answer is None and slot.error is None and not slot.cancelled:
                 self._cv.wait()
@@ -257,27 +288,8 @@ class Batcher:
                 raise _Cancelled()
             if slot.error is not None:
                 raise slot.error
-            (v, computed, seconds), slot.answer = slot.answer, None
-        slot.job.stats.call_seconds.append(seconds)
-        slot.job.stats.step_mask.append(computed)
-        if not torch.isfinite(v).all():
-            raise slot.job.stats.nonfinite_output()
-        return v
-
-    def _finish_job(self, slot: _Slot) -> None:
-        summary = None
-        try:
-            if slot.remote_run is not None:
-                summary = slot.remote_run.finish()
-            elif slot.runner is not None:
-                summary = slot.runner.summary()
-        except BaseException as e:  # noqa: BLE001 - the ranks failed at the end: this job's error
-            _settle(slot.future, error=e)
-        if summary:
-            slot.job.stats.cache = summary
-        with self._cv:
-            slot.done = True
-            self._cv.notify_all()
+            answer, slot.answer = slot.answer, None
+        return answer
 
     # -- the loop --------------------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -311,8 +323,8 @@ class Batcher:
             if self._running and (not self.local or busy + slot.rows > self.max_batch):
                 return
             self._queue.popleft()
-            if self.local and slot.plan is not None:
-                slot.runner = DBCacheRunner(slot.plan, branches=slot.rows)
+            if self.local and slot.run.plan is not None:
+                slot.runner = DBCacheRunner(slot.run.plan, branches=2 if slot.run.cfg_batched else 1)
             slot.thread = threading.Thread(target=self._run_job, args=(slot,), name="sgld-job", daemon=True)
             self._running.append(slot)
             slot.thread.start()
@@ -339,14 +351,12 @@ class Batcher:
         answers: Dict[int, tuple] = {}
         errors: Dict[int, BaseException] = {}
         for group in groups.values():
-            t0 = time.perf_counter()
             try:
                 result = self._forward(group)
             except Exception as e:  # noqa: BLE001 - fails the jobs of this forward only
                 errors.update({id(s): e for s in group})
                 continue
-            seconds = time.perf_counter() - t0
-            answers.update({id(s): (v, computed, seconds) for s, (v, computed) in zip(group, result)})
+            answers.update({id(s): answer for s, answer in zip(group, result)})
         with self._cv:
             c = self._counts
             c["forwards"] += len(groups)
@@ -371,5 +381,5 @@ class Batcher:
             return [(v, s.runner is None or bool(s.runner.computed[-1])) for s, v in zip(group, vs)]
         slot, call = group[0], group[0].call
         if slot.remote_run is None:
-            slot.remote_run = self.engine.forward.run(slot.plan, cfg_batched=slot.uncond is not None)
+            slot.remote_run = self.engine.forward.run(slot.run.plan, cfg_batched=slot.run.cfg_batched)
         return [slot.remote_run.call(call.x, call.sigma, call.text, call.lens)]

@@ -1,28 +1,32 @@
 """POST /v1/sample: one sampling run of a client's own latent and text features (the ComfyUI nodes'
-remote KSampler), as a Job on the server's batcher, its progress streamed back.
+remote KSampler), as a Job on the server's batcher, its progress streamed back. The run takes everything
+``Engine.sample`` takes (docs/serve.md has the table).
 
 Request: the body is safetensors bytes (never a pickle: anything else is a 400) with the tensors ``latent``
-[C, h, w], ``cond`` [T, C_text] and optionally ``uncond`` [T', C_text], all float32, and in the safetensors
-metadata the key ``sgld``: a JSON object {seed, steps, cfg, sampler, scheduler, denoise, cache} (cache: a
-preset name, "off", an object of CacheConfig fields, or null for the server's).
+[C, h, w] or [B, C, h, w], ``cond`` [T, C_text], optionally ``uncond`` [T', C_text], ``noise_mask`` (a LATENT's
+mask, any size) and ``sigmas`` [steps + 1], all float32, and in the safetensors metadata the key ``sgld``: a
+JSON object {seed, steps, cfg, sampler, scheduler, denoise, shift, batch_index, cache} (cache: a preset name,
+"off", an object of CacheConfig fields, or null for the server's).
 
 Answer: 200 with newline-delimited JSON (application/x-ndjson), one event a line: ``{"step": i, "total": n}``
 after each step; an empty line every second without one (a keepalive: clients skip it); then the last line,
-``{"latent": <base64 safetensors with the tensor "latent" [C, h, w] float32>, "model_calls", "calls_computed",
-"timeline"}`` or ``{"error": {OpenAI error}, "status": code}`` when the run failed after the answer began.
-Everything checkable before the run (body, fields, shapes, a full server) is refused with its status and the
-OpenAI error body instead. A client that closes the connection cancels the job (its batcher slot is freed)."""
+``{"latent": <base64 safetensors with the tensor "latent" of the request's latent shape, float32>,
+"model_calls", "calls_computed", "timeline", "warnings"}`` or ``{"error": {OpenAI error}, "status": code}`` when
+the run failed after the answer began. Everything checkable before the run (body, fields, shapes, a full
+server) is refused with its status and the OpenAI error body instead. A client that closes the connection
+cancels the job (its batcher slot is freed)."""
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
 import time
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
@@ -32,29 +36,34 @@ from ..features.cache import CacheConfig, CacheConfigError
 from ..features.cache.config import config_from_dict
 from ..io.safetensors import load_json_object
 from .batcher import Job
-from .protocol import ApiError, _Strict, bad_field, parse, parse_cache
+from ..sampling import DEFAULT_SHIFT
+from .protocol import ApiError, bad_field, parse, parse_cache
 
 PATH = "/v1/sample"
 METADATA_KEY = "sgld"
-TENSORS = ("latent", "cond", "uncond")
+TENSORS = ("latent", "cond", "uncond", "noise_mask", "sigmas")
 KEEPALIVE_S = 1.0
-MAX_HEADER = 100_000  # bytes of safetensors header: three tensors and a few settings need far less
+MAX_HEADER = 100_000  # bytes of safetensors header: five tensors and a few settings need far less
 
 
-class SampleSettings(_Strict):
-    """The run's settings (the safetensors metadata's ``sgld`` object)."""
+class SampleSettings(BaseModel):
+    """The run's settings (the safetensors metadata's ``sgld`` object); the names and defaults of
+    ``Engine.sample``'s. Unknown fields are refused with their name; no coercion of "5" into 5."""
+    model_config = ConfigDict(extra="forbid", strict=True)
     seed: int
     steps: int
     cfg: float
     sampler: str = "euler"
     scheduler: str = "simple"
     denoise: float = 1.0
+    shift: float = DEFAULT_SHIFT
+    batch_index: Optional[List[int]] = None
     cache: Union[str, dict, None] = None
 
 
 def _bad_body(message: str) -> ApiError:
-    return ApiError(400, f"the body of {PATH} must be safetensors bytes (latent, cond, optional uncond; settings in "
-                         f"the metadata key '{METADATA_KEY}'): {message}", code="invalid_body")
+    return ApiError(400, f"the body of {PATH} must be safetensors bytes (latent, cond, optional uncond, noise_mask, "
+                         f"sigmas; settings in the metadata key '{METADATA_KEY}'): {message}", code="invalid_body")
 
 
 def _header(body: bytes) -> dict:
@@ -110,7 +119,8 @@ def parse_sample(body: bytes) -> Job:
     except (SafetensorError, ValueError, RuntimeError) as e:
         raise _bad_body(str(e)[:200]) from None
     return Job(tensors["latent"], tensors["cond"], tensors.get("uncond"), settings.seed, settings.steps, settings.cfg,
-               sampler=settings.sampler, scheduler=settings.scheduler, denoise=settings.denoise,
+               sampler=settings.sampler, scheduler=settings.scheduler, denoise=settings.denoise, shift=settings.shift,
+               sigmas=tensors.get("sigmas"), noise_mask=tensors.get("noise_mask"), batch_index=settings.batch_index,
                cache=_cache(settings.cache))
 
 
@@ -122,11 +132,12 @@ def latent_bytes(latent: torch.Tensor) -> str:
     return base64.b64encode(save_tensors({"latent": latent.contiguous()})).decode("ascii")
 
 
-def add_sample_route(app, batcher, gate, admit, release, request_timeout: float, metrics) -> None:
-    """The route on ``app``: the job admitted as one image (``admit`` / ``release``, the generations' bound),
-    under the generations' shared ``gate`` while it runs."""
+def sample_router(server) -> APIRouter:
+    """The route, built from the server (engine/serve/app.py's ``ImageServer``): the job admitted as one image
+    against the generations' bound, under their shared gate while it runs, on their batcher."""
+    router = APIRouter()
 
-    @app.post(PATH)
+    @router.post(PATH)
     async def sample(request: Request):
         job = await asyncio.to_thread(parse_sample, await request.body())
         loop = asyncio.get_running_loop()
@@ -135,23 +146,19 @@ def add_sample_route(app, batcher, gate, admit, release, request_timeout: float,
         def on_step(step: int, total: int) -> None:  # the job's thread
             loop.call_soon_threadsafe(events.put_nowait, {"step": step, "total": total})
         job.on_step = on_step
-        admit(1)
-        shared = gate.shared()
+        server.admit(1)
+        shared = server.gate.shared()
         try:
             await shared.__aenter__()
-            try:
-                future = batcher.submit(job)
-            except USER_ERRORS as e:
-                raise ApiError(400, str(e), code="invalid_value") from None
-            except RuntimeError:
-                raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down") from None
+            future, = server.submit([job])
         except BaseException:
             await shared.__aexit__(None, None, None)
-            release(1)
+            server.release(1)
             raise
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
-        return _Stream(_stream(job, future, events, batcher, shared, release, request_timeout, metrics),
-                       media_type="application/x-ndjson")
+        return _Stream(_stream(server, job, future, events, shared), media_type="application/x-ndjson")
+
+    return router
 
 
 def _shutting_down() -> dict:
@@ -181,9 +188,10 @@ class _Stream(StreamingResponse):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _stream(job, future, events, batcher, shared, release, request_timeout, metrics):
+async def _stream(server, job, future, events, shared):
     """The progress lines, then the result's; whatever ends it (the end, a failure, the deadline, the client
     leaving: the stream is cancelled), the job is cancelled and its place freed."""
+    request_timeout = server.settings.request_timeout
     deadline = time.monotonic() + request_timeout
     try:
         while True:
@@ -201,12 +209,12 @@ async def _stream(job, future, events, batcher, shared, release, request_timeout
             if event is None:
                 break
             yield _line(event)
-        yield _line(_outcome(job, future, metrics))
+        yield _line(_outcome(job, future, server.metrics))
     finally:
         if not future.done():
-            batcher.cancel(future)
+            server.batcher.cancel(future)
         await shared.__aexit__(None, None, None)
-        release(1)
+        server.release(1)
 
 
 def _outcome(job, future, metrics) -> dict:
@@ -220,4 +228,5 @@ def _outcome(job, future, metrics) -> dict:
     metrics.images.inc()
     stats = getattr(future, "run_stats", None) or {}
     return {"latent": latent_bytes(future.result()), "model_calls": stats.get("model_calls"),
-            "calls_computed": stats.get("calls_computed"), "timeline": [bool(c) for c in job.stats.step_mask]}
+            "calls_computed": stats.get("calls_computed"), "timeline": [bool(c) for c in job.stats.step_mask],
+            "warnings": list(job.stats.warnings) + list(job.stats.cache.get("warnings", []))}
