@@ -9,7 +9,7 @@ from .config import EngineConfig
 from .engine import Engine, RunStats
 from .errors import (CacheConfigError, CheckpointError, InputError, LoRAError, ModelOutputError, ParallelConfigError,
                      ParallelWorkerError)
-from .features.quant import load_model
+from .loading import load_model
 from .router import DEMO, open_demo, open_engine
 
 __all__ = ["CacheConfigError", "CheckpointError", "DEMO", "Engine", "EngineConfig", "InputError", "LoRAError",

@@ -4,8 +4,8 @@ One preparation (``Engine.prepare`` -> ``Run``: checked inputs, sigmas, cache pl
 (``Engine.loop``) whose model calls are answered by whoever drives it: ``Engine.sample`` by the forward's own
 run, the server's batcher (engine/serve/batcher.py) by its shared batched forward.
 
-It owns the loop, so what runs the model (``forward``: the DiT in this process, ``LocalForward``, or
-on worker ranks, ``engine.parallel.RemoteForward``) sees the step index, the step count and the CFG
+It owns the loop, so what runs the model (``forward``: the DiT in this process, ``LocalRunner``, or
+on worker ranks, ``engine.parallel.RankedRunner``) sees the step index, the step count and the CFG
 branch, and Cache-DiT decides per model call. Open one with ``engine.open_engine`` (engine/router.py);
 ``Engine(model, config)`` wraps a model already in memory.
 """
@@ -24,7 +24,7 @@ from .features.cache import measured_speedup, resolve_config
 from .features.offload import get_offload
 from .inputs import (check_batch_index, check_conditioning, check_latent, check_noise_mask, check_sampler,
                      check_sampling_settings, check_seed, check_sigmas)
-from .local import LocalForward
+from .local import LocalRunner
 from .sampling import (DEFAULT_SHIFT, SAMPLERS, inpaint_denoiser, model_calls, noise_scaling, prepare_mask, run_sampler,
                        seeded_noise, sigma_schedule, step_of_call)
 
@@ -80,11 +80,11 @@ def pad_text(features: Sequence[torch.Tensor], dtype: torch.dtype, device) -> tu
 
 
 class Engine:
-    def __init__(self, forward, config: Optional[EngineConfig] = None, source: str = ""):
-        """``forward``: a LocalForward / RemoteForward, or a model in memory (wrapped in a LocalForward, which
+    def __init__(self, runner, config: Optional[EngineConfig] = None, source: str = ""):
+        """``runner``: a LocalRunner / RankedRunner (where the DiT runs), or a model in memory (wrapped in a LocalRunner, which
         attaches the features ``config`` asks for)."""
         self.config = config or EngineConfig()
-        self.forward = LocalForward(forward, self.config) if isinstance(forward, nn.Module) else forward
+        self.runner = LocalRunner(runner, self.config) if isinstance(runner, nn.Module) else runner
         self.source = source
         self.last_run = RunStats()
 
@@ -92,30 +92,30 @@ class Engine:
     @property
     def model(self):
         """The DiT module when it runs in this process (None when it runs on worker ranks)."""
-        return self.forward.model
+        return self.runner.model
 
     @property
     def model_config(self):
-        return self.forward.model_config
+        return self.runner.model_config
 
     @property
     def device(self) -> torch.device:
         """Where the sampling loop's tensors live."""
-        return self.forward.device
+        return self.runner.device
 
     @property
     def warnings(self) -> List[str]:
         """What was requested but could not be done here (shown by the nodes and the CLI)."""
-        return self.forward.warnings
+        return self.runner.warnings
 
     @property
     def notes(self) -> List[str]:
         """What was chosen at load and why."""
-        return self.forward.notes
+        return self.runner.notes
 
     @property
     def attention_backend(self) -> str:
-        return self.forward.attention_backend
+        return self.runner.attention_backend
 
     @property
     def offload(self):
@@ -125,16 +125,16 @@ class Engine:
     @property
     def loras(self) -> list:
         """[(path, strength), ...] active now."""
-        return self.forward.active_loras()
+        return self.runner.active_loras()
 
     @property
     def lora_report(self) -> List[str]:
         """Messages about the active LoRAs' keys that were not applied."""
-        return list(self.forward.lora_report)
+        return list(self.runner.lora_report)
 
     def describe(self) -> dict:
         """Everything the engine runs with, as plain data (what the nodes, CLI and server show)."""
-        d = {"source": self.source, **self.forward.describe(), "warnings": list(self.warnings),
+        d = {"source": self.source, **self.runner.describe(), "warnings": list(self.warnings),
              "notes": list(self.notes), "last_run": self.last_run.to_dict()}
         d["loras"] = [[p, s] for p, s in self.loras]
         return d
@@ -145,26 +145,26 @@ class Engine:
         into plain weights (the originals restorable bit-exactly without re-reading the checkpoint), a
         low-rank side path on FP8 / INT4 layers. The same list again does nothing. Returns messages about
         LoRA keys that were not applied."""
-        return self.forward.set_loras(loras)
+        return self.runner.set_loras(loras)
 
     def check_lora(self, path) -> List[str]:
         """Read a LoRA file against this model without applying it (LoRAError for a file that cannot be used);
         returns the messages about its keys that would not be applied."""
-        return self.forward.check_lora(path)
+        return self.runner.check_lora(path)
 
     def release(self) -> int:
         """Give back the memory this engine can free without unloading the model (offload buffers; a remote
         engine unloads its weights from the ranks and stops them when nothing else uses them). Returns bytes."""
-        return self.forward.release()
+        return self.runner.release()
 
     # -- sampling --------------------------------------------------------------------------------------
     def dit_forward(self, x, timestep, text, lens) -> torch.Tensor:
         """One DiT forward, like ``model(x, timestep, text, lens)`` (benchmarks; no cache)."""
-        return self.forward.dit(x, timestep, text, lens)
+        return self.runner.dit(x, timestep, text, lens)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, text: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """One model call outside any run (no cache, ``last_run`` untouched): the flow velocity in float32."""
-        run = self.forward.run(None, cfg_batched=False)
+        run = self.runner.run(None, cfg_batched=False)
         try:
             return run.call(x, sigma, text, lens)[0]
         finally:
@@ -176,7 +176,7 @@ class Engine:
         ``calls`` (this run's model calls: velocity, cache and statistics)."""
         use_cfg = uncond is not None and cfg != 1.0
         features = cond + uncond if use_cfg else cond
-        text, lens = pad_text(features, self.forward.dtype, self.device)
+        text, lens = pad_text(features, self.runner.dtype, self.device)
 
         def denoiser(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             b = x.shape[0]
@@ -204,7 +204,7 @@ class Engine:
         if not calls and resolve_config(cache if cache is not None else self.config.cache).enabled:
             self.last_run.warnings.append(f"Cache-DiT is off for this run: it counts model calls for the samplers "
                                           f"{', '.join(SAMPLERS)}, not '{sampler}'")
-        return ModelCalls(self.last_run, self.forward.run(plan, cfg_batched=cfg_batched))
+        return ModelCalls(self.last_run, self.runner.run(plan, cfg_batched=cfg_batched))
 
     def _cache_plan(self, cache, calls: int):
         """The resolved Cache-DiT settings of a run of ``calls`` model calls, or None when the cache is off."""
@@ -287,7 +287,7 @@ class Engine:
         self.last_run = prepared.stats
         if not prepared.steps:
             return prepared.latent.clone()
-        return self.loop(prepared, self.forward.run(prepared.plan, cfg_batched=prepared.cfg_batched), callback)
+        return self.loop(prepared, self.runner.run(prepared.plan, cfg_batched=prepared.cfg_batched), callback)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""LocalForward: the DiT in this process, with the features its EngineConfig asks for attached in order.
+"""LocalRunner: the DiT in this process, with the features its EngineConfig asks for attached in order.
 
 Order matters: quantization first (what is fused, offloaded and compiled are the quantized bytes),
 fused projections, layer-wise offload (before the fp8 fast-path probe and the attention choice,
@@ -20,21 +20,22 @@ from .features.compile import compile_blocks, is_compiled
 from .features.fuse import fuse_projections, fused_groups
 from .features.lora import LoRAFileCache, active_loras, apply_loras
 from .features.offload import apply_layerwise_offload, choose_offload, get_offload
+from .loading import plan_load
 from .sampling import MULTIPLIER
 
 
 class LocalRun:
     """One sampling run on a local model: the Cache-DiT runner (if any) attached as the "cache" patch."""
 
-    def __init__(self, forward: "LocalForward", plan, cfg_batched: bool):
-        self.forward = forward
+    def __init__(self, owner: "LocalRunner", plan, cfg_batched: bool):
+        self.owner = owner
         self.runner = DBCacheRunner(plan, branches=2 if cfg_batched else 1) if plan is not None else None
         if self.runner is not None:
-            apply_cache(forward.model, self.runner)
+            apply_cache(owner.model, self.runner)
 
     def call(self, x: torch.Tensor, sigma: torch.Tensor, text: torch.Tensor, lens: torch.Tensor):
         """(velocity in float32 on x's device, whether the DiT was computed at this call)."""
-        v = self.forward.velocity(x, sigma, text, lens)
+        v = self.owner.velocity(x, sigma, text, lens)
         computed = bool(self.runner.computed[-1]) if self.runner is not None and self.runner.computed else True
         return v, computed
 
@@ -42,11 +43,11 @@ class LocalRun:
         """Put the model's own block runner back; the cache's summary of the run (None when off)."""
         if self.runner is None:
             return None
-        remove_cache(self.forward.model)
+        remove_cache(self.owner.model)
         return self.runner.summary()
 
 
-class LocalForward:
+class LocalRunner:
     def __init__(self, model: nn.Module, config: Optional[EngineConfig] = None, offload_decision: Optional[tuple] = None):
         """Attach to ``model`` what ``config`` asks for. ``offload_decision``: ("none" | "layerwise", why) when the
         router decided before loading (an offloaded model is loaded into CPU memory)."""
@@ -147,15 +148,15 @@ class LocalForward:
         return self.model(x, timestep, text, lens)
 
 
-def open_local(path: str, config: EngineConfig) -> LocalForward:
+def open_local(path: str, config: EngineConfig) -> LocalRunner:
     """Load a checkpoint into this process with ``config``'s features. Layer-wise offload is decided from the
     header before loading: an offloaded model is loaded into CPU memory, never whole onto the GPU."""
     decision = None
     device = config.device
-    plan = quant.plan_load(path, config.dtype, config.quant)  # the header, read once
+    plan = plan_load(path, config.dtype, config.quant)  # the header, read once
     if config.offload != "none":
         decision = choose_offload(config.offload, config.device, plan.bytes_at_rest())
         if decision[0] == "layerwise":
             device = "cpu"
     model = plan.read(device)
-    return LocalForward(model, config, offload_decision=decision)
+    return LocalRunner(model, config, offload_decision=decision)

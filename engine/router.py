@@ -17,9 +17,9 @@ from torch import nn
 from .config import EngineConfig
 from .engine import Engine
 from .errors import ParallelConfigError
-from .local import LocalForward, open_local
+from .local import LocalRunner, open_local
 from .models import demo as demo_model
-from .parallel import open_remote_forward
+from .parallel import open_ranked_runner
 
 DEMO = "demo"  # open_engine("demo"): the embedded demo model's DiT
 
@@ -29,16 +29,16 @@ def open_engine(source, config: Optional[EngineConfig] = None, *, label: Optiona
     """An Engine for ``source``: an ERNIE-Image .safetensors file or diffusers folder, ``"demo"``, or an
     ERNIE-Image model already in memory (an ``nn.Module``: ``config``'s features are attached to it in this
     process; ``label`` names it, ``offload_decision`` is ("none" | "layerwise", why) when the caller decided
-    before building it). ``transport``: ranks that already run (torchrun: ``parallel.remote.LocalTransport``)."""
+    before building it). ``transport``: ranks that already run (torchrun: ``parallel.ranked.LocalTransport``)."""
     config = config or EngineConfig()
     if isinstance(source, nn.Module):
         if config.world_size > 1 or transport is not None:
             raise ParallelConfigError(f"a model in memory runs in this process; {config.world_size} ranks load their "
                                       "weights from a file: open the engine on its checkpoint path")
-        return Engine(LocalForward(source, config, offload_decision=offload_decision), config, source=label or "")
+        return Engine(LocalRunner(source, config, offload_decision=offload_decision), config, source=label or "")
     path = demo_model.DEMO_WEIGHTS if source == DEMO else os.fspath(source)
     if config.world_size > 1 or transport is not None:  # several ranks: the DiT runs on them (engine/parallel)
-        return Engine(open_remote_forward(path, config, transport), config, source=label or path)
+        return Engine(open_ranked_runner(path, config, transport), config, source=label or path)
     return Engine(open_local(path, config), config, source=label or path)
 
 

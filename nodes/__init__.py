@@ -5,7 +5,7 @@ so the engine is imported relatively (``from ..engine import ...``).
 """
 import logging
 
-from . import cache_dit, compat, demo, latent, remote
+from . import cache_dit, compat, demo, latent, server_nodes
 from .comfy_model import SGLDiffusionApplyCacheDiT
 from .ksampler import SGLDiffusionKSampler, last_runs
 from .loader import SGLDiffusionModelLoader
@@ -24,12 +24,12 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "SGLDiffusionLoraLoader": "SGLDiffusion LoRA Loader",
     "SGLDiffusionApplyCacheDiT": "SGLDiffusion Apply Cache-DiT",
 }
-for module in (cache_dit, demo, latent, remote):
+for module in (cache_dit, demo, latent, server_nodes):
     NODE_CLASS_MAPPINGS.update(module.NODE_CLASS_MAPPINGS)
     NODE_DISPLAY_NAME_MAPPINGS.update(module.NODE_DISPLAY_NAME_MAPPINGS)
 # what this ComfyUI lacks for ERNIE-Image ("" when nothing), on every node but the demo's and the remote server's (no ERNIE-Image file here)
 COMPAT_NOTICE = compat.check_at_startup([c for k, c in NODE_CLASS_MAPPINGS.items()
-                                         if k not in demo.NODE_CLASS_MAPPINGS and k not in remote.NODE_CLASS_MAPPINGS])
+                                         if k not in demo.NODE_CLASS_MAPPINGS and k not in server_nodes.NODE_CLASS_MAPPINGS])
 
 install_memory_hooks()
 

@@ -27,7 +27,7 @@ import comfy.supported_models_base
 import torch
 
 from ..engine import InputError
-from ..engine.features.quant import estimate_bytes
+from ..engine.loading import estimate_bytes
 from ..engine.inputs import check_latent, check_model_call, check_run_sigmas, check_values
 from ..engine.io.load import checkpoint_shapes
 from ..engine.models.demo import codec
@@ -131,7 +131,7 @@ class EngineCall(torch.nn.Module):
     def __init__(self, handle: SGLDModel, engine):
         super().__init__()
         self.handle = handle
-        self.dtype = engine.forward.dtype  # ComfyUI casts x and the text to it
+        self.dtype = engine.runner.dtype  # ComfyUI casts x and the text to it
         self.model_config = engine.model_config  # what the input checks check against
         self.shapes = checkpoint_shapes(engine.model_config)
 

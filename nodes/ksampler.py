@@ -26,7 +26,7 @@ from ..engine.parallel import ParallelConfigError, ParallelWorkerError
 from ..engine.inputs import latent_hint
 from ..engine.sampling import SAMPLERS, SCHEDULERS
 from .demo import WARNINGS_KEY
-from .remote import RemoteModel, sample_remote
+from .server_nodes import RemoteModel, sample_remote
 
 log = logging.getLogger("sgldiffusion")
 RUN_EVENT = "sgldiffusion.run"  # PromptServer message the web extension listens to

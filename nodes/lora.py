@@ -18,7 +18,7 @@ import folder_paths
 
 from ..engine import CheckpointError
 from .model_cache import SGLDModel, get_engine
-from .remote import RemoteModel
+from .server_nodes import RemoteModel
 
 log = logging.getLogger("sgldiffusion")
 FOLDER = "loras"

@@ -67,12 +67,12 @@ def test_joint_forward_equals_each_call_alone(eng, text):
     with torch.inference_mode():
         for i, f in enumerate(feats):
             branches = [f, uncond] if i % 3 != 2 else [f]
-            t, lens = pad_text(branches, eng.forward.dtype, eng.device)
+            t, lens = pad_text(branches, eng.runner.dtype, eng.device)
             x, s = torch.randn(1, 48, 16, 16, generator=g), torch.rand(1, generator=g)
             calls.append(Call(torch.cat([x] * len(branches)), torch.cat([s] * len(branches)), t, lens))
         got = joint_velocity(eng.model, calls, eng.device)
         for c, v in zip(calls, got):
-            ref = eng.forward.velocity(c.x, c.sigma, c.text, c.lens)
+            ref = eng.runner.velocity(c.x, c.sigma, c.text, c.lens)
             assert rel_err(v, ref) <= TOLERANCE
 
 
@@ -284,7 +284,7 @@ def test_bad_max_batch_is_refused(eng):
 
 
 def test_several_ranks_run_one_job_at_a_time_equal_to_engine_sample(tiny_checkpoint):
-    """An engine on 2 gloo ranks (RemoteForward: the ranks keep one run at a time): the batcher admits one job
+    """An engine on 2 gloo ranks (RankedRunner: the ranks keep one run at a time): the batcher admits one job
     at a time, each job (one with Cache-DiT on the ranks) equal to the same engine's Engine.sample."""
     from engine.models.random_weights import SIZES
     from engine.parallel import shutdown_pools

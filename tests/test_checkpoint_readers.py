@@ -17,7 +17,7 @@ from engine.io import readers
 from engine.io.checkpoint import open_checkpoint
 from engine.io.safetensors import SafetensorsFile
 from engine.models.random_weights import SIZES, save_random_checkpoint
-from engine.parallel import open_remote_forward
+from engine.parallel import open_ranked_runner
 
 CFG = SIZES["tiny"]
 MAGIC = b"SGLDTEST"
@@ -74,7 +74,7 @@ def test_a_registered_reader_opens_its_suffix_everywhere(reader, tmp_path):
     assert Q.model_quant_format(load_model(tmp_path / "q.safetensors")) == "fp8"
     PrefixedFile.opened = []  # the parallel opener reads the header in the parent through the table; no workers
     # start (a stub transport: spawned workers would not have this test's reader registered)
-    forward = open_remote_forward(str(path), EngineConfig(ulysses_degree=2, device="cpu"), transport=NoWorkers())
+    forward = open_ranked_runner(str(path), EngineConfig(ulysses_degree=2, device="cpu"), transport=NoWorkers())
     assert PrefixedFile.opened == [str(path)] and forward.model_config.hidden_size == CFG.hidden_size
     assert forward.transport.specs[0]["path"] == str(path)
 

@@ -110,7 +110,7 @@ def test_no_import_cycles():
 
 # The layers of docs/architecture.md, lowest first: a module imports only from its own layer or below.
 LAYERS = [("engine.errors", "engine.options"), ("engine.models.ernie_image",), ("engine.io",),
-          ("engine.models",), ("engine.features",), ("engine.config", "engine.sampling"), ("engine.inputs", "engine.local"),
+          ("engine.models",), ("engine.features",), ("engine.config", "engine.loading", "engine.sampling"), ("engine.inputs", "engine.local"),
           ("engine.engine",), ("engine.parallel",), ("engine.router",),
           # a rank's process and the torchrun launch are entry points: they open their engine through the router
           ("engine", "engine.cli", "engine.serve", "engine.parallel.worker", "engine.parallel.launch", "nodes"),
@@ -206,7 +206,7 @@ def test_no_node_module_imports_the_servers_packages():
 
 
 def test_no_private_names_imported_across_modules():
-    """A name starting with _ is its module's own (issue 26 item 5: remote.py took protocol.py's _Strict): a
+    """A name starting with _ is its module's own (issue 26 item 5: serve/remote.py took protocol.py's _Strict): a
     relative ``from .x import _name`` in engine/ or nodes/ is refused."""
     found = []
     for name, path in modules().items():

@@ -14,6 +14,7 @@ from engine import CheckpointError, EngineConfig, load_model, open_engine
 from engine.errors import ParallelConfigError
 from engine.features import patching
 from engine.features import quant as Q
+from engine.loading import estimate_bytes, plan_load
 from engine.io.checkpoint import Checkpoint
 from engine.io.load import shard_dim
 from engine.io.safetensors import SafetensorsFile
@@ -111,7 +112,7 @@ def test_checkpoint_is_opened_once_per_load(bf16_file, tmp_path, count_opens):
     open_engine(str(fp8), EngineConfig(quant="int4-g64", offload="layerwise", resident_layers=1))
     assert count_opens == ["fp8.safetensors"]
     count_opens.clear()
-    plan = Q.plan_load(str(bf16_file), quant="fp8")
+    plan = plan_load(str(bf16_file), quant="fp8")
     assert plan.bytes_at_rest() > 0 and plan.config == CFG and plan.dtype == torch.bfloat16
     plan.read()
     assert count_opens == ["ernie-bf16.safetensors"]
@@ -123,14 +124,14 @@ def test_checkpoint_is_opened_once_per_load(bf16_file, tmp_path, count_opens):
 
 @pytest.mark.parametrize("quant", [None, "fp8", "int4", "int4-g64"])
 def test_estimate_is_the_size_of_the_loaded_model(bf16_file, tmp_path, quant):
-    assert Q.estimate_bytes(bf16_file, quant=quant) == Q.weight_bytes(load_model(bf16_file, quant=quant))
+    assert estimate_bytes(bf16_file, quant=quant) == Q.weight_bytes(load_model(bf16_file, quant=quant))
     model = random_model(CFG, seed=0, dtype=torch.bfloat16)  # sgld bench: a random model of a named size
     if quant:
         Q.apply_quant(model, quant)
         stored = tmp_path / "q.safetensors"  # and a pre-quantized file, as stored
         Q.quantize_file(str(bf16_file), str(stored), quant)
-        assert Q.estimate_bytes(stored) == Q.weight_bytes(load_model(stored))
-    assert Q.estimate_bytes(CFG, torch.bfloat16, quant) == Q.weight_bytes(model)
+        assert estimate_bytes(stored) == Q.weight_bytes(load_model(stored))
+    assert estimate_bytes(CFG, torch.bfloat16, quant) == Q.weight_bytes(model)
 
 
 def test_quant_patch_records_and_removes(tmp_path):

@@ -225,7 +225,8 @@ def test_from_file_release_invalidate_remove(tiny_checkpoint):
     plain = open_engine(path)
     eng = open_engine(path, EngineConfig(offload="layerwise", resident_layers=1))
     off = eng.offload
-    from engine.features.quant import estimate_bytes, weight_bytes
+    from engine.features.quant import weight_bytes
+    from engine.loading import estimate_bytes
 
     assert estimate_bytes(path) == weight_bytes(plain.model)
     assert estimate_bytes(path, quant="fp8") < weight_bytes(plain.model)

@@ -16,7 +16,7 @@ import torch
 
 from engine import EngineConfig, open_engine
 from engine.features.cache import CacheConfig
-from engine.parallel import (ParallelConfigError, ParallelWorkerError, make_plan, open_remote_forward, shutdown_pools,
+from engine.parallel import (ParallelConfigError, ParallelWorkerError, make_plan, open_ranked_runner, shutdown_pools,
                              validate)
 from engine.parallel.plan import cpu_rank_limit
 from engine.models.random_weights import SIZES, save_random_checkpoint
@@ -75,7 +75,7 @@ def test_mode_equals_single_process(setup, mode):
     path, inputs, refs = setup
     eng = open_engine(path, EngineConfig(**MODES[mode]))
     try:
-        assert eng.forward.plan.world_size == 2
+        assert eng.runner.plan.world_size == 2
         for name, cache in (("off", CacheConfig(enabled=False)), ("dynamic", DYNAMIC_CACHE), ("preset", PRESET_CACHE)):
             out = _run(eng, inputs, cache)
             ref, mask = refs[name]
@@ -133,7 +133,7 @@ def test_lora_on_the_workers(setup, tmp_path):
 def test_worker_killed_mid_run_fails_fast_and_next_run_works(setup):
     path, inputs, refs = setup
     eng = open_engine(path, EngineConfig(ulysses_degree=2))
-    pids = eng.forward.pids
+    pids = eng.runner.pids
     assert len(pids) == 2
 
     def kill_rank1(step, total, x, denoised):
@@ -145,7 +145,7 @@ def test_worker_killed_mid_run_fails_fast_and_next_run_works(setup):
         _run(eng, inputs, CacheConfig(enabled=False), callback=kill_rank1)
     assert time.monotonic() - t0 < 30
     out = _run(eng, inputs, CacheConfig(enabled=False))  # a fresh pool
-    assert eng.forward.pids and eng.forward.pids[1] != pids[1]
+    assert eng.runner.pids and eng.runner.pids[1] != pids[1]
     assert _close(out, refs["off"][0])
     assert eng.release() > 0  # weights unloaded from the workers for the host; the next run loads them again
     assert _close(_run(eng, inputs, CacheConfig(enabled=False)), refs["off"][0])
@@ -157,7 +157,7 @@ def test_stopped_worker_is_named_within_30_s_and_next_run_works(setup):
     limit and a call timeout (60 s here) far away: the error names rank 1 and its pid in < 30 s."""
     path, inputs, refs = setup
     eng = open_engine(path, EngineConfig(ring_degree=2))
-    pids = eng.forward.pids
+    pids = eng.runner.pids
 
     def stop_rank1(step, total, x, denoised):
         if step == 1:
@@ -169,14 +169,14 @@ def test_stopped_worker_is_named_within_30_s_and_next_run_works(setup):
             _run(eng, inputs, CacheConfig(enabled=False), callback=stop_rank1)
         assert time.monotonic() - t0 < 30
         assert "the process is stopped" in str(err.value)
-        assert not eng.forward.transport.pool.alive and pids_gone(pids)  # the stopped worker was killed too
+        assert not eng.runner.transport.pool.alive and pids_gone(pids)  # the stopped worker was killed too
     finally:
         try:
             os.kill(pids[1], signal.SIGCONT)
         except ProcessLookupError:
             pass
     out = _run(eng, inputs, CacheConfig(enabled=False))  # a fresh pool
-    assert eng.forward.pids and not set(eng.forward.pids) & set(pids)
+    assert eng.runner.pids and not set(eng.runner.pids) & set(pids)
     assert _close(out, refs["off"][0])
     eng.release()
 
@@ -190,7 +190,7 @@ def test_slow_but_healthy_worker_is_not_taken_for_hung(setup, monkeypatch):
     eng = open_engine(path, EngineConfig(ulysses_degree=2))
     try:
         monkeypatch.setattr(pool_mod, "HEARTBEAT_TIMEOUT_S", 2.0)
-        pool = eng.forward.transport.pool
+        pool = eng.runner.transport.pool
         assert pool.request(("debug_sleep", 6.0)) is True
         assert pool.alive
         assert _close(_run(eng, inputs, CacheConfig(enabled=False)), refs["off"][0])
@@ -204,14 +204,14 @@ def test_close_stops_the_workers_of_the_last_engine(setup):
     path, inputs, refs = setup
     a = open_engine(path, EngineConfig(ulysses_degree=2))
     b = open_engine(path, EngineConfig(ring_degree=2))  # same shape: the same pool
-    pids = a.forward.pids
-    assert len(pids) == 2 and b.forward.pids == pids
+    pids = a.runner.pids
+    assert len(pids) == 2 and b.runner.pids == pids
     a.release()
-    assert not pids_gone(pids, timeout=0.5) and b.forward.pids == pids  # b still uses them
+    assert not pids_gone(pids, timeout=0.5) and b.runner.pids == pids  # b still uses them
     b.release()
-    assert pids_gone(pids) and a.forward.pids == [] and b.forward.pids == []
+    assert pids_gone(pids) and a.runner.pids == [] and b.runner.pids == []
     assert _close(_run(b, inputs, CacheConfig(enabled=False)), refs["off"][0])
-    new = b.forward.pids
+    new = b.runner.pids
     assert len(new) == 2 and not set(new) & set(pids)
     b.release()
     assert pids_gone(new)
@@ -226,7 +226,7 @@ def test_workers_end_with_the_parent_process(setup, ending):
         import sys, time
         from engine import EngineConfig, open_engine
         eng = open_engine({path!r}, EngineConfig(ulysses_degree=2))
-        print(*eng.forward.pids, flush=True)
+        print(*eng.runner.pids, flush=True)
         if {ending == "sigkill"!r}:
             time.sleep(120)
     """)
@@ -298,7 +298,7 @@ def test_invalid_degrees_refused_before_any_worker(setup, monkeypatch):
     with pytest.raises(ParallelConfigError, match="TP rank holds"):
         validate(EngineConfig(tp=2, ulysses_degree=4), 4, 192, cpu_ranks=64)
     with pytest.raises(ParallelConfigError, match="ulysses_degree = 8 does not divide"):
-        open_remote_forward(path, EngineConfig(ulysses_degree=8, device="cuda"), available_gpus=8)
+        open_ranked_runner(path, EngineConfig(ulysses_degree=8, device="cuda"), available_gpus=8)
     # more ranks than GPUs, or, on the CPU (gloo processes), than CPU cores: that comes first
     with pytest.raises(ParallelConfigError, match="needs 4 GPUs but 1 are visible"):
         validate(EngineConfig(device="cuda", ulysses_degree=4), 32, 12288, available_gpus=1)

@@ -19,7 +19,7 @@ from engine.features.fuse import fuse_projections, remove_fused_projections
 from engine.features.lora import active_loras, apply_loras, read_lora, remove_loras
 from engine.features.offload import apply_layerwise_offload, remove_offload
 from engine.io.load import read_model
-from engine.local import LocalForward
+from engine.local import LocalRunner
 from engine.models.random_weights import SIZES, random_model, save_random_checkpoint
 
 CFG = SIZES["tiny"]
@@ -110,7 +110,7 @@ def test_cache_dit_attaches_through_the_registry_for_one_run():
     """The Cache-DiT runner is the "cache" patch while a run lasts (LocalRun: apply_cache / remove_cache), not a
     slot written from outside; a run that never finished (an exception) is replaced by the next one."""
     model = random_model(replace(CFG, num_layers=4), seed=0)
-    local = LocalForward(model)
+    local = LocalRunner(model)
     own = model.block_runner
     plan = CacheConfig(preset="balanced").resolve(8, 4)
     run = local.run(plan, cfg_batched=False)

@@ -16,7 +16,7 @@ from engine import EngineConfig, open_engine
 from engine.errors import ParallelConfigError
 from engine.features import patching
 from engine.features import quant as Q
-from engine.local import LocalForward
+from engine.local import LocalRunner
 from engine.models.random_weights import SIZES, random_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_a_model_in_memory_opens_through_the_router_with_its_features():
     model = random_model(SIZES["tiny"], seed=0)
     eng = open_engine(model, EngineConfig(quant="fp8", attention="math"), label="random:tiny")
-    assert isinstance(eng.forward, LocalForward) and eng.model is model
+    assert isinstance(eng.runner, LocalRunner) and eng.model is model
     assert Q.model_quant_format(model) == "fp8" and patching.get(model, "attention").describe()["backend"] == "math"
     assert eng.source == "random:tiny" and open_engine(random_model(SIZES["tiny"], seed=0)).source == ""
     latent = torch.zeros(1, SIZES["tiny"].in_channels, 4, 4)

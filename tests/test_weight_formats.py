@@ -15,6 +15,7 @@ from torch import nn
 from engine import CheckpointError, load_model
 from engine.config import EngineConfig
 from engine.features import quant as Q
+from engine.loading import estimate_bytes
 from engine.features.fuse import fuse_projections, fused_groups, remove_fused_projections
 from engine.features.quant.formats import QuantPlan
 from engine.io.checkpoint import open_checkpoint
@@ -109,7 +110,7 @@ def test_a_registered_format_is_written_and_read_back(int8, tmp_path):
     save_random_checkpoint(str(src), CFG, seed=0, dtype=torch.bfloat16)
     at_load = load_model(src, quant="int8")  # quantized while reading
     assert Q.model_quant_format(at_load) == "int8"
-    assert Q.estimate_bytes(src, quant="int8") == Q.weight_bytes(at_load)
+    assert estimate_bytes(src, quant="int8") == Q.weight_bytes(at_load)
     Q.quantize_file(str(src), str(dst), "int8")
     stored = load_file(str(dst))
     assert stored["layers.0.mlp.gate_proj.weight"].dtype == torch.int8

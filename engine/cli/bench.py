@@ -8,9 +8,9 @@ import time
 import torch
 
 from ..engine import Engine
-from ..local import LocalForward
+from ..local import LocalRunner
 from ..features import offload
-from ..features.quant import estimate_bytes
+from ..loading import estimate_bytes
 from ..models.random_weights import SIZES, random_checkpoint, random_model_on_device
 from ..router import open_engine
 from .common import add_engine_arguments, engine_config
@@ -47,7 +47,7 @@ def _random_engine(size: str, dtype, device, config=None):
         if decision[0] == "layerwise":
             build_on = "cpu"
     model = random_model_on_device(SIZES[size], build_on, dt, seed=0)
-    return Engine(LocalForward(model, config, offload_decision=decision), config, source=f"random:{size}")
+    return Engine(LocalRunner(model, config, offload_decision=decision), config, source=f"random:{size}")
 
 
 def _reset_peak_memory(dev: torch.device) -> None:
@@ -77,7 +77,7 @@ def cmd_bench(args) -> dict:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     with torch.no_grad():
         xt, tb, ln = x.to(dev), torch.tensor([500.0], device=dev), torch.tensor([args.text_tokens], device=dev)
-        tt = text[None].to(dev, eng.forward.dtype)
+        tt = text[None].to(dev, eng.runner.dtype)
         forward = eng.dit_forward  # parallel: one call through the workers
         forward(xt, tb, tt, ln)
         sync()

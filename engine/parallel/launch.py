@@ -32,7 +32,7 @@ from ..io.checkpoint import check_architecture, open_checkpoint
 from ..models.random_weights import random_checkpoint
 from .plan import check_model, make_plan
 from ..router import open_engine
-from .remote import LocalTransport
+from .ranked import LocalTransport
 from .worker import WorkerState
 
 

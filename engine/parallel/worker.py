@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..config import EngineConfig
 from ..features.cache import apply_cache, remove_cache
 from ..features.cache.config import ResolvedCache
-from ..features.quant import load_model
+from ..loading import load_model
 from ..router import open_engine
 from ..sampling import MULTIPLIER
 from .comm import build_groups, destroy_groups

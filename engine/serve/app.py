@@ -2,7 +2,7 @@
 
 ``ImageServer`` is the server's state: its settings, the batcher, the LoRA state, the admission bound
 (--max-batch + --max-queue images in flight) and the ``Gate``; one router per concern is built from it
-(images, sample: engine/serve/remote.py, loras, health and metrics) and ``ImageServer.app()`` puts them
+(images, sample: engine/serve/sample_route.py, loras, health and metrics) and ``ImageServer.app()`` puts them
 together under the API-key / body guard and the metrics.
 
 Prompts are encoded here (the text encoder lives in the server process); each image is one ``Job`` for the
@@ -38,7 +38,7 @@ from .loras import Loras
 from .metrics import CLIENT_GONE, Metrics
 from .protocol import (ApiError, Generation, SetLoraRequest, UnsetLoraRequest, error_body, parse, parse_generation)
 from .batcher import Job
-from .remote import sample_router
+from .sample_route import sample_router
 
 log = logging.getLogger("sgld")
 

@@ -23,7 +23,7 @@ run on the other rows only (the arithmetic of ``DBCacheRunner.__call__``, phase 
 rows): the same latent and step mask as its run alone. ``max_batch`` bounds the samples (CFG branches
 count) of all running jobs together, so no forward holds more.
 
-Several ranks (an engine whose forward is ``RemoteForward``): the ranks keep one run at a time, so the
+Several ranks (an engine whose forward is ``RankedRunner``): the ranks keep one run at a time, so the
 batcher admits one job at a time there (no batching; same results as ``Engine.sample``).
 
 The batcher owns the engine while it runs: do not sample with the same engine from another thread.
@@ -381,5 +381,5 @@ class Batcher:
             return [(v, s.runner is None or bool(s.runner.computed[-1])) for s, v in zip(group, vs)]
         slot, call = group[0], group[0].call
         if slot.remote_run is None:
-            slot.remote_run = self.engine.forward.run(slot.run.plan, cfg_batched=slot.run.cfg_batched)
+            slot.remote_run = self.engine.runner.run(slot.run.plan, cfg_batched=slot.run.cfg_batched)
         return [slot.remote_run.call(call.x, call.sigma, call.text, call.lens)]

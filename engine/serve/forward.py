@@ -142,7 +142,7 @@ def _blocks_with_caches(model, h: torch.Tensor, parts, runners, length: int) -> 
 def joint_velocity(model, calls: Sequence[Call], device: torch.device) -> List[torch.Tensor]:
     """Flow velocity (float32, on each call's x device) for every call, through one pass over the blocks.
     The latents must have one size (the batcher groups calls by latent size). One call alone is exactly
-    ``LocalForward.velocity`` (with its runner in the model's block-runner slot)."""
+    ``LocalRunner.velocity`` (with its runner in the model's block-runner slot)."""
     parts = [model.embed(c.x.to(device), (c.sigma * MULTIPLIER).float().to(device), c.text, c.lens) for c in calls]
     if len(parts) == 1:
         h, ctx = parts[0]

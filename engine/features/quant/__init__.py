@@ -2,14 +2,14 @@
 
 registry: the format table (``WeightFormat``, ``FORMATS``, ``register_format``); numerics: quantize /
 dequantize; modules: FP8Linear, Int4Linear, their table entries and ``apply_quant`` (the "quant" patch);
-formats: pre-quantized files (``QuantPlan``); loading: quantize-on-read in the load loop and ``load_model``;
+formats: pre-quantized files (``QuantPlan``); loading: quantize-on-read in the load loop (engine/loading.py's ``load_model`` uses it);
 convert: ``sgld quantize``. Formats and compute paths: docs/quantization.md; adding a format:
 docs/architecture.md.
 """
 from ..tables import LiveNames
 from .convert import quantize_file
 from .formats import QuantPlan
-from .loading import QuantTransform, estimate_bytes, load_model, plan_load
+from .loading import QuantTransform
 from .modules import (BLOCK_LINEARS, QUANT_MODULES, FP8Linear, Int4Linear, QuantPatch, apply_quant, fp8_scaled_mm_linear,
                       fp8_scaled_mm_supported, is_block_linear, make_quant_linear, model_quant_format, prepare_fast_paths,
                       remove_quant, stored_tensors, weight_bytes)
@@ -23,8 +23,8 @@ FORMATS = LiveNames(choices)  # EngineConfig.quant's choices: the table's, read 
 
 __all__ = ["BLOCK_LINEARS", "FORMATS", "FORMAT_TABLE", "FP8_DTYPE", "FP8_MAX", "QUANT_MODULES", "FP8Linear", "Int4Linear",
            "QuantPatch", "QuantPlan", "QuantTransform", "WeightFormat", "apply_quant", "choices", "dequantize_fp8",
-           "dequantize_int4", "estimate_bytes", "format_of", "fp8_scaled_mm_linear", "fp8_scaled_mm_supported",
-           "get_format", "int4_group", "is_block_linear", "load_model", "make_quant_linear", "model_quant_format",
-           "parse_format", "plan_load", "prepare_fast_paths", "quant_modules", "quantize_file", "quantize_fp8",
+           "dequantize_int4", "format_of", "fp8_scaled_mm_linear", "fp8_scaled_mm_supported",
+           "get_format", "int4_group", "is_block_linear", "make_quant_linear", "model_quant_format",
+           "parse_format", "prepare_fast_paths", "quant_modules", "quantize_file", "quantize_fp8",
            "quantize_int4", "register_format", "relative_error", "remove_quant", "stored_tensors", "unpack_int4",
            "unregister_format", "weight_bytes"]

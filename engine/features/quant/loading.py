@@ -1,5 +1,5 @@
-"""Loading with quantization: the quantizing transform of the one load loop (engine/io/load.py), and
-``load_model``, the public loader (``engine.load_model``).
+"""Loading with quantization: the quantizing transform of the one load loop (engine/io/load.py), which the
+public loader (engine/loading.py, ``engine.load_model``) hands to every load.
 
 The transform quantizes the blocks' linear layers as they are read when a format is asked for, and
 reads the layers of a pre-quantized file (sgld, ComfyUI scaled_fp8, ComfyUI mixed) as their format's
@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointError
-from ...io.checkpoint import Checkpoint, open_checkpoint
-from ...io.load import SHARD_DIMS, LoadPlan, Transform, build_model
+from ...io.checkpoint import Checkpoint
+from ...io.load import SHARD_DIMS, Transform
 from ...io.safetensors import nbytes
-from ...models.ernie_image import ErnieImageConfig
 from .. import patching
 from .formats import QuantPlan
 from .modules import is_block_linear, record_quant
@@ -133,37 +132,3 @@ def shard_skeleton(model: nn.Module, tp: int) -> None:
                 old = block.get_submodule(name)
                 shape = (old.in_features, old.out_features // tp) if dim == 0 else (old.in_features // tp, old.out_features)
                 patching.replace_module(model, f"layers.{i}.{name}", nn.Linear(*shape, bias=False))
-
-
-def plan_load(checkpoint, dtype=None, quant: Optional[str] = None,
-              shard: Optional[Tuple[int, int]] = None) -> LoadPlan:
-    """Everything a load decides from the header (``config``, ``dtype``, ``bytes_at_rest()``), with
-    quantization; ``.read(device)`` then loads. ``checkpoint``: a path or an opened Checkpoint."""
-    ckpt = open_checkpoint(checkpoint)
-    plan = QuantPlan(ckpt)
-    if shard is not None and shard[0] > 1 and plan.quantized:
-        raise CheckpointError(f"{ckpt.describe()}: tensor parallel needs a dense (bf16/fp16/fp32) checkpoint; this one is "
-                              "pre-quantized. Use ulysses_degree / ring_degree / cfg_parallel, or the dense file with quant=...")
-    return LoadPlan(ckpt, dtype, shard, QuantTransform(plan, quant))
-
-
-def load_model(checkpoint, dtype=None, device="cpu", quant: Optional[str] = None,
-               shard: Optional[Tuple[int, int]] = None) -> nn.Module:
-    """Load an ERNIE-Image DiT from a .safetensors file or a diffusers folder (or an opened Checkpoint), in eval mode.
-
-    ``dtype``: bf16 | fp16 | fp32 | None (as stored). ``quant`` (a name of the format table: "fp8", "int4",
-    "int4-g64", ...): quantize the
-    blocks' linear layers while loading; pre-quantized files always load quantized. ``shard`` =
-    (tp_degree, tp_index): keep this tensor-parallel rank's slices only."""
-    return plan_load(checkpoint, dtype, quant, shard).read(device)
-
-
-def estimate_bytes(source, dtype=None, quant: Optional[str] = None) -> int:
-    """Bytes of the model at rest once loaded, nothing read: ``source`` a checkpoint (a path or an opened
-    Checkpoint; ``dtype`` None = as stored), or an ErnieImageConfig (a model built in ``dtype``, as
-    ``sgld bench`` builds one)."""
-    if not isinstance(source, ErnieImageConfig):
-        return plan_load(source, dtype, quant).bytes_at_rest()
-    transform = QuantTransform(None, quant)
-    return sum(transform.bytes_at_rest(name, p.dtype, tuple(p.shape), dtype)
-               for name, p in build_model(source).named_parameters())

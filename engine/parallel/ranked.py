@@ -1,4 +1,4 @@
-"""RemoteForward: the DiT on a pool of rank processes, behind the same interface as LocalForward.
+"""RankedRunner: the DiT on a pool of rank processes, behind the same interface as LocalRunner.
 
 ``engine.open_engine(path, EngineConfig(ulysses_degree=2, ...))`` gives an Engine with one when the
 degrees ask for more than one rank; the Engine keeps the sampling loop (same sigmas, noise, sampler
@@ -97,14 +97,14 @@ class LocalTransport:
         return self.state.handle(msg)
 
 
-class RemoteRun:
+class RankedRun:
     """One sampling run on the ranks: begun with the cache plan, ended with the ranks' cache summary."""
 
-    def __init__(self, forward: "RemoteForward", plan, cfg_batched: bool):
-        self.forward = forward
+    def __init__(self, owner: "RankedRunner", plan, cfg_batched: bool):
+        self.owner = owner
         self.sent_text = None
-        branches = 2 if cfg_batched and forward.plan.cfg == 1 else 1
-        forward.transport.request(("begin", None, None, cfg_batched, None if plan is None else dataclasses.asdict(plan),
+        branches = 2 if cfg_batched and owner.plan.cfg == 1 else 1
+        owner.transport.request(("begin", None, None, cfg_batched, None if plan is None else dataclasses.asdict(plan),
                                    branches))
 
     def call(self, x, sigma, text, lens):
@@ -112,16 +112,16 @@ class RemoteRun:
         if text is not self.sent_text:  # the text goes once per run
             msg += (pack(text), lens.detach().cpu().contiguous().numpy())
             self.sent_text = text
-        out, computed = self.forward.transport.request(msg)
+        out, computed = self.owner.transport.request(msg)
         return unpack(out).to(x.device), bool(computed)
 
     def finish(self) -> Optional[dict]:
-        if not self.forward.transport.alive:  # the pool failed mid-run: nothing to end
+        if not self.owner.transport.alive:  # the pool failed mid-run: nothing to end
             return None
-        return self.forward.transport.request(("end",))
+        return self.owner.transport.request(("end",))
 
 
-class RemoteForward:
+class RankedRunner:
     def __init__(self, path: str, config: EngineConfig, model_config, dtype: torch.dtype, plan: ParallelPlan,
                  backend: str, transport=None, num_params: int = 0):
         self.path = str(path)
@@ -231,14 +231,14 @@ class RemoteForward:
         return int(self.info.get("params_per_rank", self.num_params) * self.dtype.itemsize * self.plan.world_size)
 
     # -- the model calls ---------------------------------------------------------------------------------
-    def run(self, plan, cfg_batched: bool) -> RemoteRun:
+    def run(self, plan, cfg_batched: bool) -> RankedRun:
         if self.plan.cfg > 1 and not cfg_batched and not self._warned_cfg:
             self._warned_cfg = True
             msg = "cfg_parallel: this run has no negative branch (cfg = 1), so both CFG rank groups compute the same batch"
             log.warning(msg)
             self.warnings.append(msg)
         self._ensure()
-        return RemoteRun(self, plan, cfg_batched)
+        return RankedRun(self, plan, cfg_batched)
 
     @torch.no_grad()
     def dit(self, x, timestep, text, lens) -> torch.Tensor:
@@ -251,7 +251,7 @@ class RemoteForward:
             run.finish()
 
 
-def open_remote_forward(path: str, config: EngineConfig, transport=None, available_gpus: Optional[int] = None) -> RemoteForward:
+def open_ranked_runner(path: str, config: EngineConfig, transport=None, available_gpus: Optional[int] = None) -> RankedRunner:
     """Read the header, validate the plan (before any worker starts) and start the ranks on the weights.
     ``transport``: ranks that already run (torchrun, across machines): this machine's GPUs are not counted."""
     ckpt = open_checkpoint(path)
@@ -264,7 +264,7 @@ def open_remote_forward(path: str, config: EngineConfig, transport=None, availab
         backend = "nccl" if str(config.device).startswith("cuda") else "gloo"
     dtype = parse_dtype(config.dtype) or ckpt.stored_dtype()
     num_params = sum(torch.Size(shape).numel() for shape in ckpt.shapes().values())
-    return RemoteForward(path, config, model_config, dtype, plan, backend, transport, num_params=num_params)
+    return RankedRunner(path, config, model_config, dtype, plan, backend, transport, num_params=num_params)
 
 
 def _release_in_thread(transport, key) -> None:
