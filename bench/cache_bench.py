@@ -132,7 +132,7 @@ class Config:
 def our_configs() -> List[Config]:
     c = []
     for p in ("quality", "balanced", "fast", "slow", "ultra"):
-        c.append(Config(p, "ours", (lambda p: lambda m, n: {"cache": CacheConfig(preset=p)})(p), "preset (static mask, TaylorSeer O1)"))
+        c.append(Config(p, "ours", (lambda preset: lambda m, n: {"cache": CacheConfig(preset=preset)})(p), "preset (static mask, TaylorSeer O1)"))
     c.append(Config("balanced, no TaylorSeer", "ours", lambda m, n: {"cache": CacheConfig(preset="balanced", taylorseer=False)}))
     c.append(Config("fast, TaylorSeer O2", "ours", lambda m, n: {"cache": CacheConfig(preset="fast", ts_order=2)}))
     c.append(Config("fast, dynamic R0.24", "ours", lambda m, n: {"cache": CacheConfig(preset="fast", scm_policy="dynamic", rdt=0.24, mc=-1)}))
@@ -145,7 +145,7 @@ def cachedit_configs() -> List[Config]:
     c = []
     for p in ("slow", "medium", "fast", "ultra"):
         c.append(Config(f"cache-dit SCM {p} static +TS", "cache-dit",
-                        (lambda p: lambda m, n: {"runner": cachedit_runner(m, n, mask_policy=p, policy="static", taylorseer=True)})(p)))
+                        (lambda mask: lambda m, n: {"runner": cachedit_runner(m, n, mask_policy=mask, policy="static", taylorseer=True)})(p)))
     c.append(Config("cache-dit SCM fast dynamic R0.24", "cache-dit",
                     lambda m, n: {"runner": cachedit_runner(m, n, mask_policy="fast", policy="dynamic", rdt=0.24)},
                     "what SGLANG_CACHE_DIT_SCM_PRESET=fast does"))

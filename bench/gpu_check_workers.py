@@ -135,7 +135,7 @@ def worker_attention(ctx, name):
     for label, n_txt in _lengths(ctx):
         inp = ctx.state["inp1"] if n_txt == ctx.args.text_tokens else inputs(ctx, text_tokens=n_txt)
 
-        def with_backend(fn):
+        def with_backend(fn, inp=inp):
             def call():
                 m.attention = fn
                 return m(*inp)

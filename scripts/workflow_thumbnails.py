@@ -75,7 +75,7 @@ def text_card(title: str, lines: list):
     d = ImageDraw.Draw(img)
     d.rectangle([0, 0, SIZE, 10], fill=(74, 158, 255))
     y = 150
-    for i, part in enumerate(title.split("\n")):
+    for part in title.split("\n"):
         d.text((40, y), part, font=font(FONT_BOLD, 46), fill=(240, 240, 240))
         y += 58
     y += 20

@@ -23,7 +23,7 @@ class FakeMM(types.ModuleType):
         self.free = 10**12
         self.calls = []
 
-        def free_memory(memory_required, device, keep_loaded=[]):
+        def free_memory(memory_required, device, keep_loaded=()):
             self.calls.append(("free_memory", memory_required, str(device)))
             return []
 

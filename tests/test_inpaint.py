@@ -95,7 +95,7 @@ def comfy_sample(comfy, eng, latent, cond, uncond, *, seed, steps, cfg, sampler,
     class Guider:  # what KSAMPLER calls (a CFGGuider): our DiT as ComfyUI's CONST flow denoiser, CFG by ComfyUI
         inner_model = base
 
-        def __call__(self, x, sigma, model_options={}, seed=None):
+        def __call__(self, x, sigma, model_options=None, seed=None):
             def branch(text):
                 b = x.shape[0]
                 v = eng.model(x, ms.timestep(sigma).float(), text[None].expand(b, -1, -1), torch.full((b,), text.shape[0]))

@@ -176,7 +176,7 @@ def test_exception_at_each_layer_rolls_back_to_the_base(tmp_path, monkeypatch, o
         for when in ("before", "after"):
             count = {"n": 0}
 
-            def inject(step, phase, st, k=k, when=when):
+            def inject(step, phase, st, k=k, when=when, count=count):
                 if phase == "before":
                     count["n"] += 1
                 if phase == when and count["n"] - 1 == k and not count.get("fired"):
