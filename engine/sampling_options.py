@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .errors import CheckpointError
+from .inputs import check_sampling_settings, check_seed
 from .io.checkpoint import Checkpoint
 from .models import demo
-from .options import option
+from .options import declared, default_of, flag_dest, from_args, option
 from .sampling import DEFAULT_SHIFT, MAX_CFG, MAX_SEED, MAX_SHIFT, MAX_STEPS, SAMPLERS, SCHEDULERS
 
 # The per-model defaults, in one place: ERNIE-Image's release (reference: Base 50 steps at guidance 4,
@@ -90,3 +91,19 @@ def with_model_defaults(given: dict, source: str) -> dict:
             out[name] = value
     return out
 
+
+
+def from_flags(args, source: str, names) -> dict:
+    """{option: value} for the sampling options ``names`` from argparse ``args``: the flags given, else the
+    defaults of the model in ``source`` (steps, cfg), else the declared ones. Checked before anything loads:
+    InputError / ValueError naming the flag."""
+    decl = declared(SamplingOptions)
+    values = {n: getattr(args, flag_dest(decl[n]), None) for n in names}
+    values = with_model_defaults({n: default_of(SamplingOptions, n) if v is None else v for n, v in values.items()},
+                                 source)
+    flags = {n: opt.flag for n, opt in decl.items()}
+    numbers = {n: values[n] for n in ("steps", "cfg", "shift", "denoise") if n in values}
+    check_sampling_settings(**{"steps": 1, "cfg": 0.0, **numbers}, names=flags)
+    if "seed" in values:
+        check_seed(values["seed"], flags["seed"])
+    return {**{n: values[n] for n in names}, **from_args(SamplingOptions, args, names)}

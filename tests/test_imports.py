@@ -110,7 +110,7 @@ def test_no_import_cycles():
 
 # The layers of docs/architecture.md, lowest first: a module imports only from its own layer or below.
 LAYERS = [("engine.errors", "engine.options", "engine.sampling"), ("engine.models.ernie_image",), ("engine.io",),
-          ("engine.models",), ("engine.features",), ("engine.config", "engine.sampling_options"), ("engine.inputs", "engine.local"),
+          ("engine.models",), ("engine.features",), ("engine.config",), ("engine.inputs", "engine.local", "engine.sampling_options"),
           ("engine.engine",), ("engine.parallel",), ("engine.router",), ("engine", "engine.cli", "engine.serve", "nodes")]
 
 

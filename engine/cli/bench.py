@@ -13,8 +13,9 @@ from ..features import offload
 from ..features.quant import estimate_bytes
 from ..models.random_weights import SIZES, random_checkpoint, random_model_on_device
 from ..router import open_engine
+from ..sampling_options import from_flags
 from ..sampling import cfg_on
-from .common import add_engine_arguments, add_sampling_arguments, engine_config, sampling_settings
+from .common import add_engine_arguments, add_sampling_arguments, engine_config
 
 SAMPLING = ("steps", "cfg")  # the sampling options of the whole-run timing
 
@@ -65,7 +66,7 @@ def run_settings(args) -> dict:
     """The whole run's steps and cfg (the flags', else the model's); {"steps": 0}: --steps 0, no run."""
     if args.steps == 0:
         return {"steps": 0}
-    return sampling_settings(args, args.model or f"random:{args.size}", SAMPLING)
+    return from_flags(args, args.model or f"random:{args.size}", SAMPLING)
 
 
 def cmd_bench(args) -> dict:

@@ -11,8 +11,7 @@ import torch
 from .. import options
 from ..config import PARALLEL, EngineConfig
 from ..features.cache import CacheConfig
-from ..inputs import check_sampling_settings, check_seed
-from ..sampling_options import SamplingOptions, with_model_defaults
+from ..sampling_options import SamplingOptions
 
 MAX_THREADS = 1024  # --threads: generous; more only oversubscribes the cores
 TITLES = {PARALLEL: "parallel (docs/parallel.md): ranks = tp x ulysses x ring x (2 with --cfg-parallel)"}
@@ -47,24 +46,9 @@ def cache_config(args) -> Optional[CacheConfig]:
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, names) -> None:
-    """The flags of the sampling options ``names`` (SamplingOptions' declarations; steps / cfg unset: the model's)."""
+    """The flags of the sampling options ``names`` (SamplingOptions' declarations; steps / cfg unset: the model's,
+    read back with ``sampling_options.from_flags``)."""
     options.add_arguments(p, SamplingOptions, names=names)
-
-
-def sampling_settings(args, source: str, names) -> dict:
-    """{option: value} for the sampling options ``names``: the flags given, else the defaults of the model in
-    ``source`` (steps, cfg: ``model_defaults``), else the declared ones; checked before anything loads, a
-    ValueError naming the flag."""
-    decl = options.declared(SamplingOptions)
-    values = {n: getattr(args, options.flag_dest(decl[n]), None) for n in names}
-    values = with_model_defaults({n: options.default_of(SamplingOptions, n) if v is None else v
-                                  for n, v in values.items()}, source)
-    flags = {n: decl[n].flag for n in decl}
-    numbers = {n: values[n] for n in ("steps", "cfg", "shift", "denoise") if n in values}
-    check_sampling_settings(**{"steps": 1, "cfg": 0.0, **numbers}, names=flags)
-    if "seed" in values:
-        check_seed(values["seed"], flags["seed"])
-    return {**{n: values[n] for n in names}, **options.from_args(SamplingOptions, args, names)}
 
 
 def check_output_path(option: str, path: str, extensions: tuple) -> None:

@@ -15,13 +15,14 @@ from PIL.PngImagePlugin import PngInfo
 from tqdm import tqdm
 
 from ..router import open_engine
+from ..sampling_options import from_flags
 from ..features.lora import parse_spec
 from ..io.atomic import atomic_write
 from ..models import demo as demo_pkg
 from ..models.external import Flux2VAE, TextEncoder
 from ..sampling import MAX_IMAGE_SIDE
 from .common import (add_cache_arguments, add_engine_arguments, add_sampling_arguments, cache_config, check_output_path,
-                     engine_config, sampling_settings)
+                     engine_config)
 
 SAMPLING = ("seed", "steps", "cfg", "sampler", "scheduler", "shift")  # the sampling options it has flags for
 ERNIE_SIZE = 1024  # default --width / --height for ERNIE-Image files
@@ -176,7 +177,7 @@ def check_generate_args(args) -> tuple:
             if value is not None and value != demo_pkg.IMAGE_SIZE:
                 raise ValueError(f"--{name} {value}: the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} "
                                  "pictures only (other sizes need ERNIE-Image files: --model --text-encoder --vae)")
-    run = sampling_settings(args, model_source(args), SAMPLING)
+    run = from_flags(args, model_source(args), SAMPLING)
     check_output_path("--out", args.out, (".png",))
     engine_config(args)  # the engine's flags and the parallel degrees against each other
     cache_config(args)

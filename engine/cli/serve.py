@@ -12,7 +12,8 @@ import sys
 from .. import inputs
 from ..models import demo as demo_pkg
 from ..sampling import MAX_IMAGE_SIDE
-from .common import add_cache_arguments, add_engine_arguments, add_sampling_arguments, cache_config, engine_config, sampling_settings
+from ..sampling_options import from_flags
+from .common import add_cache_arguments, add_engine_arguments, add_sampling_arguments, cache_config, engine_config
 from .generate import make_parts, model_source, uses_ernie_files
 
 try:  # the HTTP server's packages are an extra (pip install '.[serve]'): without them the other commands still run
@@ -98,7 +99,7 @@ def served_model(args) -> ServedModel:
     """The model the flags name, with its defaults and the --lora files active."""
     engine_config(args)  # the engine's flags and the parallel degrees against each other, before loading
     cache_config(args)
-    defaults = sampling_settings(args, model_source(args), SAMPLING)  # the flags', else the model's
+    defaults = from_flags(args, model_source(args), SAMPLING)  # the flags', else the model's
     parts = make_parts(args)
     if args.loras:
         parts.engine.set_loras(args.loras)
