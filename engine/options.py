@@ -55,6 +55,7 @@ class Option:
     widget_max: Optional[float] = None
     widget_step: Optional[float] = None
     widget_required: bool = False  # a required input (else optional)
+    widget_extra: Mapping = field(default_factory=dict)  # more of the widget's spec: {"control_after_generate": True}
     tooltip: str = ""
 
 
@@ -303,6 +304,7 @@ def _widget_spec(cls, name: str, opt: Option) -> tuple:
         spec.update({k: v for k, v in (("min", low), ("max", high), ("step", opt.widget_step)) if v is not None})
     else:
         kind = "STRING"
+    spec.update(opt.widget_extra)
     if opt.tooltip:
         spec["tooltip"] = opt.tooltip
     return kind, spec

@@ -33,7 +33,8 @@ class SamplingOptions:
 
     seed: int = option(
         0, int, "noise seed, 0 to 2**64-1 (ComfyUI's range; default 0)", low=0, high=MAX_SEED, flag="--seed",
-        api="seed", widget="seed", widget_required=True, tooltip="The random seed used for creating the noise.")
+        api="seed", widget="seed", widget_required=True,
+        widget_extra={"control_after_generate": True}, tooltip="The random seed used for creating the noise.")
     steps: Optional[int] = option(
         None, int, f"sampling steps, 1 to {MAX_STEPS} (default: {MODEL_DEFAULT}: demo 30, ERNIE-Image 50, Turbo 8)",
         optional=True, low=1, high=MAX_STEPS, flag="--steps", api="num_inference_steps", widget="steps",
@@ -41,7 +42,7 @@ class SamplingOptions:
     cfg: Optional[float] = option(
         None, float, f"guidance scale, 0 to {MAX_CFG:g} (default: {MODEL_DEFAULT}: demo 3, ERNIE-Image 4, Turbo 1; "
         "1 runs no negative branch)", optional=True, low=0.0, high=MAX_CFG, flag="--cfg", api="guidance_scale",
-        widget="cfg", widget_default=4.0, widget_step=0.1, widget_required=True,
+        widget="cfg", widget_default=4.0, widget_step=0.1, widget_extra={"round": 0.01}, widget_required=True,
         tooltip="Classifier-free guidance scale (Turbo: 1.0, which skips the negative prompt; Base: 4.0).")
     sampler: str = option(
         "euler", str, "sampler (default euler)", choices=SAMPLERS, any_case=True, flag="--sampler",
