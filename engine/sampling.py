@@ -51,7 +51,7 @@ def to_sigma(timestep):
 def cfg_on(cfg, uncond=None) -> bool:
     """Whether a run computes a negative branch: a negative given (not None) and cfg not 1 (at 1 the guided
     result is the positive one). One rule for the engine, the server's batcher and the nodes."""
-    return uncond is not None and float(cfg) != 1.0
+    return uncond is not None and cfg != 1.0
 
 
 def time_snr_shift(shift: float, t):

@@ -23,6 +23,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from ..engine.options import node_inputs
+from ..engine.sampling import cfg_on
 from ..engine.sampling_options import SamplingOptions
 
 SERVER_NODE = "SGLDiffusion Server"
@@ -176,7 +177,7 @@ def sample_remote(node: str, model: RemoteModel, latent: dict, samples: torch.Te
     if denoise == 0:  # as the local engine: nothing to denoise, the latent is the answer
         return samples.clone(), {"steps": 0, "warnings": ["denoise is 0: the latent is returned unchanged"]}
     tensors = {"latent": samples[0].detach().to("cpu", torch.float32).contiguous(), "cond": _one(node, "positive", cond)}
-    if uncond is not None and cfg != 1.0:
+    if cfg_on(cfg, uncond):
         tensors["uncond"] = _one(node, "negative", uncond)
     settings = {"seed": int(seed), "steps": int(steps), "cfg": float(cfg), "sampler": sampler, "scheduler": scheduler,
                 "denoise": float(denoise), "cache": None if cache is None else dataclasses.asdict(cache)}

@@ -44,7 +44,7 @@ from ..engine import Engine, RunStats
 from ..errors import CacheConfigError, InputError
 from ..features.cache import CacheConfig, DBCacheRunner, resolve_config
 from ..inputs import check_conditioning, check_latent, check_sampler, check_sampling_settings, check_seed
-from ..sampling import model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule
+from ..sampling import cfg_on, model_calls, noise_scaling, run_sampler, seeded_noise, sigma_schedule
 from .forward import Call, joint_velocity
 
 
@@ -190,7 +190,7 @@ class Batcher:
         latent = job.latent[None].detach().to("cpu", torch.float32)
         check_latent(mc, latent)
         cond = check_conditioning(mc, "positive", [job.cond], 1)
-        uncond = check_conditioning(mc, "negative", [job.uncond], 1) if job.uncond is not None and job.cfg != 1.0 else None
+        uncond = check_conditioning(mc, "negative", [job.uncond], 1) if cfg_on(job.cfg, job.uncond) else None
         if job.on_step is not None and not callable(job.on_step):
             raise InputError(f"a job's on_step must be callable, not {type(job.on_step).__name__}")
         sigmas = sigma_schedule(int(job.steps), job.scheduler, job.denoise)
