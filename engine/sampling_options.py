@@ -22,7 +22,13 @@ MODEL_DEFAULTS = {
     "turbo": {"steps": 8, "cfg": 1.0},
     "demo": {"steps": demo.DEFAULT_STEPS, "cfg": demo.DEFAULT_CFG},
 }
-MODEL_DEFAULT = "the model's"  # how a flag's help says "unset: the model's default"
+
+
+def _per_model(key: str, kinds=tuple(MODEL_DEFAULTS)) -> str:
+    """The defaults of ``key`` as the help texts list them: "Base 50, Turbo 8, demo 30"."""
+    return ", ".join(f"{kind if kind == 'demo' else kind.capitalize()} {MODEL_DEFAULTS[kind][key]:g}" for kind in kinds)
+
+
 # Keys only the released ERNIE-Image-Turbo transformer/config.json has (Base's lacks them)
 TURBO_CONFIG_KEYS = ("lora_rank", "use_lora")
 
@@ -36,14 +42,16 @@ class SamplingOptions:
         api="seed", widget="seed", widget_required=True,
         widget_extra={"control_after_generate": True}, tooltip="The random seed used for creating the noise.")
     steps: Optional[int] = option(
-        None, int, f"sampling steps, 1 to {MAX_STEPS} (default: {MODEL_DEFAULT}: demo 30, ERNIE-Image 50, Turbo 8)",
+        None, int, f"sampling steps, 1 to {MAX_STEPS} (default: the model's: {_per_model('steps')})",
         optional=True, low=1, high=MAX_STEPS, flag="--steps", api="num_inference_steps", widget="steps",
-        widget_default=20, widget_required=True, tooltip="The number of denoising steps (ERNIE-Image Turbo: 8, Base: 50).")
+        widget_default=20, widget_required=True,
+        tooltip=f"The number of denoising steps (ERNIE-Image {_per_model('steps', ('base', 'turbo'))}).")
     cfg: Optional[float] = option(
-        None, float, f"guidance scale, 0 to {MAX_CFG:g} (default: {MODEL_DEFAULT}: demo 3, ERNIE-Image 4, Turbo 1; "
-        "1 runs no negative branch)", optional=True, low=0.0, high=MAX_CFG, flag="--cfg", api="guidance_scale",
+        None, float, f"guidance scale, 0 to {MAX_CFG:g} (default: the model's: {_per_model('cfg')}; 1 runs no "
+        "negative branch)", optional=True, low=0.0, high=MAX_CFG, flag="--cfg", api="guidance_scale",
         widget="cfg", widget_default=4.0, widget_step=0.1, widget_extra={"round": 0.01}, widget_required=True,
-        tooltip="Classifier-free guidance scale (Turbo: 1.0, which skips the negative prompt; Base: 4.0).")
+        tooltip=f"Classifier-free guidance scale (ERNIE-Image {_per_model('cfg', ('base', 'turbo'))}; 1 skips the "
+                "negative prompt).")
     sampler: str = option(
         "euler", str, "sampler (default euler)", choices=SAMPLERS, any_case=True, flag="--sampler",
         widget="sampler_name", widget_required=True, tooltip="The sampling algorithm.")
