@@ -144,6 +144,11 @@ def test_a_changed_declared_default_changes_the_parsers(monkeypatch):
     assert parse("generate", "--prompt", "p").sampler == "heun"
     assert launch.build_parser().parse_args(["--size", "tiny", "--random-text", "4"]).sampler == "heun"
     assert check_generate_args(parse("generate", "--prompt", "p", "--out", OUT))["sampler"] == "heun"
+    monkeypatch.setattr(SamplingOptions.__dataclass_fields__["seed"], "default", 7)
+    assert parse("generate", "--prompt", "p").seed == 7
+    remote = pack_modules.node_module("remote")  # the pack's own copy of the engine (its relative imports)
+    monkeypatch.setattr(remote.SamplingOptions.__dataclass_fields__["seed"], "default", 7)
+    assert remote.SGLDiffusionServerGenerate.INPUT_TYPES()["required"]["seed"][1]["default"] == 7
 
 
 def test_the_launch_has_every_engine_flag():
