@@ -25,7 +25,7 @@ from .features.offload import get_offload
 from .inputs import (check_batch_index, check_conditioning, check_latent, check_noise_mask, check_sampler,
                      check_sampling_settings, check_seed, check_sigmas)
 from .local import LocalRunner
-from .sampling import (DEFAULT_SHIFT, SAMPLERS, inpaint_denoiser, model_calls, noise_scaling, prepare_mask, run_sampler,
+from .sampling import (DEFAULT_SHIFT, SAMPLERS, cfg_on, inpaint_denoiser, model_calls, noise_scaling, prepare_mask, run_sampler,
                        seeded_noise, sigma_schedule, step_of_call)
 
 
@@ -174,7 +174,7 @@ class Engine:
                       calls: "ModelCalls"):
         """denoised(x, sigma) with CFG as ComfyUI computes it: uncond + (cond - uncond) * cfg on x0, through
         ``calls`` (this run's model calls: velocity, cache and statistics)."""
-        use_cfg = uncond is not None and cfg != 1.0
+        use_cfg = cfg_on(cfg, uncond)
         features = cond + uncond if use_cfg else cond
         text, lens = pad_text(features, self.runner.dtype, self.device)
 
@@ -225,7 +225,7 @@ class Engine:
         check_latent(mc, latent)
         b = latent.shape[0]
         cond = check_conditioning(mc, "positive", cond, b)
-        uncond = check_conditioning(mc, "negative", uncond, b) if uncond is not None and cfg != 1.0 else None
+        uncond = check_conditioning(mc, "negative", uncond, b) if cfg_on(cfg, uncond) else None
         mask = check_noise_mask(noise_mask)
         batch_index = check_batch_index(batch_index, b)
         sigmas = sigma_schedule(int(steps), scheduler, denoise, shift) if sigmas is None else check_sigmas(sigmas, steps)

@@ -21,7 +21,7 @@ from .features.fuse import fuse_projections, fused_groups
 from .features.lora import LoRAFileCache, active_loras, apply_loras
 from .features.offload import apply_layerwise_offload, choose_offload, get_offload
 from .loading import plan_load
-from .sampling import MULTIPLIER
+from .sampling import to_timestep
 
 
 class LocalRun:
@@ -140,7 +140,7 @@ class LocalRunner:
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, text: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """One DiT forward: flow velocity in float32."""
-        timestep = (sigma * MULTIPLIER).float().to(self.device)
+        timestep = to_timestep(sigma).float().to(self.device)
         return self.model(x.to(self.device), timestep, text, lens).float().to(x.device)
 
     @torch.no_grad()

@@ -1,5 +1,5 @@
 """Each option declared once, as a dataclass field: its type, choices, range, default and help, and its
-spellings elsewhere (CLI flag, ComfyUI widget, environment variable). The checks, the CLI's arguments,
+spellings elsewhere (CLI flag, ComfyUI widget, environment variable, server request field). The checks, the CLI's arguments,
 a node's inputs and the environment reader derive from the declarations, so an option cannot be
 forgotten in one of them; a refused value is named as its caller spelled it (the field, ``--cache-fn``,
 ``SGLANG_CACHE_DIT_FN`` or ``SGLDiffusion Cache-DiT field 'Fn'``). Imports nothing of the engine, so
@@ -35,6 +35,7 @@ class Option:
     optional: bool = False  # None is a value: as stored, from the preset, not set
     low: Optional[float] = None  # numbers: the inclusive range
     high: Optional[float] = None
+    low_open: bool = False  # numbers: ``low`` itself refused (shift: above 0)
     finite: bool = True  # floats: inf refused (NaN always is)
     allowed: str = ""  # what a refusal says is allowed, where the derived text says too little
     check: Optional[Callable[[Any], Any]] = None  # a further check of a string value (raises ValueError)
@@ -47,12 +48,14 @@ class Option:
     flag_const: Any = UNSET  # the value of the flag given without one ("--compile" = static)
     group: str = ""  # the CLI argument group it is listed in
     env: Optional[str] = None  # environment variable
+    api: Optional[str] = None  # the server's request field (OpenAI's / SGLang's name: num_inference_steps)
     widget: Optional[str] = None  # ComfyUI node input name
     widget_default: Any = UNSET  # the widget's default when it is not the field's
     widget_min: Optional[float] = None
     widget_max: Optional[float] = None
     widget_step: Optional[float] = None
     widget_required: bool = False  # a required input (else optional)
+    widget_extra: Mapping = field(default_factory=dict)  # more of the widget's spec: {"control_after_generate": True}
     tooltip: str = ""
 
 
@@ -115,7 +118,8 @@ def _value(opt: Option, value):
               and (math.isfinite(value) or not opt.finite))
     else:
         ok = isinstance(value, str)
-    if not ok or (opt.low is not None and value < opt.low) or (opt.high is not None and value > opt.high):
+    if not ok or (opt.low is not None and (value <= opt.low if opt.low_open else value < opt.low)) or (
+            opt.high is not None and value > opt.high):
         raise _Refused
     if opt.check is not None:
         try:
@@ -177,9 +181,9 @@ def allowed(opt: Option, typed: bool) -> str:
         return "a string"
     noun = "an integer" if opt.kind is int else "a finite number" if opt.finite else "a number"
     if opt.low is not None and opt.high is not None:
-        return f"{noun} from {opt.low:g} to {opt.high:g}"
+        return f"{noun} {'above' if opt.low_open else 'from'} {opt.low:g} to {opt.high:g}"
     if opt.low is not None:
-        return f"{noun} >= {opt.low:g}"
+        return f"{noun} {'>' if opt.low_open else '>='} {opt.low:g}"
     return f"{noun} <= {opt.high:g}" if opt.high is not None else noun
 
 
@@ -222,12 +226,12 @@ def flag_dest(opt: Option) -> str:
     return opt.flag.lstrip("-").replace("-", "_")
 
 
-def add_arguments(parser, cls, titles: Optional[Mapping[str, str]] = None) -> None:
-    """An argparse argument for every declared flag of ``cls`` (``titles``: group -> argument group title).
-    Values are checked by ``from_args``, so the messages are the options' own."""
+def add_arguments(parser, cls, titles: Optional[Mapping[str, str]] = None, names: Optional[Iterable[str]] = None) -> None:
+    """An argparse argument for every declared flag of ``cls`` (``titles``: group -> argument group title;
+    ``names``: only these options). Values are checked by ``from_args``, so the messages are the options' own."""
     groups = {}
     for name, opt in declared(cls).items():
-        if not opt.flag:
+        if not opt.flag or (names is not None and name not in names):
             continue
         target = parser
         if opt.group:
@@ -248,12 +252,13 @@ def add_arguments(parser, cls, titles: Optional[Mapping[str, str]] = None) -> No
         target.add_argument(opt.flag, *opt.flag_aliases, **kw)
 
 
-def from_args(cls, args) -> Dict[str, Any]:
+def from_args(cls, args, names: Optional[Iterable[str]] = None) -> Dict[str, Any]:
     """The values of the declared flags that ``args`` holds (None = not given), checked; an error
-    naming the flag on a bad value."""
+    naming the flag on a bad value. ``names``: only these options."""
     out = {}
     for name, opt in declared(cls).items():
-        value = getattr(args, flag_dest(opt), None) if opt.flag else None
+        wanted = opt.flag and (names is None or name in names)
+        value = getattr(args, flag_dest(opt), None) if wanted else None
         if value is not None:
             out[name] = _typed(cls, opt, value, opt.flag)
     return out
@@ -299,6 +304,7 @@ def _widget_spec(cls, name: str, opt: Option) -> tuple:
         spec.update({k: v for k, v in (("min", low), ("max", high), ("step", opt.widget_step)) if v is not None})
     else:
         kind = "STRING"
+    spec.update(opt.widget_extra)
     if opt.tooltip:
         spec["tooltip"] = opt.tooltip
     return kind, spec

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 SCHEDULERS = ("simple", "normal", "beta")
 SAMPLERS = ("euler", "euler_ancestral", "heun", "dpmpp_2m")
-PRESETS = {"base": {"steps": 50, "cfg": 4.0}, "turbo": {"steps": 8, "cfg": 1.0}}
 DEFAULT_SHIFT = 3.0  # ComfyUI's ERNIE-Image shift (diffusers uses 4.0)
 MULTIPLIER = 1000.0  # sigma -> model timestep
 
@@ -39,6 +38,22 @@ Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 StepCallback = Callable[[int, torch.Tensor, torch.Tensor], None]  # (step index, x, denoised)
 
 
+def to_timestep(sigma):
+    """The model's timestep for a sigma (ComfyUI's CONST flow: sigma x MULTIPLIER); every caller of the DiT uses it."""
+    return sigma * MULTIPLIER
+
+
+def to_sigma(timestep):
+    """The sigma of a model timestep (``to_timestep``'s inverse)."""
+    return timestep / MULTIPLIER
+
+
+def cfg_on(cfg, uncond=None) -> bool:
+    """Whether a run computes a negative branch: a negative given (not None) and cfg not 1 (at 1 the guided
+    result is the positive one). One rule for the engine, the server's batcher and the nodes."""
+    return uncond is not None and cfg != 1.0
+
+
 def time_snr_shift(shift: float, t):
     return t if shift == 1.0 else shift * t / (1 + (shift - 1) * t)
 
@@ -46,16 +61,15 @@ def time_snr_shift(shift: float, t):
 class FlowSigmas:
     """ComfyUI's ModelSamplingDiscreteFlow table: 1000 shifted sigmas, ascending."""
 
-    def __init__(self, shift: float = DEFAULT_SHIFT, timesteps: int = 1000, multiplier: float = MULTIPLIER):
+    def __init__(self, shift: float = DEFAULT_SHIFT, timesteps: int = 1000):
         self.shift = shift
-        self.multiplier = multiplier
-        self.table = self.sigma((torch.arange(1, timesteps + 1, 1) / timesteps) * multiplier)
+        self.table = self.sigma(to_timestep(torch.arange(1, timesteps + 1, 1) / timesteps))
 
     def sigma(self, timestep):
-        return time_snr_shift(self.shift, timestep / self.multiplier)
+        return time_snr_shift(self.shift, to_sigma(timestep))
 
     def timestep(self, sigma):
-        return sigma * self.multiplier
+        return to_timestep(sigma)
 
     @property
     def sigma_min(self):

@@ -31,7 +31,7 @@ from ..engine.loading import estimate_bytes
 from ..engine.inputs import check_latent, check_model_call, check_run_sigmas, check_values
 from ..engine.io.load import checkpoint_shapes
 from ..engine.models.demo import codec
-from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER
+from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER, to_sigma
 from . import compat
 from .comfy_lora import SOURCES_ATTACHMENT, check_native_keys, comfy_loras, executing_node, source_label
 from .ksampler import ERROR_CHARS, GRAPH_KEY, graph_fingerprint, run_stats, send_run_event, workflow_id
@@ -144,9 +144,9 @@ class EngineCall(torch.nn.Module):
 
     def forward(self, x, timesteps, context=None, control=None, transformer_options=None, text_lens=None, **kwargs):
         options = transformer_options or {}
-        sigma = options.get("sigmas")  # ComfyUI's sigma of this call (timesteps = sigma * 1000)
+        sigma = options.get("sigmas")  # ComfyUI's sigma of this call (timesteps = to_timestep(sigma))
         if sigma is None or x.shape[0] % sigma.shape[0]:
-            sigma = timesteps.float() / MULTIPLIER
+            sigma = to_sigma(timesteps.float())
         else:
             sigma = sigma.float().repeat(x.shape[0] // sigma.shape[0])
         if text_lens is None:

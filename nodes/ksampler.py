@@ -24,7 +24,8 @@ from ..engine import CheckpointError, InputError
 from ..engine.features.cache import CacheConfigError
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
 from ..engine.inputs import latent_hint
-from ..engine.sampling import SAMPLERS, SCHEDULERS
+from ..engine.options import node_inputs
+from ..engine.sampling_options import SamplingOptions
 from .demo import WARNINGS_KEY
 from .server_nodes import RemoteModel, sample_remote
 
@@ -222,6 +223,33 @@ def run_stats(engine, node_id, warnings=()) -> dict:
     return stats
 
 
+def comfy_ksampler_inputs() -> dict:
+    """ComfyUI's own KSampler's required inputs ({} outside a running ComfyUI)."""
+    try:
+        import nodes
+
+        return dict(nodes.KSampler.INPUT_TYPES()["required"])
+    except Exception:
+        return {}
+
+
+def sampling_widgets() -> dict:
+    """{widget: spec} of the sampling options (SamplingOptions' widgets): ComfyUI's KSampler's own definitions
+    where it has the widget (its type, range, step, round, control_after_generate, whatever this ComfyUI adds),
+    with the declaration's default, tooltip and, for a list, the choices this engine runs; the declaration's
+    alone outside ComfyUI."""
+    ours, theirs = node_inputs(SamplingOptions)["required"], comfy_ksampler_inputs()
+    out = {}
+    for widget, (kind, spec) in ours.items():
+        their = theirs.get(widget)
+        if not isinstance(their, (list, tuple)) or not their or isinstance(kind, list) != isinstance(their[0], list):
+            out[widget] = (kind, spec)
+            continue
+        extra = {**(their[1] if len(their) > 1 and isinstance(their[1], dict) else {}), **spec}
+        out[widget] = (kind if isinstance(kind, list) else their[0], extra)
+    return out
+
+
 class SGLDiffusionKSampler:
     DESCRIPTION = ("Denoises a latent with an SGLDiffusion model: the same inputs and results as ComfyUI's KSampler "
                    "for ERNIE-Image (batches, img2img with denoise < 1, inpainting with a latent's noise mask), run by "
@@ -233,23 +261,18 @@ class SGLDiffusionKSampler:
 
     @classmethod
     def INPUT_TYPES(cls):
+        """KSampler's inputs in KSampler's order; the sampling widgets from ``sampling_widgets``."""
+        w = sampling_widgets()
         return {
             "required": {
                 "model": ("SGLD_MODEL", {"tooltip": "From SGLDiffusion Model Loader (or SGLDiffusion Server: sampled there)."}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": 0xffffffffffffffff, "control_after_generate": True,
-                                 "tooltip": "The random seed used for creating the noise."}),
-                "steps": ("INT", {"default": 20, "min": 1, "max": 10000, "tooltip": "The number of denoising steps (ERNIE-Image Turbo: 8, Base: 50)."}),
-                "cfg": ("FLOAT", {"default": 4.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
-                                  "tooltip": "Classifier-free guidance scale (Turbo: 1.0, which skips the negative prompt; Base: 4.0)."}),
-                "sampler_name": (list(SAMPLERS), {"tooltip": "The sampling algorithm."}),
-                "scheduler": (list(SCHEDULERS), {"tooltip": "The sigma schedule."}),
+                **{name: w[name] for name in ("seed", "steps", "cfg", "sampler_name", "scheduler")},
                 "positive": ("CONDITIONING", {"tooltip": "What the image should show."}),
                 "negative": ("CONDITIONING", {"tooltip": "What the image should not show (unused at cfg 1)."}),
                 "latent_image": ("LATENT", {"tooltip": ("The latent to denoise (text-to-image: EmptyFlux2LatentImage for "
                                                         "ERNIE-Image, SGLDiffusion Demo Empty Latent for the demo model); "
                                                         "a noise mask (SetLatentNoiseMask) repaints only where it is 1.")}),
-                "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01,
-                                      "tooltip": "How much of the latent to replace; below 1 keeps the input's structure."}),
+                "denoise": w["denoise"],
             },
             "optional": {
                 "cache": ("SGLD_CACHE", {"tooltip": "Cache-DiT step caching options (SGLDiffusion Cache-DiT node)."}),

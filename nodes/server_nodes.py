@@ -23,6 +23,10 @@ from PIL import Image
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from ..engine.options import node_inputs
+from ..engine.sampling import cfg_on
+from ..engine.sampling_options import SamplingOptions
+
 SERVER_NODE = "SGLDiffusion Server"
 GENERATE_NODE = "SGLDiffusion Server Generate"
 DEFAULT_URL = "http://127.0.0.1:30000"
@@ -177,7 +181,7 @@ def sample_remote(node: str, model: RemoteModel, latent: dict, samples: torch.Te
         raise ValueError(f"{node}: a remote model takes latents [batch, {model.latent_channels}, height, width] "
                          f"(got {shape})")
     tensors = {"latent": samples.detach().to("cpu", torch.float32).contiguous(), "cond": _one(node, "positive", cond)}
-    if uncond is not None and cfg != 1.0:
+    if cfg_on(cfg, uncond):
         tensors["uncond"] = _one(node, "negative", uncond)
     if latent.get("noise_mask") is not None:
         tensors["noise_mask"] = _mask_tensor(node, latent["noise_mask"])
@@ -245,12 +249,7 @@ class SGLDiffusionServerGenerate:
                               "tooltip": "Pixels; 0: the server model's default size (the demo model: 64)."}),
             "height": ("INT", {"default": SERVER_DEFAULT, "min": 0, "max": 8192,
                                "tooltip": "Pixels; 0: the server model's default size."}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 0xffffffffffffffff, "control_after_generate": True,
-                             "tooltip": "The random seed used for creating the noise."}),
-            "steps": ("INT", {"default": SERVER_DEFAULT, "min": 0, "max": 10000,
-                              "tooltip": "0: the server model's default (demo 30, ERNIE-Image 50, Turbo 8)."}),
-            "cfg": ("FLOAT", {"default": SERVER_DEFAULT, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
-                              "tooltip": "0: the server model's default guidance (demo 3, ERNIE-Image 4, Turbo 1)."}),
+            **server_sampling_widgets(),
         }, "optional": {"negative_prompt": ("STRING", {"multiline": True, "default": "",
                                                        "tooltip": "What the picture should not show (unused at cfg 1)."})}}
 
@@ -286,6 +285,18 @@ class SGLDiffusionServerGenerate:
         except (KeyError, IndexError, TypeError, ValueError, OSError) as e:
             raise ValueError(f"{GENERATE_NODE}: the sgld server at {base_url} sent no PNG picture ({e})") from None
         return (torch.from_numpy(image)[None],)
+
+
+def server_sampling_widgets() -> dict:
+    """seed, steps, cfg as SamplingOptions declares them; steps and cfg also take SERVER_DEFAULT (0): the
+    served model's default (its /v1/models card)."""
+    declared = node_inputs(SamplingOptions)["required"]
+    out = {"seed": declared["seed"]}
+    for widget in ("steps", "cfg"):
+        kind, spec = declared[widget]
+        out[widget] = (kind, {**spec, "default": SERVER_DEFAULT, "min": SERVER_DEFAULT,
+                              "tooltip": f"{SERVER_DEFAULT}: the server model's default. {spec.get('tooltip', '')}".strip()})
+    return out
 
 
 def _with_server_defaults(base_url: str, api_key: str, width: int, height: int, steps: int, cfg: float) -> tuple:

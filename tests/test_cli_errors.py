@@ -71,7 +71,8 @@ def check(argv):
 
     args = build_parser().parse_args(["generate", "--prompt", PROMPT, *argv])
     check_common_args(args)
-    return check_generate_args(args)
+    run = check_generate_args(args)
+    return run["steps"], run["cfg"]
 
 
 @pytest.mark.parametrize("case", list(REFUSED))

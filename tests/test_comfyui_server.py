@@ -108,7 +108,11 @@ def test_pack_imported_without_errors(comfy):
 
 
 def test_nodes_in_object_info(object_info):
+    from engine.options import node_inputs
     from engine.sampling import SAMPLERS, SCHEDULERS
+    from engine.sampling_options import SamplingOptions
+
+    declared_widgets = node_inputs(SamplingOptions)["required"]
 
     for node_id, display in OUR_NODES.items():
         assert node_id in object_info, f"{node_id} missing from /object_info"
@@ -149,6 +153,9 @@ def test_nodes_in_object_info(object_info):
         assert req[name][0] == core["input"]["required"][name][0]
         for k in ("min", "max"):
             assert req[name][1][k] == core["input"]["required"][name][1][k], (name, k)
+        # ComfyUI's own definition (step, round, ...), with the declaration's default (engine/sampling_options.py)
+        assert set(core["input"]["required"][name][1]) <= set(req[name][1]), name
+        assert req[name][1]["default"] == declared_widgets[name][1]["default"], name
     assert req["sampler_name"][0] == list(SAMPLERS)
     assert req["scheduler"][0] == list(SCHEDULERS)
     assert set(req["sampler_name"][0]) <= set(core["input"]["required"]["sampler_name"][0])

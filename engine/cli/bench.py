@@ -13,20 +13,25 @@ from ..features import offload
 from ..loading import estimate_bytes
 from ..models.random_weights import SIZES, random_checkpoint, random_model_on_device
 from ..router import open_engine
-from .common import add_engine_arguments, engine_config
+from ..sampling_options import from_flags
+from ..sampling import cfg_on
+from .common import add_engine_arguments, add_sampling_arguments, engine_config
+
+SAMPLING = ("steps", "cfg")  # the sampling options of the whole-run timing
 
 
 def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="time the DiT forward and a whole sampling run",
-                       description="Time one DiT forward and a whole sampling run, for a model file or a random model of a named size.")
+                       description="Time one DiT forward and a whole sampling run, for a model file or a random model "
+                                   "of a named size (its steps and cfg: the model's defaults, ERNIE-Image Base's for a "
+                                   "random model; --steps 0 skips the run).")
     src = b.add_mutually_exclusive_group()
     src.add_argument("--model", help="ERNIE-Image .safetensors file or diffusers folder")
     src.add_argument("--size", default="tiny", help="random model of a named size: tiny, small, medium, 8b (the release shape; for GPUs)")
     b.add_argument("--width", type=int, default=None, help="image width in pixels (latent = width/16; default 1024 for 8b, 256 otherwise)")
     b.add_argument("--height", type=int, default=None, help="image height in pixels")
     b.add_argument("--text-tokens", type=int, default=64, help="prompt length in tokens")
-    b.add_argument("--steps", type=int, default=8, help="sampling steps for the whole-run timing (0: skip it)")
-    b.add_argument("--cfg", type=float, default=1.0, help="guidance scale of the whole run (>1 adds the negative branch)")
+    add_sampling_arguments(b, SAMPLING)
     b.add_argument("--repeat", type=int, default=3, help="timed forwards (after one warm-up)")
     b.add_argument("--json", action="store_true", help="print one line of JSON")
     add_engine_arguments(b)
@@ -57,8 +62,16 @@ def _reset_peak_memory(dev: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(dev)
 
 
+def run_settings(args) -> dict:
+    """The whole run's steps and cfg (the flags', else the model's); {"steps": 0}: --steps 0, no run."""
+    if args.steps == 0:
+        return {"steps": 0}
+    return from_flags(args, args.model or f"random:{args.size}", SAMPLING)
+
+
 def cmd_bench(args) -> dict:
     t0 = time.perf_counter()
+    run = run_settings(args)
     config = engine_config(args)
     if args.model:
         eng = open_engine(args.model, config)
@@ -95,12 +108,12 @@ def cmd_bench(args) -> dict:
               "quant": config.quant,
               "image_tokens": h * w // cfg.patch_size ** 2, "text_tokens": args.text_tokens, "load_seconds": round(load_s, 3),
               "forward_ms_median": round(1000 * sorted(times)[len(times) // 2], 2), "forward_ms_min": round(1000 * min(times), 2)}
-    if args.steps > 0:
+    if run["steps"] > 0:
         s = time.perf_counter()
-        eng.sample(torch.zeros(1, cfg.in_channels, h, w), [text], [text[:1]] if args.cfg != 1.0 else None,
-                   seed=0, steps=args.steps, cfg=args.cfg)
+        eng.sample(torch.zeros(1, cfg.in_channels, h, w), [text], [text[:1]] if cfg_on(run["cfg"], text) else None,
+                   seed=0, **run)
         sync()
-        result.update({"steps": args.steps, "cfg": args.cfg, "sampling_seconds": round(time.perf_counter() - s, 3),
+        result.update({**run, "sampling_seconds": round(time.perf_counter() - s, 3),
                        **{k: v for k, v in eng.last_run.to_dict().items() if k in ("model_calls", "calls_computed")}})
     described = eng.describe()  # after the runs: the offload counters
     if described["offload"] is not None:

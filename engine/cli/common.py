@@ -11,6 +11,7 @@ import torch
 from .. import options
 from ..config import PARALLEL, EngineConfig
 from ..features.cache import CacheConfig
+from ..sampling_options import SamplingOptions
 
 MAX_THREADS = 1024  # --threads: generous; more only oversubscribes the cores
 TITLES = {PARALLEL: "parallel (docs/parallel.md): ranks = tp x ulysses x ring x (2 with --cfg-parallel)"}
@@ -42,6 +43,12 @@ def cache_config(args) -> Optional[CacheConfig]:
     if given.pop("enabled", True) is False:
         return CacheConfig(enabled=False)
     return CacheConfig(enabled=True, **given)
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, names) -> None:
+    """The flags of the sampling options ``names`` (SamplingOptions' declarations; steps / cfg unset: the model's,
+    read back with ``sampling_options.from_flags``)."""
+    options.add_arguments(p, SamplingOptions, names=names)
 
 
 def check_output_path(option: str, path: str, extensions: tuple) -> None:

@@ -14,16 +14,17 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from tqdm import tqdm
 
-from ..inputs import check_sampling_settings, check_seed
 from ..router import open_engine
+from ..sampling_options import from_flags
 from ..features.lora import parse_spec
 from ..io.atomic import atomic_write
 from ..models import demo as demo_pkg
 from ..models.external import Flux2VAE, TextEncoder
-from ..sampling import MAX_IMAGE_SIDE, SAMPLERS, SCHEDULERS
-from .common import add_cache_arguments, add_engine_arguments, cache_config, check_output_path, engine_config
+from ..sampling import MAX_IMAGE_SIDE
+from .common import (add_cache_arguments, add_engine_arguments, add_sampling_arguments, cache_config, check_output_path,
+                     engine_config)
 
-ERNIE_STEPS, ERNIE_CFG = 50, 4.0  # ERNIE-Image Base's defaults (Turbo: --steps 8 --cfg 1)
+SAMPLING = ("seed", "steps", "cfg", "sampler", "scheduler", "shift")  # the sampling options it has flags for
 ERNIE_SIZE = 1024  # default --width / --height for ERNIE-Image files
 
 
@@ -33,11 +34,7 @@ def add_parser(sub) -> None:
     g.add_argument("--prompt", required=True)
     g.add_argument("--negative", default="")
     g.add_argument("--out", default="out.png", help="PNG file to write (replaced whole: written to a temporary file first)")
-    g.add_argument("--seed", type=int, default=0, help="noise seed, 0 to 2**64-1 (ComfyUI's range)")
-    g.add_argument("--steps", type=int, default=None, help="sampling steps, 1 to 10000 (default: the model's, demo 30, ERNIE-Image 50)")
-    g.add_argument("--cfg", type=float, default=None, help="guidance scale, 0 to 100 (default: the model's, demo 3, ERNIE-Image 4)")
-    g.add_argument("--sampler", default="euler", choices=SAMPLERS)
-    g.add_argument("--scheduler", default="simple", choices=SCHEDULERS)
+    add_sampling_arguments(g, SAMPLING)
     g.add_argument("--json", action="store_true", help="print one line of JSON with settings and timings")
     g.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH",
                    help="apply a LoRA (.safetensors; diffusers/PEFT, ai-toolkit, kohya or ComfyUI keys) at STRENGTH "
@@ -65,8 +62,6 @@ class GenerateParts(NamedTuple):
     empty_latent: Callable  # (width, height) -> zeros [1, C, h, w]
     decode: Callable  # latent -> uint8 image [H, W, 3]
     model_path: str
-    default_steps: int
-    default_cfg: float
     default_size: int  # pixels on each side
 
 
@@ -86,7 +81,7 @@ def _demo_parts(args) -> GenerateParts:
     config = dataclasses.replace(engine_config(args, cache=cache_config(args)), dtype=args.dtype or "fp32")
     eng = open_engine(demo.path, config)
     return GenerateParts(eng, lambda p: demo.encode([p]), lambda w, h: demo.empty_latent(1), lambda z: demo.decode(z)[0],
-                         demo.path, demo_pkg.DEFAULT_STEPS, demo_pkg.DEFAULT_CFG, demo_pkg.IMAGE_SIZE)
+                         demo.path, demo_pkg.IMAGE_SIZE)
 
 
 def _ernie_parts(args) -> GenerateParts:
@@ -98,26 +93,24 @@ def _ernie_parts(args) -> GenerateParts:
     te = TextEncoder.from_folder(args.text_encoder, device=args.device)
     eng = open_engine(args.model, engine_config(args, cache=cache_config(args)))
     return GenerateParts(eng, lambda p: [te.encode(p)], vae.empty_latent, lambda z: vae.decode(z)[0].numpy(), args.model,
-                         ERNIE_STEPS, ERNIE_CFG, ERNIE_SIZE)
+                         ERNIE_SIZE)
 
 
 def cmd_generate(args) -> dict:
     """A picture from a prompt (the embedded demo model, or ERNIE-Image files): PNG with ComfyUI-style text metadata."""
     t0 = time.perf_counter()
-    steps, cfg = check_generate_args(args)
+    run = check_generate_args(args)
     parts = make_parts(args)
     eng = parts.engine
     if args.loras:
         eng.set_loras(args.loras)
     cond, uncond = parts.encode(args.prompt), parts.encode(args.negative)
     load_s = time.perf_counter() - t0
-    settings = {"prompt": args.prompt, "negative": args.negative, "seed": args.seed, "steps": steps, "cfg": cfg,
-                "sampler": args.sampler, "scheduler": args.scheduler, "model": os.path.basename(parts.model_path)}
-    bar = None if args.json else _progress_bar(steps)
+    settings = {"prompt": args.prompt, "negative": args.negative, **run, "model": os.path.basename(parts.model_path)}
+    bar = None if args.json else _progress_bar(run["steps"])
     try:
         empty = parts.empty_latent(args.width or parts.default_size, args.height or parts.default_size)
-        latent = eng.sample(empty, cond, uncond, seed=args.seed, steps=steps, cfg=cfg, sampler=args.sampler,
-                            scheduler=args.scheduler, callback=(lambda i, n, x, d: bar.update(1)) if bar else None)
+        latent = eng.sample(empty, cond, uncond, **run, callback=(lambda i, n, x, d: bar.update(1)) if bar else None)
     finally:
         if bar:
             bar.close()
@@ -163,9 +156,14 @@ def uses_ernie_files(args) -> bool:
     return any(getattr(args, n, None) for n in ("model", "text_encoder", "vae"))
 
 
+def model_source(args) -> str:
+    """The DiT file or folder the flags name (the demo's file without --model): what decides the defaults."""
+    return args.model if uses_ernie_files(args) and args.model else demo_pkg.DEMO_WEIGHTS
+
+
 def check_generate_args(args) -> tuple:
     """Every option of ``sgld generate`` checked before anything loads (ValueError naming the option and
-    what is allowed). Returns the run's (steps, cfg): the given values or the model's defaults."""
+    what is allowed). Returns the run's sampling settings (``SAMPLING``): the flags', else the model's defaults."""
     external = uses_ernie_files(args)
     if external:
         for name in ("width", "height"):
@@ -179,11 +177,8 @@ def check_generate_args(args) -> tuple:
             if value is not None and value != demo_pkg.IMAGE_SIZE:
                 raise ValueError(f"--{name} {value}: the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} "
                                  "pictures only (other sizes need ERNIE-Image files: --model --text-encoder --vae)")
-    steps = args.steps if args.steps is not None else (ERNIE_STEPS if external else demo_pkg.DEFAULT_STEPS)
-    cfg = args.cfg if args.cfg is not None else (ERNIE_CFG if external else demo_pkg.DEFAULT_CFG)
-    check_sampling_settings(steps=steps, cfg=cfg, names={"steps": "--steps", "cfg": "--cfg"})
-    check_seed(args.seed, "--seed")
+    run = from_flags(args, model_source(args), SAMPLING)
     check_output_path("--out", args.out, (".png",))
     engine_config(args)  # the engine's flags and the parallel degrees against each other
     cache_config(args)
-    return steps, cfg
+    return run

@@ -11,9 +11,10 @@ import sys
 
 from .. import inputs
 from ..models import demo as demo_pkg
-from ..sampling import MAX_IMAGE_SIDE, PRESETS
-from .common import add_cache_arguments, add_engine_arguments, cache_config, engine_config
-from .generate import make_parts, uses_ernie_files
+from ..sampling import MAX_IMAGE_SIDE
+from ..sampling_options import from_flags
+from .common import add_cache_arguments, add_engine_arguments, add_sampling_arguments, cache_config, engine_config
+from .generate import make_parts, model_source, uses_ernie_files
 
 try:  # the HTTP server's packages are an extra (pip install '.[serve]'): without them the other commands still run
     import uvicorn
@@ -28,6 +29,7 @@ except ImportError as e:
     MISSING = e.name
 
 DEMO_ID = "sgld-demo"
+SAMPLING = ("steps", "cfg")  # the sampling options whose server-wide default a flag sets
 INSTALL_HINT = ("pip install 'comfyui-sgldiffusion[serve]' (from the pack's folder: pip install -e '.[serve]'; "
                 "bash scripts/setup.sh does it)")
 
@@ -70,9 +72,8 @@ def add_parser(sub) -> None:
                    help="most open connections; past it a new one gets 503 and is closed")
     s.add_argument("--lora-dir", default=None, help="the folder /v1/set_lora loads LoRA files from (none: no loading)")
     s.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH", help="a LoRA active from the start")
-    s.add_argument("--steps", type=int, default=None, help="default num_inference_steps (the model's: demo 30, "
-                                                          "ERNIE-Image 50, a file named *turbo* 8)")
-    s.add_argument("--cfg", type=float, default=None, help="default guidance_scale (demo 3, ERNIE-Image 4, turbo 1)")
+    add_sampling_arguments(s.add_argument_group("defaults of a request without num_inference_steps / guidance_scale"),
+                           SAMPLING)
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     ext = s.add_argument_group("ERNIE-Image files instead of the demo (all three together)")
     ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder")
@@ -80,17 +81,6 @@ def add_parser(sub) -> None:
     ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/)")
     add_engine_arguments(s)
     add_cache_arguments(s)
-
-
-def _defaults(args, parts) -> tuple:
-    """(steps, cfg): the flags', else the model's (ERNIE-Image Turbo by its file name, Base otherwise)."""
-    steps, cfg = parts.default_steps, parts.default_cfg
-    if uses_ernie_files(args) and "turbo" in os.path.basename(os.path.normpath(args.model)).lower():
-        steps, cfg = PRESETS["turbo"]["steps"], PRESETS["turbo"]["cfg"]
-    steps = steps if args.steps is None else args.steps
-    cfg = cfg if args.cfg is None else args.cfg
-    inputs.check_sampling_settings(steps=steps, cfg=cfg, names={"steps": "--steps", "cfg": "--cfg"})
-    return steps, cfg
 
 
 def _check_size(external: bool, empty_latent):
@@ -109,15 +99,16 @@ def served_model(args) -> ServedModel:
     """The model the flags name, with its defaults and the --lora files active."""
     engine_config(args)  # the engine's flags and the parallel degrees against each other, before loading
     cache_config(args)
+    defaults = from_flags(args, model_source(args), SAMPLING)  # the flags', else the model's
     parts = make_parts(args)
-    steps, cfg = _defaults(args, parts)
     if args.loras:
         parts.engine.set_loras(args.loras)
     external = uses_ernie_files(args)
     name = args.served_model_name or (os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
                                       if external else DEMO_ID)
     return ServedModel(name, parts.engine, lambda p: parts.encode(p)[0], lambda w, h: parts.empty_latent(w, h)[0],
-                       lambda z: parts.decode(z[None]), _check_size(external, parts.empty_latent), parts.default_size, steps, cfg,
+                       lambda z: parts.decode(z[None]), _check_size(external, parts.empty_latent), parts.default_size,
+                       defaults["steps"], defaults["cfg"],
                        parts.model_path)
 
 

@@ -21,7 +21,7 @@ from ..config import EngineConfig
 from ..errors import CheckpointError, LoRAError
 from ..features.lora import normalize
 from ..io.checkpoint import check_architecture, open_checkpoint, parse_dtype
-from ..sampling import MULTIPLIER
+from ..sampling import to_sigma
 from .plan import ParallelPlan, check_devices, check_model, make_plan
 from .pool import check_settings, detach, get_pool
 from .wire import pack, pack_loras, unpack
@@ -245,7 +245,7 @@ class RankedRunner:
         """One DiT forward through the ranks, like ``model(x, timestep, text, lens)`` (no cache)."""
         run = self.run(None, cfg_batched=False)
         try:
-            sigma = torch.as_tensor(timestep, dtype=torch.float32).reshape(-1).expand(x.shape[0]) / MULTIPLIER
+            sigma = to_sigma(torch.as_tensor(timestep, dtype=torch.float32).reshape(-1).expand(x.shape[0]))
             return run.call(x.float(), sigma, text, torch.as_tensor(lens).reshape(-1).expand(x.shape[0]))[0]
         finally:
             run.finish()

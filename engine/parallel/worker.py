@@ -36,7 +36,7 @@ from ..features.cache import apply_cache, remove_cache
 from ..features.cache.config import ResolvedCache
 from ..loading import load_model
 from ..router import open_engine
-from ..sampling import MULTIPLIER
+from ..sampling import to_timestep
 from .comm import build_groups, destroy_groups
 from .forward import ParallelModel, cache_runner
 from .plan import ParallelPlan
@@ -125,7 +125,7 @@ class WorkerState:
             run["text"] = unpack(text, model.dtype, self.device)
             run["lens"] = unpack(lens, torch.long, self.device)
         x = unpack(x, None, self.device)
-        timestep = (unpack(sigma, None, self.device) * MULTIPLIER).float()
+        timestep = to_timestep(unpack(sigma, None, self.device)).float()
         out = self.parallel.forward(x, timestep, run["text"], run["lens"], cfg_batched=run["cfg_batched"]).float()
         runner = run["runner"]
         computed = bool(runner.computed[-1]) if runner is not None and runner.computed else True

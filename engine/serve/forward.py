@@ -26,7 +26,7 @@ import torch
 
 from ..features.cache import DBCacheRunner
 from ..models.ernie_image import BlockContext
-from ..sampling import MULTIPLIER
+from ..sampling import to_timestep
 
 
 @dataclass
@@ -143,7 +143,7 @@ def joint_velocity(model, calls: Sequence[Call], device: torch.device) -> List[t
     """Flow velocity (float32, on each call's x device) for every call, through one pass over the blocks.
     The latents must have one size (the batcher groups calls by latent size). One call alone is exactly
     ``LocalRunner.velocity`` (with its runner in the model's block-runner slot)."""
-    parts = [model.embed(c.x.to(device), (c.sigma * MULTIPLIER).float().to(device), c.text, c.lens) for c in calls]
+    parts = [model.embed(c.x.to(device), to_timestep(c.sigma).float().to(device), c.text, c.lens) for c in calls]
     if len(parts) == 1:
         h, ctx = parts[0]
         blocks = calls[0].runner or model.block_runner

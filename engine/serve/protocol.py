@@ -7,12 +7,14 @@ import re
 from dataclasses import dataclass
 from typing import List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from ..errors import InputError
 from ..features.cache import ALL_PRESETS, CacheConfig
 from ..features.cache.masks import canonical_preset
 from ..inputs import check_sampling_settings, check_seed
+from ..options import declared
+from ..sampling_options import SamplingOptions
 
 MAX_IMAGES = 8  # n: OpenAI's dall-e-2 allows 1 to 10; SGLang clips; we refuse past 8
 CACHE_OFF = ("off", "none")
@@ -46,7 +48,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class ImageRequest(_Strict):
+# The sampling options a request may set, by their request field (SamplingOptions' ``api`` spelling):
+# {option: field}. None in a request: the served model's default (seed: a random one).
+SAMPLING_FIELDS = {name: opt.api for name, opt in declared(SamplingOptions).items() if opt.api}
+
+
+class _ImageRequestBase(_Strict):
     """POST /v1/images/generations. OpenAI's fields we honour, SGLang's extras; None: the model's default."""
     prompt: str
     model: Optional[str] = None
@@ -56,10 +63,12 @@ class ImageRequest(_Strict):
     response_format: str = "b64_json"
     output_format: Literal["png"] = "png"
     user: Optional[str] = None  # OpenAI's end-user id: accepted, not used
-    seed: Optional[int] = None
-    num_inference_steps: Optional[int] = None
-    guidance_scale: Optional[float] = None
     cache: Optional[str] = None
+
+
+ImageRequest = create_model(  # the base's fields and the declared sampling options' request fields
+    "ImageRequest", __base__=_ImageRequestBase,
+    **{field: (Optional[declared(SamplingOptions)[name].kind], None) for name, field in SAMPLING_FIELDS.items()})
 
 
 class SetLoraRequest(_Strict):
@@ -139,17 +148,18 @@ def parse_generation(body, served) -> Generation:
         served.check_size(width, height)
     except InputError as e:
         raise bad_field("size", f"size {width}x{height}: {e}") from None
-    steps = served.default_steps if req.num_inference_steps is None else req.num_inference_steps
-    cfg = served.default_cfg if req.guidance_scale is None else req.guidance_scale
-    names = {"steps": "num_inference_steps", "cfg": "guidance_scale"}
-    for param, check in (("num_inference_steps", lambda: check_sampling_settings(steps=steps, cfg=0.0, names=names)),
-                         ("guidance_scale", lambda: check_sampling_settings(steps=1, cfg=cfg, names=names)),
-                         ("seed", lambda: req.seed is None or check_seed(req.seed, "seed"))):
+    given = {name: getattr(req, field) for name, field in SAMPLING_FIELDS.items()}
+    steps = served.default_steps if given["steps"] is None else given["steps"]
+    cfg = served.default_cfg if given["cfg"] is None else given["cfg"]
+    names, seed = SAMPLING_FIELDS, given["seed"]
+    for param, check in ((names["steps"], lambda: check_sampling_settings(steps=steps, cfg=0.0, names=names)),
+                         (names["cfg"], lambda: check_sampling_settings(steps=1, cfg=cfg, names=names)),
+                         (names["seed"], lambda: seed is None or check_seed(seed, names["seed"]))):
         try:
             check()
         except InputError as e:
             raise bad_field(param, str(e)) from None
-    return Generation(req.prompt, req.negative_prompt, req.n, width, height, req.seed, steps, float(cfg),
+    return Generation(req.prompt, req.negative_prompt, req.n, width, height, seed, steps, float(cfg),
                       parse_cache(req.cache))
 
 

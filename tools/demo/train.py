@@ -2,7 +2,7 @@
 
 Rectified flow in ERNIE-Image's convention: sigma ~ logit-normal (half of them uniform), shifted by
 ComfyUI's shift 3 (sigma' = 3s / (1 + 2s)); x = sigma * noise + (1 - sigma) * x0; the DiT predicts
-v = noise - x0 at timestep sigma * 1000, with the loss weighted up on and around the objects. The
+v = noise - x0 at timestep sigma * 1000 (sampling.to_timestep), with the loss weighted up on and around the objects. The
 caption is replaced by the empty prompt 10% of the time (for CFG). The text encoder is trained
 jointly. AdamW with warmup, constant lr, a linear decay over the last 30% of the steps; an EMA of the
 weights is what gets saved (fp16 safetensors with the vocabulary and configs in the metadata), every
@@ -32,6 +32,7 @@ from engine.models.demo import DEMO_WEIGHTS, codec
 from engine.models.demo.text_encoder import DemoTextEncoder, TextEncoderConfig, WordTokenizer
 from engine.models.demo.weights_io import read_demo_parts, save_demo
 from engine.models.ernie_image import ErnieImageConfig, ErnieImageTransformer
+from engine.sampling import to_timestep
 
 from . import data
 
@@ -205,7 +206,7 @@ def main(argv=None) -> None:
         xt = s * noise + (1 - s) * x0
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             text = te(ids, lens)
-            v = dit(xt, sigma * 1000.0, text, lens).float()
+            v = dit(xt, to_timestep(sigma), text, lens).float()
         weight = object_weights(imgs, args.object_weight)
         if args.edge_weight > 0:
             weight = weight + edge_weights(imgs, args.edge_weight)

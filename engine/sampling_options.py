@@ -1,0 +1,118 @@
+"""The sampling options (steps, cfg, sampler, scheduler, seed, shift, denoise), declared once like
+EngineConfig's (engine/options.py): the CLI's flags, the server's request fields and the nodes' widgets
+derive from ``SamplingOptions``. Steps and cfg left unset are the model's: ``model_defaults(source)``
+is the one rule, for every entry point, that says which model a file is (docs/sampling.md)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import CheckpointError
+from .inputs import check_sampling_settings, check_seed
+from .io.checkpoint import Checkpoint
+from .models import demo
+from .options import declared, default_of, flag_dest, from_args, option
+from .sampling import DEFAULT_SHIFT, MAX_CFG, MAX_SEED, MAX_SHIFT, MAX_STEPS, SAMPLERS, SCHEDULERS
+
+# The per-model defaults, in one place: ERNIE-Image's release (reference: Base 50 steps at guidance 4,
+# Turbo 8 steps without CFG) and the demo model's own (what it was trained and judged with).
+MODEL_DEFAULTS = {
+    "base": {"steps": 50, "cfg": 4.0},
+    "turbo": {"steps": 8, "cfg": 1.0},
+    "demo": {"steps": demo.DEFAULT_STEPS, "cfg": demo.DEFAULT_CFG},
+}
+
+
+def _per_model(key: str, kinds=tuple(MODEL_DEFAULTS)) -> str:
+    """The defaults of ``key`` as the help texts list them: "Base 50, Turbo 8, demo 30"."""
+    return ", ".join(f"{kind if kind == 'demo' else kind.capitalize()} {MODEL_DEFAULTS[kind][key]:g}" for kind in kinds)
+
+
+# Keys only the released ERNIE-Image-Turbo transformer/config.json has (Base's lacks them)
+TURBO_CONFIG_KEYS = ("lora_rank", "use_lora")
+
+
+@dataclass
+class SamplingOptions:
+    """One run's sampling settings. ``steps`` / ``cfg`` None: the model's (``with_model_defaults``)."""
+
+    seed: int = option(
+        0, int, "noise seed, 0 to 2**64-1 (ComfyUI's range; default 0)", low=0, high=MAX_SEED, flag="--seed",
+        api="seed", widget="seed", widget_required=True,
+        widget_extra={"control_after_generate": True}, tooltip="The random seed used for creating the noise.")
+    steps: Optional[int] = option(
+        None, int, f"sampling steps, 1 to {MAX_STEPS} (default: the model's: {_per_model('steps')})",
+        optional=True, low=1, high=MAX_STEPS, flag="--steps", api="num_inference_steps", widget="steps",
+        widget_default=20, widget_required=True,
+        tooltip=f"The number of denoising steps (ERNIE-Image {_per_model('steps', ('base', 'turbo'))}).")
+    cfg: Optional[float] = option(
+        None, float, f"guidance scale, 0 to {MAX_CFG:g} (default: the model's: {_per_model('cfg')}; 1 runs no "
+        "negative branch)", optional=True, low=0.0, high=MAX_CFG, flag="--cfg", api="guidance_scale",
+        widget="cfg", widget_default=4.0, widget_step=0.1, widget_extra={"round": 0.01}, widget_required=True,
+        tooltip=f"Classifier-free guidance scale (ERNIE-Image {_per_model('cfg', ('base', 'turbo'))}; 1 skips the "
+                "negative prompt).")
+    sampler: str = option(
+        "euler", str, "sampler (default euler)", choices=SAMPLERS, any_case=True, flag="--sampler",
+        widget="sampler_name", widget_required=True, tooltip="The sampling algorithm.")
+    scheduler: str = option(
+        "simple", str, "sigma schedule (default simple)", choices=SCHEDULERS, any_case=True, flag="--scheduler",
+        widget="scheduler", widget_required=True, tooltip="The sigma schedule.")
+    denoise: float = option(
+        1.0, float, "how much of the input to replace, 0 to 1 (default 1: all of it)", low=0.0, high=1.0,
+        widget="denoise", widget_step=0.01, widget_required=True,
+        tooltip="How much of the latent to replace; below 1 keeps the input's structure.")
+    shift: float = option(
+        DEFAULT_SHIFT, float, f"sigma shift, above 0 to {MAX_SHIFT:g} (default {DEFAULT_SHIFT:g}, ComfyUI's for "
+        "ERNIE-Image)", low=0.0, low_open=True, high=MAX_SHIFT, flag="--shift")
+
+
+def model_kind(source: str) -> str:
+    """Which model a file or folder is, for its defaults: "demo" (the demo's metadata), "turbo" (the released
+    Turbo config's own keys, else "turbo" in the file's or folder's name) or "base". Reads headers only; a
+    file that cannot be read is judged by its name (its loading says what is wrong)."""
+    path = os.path.normpath(os.fspath(source))
+    if os.path.isfile(path) and demo.is_demo_file(path):
+        return "demo"
+    try:
+        config = Checkpoint(path).config_overrides if os.path.exists(path) else {}
+    except (CheckpointError, OSError, ValueError):
+        config = {}
+    if any(key in config for key in TURBO_CONFIG_KEYS):
+        return "turbo"
+    name = os.path.basename(path)
+    if name.lower() == "transformer":  # a diffusers folder's transformer/: the model's folder names it
+        name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return "turbo" if "turbo" in name.lower() else "base"
+
+
+def model_defaults(source: str) -> dict:
+    """{"steps", "cfg"}: the defaults of the model in ``source`` (``model_kind``)."""
+    return dict(MODEL_DEFAULTS[model_kind(source)])
+
+
+def with_model_defaults(given: dict, source: str) -> dict:
+    """``given`` (field -> value, None = unset) with steps and cfg filled in from the model's defaults."""
+    out = dict(given)
+    defaults = model_defaults(source)
+    for name, value in defaults.items():
+        if out.get(name) is None:
+            out[name] = value
+    return out
+
+
+
+def from_flags(args, source: str, names) -> dict:
+    """{option: value} for the sampling options ``names`` from argparse ``args``: the flags given, else the
+    defaults of the model in ``source`` (steps, cfg), else the declared ones. Checked before anything loads:
+    InputError / ValueError naming the flag."""
+    decl = declared(SamplingOptions)
+    values = {n: getattr(args, flag_dest(decl[n]), None) for n in names}
+    values = with_model_defaults({n: default_of(SamplingOptions, n) if v is None else v for n, v in values.items()},
+                                 source)
+    flags = {n: opt.flag for n, opt in decl.items()}
+    numbers = {n: values[n] for n in ("steps", "cfg", "shift", "denoise") if n in values}
+    check_sampling_settings(**{"steps": 1, "cfg": 0.0, **numbers}, names=flags)
+    if "seed" in values:
+        check_seed(values["seed"], flags["seed"])
+    return {**{n: values[n] for n in names}, **from_args(SamplingOptions, args, names)}
