@@ -1,13 +1,13 @@
 """Engine: the one sampling loop that nodes, the CLI, the server and benchmarks call.
 
 One preparation (``Engine.prepare`` -> ``Run``: checked inputs, sigmas, cache plan, noise, stats) and one loop
-(``Engine.loop``) whose model calls are answered by whoever drives it: ``Engine.sample`` by the forward's own
+(``Engine.loop``) whose model calls are answered by whoever drives it: ``Engine.sample`` by its runner's own
 run, the server's batcher (engine/serve/batcher.py) by its shared batched forward.
 
-It owns the loop, so what runs the model (``forward``: the DiT in this process, ``LocalRunner``, or
+It owns the loop, so what runs the model (``Engine.runner``: the DiT in this process, ``LocalRunner``, or
 on worker ranks, ``engine.parallel.RankedRunner``) sees the step index, the step count and the CFG
-branch, and Cache-DiT decides per model call. Open one with ``engine.open_engine`` (engine/router.py);
-``Engine(model, config)`` wraps a model already in memory.
+branch, and Cache-DiT decides per model call. Open one with ``engine.open_engine`` (engine/router.py),
+for a file, the demo or a model already in memory.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from .inputs import (check_batch_index, check_conditioning, check_latent, check_
 from .local import LocalRunner
 from .sampling import (DEFAULT_SHIFT, SAMPLERS, cfg_on, inpaint_denoiser, model_calls, noise_scaling, prepare_mask, run_sampler,
                        seeded_noise, sigma_schedule, step_of_call)
+from .sampling_options import DEFAULT_DENOISE, DEFAULT_SAMPLER, DEFAULT_SCHEDULER
 
 
 @dataclass
@@ -40,7 +41,7 @@ class RunStats:
     call_seconds: List[float] = field(default_factory=list)  # wall time of each model call
     cache: dict = field(default_factory=dict)  # Cache-DiT summary (engine.features.cache); empty when off
     warnings: List[str] = field(default_factory=list)  # what this run did other than asked (denoise 0, ...)
-    sampler: str = "euler"
+    sampler: str = DEFAULT_SAMPLER
 
     def nonfinite_output(self) -> ModelOutputError:
         """The error for a model call (the last one recorded) whose output held NaN or inf."""
@@ -212,7 +213,7 @@ class Engine:
         return cc.resolve(calls, self.model_config.num_layers) if cc.enabled else None
 
     def prepare(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
-                sampler: str = "euler", scheduler: str = "simple", denoise: float = 1.0, shift: float = DEFAULT_SHIFT,
+                sampler: str = DEFAULT_SAMPLER, scheduler: str = DEFAULT_SCHEDULER, denoise: float = DEFAULT_DENOISE, shift: float = DEFAULT_SHIFT,
                 cache=None, noise_mask: Optional[torch.Tensor] = None, batch_index: Optional[Sequence[int]] = None,
                 sigmas=None) -> "Run":
         """Everything a run needs before its first model call, for ``Engine.sample`` and the server's batcher alike:
@@ -261,7 +262,7 @@ class Engine:
             calls.finish()
 
     def sample(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
-               sampler: str = "euler", scheduler: str = "simple", denoise: float = 1.0,
+               sampler: str = DEFAULT_SAMPLER, scheduler: str = DEFAULT_SCHEDULER, denoise: float = DEFAULT_DENOISE,
                shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None, cache=None,
                noise_mask: Optional[torch.Tensor] = None, batch_index: Optional[Sequence[int]] = None,
                sigmas=None) -> torch.Tensor:

@@ -67,6 +67,13 @@ class SamplingOptions:
         "ERNIE-Image)", low=0.0, low_open=True, high=MAX_SHIFT, flag="--shift")
 
 
+# The declaration's defaults for the Python entry points (Engine.sample / prepare, the batcher's Job,
+# POST /v1/sample's settings), so none of them writes its own
+DEFAULT_SAMPLER = default_of(SamplingOptions, "sampler")
+DEFAULT_SCHEDULER = default_of(SamplingOptions, "scheduler")
+DEFAULT_DENOISE = default_of(SamplingOptions, "denoise")
+
+
 def model_kind(source: str) -> str:
     """Which model a file or folder is, for its defaults: "demo" (the demo's metadata), "turbo" (the released
     Turbo config's own keys, else "turbo" in the file's or folder's name) or "base". Reads headers only; a

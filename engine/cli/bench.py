@@ -7,8 +7,6 @@ import time
 
 import torch
 
-from ..engine import Engine
-from ..local import LocalRunner
 from ..features import offload
 from ..loading import estimate_bytes
 from ..models.random_weights import SIZES, random_checkpoint, random_model_on_device
@@ -52,7 +50,7 @@ def _random_engine(size: str, dtype, device, config=None):
         if decision[0] == "layerwise":
             build_on = "cpu"
     model = random_model_on_device(SIZES[size], build_on, dt, seed=0)
-    return Engine(LocalRunner(model, config, offload_decision=decision), config, source=f"random:{size}")
+    return open_engine(model, config, label=f"random:{size}", offload_decision=decision)
 
 
 def _reset_peak_memory(dev: torch.device) -> None:

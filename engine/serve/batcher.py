@@ -44,6 +44,7 @@ from ..engine import Engine, Run, RunStats
 from ..errors import CacheConfigError, InputError
 from ..features.cache import CacheConfig, DBCacheRunner
 from ..sampling import DEFAULT_SHIFT
+from ..sampling_options import DEFAULT_DENOISE, DEFAULT_SAMPLER, DEFAULT_SCHEDULER
 from .forward import Call, joint_velocity
 
 Features = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -67,9 +68,9 @@ class Job:
     seed: int
     steps: int
     cfg: float
-    sampler: str = "euler"
-    scheduler: str = "simple"
-    denoise: float = 1.0
+    sampler: str = DEFAULT_SAMPLER
+    scheduler: str = DEFAULT_SCHEDULER
+    denoise: float = DEFAULT_DENOISE
     shift: float = DEFAULT_SHIFT
     sigmas: Optional[torch.Tensor] = None
     noise_mask: Optional[torch.Tensor] = None

@@ -37,6 +37,7 @@ from ..features.cache.config import config_from_dict
 from ..io.safetensors import load_json_object
 from .batcher import Job
 from ..sampling import DEFAULT_SHIFT
+from ..sampling_options import DEFAULT_DENOISE, DEFAULT_SAMPLER, DEFAULT_SCHEDULER
 from .protocol import ApiError, bad_field, parse, parse_cache
 
 PATH = "/v1/sample"
@@ -53,9 +54,9 @@ class SampleSettings(BaseModel):
     seed: int
     steps: int
     cfg: float
-    sampler: str = "euler"
-    scheduler: str = "simple"
-    denoise: float = 1.0
+    sampler: str = DEFAULT_SAMPLER
+    scheduler: str = DEFAULT_SCHEDULER
+    denoise: float = DEFAULT_DENOISE
     shift: float = DEFAULT_SHIFT
     batch_index: Optional[List[int]] = None
     cache: Union[str, dict, None] = None
