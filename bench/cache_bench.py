@@ -35,11 +35,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from engine.features.cache import ALL_PRESETS, MEASURED_PATH, CacheConfig, mask_str  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.router import open_engine  # noqa: E402
+from engine.features.cache import ALL_PRESETS, MEASURED_PATH, CacheConfig, mask_str  # noqa: E402
 from engine.models.random_weights import SIZES, random_model  # noqa: E402
-
+from engine.router import open_engine  # noqa: E402
 
 # -- metrics ----------------------------------------------------------------------------------------
 

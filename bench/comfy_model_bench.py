@@ -43,10 +43,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+import comfy_server as cs  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
-
-import comfy_server as cs  # noqa: E402
 
 MODEL = "bench-tiny-ernie.safetensors"
 KINDS = ("A", "B")

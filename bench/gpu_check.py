@@ -58,16 +58,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpu_check_core as core  # noqa: E402  (puts the checkout first on sys.path)
 import torch  # noqa: E402
-
-from engine.features import attention as A  # noqa: E402
-from engine.features.cache import masks  # noqa: E402
-from engine.models.random_weights import SIZES  # noqa: E402
-
 from gpu_check_core import Ctx, Report, _count, attention_flops, forward_flops, guarded  # noqa: E402,F401 (tests read these)
 from gpu_check_offload import OFFLOAD_ROWS, offload_rows  # noqa: E402
 from gpu_check_rows import opened, row_build, row_diffusers, row_eager, row_fuse_quant, row_turbo, whole_run  # noqa: E402
 from gpu_check_serve import PLACEHOLDERS, row_comfy, row_lora, row_placeholder, row_serve, serve_estimate  # noqa: E402
 from gpu_check_workers import run_worker, worker_main  # noqa: E402
+
+from engine.features import attention as A  # noqa: E402
+from engine.features.cache import masks  # noqa: E402
+from engine.models.random_weights import SIZES  # noqa: E402
 
 PRESETS = ("quality", "balanced", "fast")
 RISKY = ("sage", "compiled", "all-on", "flash")

@@ -21,15 +21,14 @@ import gc
 import time
 
 import torch
+from gpu_check_core import _cell, build_model_meta, finite_note, inputs, rel_err, time_forward
+from gpu_check_rows import sample
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.features import offload as O
 from engine.features import quant as Q
 from engine.features.cache import masks
-
-from gpu_check_core import _cell, build_model_meta, finite_note, inputs, rel_err, time_forward
-from gpu_check_rows import sample
 
 OFFLOAD_ROWS = ("off-bf16", "off-bf16-8buf", "off-fp8", "off-engine")
 STEPS = {1: "Turbo step (batch 1)", 2: "Base step (CFG, batch 2)"}

@@ -4,6 +4,21 @@ engines opened from a file the way users open them."""
 import time
 
 import torch
+from gpu_check_core import (
+    _count,
+    _round,
+    build,
+    err_note,
+    finite_note,
+    inputs,
+    interleaved,
+    limit_note,
+    psnr,
+    rel_err,
+    speed_note,
+    time_forward,
+)
+from safetensors.torch import save_file
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -12,10 +27,6 @@ from engine.features.cache import CacheConfig
 from engine.features.fuse import fuse_projections
 from engine.router import open_engine
 from engine.sampling import MULTIPLIER, sigma_schedule
-
-from gpu_check_core import (_count, _round, build, err_note, finite_note, inputs, interleaved, limit_note, psnr,
-                            rel_err, speed_note, time_forward)
-from safetensors.torch import save_file
 
 
 def row_build(ctx):

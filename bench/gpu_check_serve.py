@@ -27,10 +27,10 @@ from safetensors.torch import save, save_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from lora_bench import RANK, lora_state_dict  # noqa: E402
+
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-
-from lora_bench import RANK, lora_state_dict  # noqa: E402
 
 PLACEHOLDERS = ("gguf", "int8")
 SERVE_NEEDS = ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "opentelemetry", "prometheus_client",

@@ -10,15 +10,14 @@ import time
 from collections import deque
 
 import torch
+from gpu_check_core import Ctx, Report, err_note, finite_note, guarded, inputs, interleaved, rel_err, time_forward
+from gpu_check_rows import quality_note, sample
 from safetensors import safe_open
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.features import attention as A
 from engine.features.compile import compile_blocks, default_mode, graph_count, reset_counters
-
-from gpu_check_core import Ctx, Report, err_note, finite_note, guarded, inputs, interleaved, rel_err, time_forward
-from gpu_check_rows import quality_note, sample
 
 
 def run_worker(ctx, name, timeout_s):

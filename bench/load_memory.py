@@ -48,6 +48,7 @@ print(json.dumps({"baseline_mb": base / 1024, "peak_mb": peak / 1024, "seconds":
 
 def main():
     import torch
+
     from engine.models.ernie_image import ErnieImageConfig
     from engine.models.random_weights import save_random_checkpoint
 

@@ -61,9 +61,9 @@ def measure(layers: int, repeat: int, tmp: str) -> dict:
     from safetensors.torch import save_file
 
     from engine import open_engine
-    from engine.io.load import build_model
     from engine.features import patching
     from engine.features.lora import read_lora
+    from engine.io.load import build_model
     from engine.models.ernie_image import ErnieImageConfig
 
     cfg = ErnieImageConfig(num_layers=layers)

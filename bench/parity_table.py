@@ -10,8 +10,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from engine.models.random_weights import random_model, random_state_dict  # noqa: E402
 from test_model_parity import CONFIGS, diffusers_model, inputs  # noqa: E402
+
+from engine.models.random_weights import random_model, random_state_dict  # noqa: E402
 
 
 def main():

@@ -15,11 +15,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.features import quant as Q  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.features import quant as Q  # noqa: E402
 from engine.models.demo import DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_STEPS, load_demo  # noqa: E402
 from tools.demo import data, judge  # noqa: E402
-from engine.engine import Engine  # noqa: E402
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

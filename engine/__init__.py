@@ -7,8 +7,15 @@ subpackage of the ComfyUI pack. Layout and rules: docs/architecture.md.
 """
 from .config import EngineConfig
 from .engine import Engine, RunStats
-from .errors import (CacheConfigError, CheckpointError, InputError, LoRAError, ModelOutputError, ParallelConfigError,
-                     ParallelWorkerError)
+from .errors import (
+                     CacheConfigError,
+                     CheckpointError,
+                     InputError,
+                     LoRAError,
+                     ModelOutputError,
+                     ParallelConfigError,
+                     ParallelWorkerError,
+)
 from .loading import load_model
 from .router import DEMO, open_demo, open_engine
 

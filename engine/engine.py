@@ -22,11 +22,30 @@ from .config import EngineConfig
 from .errors import ModelOutputError
 from .features.cache import measured_speedup, resolve_config
 from .features.offload import get_offload
-from .inputs import (check_batch_index, check_conditioning, check_latent, check_noise_mask, check_sampler,
-                     check_sampling_settings, check_seed, check_sigmas)
+from .inputs import (
+    check_batch_index,
+    check_conditioning,
+    check_latent,
+    check_noise_mask,
+    check_sampler,
+    check_sampling_settings,
+    check_seed,
+    check_sigmas,
+)
 from .local import LocalRunner
-from .sampling import (DEFAULT_SHIFT, SAMPLERS, cfg_on, inpaint_denoiser, model_calls, noise_scaling, prepare_mask, run_sampler,
-                       seeded_noise, sigma_schedule, step_of_call)
+from .sampling import (
+    DEFAULT_SHIFT,
+    SAMPLERS,
+    cfg_on,
+    inpaint_denoiser,
+    model_calls,
+    noise_scaling,
+    prepare_mask,
+    run_sampler,
+    seeded_noise,
+    sigma_schedule,
+    step_of_call,
+)
 from .sampling_options import DEFAULT_DENOISE, DEFAULT_SAMPLER, DEFAULT_SCHEDULER
 
 

@@ -11,8 +11,22 @@ import torch
 from .errors import InputError
 from .models.demo import codec
 from .models.ernie_image import ErnieImageConfig
-from .sampling import (DEFAULT_SHIFT, LATENT_FACTOR, MAX_BATCH, MAX_BATCH_INDEX, MAX_CFG, MAX_IMAGE_SIDE, MAX_IMAGE_TOKENS,
-                       MAX_INPUT_VALUE, MAX_SCHEDULE, MAX_SEED, MAX_SHIFT, MAX_STEPS, SAMPLERS, SCHEDULERS)
+from .sampling import (
+    DEFAULT_SHIFT,
+    LATENT_FACTOR,
+    MAX_BATCH,
+    MAX_BATCH_INDEX,
+    MAX_CFG,
+    MAX_IMAGE_SIDE,
+    MAX_IMAGE_TOKENS,
+    MAX_INPUT_VALUE,
+    MAX_SCHEDULE,
+    MAX_SEED,
+    MAX_SHIFT,
+    MAX_STEPS,
+    SAMPLERS,
+    SCHEDULERS,
+)
 
 
 def _integer(name: str, value, lo: int, hi: int) -> int:

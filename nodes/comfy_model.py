@@ -27,9 +27,9 @@ import comfy.supported_models_base
 import torch
 
 from ..engine import InputError
-from ..engine.loading import estimate_bytes
 from ..engine.inputs import check_latent, check_model_call, check_run_sigmas, check_values
 from ..engine.io.load import checkpoint_shapes
+from ..engine.loading import estimate_bytes
 from ..engine.models.demo import codec
 from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER, to_sigma
 from . import compat

@@ -22,9 +22,9 @@ import comfy.utils
 
 from ..engine import CheckpointError, InputError
 from ..engine.features.cache import CacheConfigError
-from ..engine.parallel import ParallelConfigError, ParallelWorkerError
 from ..engine.inputs import latent_hint
 from ..engine.options import node_inputs
+from ..engine.parallel import ParallelConfigError, ParallelWorkerError
 from ..engine.sampling_options import SamplingOptions
 from .demo import WARNINGS_KEY
 from .server_nodes import RemoteModel, sample_remote

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.features import attention as A
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.features import attention as A
 from engine.models.random_weights import SIZES, random_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from engine import EngineConfig, InputError, open_engine
+from engine.engine import pad_text
 from engine.features.cache import CacheConfig
 from engine.router import open_demo
 from engine.serve import Batcher, Job
 from engine.serve.forward import Call, joint_velocity
-from engine.engine import pad_text
 
 TOLERANCE = 1e-5  # max abs error / max|ref| for a batched job
 PROMPTS = ["a large red circle on the left, on a blue background", "green square", "a red circle",

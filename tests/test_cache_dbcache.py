@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from engine.engine import Engine
 from engine.features.cache import CacheConfig, DBCacheRunner, TaylorSeer, mask_str, preset_mask
 from engine.models.ernie_image import run_all_blocks
-from engine.engine import Engine
 from engine.models.random_weights import SIZES, random_model
 
 torch.set_num_threads(2)

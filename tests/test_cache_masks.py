@@ -1,7 +1,16 @@
 """Step computation masks and presets (engine.features.cache.masks)."""
 import pytest
 
-from engine.features.cache import (ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask, preset_mask)
+from engine.features.cache import (
+    ALL_PRESETS,
+    PRESETS,
+    USER_PRESETS,
+    longest_cached_run,
+    mask_note,
+    mask_str,
+    parse_mask,
+    preset_mask,
+)
 from engine.features.cache.masks import fit_mask
 
 

@@ -52,8 +52,8 @@ def test_docs_are_generated_from_the_code():
 
 
 def test_run_line():
-    from engine.features.cache import run_line
     from engine.engine import RunStats
+    from engine.features.cache import run_line
 
     st = RunStats(steps=4, model_calls=4, step_mask=[True, False, True, True], call_seconds=[1.0, 0.1, 1.0, 1.0],
                   cache={"preset": "fast", "computed": 3, "cached": 1, "calls": 4, "mask": "1011", "note": None})

@@ -203,6 +203,7 @@ def _requirements(path):
 def test_requirements_are_ranges_of_what_the_nodes_import():
     """ComfyUI-Manager pip-installs each line into ComfyUI's shared environment: no pins, no server packages."""
     import re
+
     import tomllib
 
     reqs = _requirements(os.path.join(ROOT, "requirements.txt"))

@@ -257,8 +257,7 @@ def test_two_concurrent_generate_commands_on_one_path(tmp_path):
 @pytest.mark.parametrize("failure", [RuntimeError("the input file went away"), KeyboardInterrupt()])
 def test_a_failed_safetensors_write_keeps_the_old_file_and_removes_its_part_file(tmp_path, failure):
     """`sgld quantize`'s writer: a tensor that cannot be produced (or Ctrl-C) half-way through."""
-    from engine.io.safetensors import write_safetensors_streaming
-    from engine.io.safetensors import SafetensorsFile
+    from engine.io.safetensors import SafetensorsFile, write_safetensors_streaming
 
     out = tmp_path / "model-fp8.safetensors"
     specs = [("a", torch.float32, (4, 4)), ("b", torch.float32, (8,))]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 
-
 try:  # tests/ may or may not be a package
     from . import comfy_server as cs
 except ImportError:

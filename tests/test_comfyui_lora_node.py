@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 import comfy_server as cs
+import torch
 from test_lora import BLOCK_LINEARS, make_pairs, write_lora
 from test_serve import Server
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 
-
 try:  # tests/ may or may not be a package
     from . import comfy_server as cs
     from .test_comfyui_model import LORA, MODEL, close, ours_and_comfys, write_lora

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 import uuid
 
-import pytest
-
 import comfy_server as cs
+import pytest
 
 
 # The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import requests
 import torch
+from comfy_server import error_message, free_port, saved_latent
 from PIL import Image
 from safetensors.torch import load, save
+from test_serve import Server
 
-from comfy_server import error_message, free_port, saved_latent
 from engine import EngineConfig, open_engine
 from engine.models.demo import EXAMPLE_PROMPT, load_demo
-from test_serve import Server
 from tools.demo import judge
 
 KEY = "remote-key"

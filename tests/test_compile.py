@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.features import compile as C
 from engine.features import patching
 from engine.features import quant as Q
-from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.models.ernie_image import run_all_blocks
 from engine.models.random_weights import SIZES, random_model
 

@@ -92,6 +92,7 @@ def test_generate_from_ernie_files_writes_png_and_json(ernie_files, tmp_path):
 
 def test_text_features_are_the_input_of_the_last_layer_with_bos(ernie_files):
     import transformers
+
     from engine.models.external import TextEncoder
 
     te = TextEncoder.from_folder(ernie_files["te"])

@@ -14,10 +14,10 @@ from engine import CheckpointError, EngineConfig, load_model, open_engine
 from engine.errors import ParallelConfigError
 from engine.features import patching
 from engine.features import quant as Q
-from engine.loading import estimate_bytes, plan_load
 from engine.io.checkpoint import Checkpoint
 from engine.io.load import shard_dim
 from engine.io.safetensors import SafetensorsFile
+from engine.loading import estimate_bytes, plan_load
 from engine.models.random_weights import SIZES, random_model, save_random_checkpoint
 
 CFG = SIZES["tiny"]

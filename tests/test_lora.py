@@ -505,10 +505,10 @@ def train_demo_lora(demo, steps=200, batch=2, rank=4, lr=3e-3, seed=0):
     background -> images with a green one. Returns {module: (A, B)}."""
     import numpy as np
 
+    from engine.engine import pad_text
     from engine.models.demo import codec
     from tools.demo import data
     from tools.demo.train import sample_sigma
-    from engine.engine import pad_text
 
     dit = demo.dit
     g = torch.Generator().manual_seed(seed)

@@ -30,11 +30,9 @@ from engine.features.lora import LoRAError, LoRAState, normalize, parse_spec, re
 from engine.models.random_weights import random_model
 
 try:
-    from .test_lora import (BLOCK_LINEARS, CFG, MODULES, _text_features, inputs, make_pairs, pack,  # noqa: F401
-                            tiny_engine, write_lora)
+    from .test_lora import BLOCK_LINEARS, CFG, MODULES, _text_features, inputs, make_pairs, pack, tiny_engine, write_lora  # noqa: F401
 except ImportError:
-    from test_lora import (BLOCK_LINEARS, CFG, MODULES, _text_features, inputs, make_pairs, pack,  # noqa: F401
-                           tiny_engine, write_lora)
+    from test_lora import BLOCK_LINEARS, CFG, MODULES, _text_features, inputs, make_pairs, pack, tiny_engine, write_lora  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LORA_DIR = os.path.dirname(lora_mod.__file__)  # the package engine/features/lora
@@ -332,10 +330,9 @@ def test_a_lora_read_against_another_model_is_refused_before_anything_changes(tm
 def test_parallel_engine_is_the_base_after_a_refused_set(tmp_path):
     """A parallel engine's set_loras: a worker's refusal leaves every rank at the base and the parent says so, so a
     later set of the same LoRAs is sent again (not skipped as "already active")."""
-    from engine.parallel import shutdown_pools
-    from engine.models.random_weights import save_random_checkpoint
-
     import engine.parallel.pool as pool_mod
+    from engine.models.random_weights import save_random_checkpoint
+    from engine.parallel import shutdown_pools
 
     pool_mod.START_TIMEOUT_S, pool_mod.CALL_TIMEOUT_S, pool_mod.PG_TIMEOUT_S = 120.0, 60.0, 60.0
     path = str(tmp_path / "tiny.safetensors")

@@ -13,13 +13,13 @@ import weakref
 import pytest
 import torch
 
-from engine.features import patching
-from engine.features import offload as O
-from engine.features.cache import CacheConfig
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.router import open_engine
+from engine.features import offload as O
+from engine.features import patching
+from engine.features.cache import CacheConfig
 from engine.models.random_weights import SIZES, random_model
+from engine.router import open_engine
 
 CFG = dataclasses.replace(SIZES["tiny"], num_layers=6)  # more blocks than buffers
 

@@ -16,10 +16,9 @@ import torch
 
 from engine import EngineConfig, open_engine
 from engine.features.cache import CacheConfig
-from engine.parallel import (ParallelConfigError, ParallelWorkerError, make_plan, open_ranked_runner, shutdown_pools,
-                             validate)
-from engine.parallel.plan import cpu_rank_limit
 from engine.models.random_weights import SIZES, save_random_checkpoint
+from engine.parallel import ParallelConfigError, ParallelWorkerError, make_plan, open_ranked_runner, shutdown_pools, validate
+from engine.parallel.plan import cpu_rank_limit
 
 try:  # tests/ may or may not be a package
     from .comfy_server import pids_gone

@@ -8,14 +8,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.features import quant as Q
+from engine import CheckpointError, load_model, open_engine
 from engine.config import EngineConfig
-from engine import CheckpointError, load_model
-from engine.io.load import build_model
-from engine.features.lora import target_modules
 from engine.engine import Engine
+from engine.features import quant as Q
+from engine.features.lora import target_modules
+from engine.io.load import build_model
 from engine.models.random_weights import SIZES, random_model, random_state_dict
-from engine import open_engine
 
 CFG = SIZES["tiny"]
 

@@ -18,7 +18,6 @@ import pytest
 import requests
 import torch
 from safetensors.torch import save
-
 from test_serve import LONG, Server, demo_lora
 
 BOUND_S = 1.0  # --header-timeout, --body-timeout, --keep-alive-timeout of the module's server

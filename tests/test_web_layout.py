@@ -11,9 +11,23 @@ import json
 import os
 
 import pytest
-
-from test_web_extension import (DEMO_WORKFLOW, KSAMPLER, LOAD, LONG_ERROR, PANEL, QUEUE_UI, RECORD_EVENTS, ROOT,
-                                close_error_dialog, comfy_base, open_page, page, prompt_id, screenshot, wait_state)
+from test_web_extension import (
+    DEMO_WORKFLOW,
+    KSAMPLER,
+    LOAD,
+    LONG_ERROR,
+    PANEL,
+    QUEUE_UI,
+    RECORD_EVENTS,
+    ROOT,
+    close_error_dialog,
+    comfy_base,
+    open_page,
+    page,
+    prompt_id,
+    screenshot,
+    wait_state,
+)
 
 __all__ = ["comfy_base", "page"]  # one ComfyUI (tests/conftest.py's comfy, this base) and one browser for this module
 

@@ -15,10 +15,10 @@ from torch import nn
 from engine import CheckpointError, load_model
 from engine.config import EngineConfig
 from engine.features import quant as Q
-from engine.loading import estimate_bytes
 from engine.features.fuse import fuse_projections, fused_groups, remove_fused_projections
 from engine.features.quant.formats import QuantPlan
 from engine.io.checkpoint import open_checkpoint
+from engine.loading import estimate_bytes
 from engine.models.random_weights import SIZES, random_model, save_random_checkpoint
 from engine.options import declared
 

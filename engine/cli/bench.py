@@ -11,8 +11,8 @@ from ..features import offload
 from ..loading import estimate_bytes
 from ..models.random_weights import SIZES, random_checkpoint, random_model_on_device
 from ..router import open_engine
-from ..sampling_options import from_flags
 from ..sampling import cfg_on
+from ..sampling_options import from_flags
 from .common import add_engine_arguments, add_sampling_arguments, engine_config
 
 SAMPLING = ("steps", "cfg")  # the sampling options of the whole-run timing

@@ -14,15 +14,21 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from tqdm import tqdm
 
-from ..router import open_engine
-from ..sampling_options import from_flags
 from ..features.lora import parse_spec
 from ..io.atomic import atomic_write
 from ..models import demo as demo_pkg
 from ..models.external import Flux2VAE, TextEncoder
+from ..router import open_engine
 from ..sampling import MAX_IMAGE_SIDE
-from .common import (add_cache_arguments, add_engine_arguments, add_sampling_arguments, cache_config, check_output_path,
-                     engine_config)
+from ..sampling_options import from_flags
+from .common import (
+    add_cache_arguments,
+    add_engine_arguments,
+    add_sampling_arguments,
+    cache_config,
+    check_output_path,
+    engine_config,
+)
 
 SAMPLING = ("seed", "steps", "cfg", "sampler", "scheduler", "shift")  # the sampling options it has flags for
 ERNIE_SIZE = 1024  # default --width / --height for ERNIE-Image files

@@ -16,6 +16,7 @@ import struct
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
+
 from ..errors import CheckpointError
 from .atomic import atomic_write
 

@@ -11,12 +11,12 @@ the parent process stop them all.
 from __future__ import annotations
 
 import atexit
-import multiprocessing.spawn as mp_spawn
-import signal
 import contextlib
 import logging
 import math
+import multiprocessing.spawn as mp_spawn
 import os
+import signal
 import socket
 import threading
 import time
@@ -24,8 +24,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.multiprocessing as mp
 
-from .plan import ParallelConfigError
 from ..errors import ParallelWorkerError
+from .plan import ParallelConfigError
 
 log = logging.getLogger("sgld.parallel")
 

@@ -33,11 +33,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import USER_ERRORS, CheckpointError
 from ..io.safetensors import load_json_object
 from ..sampling import MAX_SEED
+from .batcher import Job
 from .guard import Guard
 from .loras import Loras
 from .metrics import CLIENT_GONE, Metrics
-from .protocol import (ApiError, Generation, SetLoraRequest, UnsetLoraRequest, error_body, parse, parse_generation)
-from .batcher import Job
+from .protocol import ApiError, Generation, SetLoraRequest, UnsetLoraRequest, error_body, parse, parse_generation
 from .sample_route import sample_router
 
 log = logging.getLogger("sgld")

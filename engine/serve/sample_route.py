@@ -35,9 +35,9 @@ from ..errors import USER_ERRORS, CheckpointError
 from ..features.cache import CacheConfig, CacheConfigError
 from ..features.cache.config import config_from_dict
 from ..io.safetensors import load_json_object
-from .batcher import Job
 from ..sampling import DEFAULT_SHIFT
 from ..sampling_options import DEFAULT_DENOISE, DEFAULT_SAMPLER, DEFAULT_SCHEDULER
+from .batcher import Job
 from .protocol import ApiError, bad_field, parse, parse_cache
 
 PATH = "/v1/sample"

@@ -12,10 +12,19 @@ import os
 from typing import List, Optional
 
 from .attach import CachePatch, apply_cache, remove_cache
-from .config import (DEFAULTS, FROM_PRESET, PRESET_KNOBS, CacheConfig, CacheConfigError, ResolvedCache, config_from_dict,
-                     from_env, resolve_config)
+from .config import (
+    DEFAULTS,
+    FROM_PRESET,
+    PRESET_KNOBS,
+    CacheConfig,
+    CacheConfigError,
+    ResolvedCache,
+    config_from_dict,
+    from_env,
+    resolve_config,
+)
 from .dbcache import DBCacheRunner
-from .masks import (ALIASES, ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask, preset_mask)
+from .masks import ALIASES, ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask, preset_mask
 from .taylorseer import TaylorSeer
 
 # The presets' measured speedup and quality (bench/cache_bench.py writes it; the Cache-DiT node's tooltip reads it).

@@ -11,10 +11,10 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar, List, Mapping, Optional
 
-from . import masks
 from ...errors import CacheConfigError
 from ...options import checked, option
 from ...options import from_env as from_env_of
+from . import masks
 
 POLICIES = ("static", "dynamic")
 TS_ORDERS = (1, 2)

@@ -10,14 +10,45 @@ from ..tables import LiveNames
 from .convert import quantize_file
 from .formats import QuantPlan
 from .loading import QuantTransform
-from .modules import (BLOCK_LINEARS, QUANT_MODULES, FP8Linear, Int4Linear, QuantPatch, apply_quant, fp8_scaled_mm_linear,
-                      fp8_scaled_mm_supported, is_block_linear, make_quant_linear, model_quant_format, prepare_fast_paths,
-                      remove_quant, stored_tensors, weight_bytes)
-from .numerics import (FP8_DTYPE, FP8_MAX, dequantize_fp8, dequantize_int4, int4_group, quantize_fp8, quantize_int4,
-                       relative_error, unpack_int4)
-from .registry import (WeightFormat, choices, format_of, get_format, parse_format, quant_modules, register_format,
-                       unregister_format)
+from .modules import (
+                      BLOCK_LINEARS,
+                      QUANT_MODULES,
+                      FP8Linear,
+                      Int4Linear,
+                      QuantPatch,
+                      apply_quant,
+                      fp8_scaled_mm_linear,
+                      fp8_scaled_mm_supported,
+                      is_block_linear,
+                      make_quant_linear,
+                      model_quant_format,
+                      prepare_fast_paths,
+                      remove_quant,
+                      stored_tensors,
+                      weight_bytes,
+)
+from .numerics import (
+                      FP8_DTYPE,
+                      FP8_MAX,
+                      dequantize_fp8,
+                      dequantize_int4,
+                      int4_group,
+                      quantize_fp8,
+                      quantize_int4,
+                      relative_error,
+                      unpack_int4,
+)
 from .registry import FORMATS as FORMAT_TABLE
+from .registry import (
+                      WeightFormat,
+                      choices,
+                      format_of,
+                      get_format,
+                      parse_format,
+                      quant_modules,
+                      register_format,
+                      unregister_format,
+)
 
 FORMATS = LiveNames(choices)  # EngineConfig.quant's choices: the table's, read when asked (int4 = groups of 128)
 
