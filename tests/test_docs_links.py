@@ -2,6 +2,7 @@
 heading of that file (GitHub's anchors); the README stays a short entry page whose reference lives in docs/."""
 import glob
 import importlib
+import inspect
 import os
 import re
 
@@ -63,7 +64,7 @@ def test_the_engine_api_the_pages_name_exists():
     for page in PAGES:
         text = open(page, encoding="utf-8").read()
         for attr in set(re.findall(r"\bEngine\.(\w+)", text)):
-            if not hasattr(engine.Engine, attr):
+            if not hasattr(engine.Engine, attr) and f"self.{attr} =" not in inspect.getsource(engine.Engine.__init__):
                 missing.append(f"{os.path.basename(page)}: Engine.{attr}")
         for mod, names in re.findall(r"^\s*from (engine(?:\.\w+)*) import ([\w, ]+)$", text, re.M):
             m = importlib.import_module(mod)

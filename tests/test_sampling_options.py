@@ -146,7 +146,7 @@ def test_a_changed_declared_default_changes_the_parsers(monkeypatch):
     assert check_generate_args(parse("generate", "--prompt", "p", "--out", OUT))["sampler"] == "heun"
     monkeypatch.setattr(SamplingOptions.__dataclass_fields__["seed"], "default", 7)
     assert parse("generate", "--prompt", "p").seed == 7
-    remote = pack_modules.node_module("remote")  # the pack's own copy of the engine (its relative imports)
+    remote = pack_modules.node_module("server_nodes")  # the pack's own copy of the engine (its relative imports)
     monkeypatch.setattr(remote.SamplingOptions.__dataclass_fields__["seed"], "default", 7)
     assert remote.SGLDiffusionServerGenerate.INPUT_TYPES()["required"]["seed"][1]["default"] == 7
 
@@ -203,7 +203,7 @@ def test_cfg_on_and_the_timestep_scale_are_one_rule_each():
 
 
 def test_server_generate_widgets_are_the_declarations():
-    remote = pack_modules.node_module("remote")
+    remote = pack_modules.node_module("server_nodes")
     widgets = remote.SGLDiffusionServerGenerate.INPUT_TYPES()["required"]
     declared = options.node_inputs(SamplingOptions)["required"]
     assert widgets["seed"] == declared["seed"] and widgets["seed"][1]["control_after_generate"] is True
@@ -252,7 +252,7 @@ def test_the_server_and_the_server_generate_node_use_the_same_defaults(files, er
             generate_defaults(files["turbo_config"]).values())
         r = requests.post(url + "/v1/images/generations", json={"prompt": "a red cat", "size": "32x32"}, timeout=120)
         assert r.status_code == 200 and (r.json()["num_inference_steps"], r.json()["model_calls"]) == (8, 8), r.text
-        remote = pack_modules.node_module("remote")
+        remote = pack_modules.node_module("server_nodes")
         assert remote._with_server_defaults(url, "", 0, 0, 0, 0)[2:] == (8, 1.0)
     finally:
         proc.terminate()
