@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Dict
 
 import torch
 from safetensors.torch import save_file
 
+from ..io.atomic import private_dir
 from .ernie_image import ErnieImageConfig, ErnieImageTransformer
 
 SIZES: Dict[str, ErnieImageConfig] = {
@@ -88,11 +88,12 @@ def random_model_on_device(cfg: ErnieImageConfig, device="cpu", dtype: torch.dty
 
 
 def random_checkpoint(size: str, dtype=None) -> str:
-    """A random model of a named size written once to a temporary file (parallel workers load files)."""
+    """A random model of a named size written once to this user's private temporary folder (parallel workers
+    load files; ranks on one machine share it)."""
     if size not in SIZES:
         raise ValueError(f"size {size!r} is unknown; choose one of {', '.join(SIZES)}")
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: torch.float32}.get(dtype, torch.float32)
-    path = os.path.join(tempfile.gettempdir(), f"sgld-random-{size}-{str(dt).replace('torch.', '')}.safetensors")
+    path = os.path.join(private_dir("sgld-random"), f"{size}-{str(dt).replace('torch.', '')}.safetensors")
     if not os.path.exists(path):
         tmp = path + f".{os.getpid()}.tmp"
         save_random_checkpoint(tmp, SIZES[size], seed=0, dtype=dt)
