@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
@@ -31,8 +30,10 @@ from engine.sampling_options import MODEL_DEFAULTS, SamplingOptions, from_flags,
 
 try:
     from . import pack_modules
+    from .test_serve import Server
 except ImportError:
     import pack_modules
+    from test_serve import Server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -230,23 +231,14 @@ def ernie_parts(tmp_path_factory):
             "vae": str(write_vae(d / "vae", SIZES["tiny"].in_channels))}
 
 
-def test_the_server_and_the_server_generate_node_use_the_same_defaults(files, ernie_parts):
+def test_the_server_and_the_server_generate_node_use_the_same_defaults(files, ernie_parts, tmp_path):
     """A real `sgld serve` of the file whose config says Turbo (no 'turbo' in its name): its card says 8 / 1
     (before: Base's 50 / 4), a request without steps runs 8 steps, and the Server Generate node left at 0 takes
     them (its own call to the server)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([SGLD, "serve", "--port", str(port), "--model", files["turbo_config"], "--text-encoder",
-                             ernie_parts["te"], "--vae", ernie_parts["vae"], "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = Server(tmp_path / "serve.log", "--model", files["turbo_config"], "--text-encoder", ernie_parts["te"],
+                    "--vae", ernie_parts["vae"]).wait_ready(120)
+    url = server.url
     try:
-        for _ in range(600):
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if requests.get(url + "/health", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.2)
         card = requests.get(url + "/v1/models", timeout=10).json()["data"][0]
         assert (card["default_steps"], card["default_guidance_scale"]) == (8, 1.0) == tuple(
             generate_defaults(files["turbo_config"]).values())
@@ -255,5 +247,4 @@ def test_the_server_and_the_server_generate_node_use_the_same_defaults(files, er
         remote = pack_modules.node_module("server_nodes")
         assert remote._with_server_defaults(url, "", 0, 0, 0, 0)[2:] == (8, 1.0)
     finally:
-        proc.terminate()
-        assert proc.wait(60) == 0
+        assert server.stop() == 0
