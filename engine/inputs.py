@@ -147,9 +147,9 @@ def check_sampler(sampler: str, scheduler: str) -> None:
         raise InputError(f"scheduler '{scheduler}' is not supported; choose one of {', '.join(SCHEDULERS)}")
 
 
-def check_conditioning(cfg, name: str, cond, batch: int) -> List[torch.Tensor]:
+def check_conditioning(cfg, name: str, cond, batch: int, values: bool = True) -> List[torch.Tensor]:
     """Per-sample text features [T_i, C] for a batch of ``batch`` (one entry is used for all), checked against
-    the model configuration ``cfg``."""
+    the model configuration ``cfg`` (``values``: their values too, one reduction each)."""
     if cond is None or len(cond) == 0:
         raise InputError(f"{name} conditioning is empty: connect a text encoder output")
     feats = []
@@ -165,7 +165,8 @@ def check_conditioning(cfg, name: str, cond, batch: int) -> List[torch.Tensor]:
                 f"{name} conditioning #{i} has {c.shape[1]} features per token but this model takes {cfg.text_in_dim}: "
                 "was it made by the right text encoder?"
             )
-        check_values(f"{name} conditioning #{i}", c, ": is the text encoder's output damaged?")
+        if values:
+            check_values(f"{name} conditioning #{i}", c, ": is the text encoder's output damaged?")
         feats.append(c)
     if len(feats) == 1 and batch > 1:
         feats = feats * batch
@@ -174,8 +175,9 @@ def check_conditioning(cfg, name: str, cond, batch: int) -> List[torch.Tensor]:
     return feats
 
 
-def check_latent(cfg, latent, name: str = "latent") -> None:
-    """A latent [B, C, H, W] the model of configuration ``cfg`` takes (``name``: what the message calls it)."""
+def check_latent(cfg, latent, name: str = "latent", values: bool = True) -> None:
+    """A latent [B, C, H, W] the model of configuration ``cfg`` takes (``name``: what the message calls it;
+    ``values``: its values too)."""
     if not isinstance(latent, torch.Tensor) or latent.dim() != 4:
         shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
         raise InputError(f"{name} has shape {shape}; expected [batch, {cfg.in_channels}, height, width]")
@@ -189,19 +191,21 @@ def check_latent(cfg, latent, name: str = "latent") -> None:
     if tokens > MAX_IMAGE_TOKENS:
         raise InputError(f"{name} size {tuple(latent.shape[2:])} makes {tokens} image tokens per sample; the limit is "
                          f"{MAX_IMAGE_TOKENS} ({MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} pixels for ERNIE-Image)")
-    check_values(name, latent)
+    if values:
+        check_values(name, latent)
 
 
-def check_model_call(cfg, x, text, branches=("conditioning",)) -> None:
+def check_model_call(cfg, x, text, branches=("conditioning",), values: bool = True) -> None:
     """One model call of a sampling loop outside the engine (ComfyUI's samplers on the MODEL output): the
     sampler's latent x [B, C, H, W] and the text features [B, T, C] of each CFG branch (``branches``: their
-    names, in batch order), with the checks ``Engine.sample`` makes on its inputs."""
-    check_latent(cfg, x, "the sampler's latent")
+    names, in batch order), with the checks ``Engine.sample`` makes on its inputs. ``values`` False: shapes
+    only (a value check is a reduction, and on a GPU a sync: once per run is enough)."""
+    check_latent(cfg, x, "the sampler's latent", values)
     if not isinstance(text, torch.Tensor) or text.dim() != 3:
         shape = tuple(text.shape) if isinstance(text, torch.Tensor) else type(text).__name__
         raise InputError(f"the text features have shape {shape}; expected [batch, tokens, {cfg.text_in_dim}]")
     for name, part in zip(branches, text.chunk(len(branches))):
-        check_conditioning(cfg, name, list(part), part.shape[0])
+        check_conditioning(cfg, name, list(part), part.shape[0], values)
 
 
 MASK_SHAPES = "[height, width], [batch, height, width] or [batch, 1, height, width] (any size: it is scaled to the latent's)"

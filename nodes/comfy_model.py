@@ -152,14 +152,19 @@ class EngineCall(torch.nn.Module):
         if text_lens is None:
             text_lens = torch.full((x.shape[0],), context.shape[1], dtype=torch.long, device=x.device)
         order = options.get("cond_or_uncond") or [0]
-        checked(check_model_call, self.model_config, x, context, [BRANCHES.get(o, "conditioning") for o in order])
+        with _runs_lock:
+            run = _runs.get(options.get(RUN_OPTION))
+        # shapes at every call; values at a run's first call of each branch order (the sampler's later latents
+        # come from the model, whose output the engine checks), or at every call outside a registered run
+        first = run is None or tuple(order) not in run.values_checked
+        checked(check_model_call, self.model_config, x, context, [BRANCHES.get(o, "conditioning") for o in order], first)
+        if run is not None:
+            run.values_checked.add(tuple(order))
         # ComfyUI batches [uncond, cond] (cond_or_uncond [1, 0]); the engine and its cache take cond first
         chunk = x.shape[0] // len(order)
         perm = torch.cat([torch.arange(i * chunk, (i + 1) * chunk) for i in sorted(range(len(order)), key=lambda i: order[i])])
         inverse = torch.argsort(perm)
         args = (x[perm], sigma[perm], context[perm], text_lens[perm].to(torch.long))
-        with _runs_lock:
-            run = _runs.get(options.get(RUN_OPTION))
         v = run.call(len(set(order)), *args) if run is not None else self.handle.engine().velocity(*args)
         return v[inverse]  # float32: ComfyUI takes x - v * sigma in float32
 
@@ -175,6 +180,7 @@ class ComfyRun:
         self.calls = None
         self.branches = 0
         self.split_calls = 0
+        self.values_checked = set()  # the branch orders (cond_or_uncond) whose inputs' values were checked
 
     def call(self, branches: int, x, sigma, text, lens):
         engine = self.engine
