@@ -107,3 +107,70 @@ def test_row_bytes_and_names():
         gn.row_bytes(Q.Q6_K, 128)
     assert gn.NAMES["q4_k"] == Q.Q4_K and gn.NAMES["bf16"] == Q.BF16
     assert set(gn.NAMES.values()) == set(gn.SUPPORTED) and len(gn.SUPPORTED) == 13
+
+
+@pytest.mark.parametrize("qtype", (Q.F32,) + PACKAGE_QUANTIZES, ids=lambda t: Q(t).name)
+def test_quantize_equals_package_bytes(qtype):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(2, 3, 512, generator=g) * torch.logspace(-3, 2, 3).reshape(1, 3, 1)
+    ours = gn.quantize(w, qtype)
+    assert ours.dtype == torch.uint8 and ours.shape == (2, 3, gn.row_bytes(qtype, 512))
+    ref = np.ascontiguousarray(gq.quantize(w.numpy().reshape(6, 512), qtype)).view(np.uint8).reshape(2, 3, -1)
+    assert np.array_equal(ours.numpy(), ref)
+
+
+def _relative_rms(qtype, w):
+    raw = gn.quantize(w, qtype)
+    ref = _reference(raw.numpy(), qtype).reshape(w.shape)  # decoded by gguf's numpy code
+    assert _bits_equal(gn.dequantize(raw, qtype, w.shape), ref)  # ... and by ours, identically
+    return float(np.sqrt(((ref - w.numpy()) ** 2).mean() / (w.numpy() ** 2).mean()))
+
+
+def test_k_quants_round_trip_error_bounded_and_ordered():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 1024, generator=g) * 0.02
+    err = {Q(t).name: _relative_rms(t, w) for t in K_QUANTS + (Q.Q4_0, Q.Q5_0)}
+    # upper bounds: about 1.3x what these quantizers give on gaussian weights (llama.cpp's are similar)
+    bounds = {"Q6_K": 0.025, "Q5_K": 0.05, "Q4_K": 0.1, "Q3_K": 0.2, "Q2_K": 0.4}
+    for name, bound in bounds.items():
+        assert err[name] < bound, err
+    assert err["Q6_K"] < err["Q5_K"] < err["Q4_K"] < err["Q3_K"] < err["Q2_K"], err
+    # a K type is no worse than the legacy type of its size
+    assert err["Q4_K"] < err["Q4_0"] and err["Q5_K"] < err["Q5_0"], err
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: Q(t).name)
+def test_k_quants_edge_blocks(qtype):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(5, 512, generator=g)
+    w[0] = 0.0  # all zero: decodes to exact zeros
+    w[1, :256] = 3.5  # constant block
+    w[2, 7] = 1e3  # an outlier in a block
+    w[3] = w[3].abs()  # no negative values (mins of zero)
+    w[4] = -w[3]  # no positive values
+    raw = gn.quantize(w, qtype)
+    out = _reference(raw.numpy(), qtype).reshape(w.shape)
+    assert _bits_equal(gn.dequantize(raw, qtype, w.shape), out)
+    assert np.all(out[0] == 0) and np.isfinite(out).all()
+    assert np.abs(out[1, :256] - 3.5).max() < 0.2
+    assert abs(out[2, 7] - 1e3) < 1e3 * 0.1
+    for row in (3, 4):
+        assert np.sqrt(((out[row] - w[row].numpy()) ** 2).mean()) < 0.5 * w[row].norm() / np.sqrt(512)
+
+
+def test_quantize_bad_input():
+    with pytest.raises(ValueError, match="multiple of 256 values, not 96"):
+        gn.quantize(torch.randn(2, 96), Q.Q4_K)
+    w = torch.randn(2, 256)
+    w[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        gn.quantize(w, Q.Q8_0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: Q(t).name)
+def test_k_quants_on_cuda_equal_cpu_decode(qtype):
+    w = torch.randn(8, 512, generator=torch.Generator().manual_seed(5))
+    raw = gn.quantize(w.cuda(), qtype)
+    assert raw.device.type == "cuda"
+    assert _bits_equal(gn.dequantize(raw, qtype, w.shape), _reference(raw.cpu().numpy(), qtype).reshape(w.shape))

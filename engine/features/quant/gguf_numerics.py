@@ -188,14 +188,158 @@ def dequantize(raw: torch.Tensor, qtype: int, shape, dtype=torch.float32) -> tor
     return values if dtype == torch.float32 else values.to(dtype)
 
 
+# ---- quantizers for the K types (gguf has none): simple, not llama.cpp's. Each sub-block gets the scale (and
+# min) of the best of a few candidate ranges; the per-sub-block scales are then stored in 4/6/8 bits against
+# one fp16 super-scale, and the values are rounded against the scales as they will be decoded.
+_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def _sym_scales(x: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """Sub-blocks x [N, L] -> scales [N] for q in [qmin, qmax] (the largest magnitude maps to qmin)."""
+    big = x.gather(-1, x.abs().argmax(-1, keepdim=True))
+    best_s, best_e = None, None
+    for f in _FACTORS:
+        s = big * (f / qmin)
+        inv = torch.where(s == 0, torch.zeros_like(s), 1 / s)
+        err = ((torch.round(x * inv).clamp(qmin, qmax) * s - x) ** 2).sum(-1, keepdim=True)
+        if best_s is None:
+            best_s, best_e = s, err
+        else:
+            better = err < best_e
+            best_s, best_e = torch.where(better, s, best_s), torch.minimum(err, best_e)
+    return best_s.squeeze(-1)
+
+
+def _asym_scales(x: torch.Tensor, qmax: int):
+    """Sub-blocks x [N, L] -> (scales [N] >= 0, mins [N] >= 0) for x ~ scale * q - min, q in [0, qmax]."""
+    lo = x.amin(-1, keepdim=True).clamp(max=0)
+    hi = x.amax(-1, keepdim=True)
+    best_s, best_e = None, None
+    for f in _FACTORS:
+        s = (hi - lo) * (f / qmax)
+        inv = torch.where(s == 0, torch.zeros_like(s), 1 / s)
+        err = ((torch.round((x - lo) * inv).clamp(0, qmax) * s + lo - x) ** 2).sum(-1, keepdim=True)
+        if best_s is None:
+            best_s, best_e = s, err
+        else:
+            better = err < best_e
+            best_s, best_e = torch.where(better, s, best_s), torch.minimum(err, best_e)
+    return best_s.squeeze(-1), -lo.squeeze(-1)
+
+
+def _super(s: torch.Tensor, top: int, signed: bool):
+    """Sub-block scales [nb, k] -> (fp16 super-scale bytes [nb, 2], its float32 value [nb, 1], integer scales
+    [nb, k] in [-top-1, top] when signed (the largest magnitude maps to -top-1), else [0, top])."""
+    if signed:
+        d = s.gather(-1, s.abs().argmax(-1, keepdim=True)) / -(top + 1)
+    else:
+        d = s.amax(-1, keepdim=True) / top
+    d16 = d.to(torch.float16)
+    df = d16.float()
+    inv = torch.where(df == 0, torch.zeros_like(df), 1 / df)
+    sc = torch.round(s * inv).clamp(-top - 1 if signed else 0, top)
+    return d16.view(torch.uint8).reshape(-1, 2), df, sc
+
+
+def _round_q(x, scale, qmin, qmax, offset=None):
+    """Values x [nb, k, L] against the decoded scales [nb, k, 1] (and mins) -> integers in [qmin, qmax]."""
+    inv = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    y = x if offset is None else x + offset
+    return torch.round(y * inv).clamp(qmin, qmax).to(torch.uint8 if qmin >= 0 else torch.int16)
+
+
+def _pack(v: torch.Tensor, groups: int, shifts, width: int) -> torch.Tensor:
+    """The inverse of ``_shifted``: values [n, groups * len(shifts) * width] (already masked) -> bytes
+    [n, groups * width]."""
+    v = v.to(torch.uint8).reshape(v.shape[0], groups, len(shifts), width)
+    out = v[:, :, 0] << shifts[0]
+    for i in range(1, len(shifts)):
+        out = out | (v[:, :, i] << shifts[i])
+    return out.reshape(v.shape[0], -1)
+
+
+def _k_pack_scale_min(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_k_scale_min``: eight 6-bit scales and mins [nb, 8] -> 12 bytes."""
+    sc, mn = sc.to(torch.uint8), mn.to(torch.uint8)
+    d = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    m = (mn[:, 0:4] & 63) | ((mn[:, 4:8] >> 4) << 6)
+    md = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
+    return torch.cat([d, m, md], dim=-1)
+
+
+def _asym_k(x: torch.Tensor, sub: int, qmax: int, top: int):
+    """Q2_K / Q4_K / Q5_K: blocks [nb, 256] -> (d bytes, dmin bytes, scales, mins, q [nb, 256])."""
+    nb = x.shape[0]
+    xs = x.reshape(nb, -1, sub)
+    s, m = _asym_scales(xs.reshape(-1, sub), qmax)
+    d16, df, sc = _super(s.reshape(nb, -1), top, signed=False)
+    m16, mf, mn = _super(m.reshape(nb, -1), top, signed=False)
+    q = _round_q(xs, (df * sc).unsqueeze(-1), 0, qmax, offset=(mf * mn).unsqueeze(-1))
+    return d16, m16, sc, mn, q.reshape(nb, -1)
+
+
+def _sym_k(x: torch.Tensor, sub: int, qmin: int, qmax: int, top: int):
+    """Q3_K / Q6_K: blocks [nb, 256] -> (d bytes, signed scales, q [nb, 256] in [qmin, qmax])."""
+    nb = x.shape[0]
+    xs = x.reshape(nb, -1, sub)
+    s = _sym_scales(xs.reshape(-1, sub), qmin, qmax)
+    d16, df, sc = _super(s.reshape(nb, -1), top, signed=True)
+    q = _round_q(xs, (df * sc).unsqueeze(-1), qmin, qmax)
+    return d16, sc, q.reshape(nb, -1)
+
+
+def _enc_q2_k(x):
+    d16, m16, sc, mn, q = _asym_k(x, 16, 3, 15)
+    scales = sc.to(torch.uint8) | (mn.to(torch.uint8) << 4)
+    return torch.cat([scales, _pack(q, 2, (0, 2, 4, 6), 32), d16, m16], dim=-1)
+
+
+def _enc_q3_k(x):
+    d16, sc, q = _sym_k(x, 16, -4, 3, 31)
+    u = (q + 4).to(torch.uint8)
+    v = (sc + 32).to(torch.uint8)
+    scales = torch.cat([_pack(v & 15, 1, (0, 4), 8), _pack(v >> 4, 1, (0, 2, 4, 6), 4)], dim=-1)
+    return torch.cat([_pack(u >> 2, 1, range(8), 32), _pack(u & 3, 2, (0, 2, 4, 6), 32), scales, d16], dim=-1)
+
+
+def _enc_q4_k(x):
+    d16, m16, sc, mn, q = _asym_k(x, 32, 15, 63)
+    return torch.cat([d16, m16, _k_pack_scale_min(sc, mn), _pack(q, 4, (0, 4), 32)], dim=-1)
+
+
+def _enc_q5_k(x):
+    d16, m16, sc, mn, q = _asym_k(x, 32, 31, 63)
+    return torch.cat([d16, m16, _k_pack_scale_min(sc, mn), _pack(q >> 4, 1, range(8), 32),
+                      _pack(q & 15, 4, (0, 4), 32)], dim=-1)
+
+
+def _enc_q6_k(x):
+    d16, sc, q = _sym_k(x, 16, -32, 31, 127)
+    u = (q + 32).to(torch.uint8)
+    scales = sc.to(torch.int8).view(torch.uint8)
+    return torch.cat([_pack(u & 15, 2, (0, 4), 64), _pack(u >> 4, 2, (0, 2, 4, 6), 32), scales, d16], dim=-1)
+
+
+_K_ENCODERS = {Q.Q2_K: _enc_q2_k, Q.Q3_K: _enc_q3_k, Q.Q4_K: _enc_q4_k, Q.Q5_K: _enc_q5_k, Q.Q6_K: _enc_q6_k}
+
+
 def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Float ``weight`` [..., in] -> uint8 GGUF bytes [..., row_bytes(qtype, in)] (rows kept)."""
+    """Float ``weight`` [..., in] -> uint8 GGUF bytes [..., row_bytes(qtype, in)] (rows kept). The types gguf
+    can write go through ``gguf.quants.quantize`` (its bytes exactly); the K types through the quantizers
+    above (on the weight's device)."""
     t = _check(qtype)
     if weight.dim() == 0:
         weight = weight.reshape(1)
     n = int(weight.shape[-1])
     nb = row_bytes(t, n)
-    w = weight.detach().to(device="cpu", dtype=torch.float32).numpy().reshape(-1, n)
-    data = _gq.quantize(w, t)
+    w = weight.detach().float()
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"cannot quantize to {t.name}: the weight holds NaN or infinite values")
+    if t in _K_ENCODERS:
+        block, size = GGML_QUANT_SIZES[t]
+        out = _K_ENCODERS[t](w.reshape(-1, block))
+        assert out.shape[-1] == size and out.dtype == torch.uint8
+        return out.reshape(*weight.shape[:-1], nb)
+    data = _gq.quantize(w.cpu().numpy().reshape(-1, n), t)
     out = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(-1, nb))
-    return out.reshape(*weight.shape[:-1], nb)
+    return out.reshape(*weight.shape[:-1], nb).to(weight.device)
