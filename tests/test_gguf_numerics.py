@@ -89,12 +89,21 @@ def test_dequantize_shapes_dtypes_inference_mode(qtype):
             assert out.dtype == dtype and torch.equal(out, full.to(dtype))
 
 
+def test_dequantize_reshaped_tensor_in_its_original_shape():
+    # ComfyUI-GGUF stores a tensor whose rows are not whole blocks as rows of 256 values, with its shape in
+    # metadata: the same bytes decode straight into the original shape
+    raw = torch.from_numpy(_random_blocks(Q.Q4_K, 16, 1))
+    as_rows = gn.dequantize(raw, Q.Q4_K, (16, 256))
+    assert torch.equal(gn.dequantize(raw, Q.Q4_K, (64, 64)), as_rows.reshape(64, 64))
+    assert torch.equal(gn.dequantize(raw, Q.Q4_K, (64, 16, 2, 2)), as_rows.reshape(64, 16, 2, 2))
+
+
 def test_dequantize_bad_input_is_a_clear_value_error():
     raw = torch.zeros(2, gn.row_bytes(Q.Q8_0, 64), dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"Q8_0 tensor of shape \[2, 64\] has 136 bytes, not 135"):
         gn.dequantize(raw.reshape(-1)[:-1], Q.Q8_0, (2, 64))
-    with pytest.raises(ValueError, match="multiple of 32 values, not 48"):
-        gn.dequantize(raw, Q.Q8_0, (2, 48))
+    with pytest.raises(ValueError, match=r"multiple of 32 values; shape \[2, 40\] has 80"):
+        gn.dequantize(raw, Q.Q8_0, (2, 40))
     with pytest.raises(ValueError, match="uint8"):
         gn.dequantize(raw.float(), Q.Q8_0, (2, 64))
     with pytest.raises(ValueError, match="not supported; supported: f32, f16"):

@@ -175,15 +175,22 @@ _DECODERS = {Q.F32: _f32, Q.F16: _f16s, Q.BF16: _bf16, Q.Q8_0: _q8_0, Q.Q4_0: _q
 
 def dequantize(raw: torch.Tensor, qtype: int, shape, dtype=torch.float32) -> torch.Tensor:
     """GGUF bytes (a uint8 tensor of any shape) of one tensor of ``shape`` (torch order) -> its values as
-    ``dtype`` on ``raw``'s device, decoded in torch (no copy to the host)."""
+    ``dtype`` on ``raw``'s device, decoded in torch (no copy to the host). The blocks run over the values in
+    row-major order, so ``shape`` may be a tensor's original shape when it was stored reshaped into rows of
+    whole blocks (ComfyUI-GGUF's ``comfy.gguf.orig_shape``): only the count must be whole blocks."""
     t = _check(qtype)
     shape = tuple(int(s) for s in shape)
     if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8:
         raise ValueError(f"GGUF bytes must be a uint8 tensor, not {getattr(raw, 'dtype', type(raw).__name__)}")
-    need = tensor_bytes(t, shape)
+    block, size = GGML_QUANT_SIZES[t]
+    count = 1
+    for s in shape:
+        count *= s
+    if count % block:
+        raise ValueError(f"a {t.name} tensor holds a multiple of {block} values; shape {list(shape)} has {count}")
+    need = count // block * size
     if raw.numel() != need:
         raise ValueError(f"a {t.name} tensor of shape {list(shape)} has {need} bytes, not {raw.numel()}")
-    size = GGML_QUANT_SIZES[t][1]
     values = _DECODERS[t](raw.detach().reshape(-1, size)).reshape(shape)
     return values if dtype == torch.float32 else values.to(dtype)
 
