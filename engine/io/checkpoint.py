@@ -12,6 +12,7 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from ..models.ernie_image import SIGNATURE_KEYS, ErnieImageConfig
+from . import gguf as _gguf  # noqa: F401  (registers the .gguf reader)
 from .readers import open_file, shard_suffixes
 from .safetensors import COMPUTE_DTYPES, DTYPE_NAMES, CheckpointError, load_json_object, refuse_pickle
 
@@ -203,6 +204,8 @@ def check_float_dtypes(ckpt: "Checkpoint") -> None:
         if leaf not in ("weight", "bias") or dt.is_floating_point:
             continue
         if leaf == "weight" and dt != torch.bool and (k + "_scale" in ckpt.index or k + "_zero" in ckpt.index):
+            continue
+        if leaf == "weight" and getattr(f, "gguf_type", lambda _: None)(fk) is not None:  # GGUF blocks (quant/gguf_linear.py)
             continue
         raise CheckpointError(f"{f.path}: tensor '{fk}' is stored as {DTYPE_NAMES[dt]}, but model weights must be floating point "
                               "(F32, F16, BF16, F64, or F8 with a scale)")

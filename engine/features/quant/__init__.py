@@ -51,6 +51,7 @@ from .registry import (
 )
 
 FORMATS = LiveNames(choices)  # EngineConfig.quant's choices: the table's, read when asked (int4 = groups of 128)
+from . import gguf_linear  # noqa: E402, F401  (the GGUF block types q8_0 ... q6_k, registered after fp8 and int4)
 
 __all__ = ["BLOCK_LINEARS", "FORMATS", "FORMAT_TABLE", "FP8_DTYPE", "FP8_MAX", "QUANT_MODULES", "FP8Linear", "Int4Linear",
            "QuantPatch", "QuantPlan", "QuantTransform", "WeightFormat", "apply_quant", "choices", "dequantize_fp8",

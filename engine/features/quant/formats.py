@@ -132,7 +132,9 @@ class QuantPlan:
         scale, zero = info.get("scale_key"), info.get("zero_key")
         return {"weight": parts[layer + ".weight"],
                 "weight_scale": self._finite(scale, parts[scale], positive=True) if scale else None,
-                "weight_zero": self._finite(zero, parts[zero], positive=False) if zero else None}
+                "weight_zero": self._finite(zero, parts[zero], positive=False) if zero else None,
+                # the layer's shapes as the header gives them (a GGUF layer's bytes do not say its shape)
+                "shape": info["shape"], "gguf_shape": info.get("gguf_shape")}
 
     def _finite(self, key: str, t: torch.Tensor, positive: bool) -> torch.Tensor:
         values = t.float()

@@ -73,8 +73,8 @@ class QuantTransform(Transform):
         layer, _, leaf = key.rpartition(".")
         if key in self.layer_of:
             layer = self.layer_of[key]
-            if self._keeps(layer):
-                return nbytes(stored, shape)
+            if self._keeps(layer):  # a GGUF layer's header shape is [out, in]: its bytes are in the plan
+                return self.plan.layers[layer].get("stored_bytes", nbytes(stored, shape))
             if key != layer + ".weight":
                 return 0  # a scale or zero of a layer that is dequantized or re-quantized
             stored, shape = dtype, self.plan.layers[layer]["shape"]  # dequantized
