@@ -7,17 +7,22 @@ import os
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf import quants as gq
 from safetensors.torch import load_file
 
 from engine.cli import main
 from engine.features.quant import gguf_numerics as gn
+from engine.features.quant.gguf_convert import FALLBACK
 from engine.features.quant.modules import is_block_linear
+from engine.models.ernie_image import ErnieImageConfig
 from engine.models.random_weights import SIZES, save_random_checkpoint
 
 Q = GGMLQuantizationType
-CFG = SIZES["tiny"]
+# every block linear has 256-multiple inputs (as the 8B model's 4096 / 12288), so the K types fit them all
+CFG = ErnieImageConfig(hidden_size=256, num_layers=1, num_attention_heads=4, ffn_hidden_size=256, in_channels=16,
+                       out_channels=16, text_in_dim=64, rope_axes_dim=(16, 24, 24))
+TINY = SIZES["tiny"]  # inputs 64 / 192: not whole K blocks
 # ComfyUI-GGUF loader.py IMG_ARCH_LIST: the general.architecture values it accepts for a diffusion model
 COMFYUI_GGUF_IMG_ARCHS = {"flux", "sd1", "sdxl", "sd3", "aura", "hidream", "cosmos", "ltxv", "hyvid", "wan",
                           "lumina2", "qwen_image"}
@@ -49,8 +54,7 @@ def _torch_shape(reader, tensor):
 
 
 def _expected_type(key, shape, qtype):
-    layer = key.rpartition(".")[0]
-    if key.endswith(".weight") and is_block_linear(layer):
+    if key.endswith(".weight") and is_block_linear(key.rpartition(".")[0]):
         return qtype
     return Q.F32 if len(shape) == 1 or int(np.prod(shape)) <= 1024 else Q.BF16  # ComfyUI-GGUF convert.py rules
 
@@ -60,7 +64,7 @@ def test_sgld_quantize_writes_comfyui_gguf_layout(bf16_file, tmp_path, fmt, caps
     out = tmp_path / f"ernie-{fmt}.gguf"
     assert main(["quantize", str(bf16_file), str(out), "--format", fmt, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["layers"] == 7 * CFG.num_layers and summary["dense_layers"] == []
+    assert summary["layers"] == 7 * CFG.num_layers and summary["fallback"] == {}
     assert os.listdir(tmp_path) == [out.name]  # the atomic writer's temporary file is gone
     qtype = gn.NAMES[fmt]
     source = load_file(str(bf16_file))
@@ -77,16 +81,13 @@ def test_sgld_quantize_writes_comfyui_gguf_layout(bf16_file, tmp_path, fmt, caps
         shape = _torch_shape(reader, t)
         assert shape == tuple(ref.shape), t.name
         assert t.tensor_type == _expected_type(t.name, shape, qtype), (t.name, t.tensor_type.name)
-        block = GGML_QUANT_SIZES[t.tensor_type][0]
-        stored = tuple(int(v) for v in reversed(t.shape))
-        if stored != shape:  # reshaped only when the rows are not whole blocks, into rows of 256
-            assert shape[-1] % block and stored == (int(np.prod(shape)) // 256, 256), t.name
+        assert reader.get_field(f"comfy.gguf.orig_shape.{t.name}") is None  # nothing stored reshaped
         # the file's bytes are our quantizer's output for this tensor ...
         raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1)
-        ours = gn.quantize(ref.reshape(stored), t.tensor_type).numpy().reshape(-1)
+        ours = gn.quantize(ref, t.tensor_type).numpy().reshape(-1)
         assert np.array_equal(raw, ours), t.name
         if t.tensor_type in (Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):  # ... = gguf's own bytes
-            theirs = np.ascontiguousarray(gq.quantize(ref.reshape(stored).numpy(), t.tensor_type)).view(np.uint8)
+            theirs = np.ascontiguousarray(gq.quantize(ref.numpy(), t.tensor_type)).view(np.uint8)
             assert np.array_equal(raw, theirs.reshape(-1)), t.name
         # ... and gguf's numpy dequantizer and ours decode them alike, close to the source
         values = gq.dequantize(np.ascontiguousarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
@@ -97,6 +98,21 @@ def test_sgld_quantize_writes_comfyui_gguf_layout(bf16_file, tmp_path, fmt, caps
             assert np.array_equal(values, ref.numpy()), t.name  # bf16 source: exact in F32 / BF16
     assert errors and max(errors) <= ERROR_BOUND[fmt], (fmt, max(errors))
     assert summary["output_bytes"] == os.path.getsize(out)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0"])
+def test_rows_of_partial_blocks_get_llama_cpp_fallback(tmp_path, fmt):
+    # the tiny model's linears have 64 / 192 inputs: no whole K block (256) per row
+    src = tmp_path / "tiny.safetensors"
+    save_random_checkpoint(str(src), TINY, seed=0, dtype=torch.float32)
+    out = tmp_path / "t.gguf"
+    assert main(["quantize", str(src), str(out), "--format", fmt]) == 0
+    qtype = gn.NAMES[fmt]
+    want = FALLBACK.get(qtype, qtype)  # Q5_0 for Q4_K, Q8_0 for Q6_K; Q8_0 (blocks of 32) fits as it is
+    types = {t.name: t.tensor_type for t in GGUFReader(str(out)).tensors}
+    blocks = {k: v for k, v in types.items() if is_block_linear(k.rpartition(".")[0]) and k.endswith(".weight")}
+    assert len(blocks) == 7 * TINY.num_layers and set(blocks.values()) == {want}
+    assert types["text_proj.weight"] == Q.F32  # fp32 source: dense tensors as stored
 
 
 def test_gguf_sizes_shrink_with_the_type(bf16_file, tmp_path):
@@ -148,7 +164,7 @@ def test_gguf_from_a_prequantized_file(bf16_file, tmp_path):
     reader = GGUFReader(str(out))
     names = {t.name for t in reader.tensors}
     assert names == set(load_file(str(bf16_file)))  # the fp8 scales are folded in, not copied
-    t = next(t for t in reader.tensors if t.name == "layers.1.mlp.linear_fc2.weight")
+    t = next(t for t in reader.tensors if t.name == "layers.0.mlp.linear_fc2.weight")
     ref = load_file(str(bf16_file))[t.name].float().numpy()
     got = gq.dequantize(np.ascontiguousarray(t.data), Q.Q8_0).reshape(ref.shape)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05  # fp8 then q8_0

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_quantize(args) -> dict:
-    to_gguf = gguf_type(args.format) is not None and args.format not in FORMATS
+    to_gguf = gguf_type(args.format) is not None  # a GGUF type (q4_k ..., also f16 / bf16 / f32) writes GGUF
     if to_gguf and not args.output.lower().endswith(".gguf"):
         raise ValueError(f"--format {args.format} writes a GGUF file: the output must end in .gguf, not '{args.output}'")
     if not to_gguf and args.output.lower().endswith(".gguf"):

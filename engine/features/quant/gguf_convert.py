@@ -24,8 +24,11 @@ Q = gguf.GGMLQuantizationType
 # ERNIE-Image GGUF files say "wan"; we write the same, so every tool treats both files alike.
 ARCHITECTURE = "wan"
 SMALL = 1024  # tensors of at most this many values stay F32 (ComfyUI-GGUF's convert.py QUANTIZATION_THRESHOLD)
-REARRANGE_ROW = 256  # a weight whose rows are not whole blocks is stored as rows of 256 values ...
-ORIG_SHAPE_KEY = "comfy.gguf.orig_shape."  # ... with its torch shape under this key (ARRAY of INT32)
+# A block weight whose rows are not whole blocks of the asked type gets llama.cpp's fallback type (its
+# llama_tensor_get_type rule for such tensors), else the dense dtype. Not reshaped into rows of 256 with
+# comfy.gguf.orig_shape: ComfyUI-GGUF's convert.py does that only for SD1/SDXL, and a linear's bytes are kept
+# as rows of whole blocks at load (quant/gguf_linear.py). The 8B model's linears (4096 / 12288 inputs) fit all.
+FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 DENSE_TYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 FILE_TYPES = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16,
               Q.BF16: gguf.LlamaFileType.MOSTLY_BF16, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
@@ -42,22 +45,20 @@ def gguf_type(fmt: str) -> Optional[int]:
     return gn.NAMES.get(str(fmt).lower())
 
 
-def _plan_tensor(key: str, shape: Tuple[int, ...], qtype: int, dense: int) -> Tuple[int, Tuple[int, ...], bool]:
-    """(type, stored torch shape, reshaped) of one tensor (ComfyUI-GGUF's convert.py rules, our type)."""
+def _tensor_type(key: str, shape: Tuple[int, ...], qtype: int, dense: int) -> int:
+    """The GGUF type of one tensor (ComfyUI-GGUF's convert.py rules, the asked type for the block linears)."""
     count = 1
     for s in shape:
         count *= s
     layer, _, leaf = key.rpartition(".")
     if leaf == "weight" and is_block_linear(layer) and len(shape) == 2:
-        block = gn.block_size(qtype)[0]
-        if shape[-1] % block == 0:
-            return qtype, shape, False
-        if count % REARRANGE_ROW == 0 and REARRANGE_ROW % block == 0:
-            return qtype, (count // REARRANGE_ROW, REARRANGE_ROW), True
-        return dense, shape, False  # cannot be cut into whole blocks: left dense (the summary says which)
+        for t in (qtype, FALLBACK.get(qtype)):
+            if t is not None and shape[-1] % gn.block_size(t)[0] == 0:
+                return t
+        return dense
     if len(shape) <= 1 or count <= SMALL:
-        return Q.F32, shape, False
-    return dense, shape, False
+        return Q.F32
+    return dense
 
 
 def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dtype] = None) -> dict:
@@ -77,14 +78,13 @@ def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, tor
         raise ValueError(f"--dtype {dtype}: a GGUF file stores dense tensors as bf16, fp16 or fp32")
     dense_type = DENSE_TYPES[compute]
     skip = plan.stored_keys() - {layer + ".weight" for layer in plan.layers}
-    entries: List[Tuple[str, int, Tuple[int, ...], Tuple[int, ...]]] = []  # key, type, stored shape, torch shape
+    entries: List[Tuple[str, int, Tuple[int, ...]]] = []  # key, type, torch shape
     for k in sorted(ckpt.keys()):
         if k in skip:
             continue
         layer, _, leaf = k.rpartition(".")
         shape = tuple(plan.layers[layer]["shape"]) if leaf == "weight" and layer in plan.layers else ckpt.header(k)[1]
-        t, stored, _ = _plan_tensor(k, shape, qtype, dense_type)
-        entries.append((k, t, stored, shape))
+        entries.append((k, _tensor_type(k, shape, qtype, dense_type), shape))
 
     writer = gguf.GGUFWriter(path=None, arch=ARCHITECTURE)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -92,12 +92,10 @@ def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, tor
     writer.add_name("ERNIE-Image")
     ernie_meta = next((f.metadata[CONFIG_METADATA_KEY] for f in ckpt.files if CONFIG_METADATA_KEY in f.metadata), None)
     writer.add_string(CONFIG_METADATA_KEY, ernie_meta or json.dumps({"rope_axes_dim": list(cfg.rope_axes_dim)}))
-    for k, t, stored, shape in entries:
-        if stored != shape:
-            writer.add_array(ORIG_SHAPE_KEY + k, [int(s) for s in shape])
+    for k, t, shape in entries:
         # the bytes' shape, as gn.quantize gives them; the writer records the values' shape (GGUF order)
-        byte_shape = (*stored[:-1], gn.row_bytes(t, stored[-1]))
-        writer.add_tensor_info(k, byte_shape, np.dtype(np.uint8), gn.tensor_bytes(t, stored), raw_dtype=t)
+        byte_shape = (*shape[:-1], gn.row_bytes(t, shape[-1]))
+        writer.add_tensor_info(k, byte_shape, np.dtype(np.uint8), gn.tensor_bytes(t, shape), raw_dtype=t)
 
     def dense(key: str) -> torch.Tensor:
         layer, _, leaf = key.rpartition(".")
@@ -107,20 +105,17 @@ def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, tor
 
     counts: Dict[str, int] = {}
     with atomic_path(dst) as tmp:
-        writer.write_header_to_file(path=tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
         try:
-            for k, t, stored, _ in entries:
-                raw = gn.quantize(dense(k).reshape(stored), t)
+            writer.write_header_to_file(path=tmp)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for k, t, _ in entries:
+                raw = gn.quantize(dense(k), t)
                 writer.write_tensor_data(raw.numpy())
                 counts[Q(t).name] = counts.get(Q(t).name, 0) + 1
         finally:
             writer.close()
-    quantized = [k for k, t, _, _ in entries if t == qtype and is_block_linear(k.rpartition(".")[0])]
-    left_dense = [k for k, t, _, _ in entries if t != qtype and is_block_linear(k.rpartition(".")[0])
-                  and k.endswith(".weight")]
-    return {"input": src, "output": dst, "format": Q(qtype).name.lower(), "layers": len(quantized),
-            "dense_layers": [k[: -len(".weight")] for k in left_dense],
-            "reshaped": [k for k, _, stored, shape in entries if stored != shape], "types": counts,
+    blocks = [(k.rpartition(".")[0], t) for k, t, _ in entries if k.endswith(".weight") and is_block_linear(k.rpartition(".")[0])]
+    return {"input": src, "output": dst, "format": Q(qtype).name.lower(), "layers": sum(t == qtype for _, t in blocks),
+            "fallback": {layer: Q(t).name.lower() for layer, t in blocks if t != qtype}, "types": counts,
             "input_bytes": os.path.getsize(src) if os.path.isfile(src) else None, "output_bytes": os.path.getsize(dst)}
