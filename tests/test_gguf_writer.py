@@ -168,3 +168,42 @@ def test_gguf_from_a_prequantized_file(bf16_file, tmp_path):
     ref = load_file(str(bf16_file))[t.name].float().numpy()
     got = gq.dequantize(np.ascontiguousarray(t.data), Q.Q8_0).reshape(ref.shape)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05  # fp8 then q8_0
+
+
+def _inputs(cfg):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(1, cfg.in_channels, 4, 4, generator=g), torch.tensor([500.0]),
+            torch.randn(1, 5, cfg.text_in_dim, generator=g), torch.tensor([5]))
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q8_0", "q2_k"])
+def test_written_file_loads_in_our_loader_and_runs_the_dequantized_weights(tmp_path, fmt):
+    """sgld quantize --format X -> engine.load_model (engine/io/gguf.py): the blocks stay GGUF layers, and the
+    forward equals, exactly, that of the same file dequantized by gguf's numpy code and loaded as
+    safetensors (both run float32 on equal values), and stays near the unquantized model's."""
+    from safetensors.torch import save_file
+
+    from engine import load_model
+    from engine.features import quant as Q
+    from engine.features.quant.gguf_linear import GGUFLinear
+
+    src = tmp_path / "m.safetensors"
+    save_random_checkpoint(str(src), CFG, seed=0, dtype=torch.float32)
+    out = tmp_path / "m.gguf"
+    assert main(["quantize", str(src), str(out), "--format", fmt]) == 0
+    model = load_model(str(out), dtype="fp32")
+    layer = model.layers[0].mlp.linear_fc2
+    assert isinstance(layer, GGUFLinear) and layer.QTYPE == gn.NAMES[fmt] and layer.weight.dtype == torch.uint8
+    assert Q.model_quant_format(model) == fmt
+    reader = GGUFReader(str(out))
+    dequantized = {t.name: torch.from_numpy(gq.dequantize(np.ascontiguousarray(t.data), t.tensor_type)
+                                            .astype(np.float32).reshape(_torch_shape(reader, t))) for t in reader.tensors}
+    ref_path = tmp_path / "dequantized.safetensors"
+    save_file(dequantized, str(ref_path), metadata={"ernie_image_config": _field(reader, "ernie_image_config")})
+    with torch.inference_mode():
+        got = model(*_inputs(CFG))
+        want = load_model(str(ref_path), dtype="fp32")(*_inputs(CFG))
+        dense = load_model(str(src), dtype="fp32")(*_inputs(CFG))
+    assert torch.equal(got, want), f"max |difference| {(got - want).abs().max().item():.3g}"
+    err = Q.relative_error(got, dense)
+    assert 0 < err < {"q8_0": 0.002, "q4_k": 0.03, "q2_k": 0.1}[fmt], err  # measured: 0.0004, 0.0067, 0.024
