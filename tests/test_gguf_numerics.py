@@ -65,6 +65,15 @@ def test_dequantize_random_blocks_bit_exact(qtype, device):
         assert _bits_equal(ours, ref), f"{Q(qtype).name}: {rows}x{n} differs from gguf"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", (Q.F16, Q.BF16), ids=lambda t: Q(t).name)
+def test_half_types_every_bit_pattern(qtype, device):
+    # all 65536 patterns: zeros, subnormals, infinities and NaNs (their payloads too) as gguf decodes them
+    raw = np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(1, -1)
+    ours = gn.dequantize(torch.from_numpy(raw.copy()).to(device), qtype, (1, 65536))
+    assert _bits_equal(ours, _reference(raw, qtype).reshape(1, -1))
+
+
 @pytest.mark.parametrize("qtype", PACKAGE_QUANTIZES, ids=lambda t: Q(t).name)
 def test_dequantize_package_written_blocks_bit_exact(qtype):
     g = np.random.default_rng(1)

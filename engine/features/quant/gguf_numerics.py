@@ -160,7 +160,13 @@ def _f32(b):
 
 
 def _f16s(b):
-    return b.contiguous().view(torch.float16).float()
+    h = b.contiguous().view(torch.float16)
+    out = h.float()
+    bits = h.view(torch.int16).to(torch.int32) & 0xFFFF
+    nan = ((bits & 0x7C00) == 0x7C00) & ((bits & 0x3FF) != 0)
+    # torch quiets signalling NaNs; gguf (numpy) keeps every payload bit (no branch: no device sync)
+    keep = ((bits & 0x8000) << 16) | 0x7F800000 | ((bits & 0x3FF) << 13)
+    return torch.where(nan, keep.view(torch.float32), out)
 
 
 def _bf16(b):
