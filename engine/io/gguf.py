@@ -63,15 +63,18 @@ class _Scan:
     def unpack(self, fmt: str, n: int, field: str):
         return struct.unpack_from(fmt, self.buf, self.take(n, field))[0]
 
-    def string(self, field: str, limit: int) -> str:
+    def string(self, field: str, limit: int, name: bool = False) -> str:
         n = self.unpack("<Q", 8, f"the length of {field}")
-        if n > limit:
-            self.fail(f"{field} is {n} bytes long; at most {limit} are allowed")
+        if n > limit or (name and n == 0):
+            self.fail(f"{field} is {n} bytes long; {'1 to ' if name else 'at most '}{limit} are allowed")
         start = self.take(n, field)
         try:
-            return bytes(self.buf[start:start + n]).decode("utf-8")
+            text = bytes(self.buf[start:start + n]).decode("utf-8")
         except UnicodeDecodeError:
             self.fail(f"{field} is not UTF-8 text")
+        if name and not text.isprintable():
+            self.fail(f"{field} {ascii(text)} holds control characters")
+        return text
 
     def value(self, vtype: int, field: str, depth: int = 0) -> None:
         if vtype in SCALARS:
@@ -97,8 +100,11 @@ class _Scan:
             self.fail(f"{field}: unknown value type {vtype}")
 
 
-def _scan(path: str, buf, size: int) -> Tuple[int, int]:
-    """Walk the fixed header, every key/value and every tensor info within the file; (tensor count, kv count)."""
+def _scan(path: str, buf, size: int):
+    """Walk the fixed header, every key/value and every tensor info within the file, and check each tensor
+    (a supported type, 1-4 positive dims, whole blocks per row, an aligned offset, its bytes inside the file).
+    Returns ({name: (qtype, torch shape, absolute offset, bytes)}, kv count, data start, alignment)."""
+    num = _numerics()
     s = _Scan(path, buf, size)
     if size < 24 or bytes(buf[:4]) != MAGIC:
         s.fail(f"it does not start with the GGUF magic and a 24-byte header (the file has {size} bytes)")
@@ -114,16 +120,55 @@ def _scan(path: str, buf, size: int) -> Tuple[int, int]:
         s.fail(f"header field 'kv_count' = {n_kv} does not fit a {size}-byte file")
     if n_tensors * 33 > size - 24 or n_tensors == 0:  # a tensor info takes at least 33 bytes
         s.fail(f"header field 'tensor_count' = {n_tensors}: must be at least 1 and fit a {size}-byte file")
+    alignment = 32  # GGUF_DEFAULT_ALIGNMENT
     for i in range(n_kv):
-        key = s.string(f"the key of metadata entry {i}", MAX_NAME)
-        s.value(s.unpack("<I", 4, f"the value type of metadata '{key}'"), f"metadata '{key}'")
+        key = s.string(f"the key of metadata entry {i}", MAX_NAME, name=True)
+        vtype = s.unpack("<I", 4, f"the value type of metadata '{key}'")
+        at = s.pos
+        s.value(vtype, f"metadata '{key}'")
+        if key == "general.alignment":
+            alignment = struct.unpack_from("<I", buf, at)[0] if vtype == 4 else 0
+            if not alignment or alignment & (alignment - 1) or alignment > 1 << 20:
+                s.fail("metadata 'general.alignment' must be a UINT32 power of two up to 1 MB")
+    infos = []
     for i in range(n_tensors):
-        name = s.string(f"the name of tensor {i}", MAX_NAME)
+        name = s.string(f"the name of tensor {i}", MAX_NAME, name=True)
         n_dims = s.unpack("<I", 4, f"tensor '{name}': n_dims")
         if not 1 <= n_dims <= MAX_DIMS:
             s.fail(f"tensor '{name}': n_dims = {n_dims}; 1 to {MAX_DIMS} are allowed")
-        s.take(8 * n_dims + 12, f"tensor '{name}': dims, type and offset")
-    return n_tensors, n_kv
+        at = s.take(8 * n_dims + 12, f"tensor '{name}': dims, type and offset")
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, at)
+        qtype, offset = struct.unpack_from("<IQ", buf, at + 8 * n_dims)
+        infos.append((name, dims, qtype, offset))
+    data_start = -(-s.pos // alignment) * alignment
+    tensors: Dict[str, Tuple[int, Tuple[int, ...], int, int]] = {}
+    for name, dims, qtype, offset in infos:
+        if name in tensors:
+            s.fail(f"tensor '{name}' appears twice")
+        if qtype not in num.SUPPORTED:
+            known = getattr(_gguf_types().get(qtype), "name", "unknown")
+            raise CheckpointError(f"{path}: tensor '{name}': GGUF type {qtype} ({known}) is not read; allowed: "
+                                  f"{', '.join(n.upper() for n in num.NAMES)}")
+        if not all(d > 0 for d in dims):
+            raise CheckpointError(f"{path}: tensor '{name}': dims {list(dims)} must be positive")
+        shape = tuple(reversed(dims))  # torch order; GGUF lists the row (ne[0]) first
+        block, _ = num.block_size(qtype)
+        if shape[-1] % block:
+            raise CheckpointError(f"{path}: tensor '{name}': rows of {shape[-1]} values are not whole "
+                                  f"{num.type_name(qtype)} blocks of {block}")
+        nbytes = num.tensor_bytes(qtype, shape)
+        if offset % alignment:
+            raise CheckpointError(f"{path}: tensor '{name}': offset {offset} is not a multiple of the alignment {alignment}")
+        if data_start + offset + nbytes > size:
+            raise CheckpointError(f"{path}: file is truncated: tensor '{name}' {list(shape)} {num.type_name(qtype)} "
+                                  f"ends at byte {data_start + offset + nbytes} but the file has {size} bytes")
+        tensors[name] = (qtype, shape, data_start + offset, nbytes)
+    return tensors, n_kv, data_start, alignment
+
+
+def _gguf_types() -> dict:
+    from gguf import GGMLQuantizationType
+    return {int(t): t for t in GGMLQuantizationType}
 
 
 def _reference_reader(path: str):
@@ -153,51 +198,26 @@ class GGUFFile:
         if size == 0:
             raise CheckpointError(f"{path}: not a valid GGUF file: the file is empty")
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            n_tensors, n_kv = _scan(path, buf, size)
+            tensors, n_kv, data_start, self.alignment = _scan(path, buf, size)
         reader = _reference_reader(path)
-        if len(reader.tensors) != n_tensors or len(reader.fields) != n_kv + 3:  # + version and the two counts
-            raise CheckpointError(f"{path}: not a valid GGUF file: the reference reader found "
-                                  f"{len(reader.tensors)} tensors and {len(reader.fields) - 3} metadata entries, "
-                                  f"the header says {n_tensors} and {n_kv}")
+        theirs = {t.name: (int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset))
+                  for t in reader.tensors}
+        if (len(reader.fields) != n_kv + 3 or int(reader.data_offset) != data_start  # + version and the two counts
+                or theirs != {k: v[:3] for k, v in tensors.items()}):
+            raise CheckpointError(f"{path}: not a valid GGUF file: the reference reader reads its header otherwise "
+                                  f"({len(reader.tensors)} tensors, {len(reader.fields) - 3} metadata entries)")
         try:
             self.metadata: Dict[str, str] = {k: _text(v) for k, v in reader.fields.items() if not k.startswith("GGUF.")}
         except (UnicodeDecodeError, ValueError, TypeError) as e:
             raise CheckpointError(f"{path}: not a valid GGUF file: a metadata value cannot be read "
                                   f"({type(e).__name__}: {str(e)[:120]})") from None
         self.architecture = self.metadata.get("general.architecture", "")
-        self.alignment = int(reader.alignment)
-        self.data_start = int(reader.data_offset)
+        self.data_start = data_start
         # key -> (qtype, stored torch shape, torch shape, absolute offset, bytes)
-        self.entries: Dict[str, Tuple[int, Tuple[int, ...], Tuple[int, ...], int, int]] = {}
-        for t in reader.tensors:
-            self.entries[t.name] = self._entry(reader, t, size)
+        self.entries: Dict[str, Tuple[int, Tuple[int, ...], Tuple[int, ...], int, int]] = {
+            k: (qtype, shape, self._orig_shape(reader, k, shape), begin, n) for k, (qtype, shape, begin, n) in tensors.items()}
         del reader  # its memory map goes with it
         self._check_coverage(size)
-
-    def _entry(self, reader, t, size: int):
-        num = _numerics()
-        path, name = self.path, t.name
-        qtype = int(t.tensor_type)
-        if qtype not in num.SUPPORTED:
-            raise CheckpointError(f"{path}: tensor '{name}': GGUF type {qtype} ({getattr(t.tensor_type, 'name', '?')}) is "
-                                  f"not read; allowed: {', '.join(n.upper() for n in num.NAMES)}")
-        dims = [int(d) for d in t.shape]  # GGUF order: the row (ne[0]) first
-        if not all(d > 0 for d in dims):
-            raise CheckpointError(f"{path}: tensor '{name}': dims {dims} must be positive")
-        stored = tuple(reversed(dims))  # torch order
-        block, _ = num.block_size(qtype)
-        if stored[-1] % block:
-            raise CheckpointError(f"{path}: tensor '{name}': rows of {stored[-1]} values are not whole "
-                                  f"{num.type_name(qtype)} blocks of {block}")
-        nbytes = num.tensor_bytes(qtype, stored)
-        begin = int(t.data_offset)
-        if (begin - self.data_start) % self.alignment:
-            raise CheckpointError(f"{path}: tensor '{name}': offset {begin - self.data_start} is not a multiple of "
-                                  f"the alignment {self.alignment}")
-        if begin + nbytes > size:
-            raise CheckpointError(f"{path}: file is truncated: tensor '{name}' {list(stored)} {num.type_name(qtype)} "
-                                  f"ends at byte {begin + nbytes} but the file has {size} bytes")
-        return qtype, stored, self._orig_shape(reader, name, stored), begin, nbytes
 
     def _orig_shape(self, reader, name: str, stored: Tuple[int, ...]) -> Tuple[int, ...]:
         field = reader.get_field(ORIG_SHAPE_KEY + name)
