@@ -200,3 +200,9 @@ def test_fuzzed_files_only_ever_give_checkpoint_errors(tmp_path, base):
             pytest.fail(f"case {case}: {type(e).__name__}: {e}")
         os.remove(path)
     assert outcomes["refused"] > 150, outcomes
+
+
+def test_the_reader_reads_exactly_the_types_the_dequantizer_knows():
+    from engine.features.quant import gguf_numerics
+    from engine.io.gguf import READ_TYPES
+    assert set(READ_TYPES) == {int(t) for t in gguf_numerics.SUPPORTED} and len(READ_TYPES) == 13

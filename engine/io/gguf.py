@@ -4,7 +4,7 @@ with the GGUF magic), as unsloth and city96's ComfyUI-GGUF write them.
 The header is parsed by ``gguf.GGUFReader`` (the format's reference Python reader, memory-mapped), but only
 after ``_scan`` walked it once itself, bounding every count and length by the bytes really left in the file
 (the reference reader would loop over, or allocate for, whatever count a damaged header states). Then each
-tensor is checked as strictly as a safetensors entry: a type of gguf_numerics.SUPPORTED, 1-4 positive
+tensor is checked as strictly as a safetensors entry: a type of ``READ_TYPES``, 1-4 positive
 dims, whole blocks per row, an aligned offset, its bytes inside the file and no two tensors sharing bytes.
 ComfyUI-GGUF's convention is honoured: a tensor stored reshaped has its torch shape in the metadata key
 ``comfy.gguf.orig_shape.<name>`` (an INT32 array). Quantized tensors are reported as U8 in their torch
@@ -19,7 +19,9 @@ import os
 import struct
 from typing import Dict, Iterator, Optional, Tuple
 
+import gguf
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import CheckpointError
 from .readers import Reader, register_reader
@@ -39,9 +41,21 @@ SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4),
 STRING, ARRAY, INT32 = 8, 9, 5
 
 
-def _numerics():
-    from ..features.quant import gguf_numerics  # the block table (one place: gguf_numerics.SUPPORTED)
-    return gguf_numerics
+_T = GGMLQuantizationType
+# The block types read (engine/features/quant/gguf_numerics.py dequantizes exactly these: SUPPORTED there,
+# tests/test_gguf_validation.py checks the two agree). F32 / F16 / BF16 load as ordinary tensors.
+READ_TYPES: Dict[int, str] = {int(t): t.name for t in (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0,
+                                                        _T.Q5_1, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K)}
+DENSE = {int(_T.F32): torch.float32, int(_T.F16): torch.float16, int(_T.BF16): torch.bfloat16}
+
+
+def tensor_bytes(qtype: int, shape: Tuple[int, ...]) -> int:
+    """Bytes of a tensor of ``shape`` (torch order, rows last, whole blocks) in block type ``qtype``."""
+    block, size = GGML_QUANT_SIZES[_T(qtype)]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows * (shape[-1] // block) * size
 
 
 class _Scan:
@@ -104,7 +118,6 @@ def _scan(path: str, buf, size: int):
     """Walk the fixed header, every key/value and every tensor info within the file, and check each tensor
     (a supported type, 1-4 positive dims, whole blocks per row, an aligned offset, its bytes inside the file).
     Returns ({name: (qtype, torch shape, absolute offset, bytes)}, kv count, data start, alignment)."""
-    num = _numerics()
     s = _Scan(path, buf, size)
     if size < 24 or bytes(buf[:4]) != MAGIC:
         s.fail(f"it does not start with the GGUF magic and a 24-byte header (the file has {size} bytes)")
@@ -145,34 +158,28 @@ def _scan(path: str, buf, size: int):
     for name, dims, qtype, offset in infos:
         if name in tensors:
             s.fail(f"tensor '{name}' appears twice")
-        if qtype not in num.SUPPORTED:
-            known = getattr(_gguf_types().get(qtype), "name", "unknown")
+        if qtype not in READ_TYPES:
+            known = _T(qtype).name if qtype in _T._value2member_map_ else "unknown"
             raise CheckpointError(f"{path}: tensor '{name}': GGUF type {qtype} ({known}) is not read; allowed: "
-                                  f"{', '.join(n.upper() for n in num.NAMES)}")
+                                  f"{', '.join(READ_TYPES.values())}")
         if not all(d > 0 for d in dims):
             raise CheckpointError(f"{path}: tensor '{name}': dims {list(dims)} must be positive")
         shape = tuple(reversed(dims))  # torch order; GGUF lists the row (ne[0]) first
-        block, _ = num.block_size(qtype)
+        block = GGML_QUANT_SIZES[_T(qtype)][0]
         if shape[-1] % block:
             raise CheckpointError(f"{path}: tensor '{name}': rows of {shape[-1]} values are not whole "
-                                  f"{num.type_name(qtype)} blocks of {block}")
-        nbytes = num.tensor_bytes(qtype, shape)
+                                  f"{READ_TYPES[qtype]} blocks of {block}")
+        nbytes = tensor_bytes(qtype, shape)
         if offset % alignment:
             raise CheckpointError(f"{path}: tensor '{name}': offset {offset} is not a multiple of the alignment {alignment}")
         if data_start + offset + nbytes > size:
-            raise CheckpointError(f"{path}: file is truncated: tensor '{name}' {list(shape)} {num.type_name(qtype)} "
+            raise CheckpointError(f"{path}: file is truncated: tensor '{name}' {list(shape)} {READ_TYPES[qtype]} "
                                   f"ends at byte {data_start + offset + nbytes} but the file has {size} bytes")
         tensors[name] = (qtype, shape, data_start + offset, nbytes)
     return tensors, n_kv, data_start, alignment
 
 
-def _gguf_types() -> dict:
-    from gguf import GGMLQuantizationType
-    return {int(t): t for t in GGMLQuantizationType}
-
-
 def _reference_reader(path: str):
-    import gguf  # the reference reader; imported here so that engine/io loads without it until a GGUF file comes
     try:
         return gguf.GGUFReader(path, "r")
     except (ValueError, KeyError, TypeError, IndexError, OverflowError, UnicodeDecodeError) as e:
@@ -278,31 +285,25 @@ class GGUFFile:
     def tensors(self, keys=None, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
         """(key, tensor) in file order, each in its own buffer: F32/F16/BF16 as tensors of their shape,
         quantized ones as their uint8 bytes [rows, bytes per row] of the stored layout."""
-        from .safetensors import _read_exactly
         wanted = sorted(self.entries if keys is None else keys, key=lambda k: self.entries[k][3])
         with open(self.path, "rb", buffering=0) as f:
             for key in wanted:
                 qtype, stored, shape, begin, n = self.entries[key]
                 buf = torch.empty(n, dtype=torch.uint8)
                 f.seek(begin)
-                _read_exactly(f, memoryview(buf.numpy()), f"{self.path}: file is truncated while reading '{key}'")
+                view, got = memoryview(buf.numpy()), 0
+                while got < n:  # one readinto returns at most 2 GiB, and less at a short file's end
+                    step = f.readinto(view[got:])
+                    if not step:
+                        raise CheckpointError(f"{self.path}: file is truncated while reading '{key}'")
+                    got += step
                 if qtype in DENSE:
                     t = buf.view(DENSE[qtype]).reshape(shape)
                     if dtype is not None and t.dtype != dtype:
                         t = t.to(dtype)
                 else:
-                    t = buf.reshape(-1, n // max(1, _rows(stored)))
+                    t = buf.reshape(-1, tensor_bytes(qtype, stored[-1:]))  # [rows, bytes per row]
                 yield key, t
-
-
-def _rows(shape: Tuple[int, ...]) -> int:
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    return rows
-
-
-DENSE = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGML type ids of F32, F16, BF16
 
 
 def is_gguf(head: bytes) -> bool:
