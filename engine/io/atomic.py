@@ -34,6 +34,27 @@ def atomic_write(path: str, suffix: str = ".part"):
         raise
 
 
+@contextlib.contextmanager
+def atomic_path(path: str, suffix: str = ".part"):
+    """``atomic_write`` for writers that open their file by name (gguf.GGUFWriter): yield the unique
+    temporary path in ``path``'s folder; on success it is synced and replaces ``path``, on any failure it is
+    removed."""
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
+                               suffix=suffix)
+    os.close(fd)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def private_dir(name: str) -> str:
     """``<temp folder>/<name>-<uid>``: this user's own folder for files kept between runs (created 0700). One
     that exists is used only if it is a real folder of this user that nobody else can write or read; anything

@@ -1,0 +1,209 @@
+"""`sgld quantize --format <GGUF type>` (engine/features/quant/gguf_convert.py): a tiny random ERNIE-Image
+checkpoint written as GGUF and read back with the real `gguf` package's reader and numpy dequantizer, against
+the layout city96's ComfyUI-GGUF loads (its loader.py / tools/convert.py, see docs/quantization.md)."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import quants as gq
+from safetensors.torch import load_file
+
+from engine.cli import main
+from engine.features.quant import gguf_numerics as gn
+from engine.features.quant.gguf_convert import FALLBACK
+from engine.features.quant.modules import is_block_linear
+from engine.models.ernie_image import ErnieImageConfig
+from engine.models.random_weights import SIZES, save_random_checkpoint
+
+Q = GGMLQuantizationType
+# every block linear has 256-multiple inputs (as the 8B model's 4096 / 12288), so the K types fit them all
+CFG = ErnieImageConfig(hidden_size=256, num_layers=1, num_attention_heads=4, ffn_hidden_size=256, in_channels=16,
+                       out_channels=16, text_in_dim=64, rope_axes_dim=(16, 24, 24))
+TINY = SIZES["tiny"]  # inputs 64 / 192: not whole K blocks
+# ComfyUI-GGUF loader.py IMG_ARCH_LIST: the general.architecture values it accepts for a diffusion model
+COMFYUI_GGUF_IMG_ARCHS = {"flux", "sd1", "sdxl", "sd3", "aura", "hidream", "cosmos", "ltxv", "hyvid", "wan",
+                          "lumina2", "qwen_image"}
+# rough relative RMS error bounds of a tiny model's block weights per type (the values are gaussian)
+ERROR_BOUND = {"f32": 0, "f16": 1e-3, "bf16": 5e-3, "q8_0": 0.01, "q6_k": 0.03, "q5_1": 0.05, "q5_0": 0.06,
+               "q5_k": 0.06, "q4_1": 0.1, "q4_0": 0.11, "q4_k": 0.11, "q3_k": 0.2, "q2_k": 0.4}
+
+
+@pytest.fixture(scope="module")
+def bf16_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("gguf") / "ernie-bf16.safetensors"
+    save_random_checkpoint(str(p), CFG, seed=0, dtype=torch.bfloat16)
+    return p
+
+
+def _field(reader, key):
+    f = reader.get_field(key)
+    return None if f is None else f.contents()
+
+
+def _torch_shape(reader, tensor):
+    """The tensor's torch shape as ComfyUI-GGUF's loader.py get_orig_shape reads it: the ARRAY of INT32 under
+    comfy.gguf.orig_shape.<name>, else the GGUF shape reversed."""
+    f = reader.get_field(f"comfy.gguf.orig_shape.{tensor.name}")
+    if f is None:
+        return tuple(int(v) for v in reversed(tensor.shape))
+    assert f.types == [GGUFValueType.ARRAY, GGUFValueType.INT32]
+    return tuple(int(v) for v in f.contents())
+
+
+def _expected_type(key, shape, qtype):
+    if key.endswith(".weight") and is_block_linear(key.rpartition(".")[0]):
+        return qtype
+    return Q.F32 if len(shape) == 1 or int(np.prod(shape)) <= 1024 else Q.BF16  # ComfyUI-GGUF convert.py rules
+
+
+@pytest.mark.parametrize("fmt", list(gn.NAMES))
+def test_sgld_quantize_writes_comfyui_gguf_layout(bf16_file, tmp_path, fmt, capsys):
+    out = tmp_path / f"ernie-{fmt}.gguf"
+    assert main(["quantize", str(bf16_file), str(out), "--format", fmt, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["layers"] == 7 * CFG.num_layers and summary["fallback"] == {}
+    assert os.listdir(tmp_path) == [out.name]  # the atomic writer's temporary file is gone
+    qtype = gn.NAMES[fmt]
+    source = load_file(str(bf16_file))
+    reader = GGUFReader(str(out))
+    assert _field(reader, "general.architecture") in COMFYUI_GGUF_IMG_ARCHS
+    assert _field(reader, "general.quantization_version") == 2
+    assert json.loads(_field(reader, "ernie_image_config"))["rope_axes_dim"] == list(CFG.rope_axes_dim)
+    names = [t.name for t in reader.tensors]
+    assert sorted(names) == sorted(source)  # diffusers' names, no prefix (convert.py writes none either)
+    assert all(len(n) <= 127 for n in names)  # ComfyUI-GGUF's MAX_TENSOR_NAME_LENGTH
+    errors = []
+    for t in reader.tensors:
+        ref = source[t.name].float()
+        shape = _torch_shape(reader, t)
+        assert shape == tuple(ref.shape), t.name
+        assert t.tensor_type == _expected_type(t.name, shape, qtype), (t.name, t.tensor_type.name)
+        assert reader.get_field(f"comfy.gguf.orig_shape.{t.name}") is None  # nothing stored reshaped
+        # the file's bytes are our quantizer's output for this tensor ...
+        raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1)
+        ours = gn.quantize(ref, t.tensor_type).numpy().reshape(-1)
+        assert np.array_equal(raw, ours), t.name
+        if t.tensor_type in (Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):  # ... = gguf's own bytes
+            theirs = np.ascontiguousarray(gq.quantize(ref.numpy(), t.tensor_type)).view(np.uint8)
+            assert np.array_equal(raw, theirs.reshape(-1)), t.name
+        # ... and gguf's numpy dequantizer and ours decode them alike, close to the source
+        values = gq.dequantize(np.ascontiguousarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
+        assert np.array_equal(gn.dequantize(torch.from_numpy(raw.copy()), t.tensor_type, shape).numpy(), values)
+        if t.tensor_type == qtype:
+            errors.append(float(np.linalg.norm(values - ref.numpy()) / np.linalg.norm(ref.numpy())))
+        elif t.tensor_type in (Q.F32, Q.BF16):
+            assert np.array_equal(values, ref.numpy()), t.name  # bf16 source: exact in F32 / BF16
+    assert errors and max(errors) <= ERROR_BOUND[fmt], (fmt, max(errors))
+    assert summary["output_bytes"] == os.path.getsize(out)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0"])
+def test_rows_of_partial_blocks_get_llama_cpp_fallback(tmp_path, fmt):
+    # the tiny model's linears have 64 / 192 inputs: no whole K block (256) per row
+    src = tmp_path / "tiny.safetensors"
+    save_random_checkpoint(str(src), TINY, seed=0, dtype=torch.float32)
+    out = tmp_path / "t.gguf"
+    assert main(["quantize", str(src), str(out), "--format", fmt]) == 0
+    qtype = gn.NAMES[fmt]
+    want = FALLBACK.get(qtype, qtype)  # Q5_0 for Q4_K, Q8_0 for Q6_K; Q8_0 (blocks of 32) fits as it is
+    types = {t.name: t.tensor_type for t in GGUFReader(str(out)).tensors}
+    blocks = {k: v for k, v in types.items() if is_block_linear(k.rpartition(".")[0]) and k.endswith(".weight")}
+    assert len(blocks) == 7 * TINY.num_layers and set(blocks.values()) == {want}
+    assert types["text_proj.weight"] == Q.F32  # fp32 source: dense tensors as stored
+
+
+def test_gguf_sizes_shrink_with_the_type(bf16_file, tmp_path):
+    sizes = {}
+    for fmt in ("bf16", "q8_0", "q4_k", "q2_k"):
+        out = tmp_path / f"m-{fmt}.gguf"
+        assert main(["quantize", str(bf16_file), str(out), "--format", fmt]) == 0
+        sizes[fmt] = os.path.getsize(out)
+    assert sizes["bf16"] > sizes["q8_0"] > sizes["q4_k"] > sizes["q2_k"], sizes
+
+
+def test_gguf_dense_dtype_option(bf16_file, tmp_path):
+    out = tmp_path / "m.gguf"
+    assert main(["quantize", str(bf16_file), str(out), "--format", "Q8_0", "--dtype", "fp16"]) == 0
+    types = {t.name: t.tensor_type for t in GGUFReader(str(out)).tensors}
+    assert types["text_proj.weight"] == Q.F16 and types["layers.0.mlp.up_proj.weight"] == Q.Q8_0
+    assert types["final_linear.bias"] == Q.F32
+
+
+def test_gguf_format_and_output_name_must_agree(bf16_file, tmp_path, capsys):
+    assert main(["quantize", str(bf16_file), str(tmp_path / "o.gguf"), "--format", "fp8"]) == 2
+    assert "is a GGUF file: --format must be a GGUF type" in capsys.readouterr().err
+    assert main(["quantize", str(bf16_file), str(tmp_path / "o.safetensors"), "--format", "q4_k"]) == 2
+    assert "writes a GGUF file: the output must end in .gguf" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+def test_gguf_failed_write_keeps_the_old_file(bf16_file, tmp_path, monkeypatch):
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"old")
+    calls = []
+
+    def failing(weight, qtype, real=gn.quantize):
+        calls.append(qtype)
+        if len(calls) == 5:  # stands in for a full disk or Ctrl-C in the middle of the tensors
+            raise OSError("no space left on device")
+        return real(weight, qtype)
+
+    monkeypatch.setattr(gn, "quantize", failing)
+    assert main(["quantize", str(bf16_file), str(out), "--format", "q4_0"]) == 2
+    assert out.read_bytes() == b"old" and os.listdir(tmp_path) == ["m.gguf"]
+
+
+def test_gguf_from_a_prequantized_file(bf16_file, tmp_path):
+    fp8 = tmp_path / "m-fp8.safetensors"
+    assert main(["quantize", str(bf16_file), str(fp8), "--format", "fp8"]) == 0
+    out = tmp_path / "m.gguf"
+    assert main(["quantize", str(fp8), str(out), "--format", "q8_0"]) == 0
+    reader = GGUFReader(str(out))
+    names = {t.name for t in reader.tensors}
+    assert names == set(load_file(str(bf16_file)))  # the fp8 scales are folded in, not copied
+    t = next(t for t in reader.tensors if t.name == "layers.0.mlp.linear_fc2.weight")
+    ref = load_file(str(bf16_file))[t.name].float().numpy()
+    got = gq.dequantize(np.ascontiguousarray(t.data), Q.Q8_0).reshape(ref.shape)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05  # fp8 then q8_0
+
+
+def _inputs(cfg):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(1, cfg.in_channels, 4, 4, generator=g), torch.tensor([500.0]),
+            torch.randn(1, 5, cfg.text_in_dim, generator=g), torch.tensor([5]))
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q8_0", "q2_k"])
+def test_written_file_loads_in_our_loader_and_runs_the_dequantized_weights(tmp_path, fmt):
+    """sgld quantize --format X -> engine.load_model (engine/io/gguf.py): the blocks stay GGUF layers, and the
+    forward equals, exactly, that of the same file dequantized by gguf's numpy code and loaded as
+    safetensors (both run float32 on equal values), and stays near the unquantized model's."""
+    from safetensors.torch import save_file
+
+    from engine import load_model
+    from engine.features import quant as Q
+    from engine.features.quant.gguf_linear import GGUFLinear
+
+    src = tmp_path / "m.safetensors"
+    save_random_checkpoint(str(src), CFG, seed=0, dtype=torch.float32)
+    out = tmp_path / "m.gguf"
+    assert main(["quantize", str(src), str(out), "--format", fmt]) == 0
+    model = load_model(str(out), dtype="fp32")
+    layer = model.layers[0].mlp.linear_fc2
+    assert isinstance(layer, GGUFLinear) and layer.QTYPE == gn.NAMES[fmt] and layer.weight.dtype == torch.uint8
+    assert Q.model_quant_format(model) == fmt
+    reader = GGUFReader(str(out))
+    dequantized = {t.name: torch.from_numpy(gq.dequantize(np.ascontiguousarray(t.data), t.tensor_type)
+                                            .astype(np.float32).reshape(_torch_shape(reader, t))) for t in reader.tensors}
+    ref_path = tmp_path / "dequantized.safetensors"
+    save_file(dequantized, str(ref_path), metadata={"ernie_image_config": _field(reader, "ernie_image_config")})
+    with torch.inference_mode():
+        got = model(*_inputs(CFG))
+        want = load_model(str(ref_path), dtype="fp32")(*_inputs(CFG))
+        dense = load_model(str(src), dtype="fp32")(*_inputs(CFG))
+    assert torch.equal(got, want), f"max |difference| {(got - want).abs().max().item():.3g}"
+    err = Q.relative_error(got, dense)
+    assert 0 < err < {"q8_0": 0.002, "q4_k": 0.03, "q2_k": 0.1}[fmt], err  # measured: 0.0004, 0.0067, 0.024
