@@ -1,4 +1,4 @@
-"""`sgld quantize`: write an FP8 / INT4 copy of a model file that the loader reads back quantized."""
+"""`sgld quantize`: write a quantized (FP8 / INT4 / INT8) copy of a model file that the loader reads back quantized."""
 from __future__ import annotations
 
 import json
@@ -9,14 +9,15 @@ from .common import check_output_path
 
 
 def add_parser(sub) -> None:
-    q = sub.add_parser("quantize", help="write an FP8 / INT4 copy of a model file",
+    q = sub.add_parser("quantize", help="write an FP8 / INT4 / INT8 copy of a model file",
                        description="Quantize the DiT blocks' linear layers of an ERNIE-Image checkpoint (bf16/fp16/fp32, "
                                    "or already quantized) and write a .safetensors file that the loader (and the "
                                    "SGLDiffusion Model Loader node) reads back quantized. One tensor in memory at a time.")
     q.add_argument("input", help="ERNIE-Image .safetensors file or diffusers folder")
     q.add_argument("output", help="the .safetensors file to write")
     q.add_argument("--format", required=True, choices=FORMATS,
-                   help="fp8: e4m3, one scale per output channel; int4: groups of 128 (int4-g64: groups of 64)")
+                   help="fp8: e4m3, one scale per output channel; int4: groups of 128 (int4-g64: groups of 64); "
+                        "int8 / int8-weight: int8, one scale per output channel (loads as W8A8 / weight-only)")
     q.add_argument("--dtype", default=None, help="dtype of the tensors left unquantized: bf16, fp16, fp32 (default: as stored)")
     q.add_argument("--json", action="store_true", help="print one line of JSON")
 
