@@ -26,6 +26,8 @@ from the measured eager forward.
                    eager interleaved, Turbo image, which wins, Turbo + Cache-DiT fast                     150
     base, base-quality, base-balanced, base-fast   Base 50 steps cfg 4 (batch 2), presets with quality    49
     int4           open_engine(file, quant=int4): load peak, inference memory, forward                     20
+    int8           open_engine(file, quant=int8): W8A8 (torch._int_mm, per-token activation scales) vs bf16:
+                   load peak, inference memory, forward, Turbo image if the budget allows                 25
     fuse-quant     the engine's order (quantize, fuse) and the reverse: same tensors, state_dict works     10
     off-bf16, off-bf16-8buf, off-fp8, off-engine   layer-wise offload (bench/gpu_check_offload.py)         56
     lora           rank-32 LoRA apply / strength / switch / remove on the 8B model (gpu_check_serve.py)      9
@@ -35,7 +37,7 @@ from the measured eager forward.
     all-on         [subprocess] fp8 + the best attention + compiled, Turbo with all of it (or 1.3x the
                    compiled row's compile time when this run measured it)                                 150
     flash          FlashAttention 2 when installed (PyPI has only its sdist: normally n/a)                  0
-    gguf, int8     placeholders: "not built yet"                                                            0
+    gguf           placeholder: "not built yet"                                                             0
   about 621 s of rows + ~20 s of set-up: more than one 540 s run (rows 1-23, 471 s, fit); the first run
   answers the headline rows, and $OUT/rerun.txt names the command for the rest (bench/RESULTS.md: the
   15-minute plan).
@@ -71,7 +73,7 @@ from engine.models.random_weights import SIZES  # noqa: E402
 PRESETS = ("quality", "balanced", "fast")
 RISKY = ("sage", "compiled", "all-on", "flash")
 ALL_ROWS = ("build", "eager", "diffusers", "turbo", *(f"turbo-{p}" for p in PRESETS), "fp8", "sage", "compiled",
-            "base", *(f"base-{p}" for p in PRESETS), "int4", "fuse-quant", *OFFLOAD_ROWS, "lora", "serve", "comfy",
+            "base", *(f"base-{p}" for p in PRESETS), "int4", "int8", "fuse-quant", *OFFLOAD_ROWS, "lora", "serve", "comfy",
             "all-on", "flash", *PLACEHOLDERS)
 WORKER_CAP = {"sage": 120, "compiled": 240, "all-on": 240, "flash": 60}  # seconds a worker may take at most
 
@@ -99,6 +101,7 @@ def plan(ctx):
     rows += [("base", run_need(steps, 2, None), whole_run("base", steps, 4.0, None))]
     rows += [(f"base-{p}", run_need(steps, 2, p), whole_run(f"base-{p}", steps, 4.0, p)) for p in PRESETS]
     rows += [("int4", lambda: ctx.checkpoint_estimate("int4") + 8 + load() * 1.5 + 2 * c * f(), opened("int4")),
+             ("int8", lambda: ctx.checkpoint_estimate("int8") + 8 + load() * 1.5 + 2 * c * f(), opened("int8")),
              ("fuse-quant", lambda: 8 + 4 * c * f(), row_fuse_quant)]
     rows += offload_rows(ctx)
     rows += [("lora", lambda: 4 + load() / 2 + 2 * c * f(), row_lora),

@@ -1,5 +1,5 @@
 """The GPU check's rows that run in its own process (bench/gpu_check.py lists them in running order): the
-model, our forward against diffusers, Turbo / Base images with and without Cache-DiT, and FP8 / INT4
+model, our forward against diffusers, Turbo / Base images with and without Cache-DiT, and FP8 / INT4 / INT8
 engines opened from a file the way users open them."""
 import time
 
@@ -232,7 +232,7 @@ def opened(fmt):
                        load_s=_round(load_s, 2), check=True)
         start = ctx.start_window()
         st, first, ok = time_forward(ctx, m, ctx.state["inp1"])
-        notes = f"{'; '.join(n for n in eng.notes if 'fp8 matmul' in n) or 'dequantize path'}"
+        notes = matmul_note(eng, fmt, ctx.state["inp1"])
         ctx.report.row(fmt, "measured", f"DiT forward, {fmt} weights ({gib:.1f} GiB), sdpa (inference memory)", st, None,
                        ctx.peak(), start, f"{notes}{speed_note(ctx, st)}{err_note(ctx)}{finite_note(ok)}")
         if fmt == "fp8" or ctx.left() > 10 * st + 5:
@@ -245,6 +245,18 @@ def opened(fmt):
         eng = m = None
         ctx.release()
     return run
+
+
+def matmul_note(eng, fmt, inp) -> str:
+    """Which matmul the row's layers ran: fp8's torch._scaled_mm note, int8's torch._int_mm probe (cached by
+    the forward just timed, for its token count), else the dequantize path."""
+    if fmt == "int8":
+        lin = next(m for m in eng.model.modules() if isinstance(m, Q.Int8Linear))
+        tokens = inp[0].shape[0] * inp[0].shape[2] * inp[0].shape[3] // eng.model.config.patch_size ** 2
+        if Q.int_mm_accepts(lin.weight.device, tokens, lin.in_features, lin.out_features):
+            return "W8A8: torch._int_mm int8 x int8 -> int32, per-token activation scales"
+        return "torch._int_mm refused these shapes here: dequantized matmul"
+    return "; ".join(n for n in eng.notes if "fp8 matmul" in n) or "dequantize path"
 
 
 def state_dict_check(m) -> str:

@@ -32,7 +32,7 @@ from lora_bench import RANK, lora_state_dict  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
-PLACEHOLDERS = ("gguf", "int8")
+PLACEHOLDERS = ("gguf",)
 SERVE_NEEDS = ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "opentelemetry", "prometheus_client",
                "requests")
 CLIENTS = (1, 4, 8)

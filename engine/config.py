@@ -46,11 +46,12 @@ class EngineConfig:
                 "for all new resolutions. The first run at a size is slower.")
     # Pre-quantized files (sgld quantize, ComfyUI fp8) load quantized whatever this says.
     quant: Optional[str] = option(
-        None, str, "weight-only quantization of the block linears at load (pre-quantized files load quantized anyway)",
+        None, str, "quantization of the block linears at load (pre-quantized files load quantized anyway)",
         choices=FORMATS, optional=True, labels={None: "none"}, aliases={"off": None, "": None}, any_case=True,
         flag="--quant", widget="quant",
-        tooltip="Weight-only quantization of the transformer blocks' linear layers (fp8, or int4 in groups of 128 / "
-                "64). Pre-quantized files load quantized whatever this says.")
+        tooltip="Quantization of the transformer blocks' linear layers: fp8, int4 in groups of 128 / 64 and "
+                "int8-weight are weight-only; int8 also quantizes the activations per token and multiplies in int8 "
+                "(faster on CPUs with VNNI and on sm80+ GPUs). Pre-quantized files load quantized whatever this says.")
     offload: str = option(
         "none", str, "layer-wise offload: block weights in pinned CPU memory, streamed through --resident-layers "
         "device buffers (auto: only when the GPU's free memory is below the model + working memory)",

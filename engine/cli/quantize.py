@@ -1,5 +1,5 @@
-"""`sgld quantize`: write an FP8 / INT4 copy of a model file that the loader reads back quantized, or a GGUF
-file (q8_0, q4_k, ...: engine/features/quant/gguf_convert.py)."""
+"""`sgld quantize`: write an FP8 / INT4 / INT8 copy of a model file that the loader reads back quantized, or a
+GGUF file (q8_0, q4_k, ...: engine/features/quant/gguf_convert.py)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ def _choices():
 
 
 def add_parser(sub) -> None:
-    q = sub.add_parser("quantize", help="write an FP8 / INT4 copy of a model file",
+    q = sub.add_parser("quantize", help="write an FP8 / INT4 / INT8 copy of a model file",
                        description="Quantize the DiT blocks' linear layers of an ERNIE-Image checkpoint (bf16/fp16/fp32, "
                                    "or already quantized) and write a .safetensors file that the loader (and the "
                                    "SGLDiffusion Model Loader node) reads back quantized. One tensor in memory at a time.")
@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
     q.add_argument("output", help="the .safetensors file to write (.gguf for a GGUF type)")
     q.add_argument("--format", required=True, choices=_choices(), type=str.lower,
                    help="fp8: e4m3, one scale per output channel; int4: groups of 128 (int4-g64: groups of 64); "
+                        "int8 / int8-weight: int8, one scale per output channel (loads as W8A8 / weight-only); "
                         "a GGUF type (q8_0, q4_k, ...): a .gguf file that ComfyUI-GGUF also loads")
     q.add_argument("--dtype", default=None, help="dtype of the tensors left unquantized: bf16, fp16, fp32 (default: as stored)")
     q.add_argument("--json", action="store_true", help="print one line of JSON")
