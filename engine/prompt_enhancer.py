@@ -127,7 +127,7 @@ def _sampling(folder: str) -> dict:
 
 class PromptEnhancer:
     """A short prompt -> the PE's revised prompt. ``seconds``: the last ``enhance`` call's time;
-    ``load_seconds``: the last load's."""
+    ``load_seconds``: the last load's; ``new_tokens``: the last call's generated tokens per prompt."""
 
     def __init__(self, model, tokenizer, *, source: str, sampling: dict, device, dtype, loader=None):
         self.model, self.tokenizer, self.source, self.sampling = model, tokenizer, source, sampling
@@ -137,6 +137,7 @@ class PromptEnhancer:
                                   "chat template (chat_template.jinja or tokenizer_config.json's chat_template)")
         self.seconds = 0.0
         self.load_seconds = 0.0
+        self.new_tokens: List[int] = []  # tokens generated per prompt by the last ``enhance``
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer: Optional[str] = None, device=None, dtype=None,
@@ -203,7 +204,7 @@ class PromptEnhancer:
                 raise InputError(f"{self.source}: the prompt enhancer was released and cannot be loaded again")
             self.model, self.load_seconds = self._loader()
         t0 = time.perf_counter()
-        out = []
+        out, self.new_tokens = [], []
         for i, prompt in enumerate(prompts):
             out.append(self._one(prompt, width, height, None if seed is None else seed + i, limit, greedy, system_prompt))
         self.seconds = time.perf_counter() - t0
@@ -224,7 +225,9 @@ class PromptEnhancer:
             if seed is not None:
                 torch.manual_seed(seed)
             ids = self.model.generate(**inputs, generation_config=generation)
-        return tok.decode(ids[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        new = ids[0][inputs["input_ids"].shape[1]:]
+        self.new_tokens.append(int(new.numel()))
+        return tok.decode(new, skip_special_tokens=True).strip()
 
     def release(self) -> None:
         """Free the weights (and the GPU memory they held); the next ``enhance`` loads them again."""
