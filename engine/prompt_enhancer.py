@@ -206,7 +206,8 @@ class PromptEnhancer:
         t0 = time.perf_counter()
         out, self.new_tokens = [], []
         for i, prompt in enumerate(prompts):
-            out.append(self._one(prompt, width, height, None if seed is None else seed + i, limit, greedy, system_prompt))
+            out.append(self._one(prompt, width, height, None if seed is None else (seed + i) % 2 ** 64, limit, greedy,
+                                 system_prompt))
         self.seconds = time.perf_counter() - t0
         return out
 
