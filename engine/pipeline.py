@@ -87,14 +87,16 @@ def _engine_config(torch_dtype, device, given: dict) -> EngineConfig:
 
 def _cache_config(cache) -> Optional[CacheConfig]:
     """None (the SGLANG_CACHE_DIT_* environment decides), False / "off", a preset name, or a CacheConfig."""
-    if cache is None or isinstance(cache, CacheConfig):
-        return cache
+    if cache is None:
+        return None
+    if isinstance(cache, CacheConfig):
+        return cache.validate()
     if cache is False or (isinstance(cache, str) and cache.lower() in ("off", "none")):
         return CacheConfig(enabled=False)
     if cache is True:
         return CacheConfig(enabled=True, preset="balanced")
     if isinstance(cache, str):
-        return CacheConfig(enabled=True, preset=cache)
+        return CacheConfig(enabled=True, preset=cache).validate()
     raise TypeError(f"cache={cache!r}: give a preset name (quality, balanced, fast, ...), 'off', or a CacheConfig")
 
 
@@ -197,7 +199,7 @@ class ErnieImagePipeline:
     # -- engine features ---------------------------------------------------------------------------------------
     def enable_cache(self, preset: str = "balanced", **fields) -> None:
         """Cache-DiT for the following runs: a preset (quality, balanced, fast, ...) and CacheConfig's fields."""
-        self.cache = CacheConfig(enabled=True, preset=preset, **fields)
+        self.cache = CacheConfig(enabled=True, preset=preset, **fields).validate()
 
     def disable_cache(self) -> None:
         """No Cache-DiT, whatever the SGLANG_CACHE_DIT_* environment says."""
