@@ -158,7 +158,8 @@ class ErnieImagePipeline:
                                          device=config.device, tokenizer=release.tokenizer)
             vae = Flux2VAE.from_folder(release.vae, device=config.device)
             engine = open_engine(release.transformer, config)
-            kind = model_kind(release.transformer if release.kind == "files" else release.source)
+            kinds = {model_kind(release.transformer)} | ({model_kind(release.source)} if release.kind == "hub" else set())
+            kind = "turbo" if "turbo" in kinds else "base"  # a repo id's name says Turbo too (its snapshot's cannot)
         pipe = cls(engine, te, vae, release, kind, cache=cache)
         if lora is not None:
             pipe.set_loras(_loras(lora))
@@ -248,13 +249,13 @@ class ErnieImagePipeline:
                  generator: Optional[torch.Generator] = None, seed: Optional[int] = None, use_pe: Optional[bool] = None,
                  output_type: str = "pil", return_dict: bool = True, sampler: str = "euler",
                  scheduler: Optional[str] = None, shift: Optional[float] = None, cache=None,
-                 max_new_tokens: Optional[int] = None):
+                 max_new_tokens: Optional[int] = None, pe_greedy: bool = False):
         """diffusers' call. ``height``/``width``: 1024 (the demo: 64); ``num_inference_steps``/``guidance_scale``:
         the model's defaults; ``generator`` (diffusers) or ``seed`` (ComfyUI's noise; random when neither);
         ``use_pe``: None = on when the release has a prompt enhancer (diffusers' default), as diffusers.
         ``scheduler=None``: diffusers' linspace schedule with the release's shift; a ComfyUI scheduler name
         (simple, normal, beta) runs that one (the demo's default: simple, shift 3). ``cache`` overrides the
-        pipeline's for this call."""
+        pipeline's for this call; ``max_new_tokens`` / ``pe_greedy`` (argmax decoding) go to the prompt enhancer."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt or [])
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise InputError("prompt must be a string or a non-empty list of strings")
@@ -283,7 +284,8 @@ class ErnieImagePipeline:
 
         revised = None
         if use_pe or (use_pe is None and self.release.pe is not None and self.kind != "demo"):
-            revised = self._enhancer().enhance(prompts, width, height, seed=seed, max_new_tokens=max_new_tokens)
+            revised = self._enhancer().enhance(prompts, width, height, seed=seed, max_new_tokens=max_new_tokens,
+                                               greedy=pe_greedy)
             prompts = list(revised)
 
         latent = self.vae.empty_latent(width, height, len(prompts) * num_images_per_prompt)

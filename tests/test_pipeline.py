@@ -154,6 +154,14 @@ def test_accelerate_equals_diffusers_and_restore_gives_the_original_back(release
     stats = pipe.transformer.engine.last_run
     assert stats.model_calls == 12 and stats.calls_computed < 12
     engine.restore(pipe)
+    engine.accelerate(pipe, cache="off", quant="int4", attention="sdpa")  # the loader's features on diffusers' DiT
+    described = pipe.transformer.engine.describe()
+    assert described["quant"] == "int4" and described["attention"] == "sdpa"
+    quantized = call(pipe, use_pe=False)
+    assert torch.isfinite(quantized).all() and not torch.equal(quantized, before)
+    assert (quantized - before).abs().max() < 0.5 * before.abs().max()  # int4 weights: close, not equal
+    engine.restore(pipe)
+    assert pipe.transformer is original
     with pytest.raises(InputError, match="ErnieImageTransformer2DModel"):
         engine.accelerate(type("P", (), {"transformer": torch.nn.Linear(2, 2)})())
 
@@ -187,8 +195,8 @@ def test_engine_options_are_keywords_and_methods(tmp_path):
     assert not torch.equal(pipe("a red circle", **run).images, base)
     pipe.unload_lora()
     assert torch.equal(pipe("a red circle", **run).images, base)
-    with_lora = ErnieImagePipeline.from_pretrained("demo", lora=f"{lora}:0.5")
-    assert with_lora.engine.loras == [(lora, 0.5)]
+    with_lora = ErnieImagePipeline.from_pretrained("demo", lora=f"{lora}:0.5", quant="int4")
+    assert with_lora.engine.loras == [(lora, 0.5)] and with_lora.engine.describe()["quant"] == "int4"
     # torch.compile(pipe.transformer) is the engine's regional compile of the same module (compiled lazily)
     model = pipe.transformer
     pipe.transformer = torch.compile(pipe.transformer)
@@ -204,6 +212,10 @@ def test_bad_options_and_inputs_are_refused_with_their_names(release):
         ErnieImagePipeline.from_pretrained("demo", attention="nope")
     with pytest.raises(ValueError, match="preset"):
         ErnieImagePipeline.from_pretrained("demo", cache="warp-speed")
+    with pytest.raises(engine.ParallelConfigError, match="num_gpus"):  # the degrees checked before any rank starts
+        ErnieImagePipeline.from_pretrained("demo", num_gpus=2, tp=3)
+    with pytest.raises(ValueError, match="quant"):
+        ErnieImagePipeline.from_pretrained("demo", quant="int3")
     pipe = ErnieImagePipeline.from_pretrained("demo")
     for kw, match in [({"output_type": "pt"}, "output_type"), ({"seed": 1, "generator": torch.Generator()}, "not both"),
                       ({"num_images_per_prompt": 0}, "num_images_per_prompt"), ({"sampler": "ddim"}, "sampler"),
@@ -253,3 +265,31 @@ def test_a_repo_id_resolves_through_the_local_hf_cache_only(release, tmp_path, m
     assert found.kind == "hub" and found.transformer == str(repo / "snapshots" / "0123abc" / "transformer")
     assert found.scheduler_config()["shift"] == 4.0 and found.pe is None
     assert ErnieImagePipeline.from_pretrained("tiny-org/ERNIE-Image").kind == "base"
+
+
+# -- the prompt enhancer -------------------------------------------------------------------------------------------------
+def test_prompt_enhancer_runs_by_default_and_greedy_equals_diffusers(release, reference, tmp_path):
+    """tests/tiny_pe.py's tiny Ministral3ForCausalLM PE in the release (pe/ + pe_tokenizer/); diffusers'
+    _enhance_prompt_with_pe with temperature 1 and top-p 1 is its greedy decoding."""
+    import transformers
+    from tiny_pe import write_tiny_pe
+
+    dst = copy_release(release, tmp_path)
+    pe_dir, tok_dir = write_tiny_pe(str(dst))
+    pipe = ErnieImagePipeline.from_pretrained(str(dst), cache="off")
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(PROMPTS, height=64, width=96, num_inference_steps=2, seed=4, pe_greedy=True, output_type="latent")
+    reference.register_modules(pe=transformers.AutoModelForCausalLM.from_pretrained(pe_dir).eval(),
+                               pe_tokenizer=transformers.AutoTokenizer.from_pretrained(tok_dir))
+    try:
+        expected = [reference._enhance_prompt_with_pe(p, torch.device("cpu"), width=96, height=64, temperature=1.0,
+                                                      top_p=1.0) for p in PROMPTS]
+    finally:
+        reference.register_modules(pe=None, pe_tokenizer=None)
+    assert out.revised_prompts == expected and expected != PROMPTS
+    # the picture is the revised prompts' (and use_pe=False keeps the user's)
+    direct = pipe(expected, height=64, width=96, num_inference_steps=2, seed=4, use_pe=False, output_type="latent")
+    assert torch.equal(out.images, direct.images) and direct.revised_prompts is None
+    sampled = pipe(PROMPTS[0], height=64, width=96, num_inference_steps=1, seed=9, output_type="latent")
+    again = pipe(PROMPTS[0], height=64, width=96, num_inference_steps=1, seed=9, output_type="latent")
+    assert sampled.revised_prompts == again.revised_prompts  # sampled (temperature 0.6), deterministic per seed
