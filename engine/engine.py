@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .config import EngineConfig
-from .errors import ModelOutputError
+from .errors import InputError, ModelOutputError
 from .features.cache import measured_speedup, resolve_config
 from .features.offload import get_offload
 from .inputs import (
@@ -234,7 +234,7 @@ class Engine:
     def prepare(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
                 sampler: str = DEFAULT_SAMPLER, scheduler: str = DEFAULT_SCHEDULER, denoise: float = DEFAULT_DENOISE, shift: float = DEFAULT_SHIFT,
                 cache=None, noise_mask: Optional[torch.Tensor] = None, batch_index: Optional[Sequence[int]] = None,
-                sigmas=None) -> "Run":
+                sigmas=None, noise: Optional[torch.Tensor] = None) -> "Run":
         """Everything a run needs before its first model call, for ``Engine.sample`` and the server's batcher alike:
         every input checked (InputError naming what is wrong; CacheConfigError for the cache), the sigmas, the
         cache plan, ComfyUI's seeded noise and the run's fresh ``RunStats``. Touches nothing of the engine's."""
@@ -257,7 +257,12 @@ class Engine:
             return Run(latent, cond, uncond, float(cfg), sampler, int(seed), sigmas, None, None, None, stats)
         plan = self._cache_plan(cache, stats.model_calls)
         mask = None if mask is None else prepare_mask(mask, latent.shape)
-        noise = seeded_noise(latent.shape, seed, batch_index)
+        if noise is None:
+            noise = seeded_noise(latent.shape, seed, batch_index)
+        elif tuple(noise.shape) != tuple(latent.shape):
+            raise InputError(f"noise has shape {tuple(noise.shape)}; it must be the latent's, {tuple(latent.shape)}")
+        else:  # the caller's own draw (a diffusers-style torch.Generator): float32 on the CPU, like seeded_noise
+            noise = noise.detach().to("cpu", torch.float32)
         return Run(latent, cond, uncond, float(cfg), sampler, int(seed), sigmas, mask, noise, plan, stats)
 
     @torch.no_grad()
@@ -284,7 +289,7 @@ class Engine:
                sampler: str = DEFAULT_SAMPLER, scheduler: str = DEFAULT_SCHEDULER, denoise: float = DEFAULT_DENOISE,
                shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None, cache=None,
                noise_mask: Optional[torch.Tensor] = None, batch_index: Optional[Sequence[int]] = None,
-               sigmas=None) -> torch.Tensor:
+               sigmas=None, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sample from ``latent`` (zeros for text-to-image) and return the denoised latent (float32, CPU).
 
         ``cond``/``uncond`` are lists of per-sample text features [T_i, C] of any lengths (one entry
@@ -292,6 +297,8 @@ class Engine:
         model call and may raise to interrupt. ``cache``: an ``engine.features.cache.CacheConfig``; None =
         the engine config's, else the environment's (SGLANG_CACHE_DIT_*); ``CacheConfig(enabled=False)`` = off.
         ``sigmas``: the caller's own schedule (``steps`` + 1 values) instead of scheduler, denoise and shift.
+        ``noise``: the caller's own starting noise (the latent's shape) instead of the seed's (ErnieImagePipeline
+        with a ``generator``).
 
         Inpainting, as ComfyUI's KSampler: ``noise_mask`` (a LATENT's: [N, 1, h, w] at any size, 1 = repaint,
         0 = keep) is scaled to the latent and blended in at every model call (``sampling.inpaint_denoiser``);
@@ -303,7 +310,7 @@ class Engine:
         """
         prepared = self.prepare(latent, cond, uncond, seed=seed, steps=steps, cfg=cfg, sampler=sampler,
                                 scheduler=scheduler, denoise=denoise, shift=shift, cache=cache, noise_mask=noise_mask,
-                                batch_index=batch_index, sigmas=sigmas)
+                                batch_index=batch_index, sigmas=sigmas, noise=noise)
         self.last_run = prepared.stats
         if not prepared.steps:
             return prepared.latent.clone()

@@ -93,3 +93,64 @@ def check_common_args(args) -> None:
         backend = getattr(torch, dev.type, None)
         if backend is None or not getattr(backend, "is_available", lambda: False)():
             raise ValueError(f"--device {device}: no '{dev.type}' device is available here (use cpu or cuda)")
+
+
+MIX_PARALLEL_HELP = ("accepted for SGLang's spelling; nothing to switch on here: --tp with --sp (--ulysses-degree) "
+                     "already mixes tensor and sequence parallelism (ranks = tp x sp x ring)")
+
+
+def add_release_arguments(group) -> None:
+    """SGLang's spellings shared by generate and serve: --model-path (engine/release.py resolves it) and
+    --enable-mix-parallel (accepted; the degrees already mix)."""
+    group.add_argument("--model-path", default=None,
+                       help="an ERNIE-Image release folder (diffusers' layout) or a Hugging Face repo id found in the "
+                            "local Hugging Face cache (never downloaded), or 'demo': its transformer/, text_encoder/, "
+                            "vae/ (and pe/ for --pe) are found there; --text-encoder / --vae replace single parts")
+    group.add_argument("--enable-mix-parallel", action="store_true", help=MIX_PARALLEL_HELP)
+
+
+def add_pe_arguments(p) -> None:
+    """The prompt enhancer's flags (engine/prompt_enhancer.py)."""
+    g = p.add_argument_group("prompt enhancer (ERNIE-Image's PE; costs seconds per prompt)")
+    g.add_argument("--pe", nargs="?", const="", default=None, metavar="PATH",
+                   help="rewrite the prompt with the PE first: PATH is its folder (the release's pe/) or a "
+                        ".safetensors file with its config.json beside it; no PATH: the --model-path release's pe/")
+    g.add_argument("--pe-tokenizer", default=None,
+                   help="the PE's tokenizer folder (default: the release's pe_tokenizer/ beside pe/, else PATH itself)")
+    g.add_argument("--pe-device", default=None, help="torch device of the PE (default: --device)")
+    g.add_argument("--pe-dtype", default=None, choices=("fp32", "bf16", "fp16"), help="dtype of the PE (default fp32)")
+    g.add_argument("--pe-max-new-tokens", type=int, default=None,
+                   help="most tokens the PE writes (default: its tokenizer's model_max_length, as diffusers; "
+                        "at most 8192)")
+
+
+def check_pe_args(args) -> None:
+    """The PE's flags, before anything loads."""
+    from ..prompt_enhancer import MAX_NEW_TOKENS_CAP
+
+    limit = getattr(args, "pe_max_new_tokens", None)
+    if limit is not None and not 1 <= limit <= MAX_NEW_TOKENS_CAP:
+        raise ValueError(f"--pe-max-new-tokens must be from 1 to {MAX_NEW_TOKENS_CAP} (got {limit})")
+    if getattr(args, "pe", None) is None and any(getattr(args, n, None) is not None for n in
+                                                 ("pe_tokenizer", "pe_device", "pe_dtype", "pe_max_new_tokens")):
+        raise ValueError("--pe-tokenizer, --pe-device, --pe-dtype and --pe-max-new-tokens set up the prompt "
+                         "enhancer: give --pe [PATH] too")
+
+
+def load_prompt_enhancer(args, release=None):
+    """The PE the flags name (None without --pe): --pe PATH, else the release's pe/ (CheckpointError naming
+    what is missing)."""
+    if getattr(args, "pe", None) is None:
+        return None
+    from ..errors import CheckpointError
+    from ..prompt_enhancer import PromptEnhancer
+
+    path, tokenizer = args.pe, args.pe_tokenizer
+    if not path:
+        if release is None or release.pe is None:
+            where = f"the release '{release.source}' has no pe/ folder" if release is not None else "no --model-path"
+            raise CheckpointError(f"--pe without a PATH uses the --model-path release's pe/, but {where}; give "
+                                  "--pe PATH (the PE folder, or ernie-image-prompt-enhancer.safetensors with its config)")
+        path, tokenizer = release.pe, tokenizer or release.pe_tokenizer
+    return PromptEnhancer.from_pretrained(path, tokenizer=tokenizer, device=args.pe_device or args.device,
+                                          dtype=args.pe_dtype)

@@ -3,10 +3,13 @@ with ComfyUI-style text metadata."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import re
 import sys
 import time
+import unicodedata
 from typing import Callable, NamedTuple
 
 import torch
@@ -18,20 +21,27 @@ from ..features.lora import parse_spec
 from ..io.atomic import atomic_write
 from ..models import demo as demo_pkg
 from ..models.external import Flux2VAE, TextEncoder
+from ..release import DEMO, resolve_release
 from ..router import open_engine
 from ..sampling import MAX_IMAGE_SIDE
 from ..sampling_options import from_flags
 from .common import (
     add_cache_arguments,
     add_engine_arguments,
+    add_pe_arguments,
+    add_release_arguments,
     add_sampling_arguments,
     cache_config,
     check_output_path,
+    check_pe_args,
     engine_config,
+    load_prompt_enhancer,
 )
 
 SAMPLING = ("seed", "steps", "cfg", "sampler", "scheduler", "shift")  # the sampling options it has flags for
 ERNIE_SIZE = 1024  # default --width / --height for ERNIE-Image files
+DEFAULT_OUT = "out.png"
+SAVE_OUTPUT_DIR = "outputs"  # SGLang's default --output-path
 
 
 def add_parser(sub) -> None:
@@ -39,19 +49,27 @@ def add_parser(sub) -> None:
                        description="Make an image from a prompt (the embedded demo model by default).")
     g.add_argument("--prompt", required=True)
     g.add_argument("--negative", default="")
-    g.add_argument("--out", default="out.png", help="PNG file to write (replaced whole: written to a temporary file first)")
+    g.add_argument("--out", default=None, help=f"PNG file to write (default {DEFAULT_OUT}; replaced whole: written to a "
+                                               "temporary file first)")
+    g.add_argument("--save-output", action="store_true",
+                   help="SGLang's spelling: write the picture under a generated name in --output-path, as SGLang "
+                        "does (<prompt>_<YYYYmmdd-HHMMSS>_<settings hash>.png); --out still names the file if given")
+    g.add_argument("--output-path", default=SAVE_OUTPUT_DIR, help=f"the folder of --save-output (default {SAVE_OUTPUT_DIR}/)")
     add_sampling_arguments(g, SAMPLING)
     g.add_argument("--json", action="store_true", help="print one line of JSON with settings and timings")
     g.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH",
                    help="apply a LoRA (.safetensors; diffusers/PEFT, ai-toolkit, kohya or ComfyUI keys) at STRENGTH "
                         "(default 1.0); repeat the flag to stack several")
-    ext = g.add_argument_group("ERNIE-Image files instead of the demo (all three together; needs transformers and diffusers)")
+    ext = g.add_argument_group("ERNIE-Image files instead of the demo (--model-path, or all three of --model "
+                               "--text-encoder --vae; needs transformers and diffusers)")
+    add_release_arguments(ext)
     ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder")
     ext.add_argument("--text-encoder", help="text encoder folder (HF text_encoder/; tokenizer inside or in the sibling tokenizer/)")
     ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/)")
     ext.add_argument("--width", type=int, default=None,
                      help=f"image width in pixels, up to {MAX_IMAGE_SIDE} (default 1024; the demo makes 64x64 only)")
     ext.add_argument("--height", type=int, default=None, help="image height in pixels (as --width)")
+    add_pe_arguments(g)
     add_engine_arguments(g)
     add_cache_arguments(g)
 
@@ -71,8 +89,21 @@ class GenerateParts(NamedTuple):
     default_size: int  # pixels on each side
 
 
+def release_of(args):
+    """The release --model-path names (engine/release.py, resolved once per command), or None."""
+    if getattr(args, "model_path", None) is None:
+        return None
+    if getattr(args, "_release", None) is None:
+        if args.model:
+            raise ValueError("--model-path and --model name the model twice; give one (--text-encoder / --vae may "
+                             "replace the release's parts)")
+        args._release = resolve_release(args.model_path, text_encoder=args.text_encoder, vae=args.vae)
+    return args._release
+
+
 def make_parts(args) -> GenerateParts:
-    """The parts of the model the flags name: ERNIE-Image files (--model --text-encoder --vae) or the demo."""
+    """The parts of the model the flags name: ERNIE-Image files (--model-path, or --model --text-encoder --vae)
+    or the demo."""
     return (_ernie_parts if uses_ernie_files(args) else _demo_parts)(args)
 
 
@@ -92,13 +123,20 @@ def _demo_parts(args) -> GenerateParts:
 
 def _ernie_parts(args) -> GenerateParts:
     """The same parts from ERNIE-Image files (engine/models/external.py)."""
-    missing = [f"--{n.replace('_', '-')}" for n in ("model", "text_encoder", "vae") if not getattr(args, n)]
-    if missing:
-        raise ValueError(f"--model, --text-encoder and --vae go together; missing {', '.join(missing)}")
-    vae = Flux2VAE.from_folder(args.vae, device=args.device)
-    te = TextEncoder.from_folder(args.text_encoder, device=args.device)
-    eng = open_engine(args.model, engine_config(args, cache=cache_config(args)))
-    return GenerateParts(eng, lambda p: [te.encode(p)], vae.empty_latent, lambda z: vae.decode(z)[0].numpy(), args.model,
+    release = release_of(args)
+    if release is not None:
+        release.require("transformer", "text_encoder", "vae", why="the DiT, its text encoder and the VAE")
+        model, text_encoder, vae_folder = release.transformer, release.text_encoder, release.vae
+    else:
+        missing = [f"--{n.replace('_', '-')}" for n in ("model", "text_encoder", "vae") if not getattr(args, n)]
+        if missing:
+            raise ValueError(f"--model, --text-encoder and --vae go together; missing {', '.join(missing)} (or give "
+                             "--model-path: a release folder holding all three)")
+        model, text_encoder, vae_folder = args.model, args.text_encoder, args.vae
+    vae = Flux2VAE.from_folder(vae_folder, device=args.device)
+    te = TextEncoder.from_folder(text_encoder, device=args.device)
+    eng = open_engine(model, engine_config(args, cache=cache_config(args)))
+    return GenerateParts(eng, lambda p: [te.encode(p)], vae.empty_latent, lambda z: vae.decode(z)[0].numpy(), model,
                          ERNIE_SIZE)
 
 
@@ -110,12 +148,16 @@ def cmd_generate(args) -> dict:
     eng = parts.engine
     if args.loras:
         eng.set_loras(args.loras)
-    cond, uncond = parts.encode(args.prompt), parts.encode(args.negative)
-    load_s = time.perf_counter() - t0
+    width, height = args.width or parts.default_size, args.height or parts.default_size
+    revised, pe_stats = _enhance(args, width, height, run["seed"])
+    cond, uncond = parts.encode(revised if revised is not None else args.prompt), parts.encode(args.negative)
+    load_s = time.perf_counter() - t0 - pe_stats.get("pe_seconds", 0.0) - pe_stats.get("pe_load_seconds", 0.0)
     settings = {"prompt": args.prompt, "negative": args.negative, **run, "model": os.path.basename(parts.model_path)}
+    if revised is not None:
+        settings["revised_prompt"] = revised
     bar = None if args.json else _progress_bar(run["steps"])
     try:
-        empty = parts.empty_latent(args.width or parts.default_size, args.height or parts.default_size)
+        empty = parts.empty_latent(width, height)
         latent = eng.sample(empty, cond, uncond, **run, callback=(lambda i, n, x, d: bar.update(1)) if bar else None)
     finally:
         if bar:
@@ -128,7 +170,7 @@ def cmd_generate(args) -> dict:
         raise ValueError(f"--out '{args.out}': could not write it: {e.strerror or e}") from None
     result = {**settings, "out": args.out, "load_seconds": round(load_s, 3),
               "sampling_seconds": stats["sampling_seconds"], "model_calls": stats["model_calls"],
-              "calls_computed": stats["calls_computed"], "step_mask": stats["step_mask"]}
+              "calls_computed": stats["calls_computed"], "step_mask": stats["step_mask"], **pe_stats}
     if "speedup" in stats:
         result["speedup"] = stats["speedup"]
     parallel = eng.describe()["parallel"]
@@ -138,9 +180,36 @@ def cmd_generate(args) -> dict:
     if args.json:
         print(json.dumps(result))
     else:
+        if revised is not None:
+            print(f"revised prompt ({pe_stats['pe_seconds']:.2f} s): {revised}")
         print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]}): load {load_s:.2f} s, sampling "
               f"{stats['sampling_seconds']:.2f} s, {stats['calls_computed']}/{stats['model_calls']} steps computed")
     return result
+
+
+def _enhance(args, width: int, height: int, seed: int):
+    """(the PE's revised prompt, its timings) with --pe, else (None, {}). The PE is freed once it has written."""
+    pe = load_prompt_enhancer(args, release_of(args))
+    if pe is None:
+        return None, {}
+    try:
+        revised = pe.enhance([args.prompt], width, height, seed=seed, max_new_tokens=args.pe_max_new_tokens)[0]
+    finally:
+        pe.release()
+    return revised, {"pe_seconds": round(pe.seconds, 3), "pe_load_seconds": round(pe.load_seconds, 3),
+                     "pe_new_tokens": pe.new_tokens[0]}
+
+
+def output_name(args, run: dict) -> str:
+    """--save-output's file, named as SGLang names its outputs: the prompt's first 100 characters, the local
+    time and 8 hex digits of a hash of the settings, reduced to ASCII letters, digits, '.', '_' and '-'."""
+    settings = {"prompt": args.prompt, "negative": args.negative, "width": args.width, "height": args.height,
+                "model": args.model_path or args.model, **run}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:8]
+    base = f"{args.prompt[:100]}_{time.strftime('%Y%m%d-%H%M%S')}_{digest}"
+    ascii_name = unicodedata.normalize("NFKD", base).encode("ascii", "ignore").decode("ascii").replace(" ", "_")
+    name = re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9._-]", "_", ascii_name)).strip("._") or "output"
+    return os.path.join(args.output_path, name[:150] + ".png")
 
 
 def _progress_bar(total: int):
@@ -153,17 +222,25 @@ def _save_png(image, path: str, settings: dict, stats: dict) -> None:
     info = PngInfo()
     info.add_text("prompt", json.dumps(settings))
     info.add_text("sgld", json.dumps({k: stats[k] for k in ("model_calls", "calls_computed", "step_mask")}))
+    if "revised_prompt" in settings:  # the PE's prompt, also in its own chunk (what the picture was made from)
+        info.add_text("revised_prompt", settings["revised_prompt"])
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with atomic_write(path, suffix=".png.part") as f:
         Image.fromarray(image).save(f, format="PNG", pnginfo=info)
 
 
 def uses_ernie_files(args) -> bool:
+    release = release_of(args)
+    if release is not None:
+        return release.kind != DEMO
     return any(getattr(args, n, None) for n in ("model", "text_encoder", "vae"))
 
 
 def model_source(args) -> str:
     """The DiT file or folder the flags name (the demo's file without --model): what decides the defaults."""
+    release = release_of(args)
+    if release is not None:
+        return release.transformer
     return args.model if uses_ernie_files(args) and args.model else demo_pkg.DEMO_WEIGHTS
 
 
@@ -184,6 +261,9 @@ def check_generate_args(args) -> tuple:
                 raise ValueError(f"--{name} {value}: the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} "
                                  "pictures only (other sizes need ERNIE-Image files: --model --text-encoder --vae)")
     run = from_flags(args, model_source(args), SAMPLING)
+    check_pe_args(args)
+    if args.out is None:
+        args.out = output_name(args, run) if args.save_output else DEFAULT_OUT
     check_output_path("--out", args.out, (".png",))
     engine_config(args)  # the engine's flags and the parallel degrees against each other
     cache_config(args)

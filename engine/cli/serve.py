@@ -13,8 +13,18 @@ from .. import inputs
 from ..models import demo as demo_pkg
 from ..sampling import MAX_IMAGE_SIDE
 from ..sampling_options import from_flags
-from .common import add_cache_arguments, add_engine_arguments, add_sampling_arguments, cache_config, engine_config
-from .generate import make_parts, model_source, uses_ernie_files
+from .common import (
+    add_cache_arguments,
+    add_engine_arguments,
+    add_pe_arguments,
+    add_release_arguments,
+    add_sampling_arguments,
+    cache_config,
+    check_pe_args,
+    engine_config,
+    load_prompt_enhancer,
+)
+from .generate import make_parts, model_source, release_of, uses_ernie_files
 
 try:  # the HTTP server's packages are an extra (pip install '.[serve]'): without them the other commands still run
     import uvicorn
@@ -75,10 +85,13 @@ def add_parser(sub) -> None:
     add_sampling_arguments(s.add_argument_group("defaults of a request without num_inference_steps / guidance_scale"),
                            SAMPLING)
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    ext = s.add_argument_group("ERNIE-Image files instead of the demo (all three together)")
+    ext = s.add_argument_group("ERNIE-Image files instead of the demo (--model-path, or all three of --model "
+                               "--text-encoder --vae)")
+    add_release_arguments(ext)
     ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder")
     ext.add_argument("--text-encoder", help="text encoder folder (HF text_encoder/)")
     ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/)")
+    add_pe_arguments(s)  # requests ask for it with "enhance_prompt": true
     add_engine_arguments(s)
     add_cache_arguments(s)
 
@@ -99,17 +112,31 @@ def served_model(args) -> ServedModel:
     """The model the flags name, with its defaults and the --lora files active."""
     engine_config(args)  # the engine's flags and the parallel degrees against each other, before loading
     cache_config(args)
+    check_pe_args(args)
     defaults = from_flags(args, model_source(args), SAMPLING)  # the flags', else the model's
+    release = release_of(args)
+    pe = load_prompt_enhancer(args, release)  # resident: a request's enhance_prompt must not wait for a load
     parts = make_parts(args)
     if args.loras:
         parts.engine.set_loras(args.loras)
     external = uses_ernie_files(args)
-    name = args.served_model_name or (os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
-                                      if external else DEMO_ID)
+    if args.served_model_name or not external:
+        name = args.served_model_name or DEMO_ID
+    elif release is not None and release.kind == "hub":
+        name = release.source  # the repo id, as SGLang names it
+    else:
+        name = os.path.splitext(os.path.basename(os.path.normpath(release.source if release else args.model)))[0]
     return ServedModel(name, parts.engine, lambda p: parts.encode(p)[0], lambda w, h: parts.empty_latent(w, h)[0],
                        lambda z: parts.decode(z[None]), _check_size(external, parts.empty_latent), parts.default_size,
                        defaults["steps"], defaults["cfg"],
-                       parts.model_path)
+                       parts.model_path, enhance=None if pe is None else _enhancer(pe, args.pe_max_new_tokens))
+
+
+def _enhancer(pe, max_new_tokens):
+    """(prompt, width, height, seed) -> (revised prompt, seconds): the server's call into the PE."""
+    def enhance(prompt: str, width: int, height: int, seed: int):
+        return pe.enhance([prompt], width, height, seed=seed, max_new_tokens=max_new_tokens)[0], pe.seconds
+    return enhance
 
 
 def _listen(host: str, port: int) -> socket.socket:

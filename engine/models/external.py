@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import Optional
 
 import torch
 
@@ -56,11 +57,13 @@ class TextEncoder:
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
 
     @classmethod
-    def from_folder(cls, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "TextEncoder":
+    def from_folder(cls, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                    tokenizer: Optional[str] = None) -> "TextEncoder":
+        """``tokenizer``: its folder when it is not inside ``path`` or the sibling ``tokenizer/``."""
         _safetensors_folder(path, "text encoder")
         transformers = _require("transformers", "the text encoder")
         try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(_tokenizer_folder(path))
+            tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer or _tokenizer_folder(path))
             model = transformers.AutoModel.from_pretrained(path, dtype=dtype, use_safetensors=True)
         except (OSError, ValueError, KeyError) as e:
             raise InputError(f"text encoder '{path}' could not be loaded by transformers: {e}") from None
@@ -107,14 +110,23 @@ class Flux2VAE:
             raise InputError(f"image size {width}x{height} is not a positive multiple of {self.stride}")
         return torch.zeros(batch, self.channels, height // self.stride, width // self.stride)
 
-    @torch.no_grad()
-    def decode(self, latent: torch.Tensor) -> torch.Tensor:
-        """DiT latent -> uint8 images [B, H, W, 3]."""
+    def _pixels(self, latent: torch.Tensor) -> torch.Tensor:
+        """DiT latent -> the VAE's output [B, 3, H, W] (about -1..1): de-normalised, un-patchified, decoded."""
         bn = self.vae.bn
         z = latent.to(self.device, torch.float32)
         z = z * torch.sqrt(bn.running_var.view(1, -1, 1, 1) + BN_EPS) + bn.running_mean.view(1, -1, 1, 1)
         b, c, h, w = z.shape
         py, px = self.patch
         z = z.view(b, c // (py * px), py, px, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // (py * px), h * py, w * px)
-        img = self.vae.decode(z).sample
+        return self.vae.decode(z).sample
+
+    @torch.no_grad()
+    def decode_float(self, latent: torch.Tensor) -> torch.Tensor:
+        """DiT latent -> float images [B, H, W, 3] in 0..1, as diffusers' image processor makes them (x / 2 + 0.5)."""
+        return (self._pixels(latent) / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu()
+
+    @torch.no_grad()
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        """DiT latent -> uint8 images [B, H, W, 3]."""
+        img = self._pixels(latent)
         return ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()

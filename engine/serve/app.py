@@ -60,6 +60,8 @@ class ServedModel:
     default_steps: int
     default_cfg: float
     root: str = ""  # the model's file
+    # the prompt enhancer (sgld serve --pe): (prompt, width, height, seed) -> (revised prompt, seconds); None: none
+    enhance: Optional[Callable[[str, int, int, int], Tuple[str, float]]] = None
 
 
 @dataclass
@@ -163,6 +165,7 @@ class ImageServer:
         self.metrics = Metrics(batcher.stats, lambda: self.in_flight)
         self.created = int(time.time())
         self._encode_lock = threading.Lock()  # one text-encoder call at a time, even after its request was cancelled
+        self._pe_lock = threading.Lock()  # one PE call at a time (its seconds are read under the lock)
 
     # -- admission -------------------------------------------------------------------------------------
     def admit(self, images: int) -> None:
@@ -209,6 +212,10 @@ class ImageServer:
     async def encode(self, prompt: str) -> torch.Tensor:
         return await asyncio.to_thread(self._encode_alone, prompt)
 
+    def _enhance_alone(self, prompt: str, width: int, height: int, seed: int):
+        with self._pe_lock:
+            return self.served.enhance(prompt, width, height, seed)
+
     def submit(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
         """The jobs to the batcher (all checked before any is queued): a bad one is a 400, a closed batcher a 503.
         Call it under ``gate.shared()``."""
@@ -235,18 +242,26 @@ class ImageServer:
     async def generate(self, gen: Generation) -> dict:
         served = self.served
         started = time.perf_counter()
-        cond = await self.encode(gen.prompt)
-        uncond = await self.encode(gen.negative_prompt)
         seed = random.randrange(MAX_SEED + 1) if gen.seed is None else gen.seed
+        revised, pe_s = None, 0.0
+        if gen.enhance_prompt:  # once per request (diffusers: once per prompt): every image shows the same text
+            revised, pe_s = await asyncio.to_thread(self._enhance_alone, gen.prompt, gen.width, gen.height, seed)
+        cond = await self.encode(gen.prompt if revised is None else revised)
+        uncond = await self.encode(gen.negative_prompt)
         seeds = [(seed + i) % (MAX_SEED + 1) for i in range(gen.n)]  # image i: the request's seed + i
         latent = served.empty_latent(gen.width, gen.height)
         results = await self.sample([Job(latent, cond, uncond, s, gen.steps, gen.cfg, cache=gen.cache) for s in seeds])
         images = await asyncio.to_thread(lambda: [_png_b64(served.decode(z)) for z, _ in results])
         self.metrics.images.inc(gen.n)
         stats = [s for _, s in results if s]
-        out = {"created": int(time.time()), "data": [{"b64_json": b, "seed": s} for b, s in zip(images, seeds)],
-               "model": served.id, "size": f"{gen.width}x{gen.height}", "num_inference_steps": gen.steps,
+        data = [{"b64_json": b, "seed": s} for b, s in zip(images, seeds)]
+        if revised is not None:  # OpenAI's field: the prompt the picture was made from
+            for item in data:
+                item["revised_prompt"] = revised
+        out = {"created": int(time.time()), "data": data, "model": served.id, "size": f"{gen.width}x{gen.height}", "num_inference_steps": gen.steps,
                "guidance_scale": gen.cfg, "inference_time_s": round(time.perf_counter() - started, 4)}
+        if revised is not None:
+            out["pe_time_s"] = round(pe_s, 4)
         if len(stats) == len(results):
             out["model_calls"] = sum(s["model_calls"] for s in stats)
             out["steps_computed"] = sum(s["calls_computed"] for s in stats)

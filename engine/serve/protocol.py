@@ -64,6 +64,7 @@ class _ImageRequestBase(_Strict):
     output_format: Literal["png"] = "png"
     user: Optional[str] = None  # OpenAI's end-user id: accepted, not used
     cache: Optional[str] = None
+    enhance_prompt: bool = False  # the prompt enhancer first (sgld serve --pe); off unless asked: it costs seconds
 
 
 ImageRequest = create_model(  # the base's fields and the declared sampling options' request fields
@@ -96,6 +97,7 @@ class Generation:
     steps: int
     cfg: float
     cache: Optional[CacheConfig]  # None: the server's (its flags, else SGLANG_CACHE_DIT_*)
+    enhance_prompt: bool = False
 
 
 def parse(model_class, body):
@@ -143,6 +145,9 @@ def parse_generation(body, served) -> Generation:
                                            "keeps no files to link to; use 'b64_json'")
     if not 1 <= req.n <= MAX_IMAGES:
         raise bad_field("n", f"n must be from 1 to {MAX_IMAGES} images (got {req.n})")
+    if req.enhance_prompt and getattr(served, "enhance", None) is None:
+        raise bad_field("enhance_prompt", "enhance_prompt: this server has no prompt enhancer; start it with --pe PATH "
+                                          "(the PE folder), or --pe with a --model-path release that has pe/")
     width, height = parse_size(req.size) if req.size is not None else (served.default_size,) * 2
     try:
         served.check_size(width, height)
@@ -160,7 +165,7 @@ def parse_generation(body, served) -> Generation:
         except InputError as e:
             raise bad_field(param, str(e)) from None
     return Generation(req.prompt, req.negative_prompt, req.n, width, height, seed, steps, float(cfg),
-                      parse_cache(req.cache))
+                      parse_cache(req.cache), req.enhance_prompt)
 
 
 def as_list(value) -> list:

@@ -1,0 +1,330 @@
+"""``ErnieImagePipeline``: prompt in, picture out, named and called as diffusers' pipeline so code moves over.
+
+    from engine import ErnieImagePipeline
+    pipe = ErnieImagePipeline.from_pretrained("demo")            # or a release folder / repo id in the HF cache
+    pipe("a large red circle on the left, on a blue background", seed=0).images[0].save("out.png")
+
+The parts come from ``engine.release.resolve_release``; the DiT runs in this project's ``Engine`` (every engine
+option of ``EngineConfig`` is a keyword of ``from_pretrained``), the text encoder and VAE are
+engine/models/external.py's (transformers' Mistral3 / Ministral3, diffusers' AutoencoderKLFlux2), the prompt
+enhancer engine/prompt_enhancer.py's. Sigma schedule, CFG and the mapping to diffusers' scheduler:
+docs/python.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import sys
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from . import options
+from .config import EngineConfig
+from .errors import InputError
+from .features.cache import CacheConfig
+from .features.compile import compile_blocks
+from .features.lora import parse_spec
+from .io.checkpoint import parse_dtype
+from .models import demo as demo_pkg
+from .models.external import Flux2VAE, TextEncoder
+from .release import Release, resolve_release
+from .router import open_engine
+from .sampling import DEFAULT_SHIFT, MAX_IMAGE_SIDE, SAMPLERS, SCHEDULERS, time_snr_shift
+from .sampling_options import MODEL_DEFAULTS, model_kind
+
+ERNIE_SIZE = 1024  # diffusers' default height / width
+OUTPUT_TYPES = ("pil", "np", "latent")
+ENGINE_OPTIONS = tuple(n for n in options.declared(EngineConfig) if n not in ("dtype", "device"))
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass
+class ErnieImagePipelineOutput:
+    """As diffusers': ``images`` (PIL images, a float array [B, H, W, 3] in 0..1 for "np", the DiT latent for
+    "latent") and ``revised_prompts`` (the prompt enhancer's, None when it did not run); ``seed``: the run's
+    (None with a generator); ``stats``: the engine's run statistics."""
+
+    images: Union[list, np.ndarray, torch.Tensor]
+    revised_prompts: Optional[List[str]] = None
+    seed: Optional[int] = None
+    stats: Optional[dict] = None
+
+
+class _DemoParts:
+    """The demo model's text encoder and pixel codec, in the shape of the ERNIE-Image ones."""
+
+    stride = demo_pkg.IMAGE_SIZE // demo_pkg.LATENT_SIZE
+
+    def __init__(self, demo):
+        self.demo = demo
+
+    def encode(self, prompt: str) -> torch.Tensor:
+        return self.demo.encode([prompt])[0]
+
+    def empty_latent(self, width: int, height: int, batch: int = 1) -> torch.Tensor:
+        if (width, height) != (demo_pkg.IMAGE_SIZE, demo_pkg.IMAGE_SIZE):
+            raise InputError(f"height/width {height}x{width}: the demo model makes {demo_pkg.IMAGE_SIZE}x"
+                             f"{demo_pkg.IMAGE_SIZE} pictures only")
+        return self.demo.empty_latent(batch)
+
+    def decode_float(self, latent: torch.Tensor) -> torch.Tensor:
+        return self.demo.decode_float(latent)
+
+
+def _engine_config(torch_dtype, device, given: dict) -> EngineConfig:
+    """The EngineConfig of ``from_pretrained``'s keywords; an unknown keyword is named with the allowed ones."""
+    unknown = sorted(set(given) - set(ENGINE_OPTIONS))
+    if unknown:
+        raise TypeError(f"ErnieImagePipeline: unknown option(s) {', '.join(unknown)}; the engine options are "
+                        f"{', '.join(ENGINE_OPTIONS)} (plus torch_dtype, device, cache, lora)")
+    dtype = DTYPE_NAMES.get(torch_dtype, torch_dtype) if torch_dtype is not None else None
+    return EngineConfig(dtype=dtype, device=str(device or "cpu"), **given)
+
+
+def _cache_config(cache) -> Optional[CacheConfig]:
+    """None (the SGLANG_CACHE_DIT_* environment decides), False / "off", a preset name, or a CacheConfig."""
+    if cache is None:
+        return None
+    if isinstance(cache, CacheConfig):
+        return cache.validate()
+    if cache is False or (isinstance(cache, str) and cache.lower() in ("off", "none")):
+        return CacheConfig(enabled=False)
+    if cache is True:
+        return CacheConfig(enabled=True, preset="balanced")
+    if isinstance(cache, str):
+        return CacheConfig(enabled=True, preset=cache).validate()
+    raise TypeError(f"cache={cache!r}: give a preset name (quality, balanced, fast, ...), 'off', or a CacheConfig")
+
+
+def _loras(lora) -> list:
+    """``lora``: a path, "path:strength", (path, strength), or a list of those -> [(path, strength)]."""
+    if lora is None:
+        return []
+    items = [lora] if isinstance(lora, (str, tuple)) or hasattr(lora, "__fspath__") else list(lora)
+    out = []
+    for item in items:
+        out.append((str(item[0]), float(item[1])) if isinstance(item, tuple) else parse_spec(str(item)))
+    return out
+
+
+def diffusers_sigmas(steps: int, shift: float) -> torch.Tensor:
+    """diffusers' ErnieImagePipeline schedule: ``linspace(1, 0, steps + 1)`` without its 0, shifted by
+    FlowMatchEulerDiscreteScheduler's static shift (sigma' = shift * s / (1 + (shift - 1) * s), in float32),
+    then a terminal 0 appended."""
+    s = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float32)[:-1]
+    return torch.cat([time_snr_shift(shift, s).to(torch.float32), torch.zeros(1)])
+
+
+class ErnieImagePipeline:
+    """Text-to-image with ERNIE-Image (or the demo model) on this project's engine. Open with ``from_pretrained``."""
+
+    def __init__(self, engine, text_encoder, vae, release: Release, kind: str, cache=None, pe=None):
+        self.engine = engine
+        self.text_encoder, self.vae, self.release, self.kind = text_encoder, vae, release, kind
+        self.cache = cache
+        self.pe = pe  # a loaded PromptEnhancer, or None (loaded at the first use_pe run when the release has one)
+        self.scheduler_config = release.scheduler_config()
+        if self.scheduler_config.get("use_dynamic_shifting"):
+            raise InputError(f"{release.scheduler}/scheduler_config.json: 'use_dynamic_shifting' is true; ERNIE-Image's "
+                             "pipeline uses the static shift only (set it to false)")
+        self._progress = {}
+
+    # -- opening ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path, torch_dtype: Optional[torch.dtype] = None, device=None, *, cache=None, lora=None,
+                        text_encoder=None, tokenizer=None, vae=None, pe=None, pe_tokenizer=None,
+                        **engine_options) -> "ErnieImagePipeline":
+        """``path``: "demo", a release folder, a Hugging Face repo id in the local cache, or a single DiT file with
+        ``text_encoder=`` and ``vae=`` (folders) beside it. ``torch_dtype``: the DiT's and text encoder's dtype
+        (the VAE runs in float32); ``device``: "cpu", "cuda", ...; ``cache``: a Cache-DiT preset name, "off" or a
+        CacheConfig (None: the SGLANG_CACHE_DIT_* environment); ``lora``: a path, "path:strength" or a list;
+        ``engine_options``: EngineConfig's fields (attention, compile, quant, offload, resident_layers, num_gpus,
+        ulysses_degree, ring_degree, tp, cfg_parallel)."""
+        config = _engine_config(torch_dtype, device, engine_options)
+        cache = _cache_config(cache)
+        release = resolve_release(path, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae, pe=pe,
+                                  pe_tokenizer=pe_tokenizer)
+        if release.kind == "demo":  # its one file: DiT, text encoder and vocabulary; run in float32 unless asked
+            te = vae = _DemoParts(demo_pkg.load_demo(release.transformer))
+            engine = open_engine(release.transformer, dataclasses.replace(config, dtype=config.dtype or "fp32"))
+            kind = "demo"
+        else:
+            release.require("text_encoder", "vae", why="a single DiT file needs text_encoder= and vae= folders")
+            te = TextEncoder.from_folder(release.text_encoder, dtype=parse_dtype(config.dtype) or torch.float32,
+                                         device=config.device, tokenizer=release.tokenizer)
+            vae = Flux2VAE.from_folder(release.vae, device=config.device)
+            engine = open_engine(release.transformer, config)
+            kinds = {model_kind(release.transformer)} | ({model_kind(release.source)} if release.kind == "hub" else set())
+            kind = "turbo" if "turbo" in kinds else "base"  # a repo id's name says Turbo too (its snapshot's cannot)
+        pipe = cls(engine, te, vae, release, kind, cache=cache)
+        if lora is not None:
+            pipe.set_loras(_loras(lora))
+        return pipe
+
+    # -- the transformer: the engine's DiT module -----------------------------------------------------------
+    @property
+    def transformer(self):
+        """The engine's DiT module (None when it runs on worker ranks). ``pipe.transformer =
+        torch.compile(pipe.transformer)`` becomes the engine's own regional compile (the ``compile`` option)."""
+        return self.engine.model
+
+    @transformer.setter
+    def transformer(self, value):
+        model = self.engine.model
+        if value is model:
+            return
+        if getattr(value, "_orig_mod", None) is model and model is not None:  # torch.compile(pipe.transformer)
+            self.engine.warnings.extend(compile_blocks(model, "static"))
+            self.engine.runner.config.compile = "static"
+            return
+        raise TypeError("pipe.transformer can only be set to torch.compile(pipe.transformer) (which compiles the "
+                        "engine's DiT blocks); to use another model, open a pipeline on its file")
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.runner.dtype
+
+    @property
+    def defaults(self) -> dict:
+        """{"steps", "cfg"}: the model's (engine/sampling_options.py MODEL_DEFAULTS: Base, Turbo, demo)."""
+        return dict(MODEL_DEFAULTS[self.kind])
+
+    # -- engine features ---------------------------------------------------------------------------------------
+    def enable_cache(self, preset: str = "balanced", **fields) -> None:
+        """Cache-DiT for the following runs: a preset (quality, balanced, fast, ...) and CacheConfig's fields."""
+        self.cache = CacheConfig(enabled=True, preset=preset, **fields).validate()
+
+    def disable_cache(self) -> None:
+        """No Cache-DiT, whatever the SGLANG_CACHE_DIT_* environment says."""
+        self.cache = CacheConfig(enabled=False)
+
+    def set_loras(self, loras) -> List[str]:
+        """Exactly these LoRAs active: [(path, strength), ...]; returns messages about keys not applied."""
+        return self.engine.set_loras(_loras(loras) if not isinstance(loras, list) else _loras(loras))
+
+    def load_lora(self, path, strength: float = 1.0) -> List[str]:
+        """One more LoRA on top of the active ones (diffusers' load_lora_weights, merged as the engine does)."""
+        return self.engine.set_loras(self.engine.loras + [(str(path), float(strength))])
+
+    def unload_lora(self) -> None:
+        """Every LoRA off; the original weights back bit-exactly."""
+        self.engine.set_loras([])
+
+    def set_progress_bar_config(self, **kwargs) -> None:
+        """As diffusers: tqdm's keywords for the sampling bar (``disable=True`` switches it off)."""
+        self._progress = dict(kwargs)
+
+    def release_memory(self) -> int:
+        """Free the engine's offload buffers and the prompt enhancer (loaded again when needed). Returns bytes."""
+        if self.pe is not None:
+            self.pe.release()
+            self.pe = None
+        return self.engine.release()
+
+    # -- the prompt enhancer -------------------------------------------------------------------------------------
+    def _enhancer(self):
+        if self.pe is None:
+            self.release.require("pe", "pe_tokenizer", why="use_pe=True needs the release's prompt enhancer")
+            try:
+                from .prompt_enhancer import PromptEnhancer
+            except ImportError as e:
+                raise InputError(f"use_pe=True: the prompt enhancer (engine/prompt_enhancer.py) is not available: {e}") from None
+            self.pe = PromptEnhancer.from_pretrained(self.release.pe, tokenizer=self.release.pe_tokenizer,
+                                                     device=self.engine.config.device)
+        return self.pe
+
+    # -- running ---------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, prompt: Union[str, Sequence[str]], negative_prompt: Union[None, str, Sequence[str]] = None,
+                 height: Optional[int] = None, width: Optional[int] = None, num_inference_steps: Optional[int] = None,
+                 guidance_scale: Optional[float] = None, num_images_per_prompt: int = 1,
+                 generator: Optional[torch.Generator] = None, seed: Optional[int] = None, use_pe: Optional[bool] = None,
+                 output_type: str = "pil", return_dict: bool = True, sampler: str = "euler",
+                 scheduler: Optional[str] = None, shift: Optional[float] = None, cache=None,
+                 max_new_tokens: Optional[int] = None, pe_greedy: bool = False):
+        """diffusers' call. ``height``/``width``: 1024 (the demo: 64); ``num_inference_steps``/``guidance_scale``:
+        the model's defaults; ``generator`` (diffusers) or ``seed`` (ComfyUI's noise; random when neither);
+        ``use_pe``: None = on when the release has a prompt enhancer (diffusers' default), as diffusers.
+        ``scheduler=None``: diffusers' linspace schedule with the release's shift; a ComfyUI scheduler name
+        (simple, normal, beta) runs that one (the demo's default: simple, shift 3). ``cache`` overrides the
+        pipeline's for this call; ``max_new_tokens`` / ``pe_greedy`` (argmax decoding) go to the prompt enhancer."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt or [])
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise InputError("prompt must be a string or a non-empty list of strings")
+        negatives = [negative_prompt or ""] * len(prompts) if negative_prompt is None or isinstance(negative_prompt, str) \
+            else list(negative_prompt)
+        if len(negatives) != len(prompts):
+            raise InputError(f"negative_prompt has {len(negatives)} entries; it must have one per prompt ({len(prompts)})")
+        if output_type not in OUTPUT_TYPES:
+            raise InputError(f"output_type '{output_type}' is not supported; choose one of {', '.join(OUTPUT_TYPES)}")
+        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+            raise InputError(f"num_images_per_prompt must be a count of at least 1 (got {num_images_per_prompt!r})")
+        if generator is not None and seed is not None:
+            raise InputError("give either generator= (diffusers' noise) or seed= (ComfyUI's noise), not both")
+        if sampler not in SAMPLERS:
+            raise InputError(f"sampler '{sampler}' is not supported; choose one of {', '.join(SAMPLERS)}")
+        if scheduler is not None and scheduler not in SCHEDULERS:
+            raise InputError(f"scheduler '{scheduler}' is not supported; choose None (diffusers' schedule) or one of "
+                             f"{', '.join(SCHEDULERS)}")
+        size = demo_pkg.IMAGE_SIZE if self.kind == "demo" else ERNIE_SIZE
+        height, width = height or size, width or size
+        for name, value in (("height", height), ("width", width)):
+            if not isinstance(value, int) or not 1 <= value <= MAX_IMAGE_SIDE:
+                raise InputError(f"{name} must be a whole number of pixels from 1 to {MAX_IMAGE_SIDE} (got {value!r})")
+        steps = self.defaults["steps"] if num_inference_steps is None else num_inference_steps
+        cfg = self.defaults["cfg"] if guidance_scale is None else guidance_scale
+
+        revised = None
+        if use_pe or (use_pe is None and self.release.pe is not None and self.kind != "demo"):
+            revised = self._enhancer().enhance(prompts, width, height, seed=seed, max_new_tokens=max_new_tokens,
+                                               greedy=pe_greedy)
+            prompts = list(revised)
+
+        latent = self.vae.empty_latent(width, height, len(prompts) * num_images_per_prompt)
+        cond = [f for p in prompts for f in [self.text_encoder.encode(p)] * num_images_per_prompt]
+        uncond = None
+        if cfg > 1.0:  # diffusers' rule (do_classifier_free_guidance); cfg 1 or below runs the prompt alone
+            uncond = [f for p in negatives for f in [self.text_encoder.encode(p)] * num_images_per_prompt]
+        noise = None
+        if generator is not None:
+            noise = torch.randn(latent.shape, generator=generator, device=generator.device, dtype=torch.float32)
+        elif seed is None:
+            seed = secrets.randbelow(2 ** 63)
+        run = {"sampler": sampler}
+        if scheduler is None and self.kind != "demo":
+            shift = self.scheduler_config.get("shift", DEFAULT_SHIFT) if shift is None else shift
+            run["sigmas"] = diffusers_sigmas(steps, float(shift)) if isinstance(steps, int) and steps >= 1 else None
+        else:
+            run.update(scheduler=scheduler or demo_pkg.DEFAULT_SCHEDULER, shift=DEFAULT_SHIFT if shift is None else shift)
+        bar = tqdm(total=steps, desc="sampling", unit="step", file=sys.stderr, leave=False,
+                   **{"disable": False, **self._progress})
+        try:
+            out = self.engine.sample(latent, cond, uncond, seed=0 if seed is None else seed, steps=steps, cfg=cfg,
+                                     cache=_cache_config(cache) if cache is not None else self.cache, noise=noise,
+                                     callback=lambda i, n, x, d: bar.update(1), **run)
+        finally:
+            bar.close()
+        if output_type == "latent":
+            images = out
+        else:
+            pixels = self.vae.decode_float(out).numpy()
+            images = pixels if output_type == "np" else _to_pil(pixels)
+        if not return_dict:
+            return (images,)
+        return ErnieImagePipelineOutput(images, revised, seed if generator is None else None,
+                                        self.engine.last_run.to_dict())
+
+
+def _to_pil(pixels: np.ndarray) -> list:
+    """Float images [B, H, W, 3] in 0..1 -> PIL images, as diffusers' numpy_to_pil rounds them."""
+    from PIL import Image
+
+    return [Image.fromarray(img) for img in (pixels * 255).round().astype("uint8")]

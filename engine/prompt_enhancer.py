@@ -1,0 +1,256 @@
+"""ERNIE-Image's prompt enhancer (PE): a small causal LM that rewrites a short prompt into a detailed one.
+
+It runs as diffusers' ``ErnieImagePipeline._enhance_prompt_with_pe`` does (shared/reference/ernie_image.md
+§3.2): the user message is JSON ``{"prompt", "width", "height"}`` (ensure_ascii off), after an optional
+system message, through the PE tokenizer's chat template with ``add_generation_prompt=False`` (the release's
+template ends the user block with "Output:"); only the new tokens are decoded. What the release ships is read
+from its files, not retyped here: the chat template (``chat_template.jinja`` / ``tokenizer_config.json``) and
+the sampling settings (``generation_config.json``: do_sample, temperature, top_p, top_k). Only a folder with no
+generation_config.json falls back to the values diffusers passes (``DIFFUSERS_SAMPLING``).
+
+Weights: safetensors only (a folder as in the release's ``pe/``, or one file such as ComfyUI's
+``ernie-image-prompt-enhancer.safetensors`` with its config.json beside it or in a given folder); a pickle
+in the folder is refused by name before transformers sees it. Loaded with transformers on its own
+device/dtype; ``release()`` frees the weights and the next ``enhance`` loads them again.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import glob
+import json
+import os
+import tempfile
+import time
+from typing import List, Optional, Union
+
+import torch
+
+from .errors import CheckpointError, InputError
+from .io.readers import open_file
+from .io.safetensors import PICKLE_SUFFIXES, refuse_pickle
+
+DIFFUSERS_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95}  # what diffusers passes generate()
+DEFAULT_MAX_NEW_TOKENS = 2048  # when the tokenizer states no real model_max_length (transformers' 1e30 sentinel)
+MAX_NEW_TOKENS_CAP = 8192  # hard cap on any request: a revised prompt is a paragraph, not a book
+SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tekken.json", "tokenizer.model")
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise InputError(f"the prompt enhancer needs the 'transformers' package (pip install transformers): {e}") from None
+    return transformers
+
+
+def _dtype(dtype) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"prompt enhancer dtype '{dtype}': use one of {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def _refuse_pickles(folder: str) -> None:
+    """A pickle among the folder's files is refused by name (transformers would otherwise pick it up)."""
+    for name in sorted(os.listdir(folder)):
+        if name.lower().endswith(PICKLE_SUFFIXES):
+            refuse_pickle(os.path.join(folder, name))
+
+
+def _weights_and_config(path: str, config: Optional[str]):
+    """(folder with config.json, the single weight file or None) for a PE folder or one safetensors file."""
+    if os.path.isdir(path):
+        _refuse_pickles(path)
+        cfg = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg):
+            raise CheckpointError(f"{cfg}: missing; the prompt enhancer folder '{path}' needs the config.json the "
+                                  "release ships in pe/")
+        shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not shards:
+            raise CheckpointError(f"{path}: no .safetensors weights in the prompt enhancer folder (only "
+                                  "safetensors are loaded)")
+        for shard in shards:
+            open_file(shard)  # the header is checked here, with the file named, before transformers reads it
+        return path, None
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: prompt enhancer not found (give the release's pe/ folder or a "
+                              ".safetensors file with its config.json)")
+    refuse_pickle(path)
+    open_file(path)
+    folder = config or os.path.dirname(os.path.abspath(path))
+    if os.path.isfile(folder):
+        folder = os.path.dirname(os.path.abspath(folder))
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise CheckpointError(f"{os.path.join(folder, 'config.json')}: missing; a single prompt enhancer file "
+                              f"('{os.path.basename(path)}') needs its model config beside it or in the folder given "
+                              "as config=")
+    return folder, path
+
+
+def _tokenizer_folder(path: str, weights_folder: str, tokenizer: Optional[str]) -> str:
+    """The PE tokenizer: the folder given, else the release's sibling pe_tokenizer/, else the PE folder itself."""
+    if tokenizer is not None:
+        candidates = [tokenizer]
+    else:
+        base = path if os.path.isdir(path) else weights_folder
+        candidates = [os.path.join(os.path.dirname(os.path.abspath(base)), "pe_tokenizer"), base]
+    for folder in candidates:
+        if os.path.isdir(folder) and any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+            return folder
+    looked = " and ".join(f"'{c}'" for c in candidates)
+    raise CheckpointError(f"{candidates[0]}: no prompt enhancer tokenizer (looked for {', '.join(TOKENIZER_FILES)} in "
+                          f"{looked}); give the release's pe_tokenizer/ folder (tokenizer=... / --pe-tokenizer)")
+
+
+def _sampling(folder: str) -> dict:
+    """The release's sampling settings (generation_config.json), else diffusers' values."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return dict(DIFFUSERS_SAMPLING)
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not readable JSON: {e}") from None
+    found = {k: cfg[k] for k in SAMPLING_KEYS if k in cfg}
+    if "do_sample" not in found:  # a file with temperature/top_p but no do_sample means sampling, as diffusers does
+        found["do_sample"] = any(k in found for k in ("temperature", "top_p", "top_k"))
+    return found
+
+
+class PromptEnhancer:
+    """A short prompt -> the PE's revised prompt. ``seconds``: the last ``enhance`` call's time;
+    ``load_seconds``: the last load's; ``new_tokens``: the last call's generated tokens per prompt."""
+
+    def __init__(self, model, tokenizer, *, source: str, sampling: dict, device, dtype, loader=None):
+        self.model, self.tokenizer, self.source, self.sampling = model, tokenizer, source, sampling
+        self.device, self.dtype, self._loader = torch.device(device), dtype, loader
+        if not getattr(tokenizer, "chat_template", None):
+            raise CheckpointError(f"{getattr(tokenizer, 'name_or_path', source)}: the prompt enhancer tokenizer has no "
+                                  "chat template (chat_template.jinja or tokenizer_config.json's chat_template)")
+        self.seconds = 0.0
+        self.load_seconds = 0.0
+        self.new_tokens: List[int] = []  # tokens generated per prompt by the last ``enhance``
+
+    @classmethod
+    def from_pretrained(cls, path: str, tokenizer: Optional[str] = None, device=None, dtype=None,
+                        config: Optional[str] = None) -> "PromptEnhancer":
+        """``path``: the release's pe/ folder, or one .safetensors file (its config.json beside it or in the
+        ``config`` folder); ``tokenizer``: its folder (default: the sibling pe_tokenizer/, else ``path``)."""
+        path = os.fspath(path)
+        device = torch.device(device or "cpu")
+        dtype = _dtype(dtype)
+        folder, single = _weights_and_config(path, config)
+        tok_folder = _tokenizer_folder(path, folder, tokenizer)
+        transformers = _transformers()
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(tok_folder)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{tok_folder}: the prompt enhancer tokenizer could not be loaded: {e}") from None
+
+        def load():
+            t0 = time.perf_counter()
+            model = _load_model(transformers, folder, single, device, dtype)
+            return model, time.perf_counter() - t0
+
+        model, seconds = load()
+        pe = cls(model, tok, source=single or folder, sampling=_sampling(folder), device=device, dtype=dtype, loader=load)
+        pe.load_seconds = seconds
+        return pe
+
+    def max_new_tokens(self, requested: Optional[int] = None) -> int:
+        """The bound on new tokens: ``requested``, else the tokenizer's model_max_length (as diffusers), else
+        ``DEFAULT_MAX_NEW_TOKENS``; never above ``MAX_NEW_TOKENS_CAP``."""
+        if requested is not None:
+            if not isinstance(requested, int) or isinstance(requested, bool) or not 1 <= requested <= MAX_NEW_TOKENS_CAP:
+                raise InputError(f"max_new_tokens must be a whole number from 1 to {MAX_NEW_TOKENS_CAP} (got {requested!r})")
+            return requested
+        stated = getattr(self.tokenizer, "model_max_length", None)
+        if isinstance(stated, int) and 0 < stated < 10 ** 7:
+            return min(stated, MAX_NEW_TOKENS_CAP)
+        return DEFAULT_MAX_NEW_TOKENS
+
+    def messages(self, prompt: str, width: int, height: int, system_prompt: Optional[str] = None) -> list:
+        user = json.dumps({"prompt": prompt, "width": width, "height": height}, ensure_ascii=False)
+        return ([{"role": "system", "content": system_prompt}] if system_prompt is not None else []) + \
+            [{"role": "user", "content": user}]
+
+    @torch.no_grad()
+    def enhance(self, prompts: Union[str, List[str]], width: int, height: int, seed: Optional[int] = None,
+                max_new_tokens: Optional[int] = None, greedy: bool = False,
+                system_prompt: Optional[str] = None) -> List[str]:
+        """The revised prompts, one per prompt, each generated alone (no padding, as diffusers). With ``seed``,
+        prompt i is sampled from seed + i on a forked RNG (the caller's RNG state is untouched), so a result
+        does not depend on what ran before; ``greedy``: argmax decoding (what parity tests compare)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+            raise InputError("prompts must be a string or a list of strings")
+        for name, value in (("width", width), ("height", height)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InputError(f"{name} must be a positive whole number of pixels (got {value!r})")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise InputError(f"seed must be a non-negative whole number (got {seed!r})")
+        limit = self.max_new_tokens(max_new_tokens)
+        if self.model is None:
+            if self._loader is None:
+                raise InputError(f"{self.source}: the prompt enhancer was released and cannot be loaded again")
+            self.model, self.load_seconds = self._loader()
+        t0 = time.perf_counter()
+        out, self.new_tokens = [], []
+        for i, prompt in enumerate(prompts):
+            out.append(self._one(prompt, width, height, None if seed is None else (seed + i) % 2 ** 64, limit, greedy,
+                                 system_prompt))
+        self.seconds = time.perf_counter() - t0
+        return out
+
+    def _one(self, prompt, width, height, seed, limit, greedy, system_prompt) -> str:
+        tok = self.tokenizer
+        text = tok.apply_chat_template(self.messages(prompt, width, height, system_prompt), tokenize=False,
+                                       add_generation_prompt=False)
+        inputs = tok(text, return_tensors="pt").to(self.device)
+        sampling = {"do_sample": False} if greedy else dict(self.sampling)
+        if not sampling.get("do_sample"):
+            sampling = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        generation = _transformers().GenerationConfig(
+            max_new_tokens=limit, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **sampling)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext():
+            if seed is not None:
+                torch.manual_seed(seed)
+            ids = self.model.generate(**inputs, generation_config=generation)
+        new = ids[0][inputs["input_ids"].shape[1]:]
+        self.new_tokens.append(int(new.numel()))
+        return tok.decode(new, skip_special_tokens=True).strip()
+
+    def release(self) -> None:
+        """Free the weights (and the GPU memory they held); the next ``enhance`` loads them again."""
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _load_model(transformers, folder: str, single: Optional[str], device, dtype):
+    """The causal LM, read by transformers from safetensors: the release folder, or (one file) a private
+    temporary folder linking the file as model.safetensors beside its config."""
+    try:
+        if single is None:
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True)
+        else:
+            with tempfile.TemporaryDirectory(prefix="sgld-pe-") as tmp:
+                for name in ("config.json", "generation_config.json"):
+                    if os.path.isfile(os.path.join(folder, name)):
+                        os.symlink(os.path.abspath(os.path.join(folder, name)), os.path.join(tmp, name))
+                os.symlink(os.path.abspath(single), os.path.join(tmp, "model.safetensors"))
+                model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, use_safetensors=True)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{single or folder}: the prompt enhancer could not be loaded by transformers: {e}") from None
+    return model.to(device).eval()

@@ -1,0 +1,210 @@
+"""The one resolution of an ERNIE-Image release: which files are its transformer, text encoder, tokenizer,
+VAE, scheduler and prompt enhancer. ``ErnieImagePipeline.from_pretrained``, ``sgld generate --model-path`` and
+``sgld serve --model-path`` all call ``resolve_release``, so a folder, a Hugging Face repo id and ComfyUI's
+single files are found the same way everywhere.
+
+A release is
+- a local folder in diffusers' layout (``model_index.json``, ``transformer/``, ``text_encoder/``, ``tokenizer/``,
+  ``vae/``, ``scheduler/``, optional ``pe/`` and ``pe_tokenizer/``);
+- a Hugging Face repo id (``baidu/ERNIE-Image-Turbo``) already in the local Hugging Face cache
+  (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``): nothing is downloaded, a repo
+  id not found there is an error that says how to download it;
+- a single DiT file (ComfyUI's repackaged ``ernie-image*.safetensors``) with the text encoder and VAE given
+  beside it (``text_encoder=``, ``vae=``, ...);
+- ``"demo"``: the embedded demo model (its one file holds DiT, text encoder and vocabulary).
+
+Only safetensors: a weight folder holding pickles (.bin/.pt/.ckpt/.pth) and no safetensors is refused naming the
+pickle. Nothing here reads a tensor; the loaders (engine/io, engine/models/external.py) do.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+from .errors import CheckpointError
+from .io.checkpoint import read_json_file
+from .io.safetensors import refuse_pickle
+from .models import demo as demo_model
+
+COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler", "pe", "pe_tokenizer")
+WEIGHTS = ("transformer", "text_encoder", "vae", "pe")  # the components that hold weights (safetensors only)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+PIPELINE_CLASS = "ErnieImagePipeline"
+DEMO = "demo"
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class Release:
+    """The paths of one release's parts (None: absent). ``transformer`` is a folder or a single file; the
+    others are folders. ``source``: what the caller named (folder, repo id, file); ``kind``: "folder",
+    "hub" (a repo id found in the cache), "files" (single files) or "demo"."""
+
+    source: str
+    kind: str
+    transformer: str
+    text_encoder: Optional[str] = None
+    tokenizer: Optional[str] = None
+    vae: Optional[str] = None
+    scheduler: Optional[str] = None
+    pe: Optional[str] = None
+    pe_tokenizer: Optional[str] = None
+    model_index: Optional[str] = None
+
+    def require(self, *names: str, why: str = "") -> None:
+        """CheckpointError naming each missing component and where it was looked for."""
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            where = f" in '{self.source}'" if self.kind in ("folder", "hub") else ""
+            hint = f" ({why})" if why else ""
+            raise CheckpointError(f"ERNIE-Image release '{self.source}': missing {', '.join(f'{m}/' for m in missing)}"
+                                  f"{where}{hint}; a release has {', '.join(c + '/' for c in COMPONENTS[:5])} "
+                                  "(pe/ and pe_tokenizer/ optional)")
+
+    def scheduler_config(self) -> dict:
+        """The release's scheduler/scheduler_config.json ({} when it has none)."""
+        if self.scheduler is None:
+            return {}
+        path = os.path.join(self.scheduler, "scheduler_config.json")
+        return read_json_file(path) if os.path.isfile(path) else {}
+
+    def components(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in COMPONENTS}
+
+
+def hub_cache_dir() -> str:
+    """Where huggingface_hub keeps its downloads (its own rule: HF_HUB_CACHE, else HF_HOME/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+def cached_snapshot(repo_id: str) -> str:
+    """The local snapshot folder of a Hugging Face repo id (refs/main's revision, else the newest snapshot);
+    CheckpointError saying how to download it when it is not in the cache. Never downloads."""
+    cache = hub_cache_dir()
+    repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+    snapshots = os.path.join(repo, "snapshots")
+    ref = os.path.join(repo, "refs", "main")
+    candidates = []
+    if os.path.isfile(ref):
+        with open(ref, encoding="utf-8") as f:
+            candidates.append(os.path.join(snapshots, f.read(100).strip()))
+    if os.path.isdir(snapshots):
+        candidates += sorted((os.path.join(snapshots, d) for d in os.listdir(snapshots)), key=os.path.getmtime,
+                             reverse=True)
+    found = next((c for c in candidates if os.path.isdir(c)), None)
+    if found is None:
+        raise CheckpointError(
+            f"'{repo_id}' is not a local folder and is not in the local Hugging Face cache (looked for {repo}); "
+            f"nothing is downloaded here: download it first with `huggingface-cli download {repo_id}` (or "
+            f"`hf download {repo_id}`, or `--local-dir DIR` and pass DIR), then run again")
+    return found
+
+
+def _weights_folder(path: str, name: str) -> Optional[str]:
+    """``path`` if it is a folder with safetensors weights; None if absent; CheckpointError for pickles only."""
+    if not os.path.isdir(path):
+        return None
+    if glob.glob(os.path.join(path, "*.safetensors")):
+        return path
+    pickles = sorted(p for p in os.listdir(path) if p.lower().endswith(PICKLE_SUFFIXES))
+    if pickles:
+        refuse_pickle(os.path.join(path, pickles[0]))  # raises, naming the file
+    raise CheckpointError(f"{path}: the release's {name}/ folder has no .safetensors weights")
+
+
+def _folder(path: str) -> Optional[str]:
+    return path if os.path.isdir(path) else None
+
+
+def _from_folder(root: str, source: str, kind: str) -> Release:
+    index = os.path.join(root, "model_index.json")
+    if os.path.isfile(index):
+        cls = read_json_file(index).get("_class_name")
+        if cls is not None and cls != PIPELINE_CLASS:
+            raise CheckpointError(f"{index}: field '_class_name' is '{cls}'; this is not an ERNIE-Image release "
+                                  f"(expected '{PIPELINE_CLASS}')")
+    parts = {}
+    for name in COMPONENTS:
+        path = os.path.join(root, name)
+        parts[name] = _weights_folder(path, name) if name in WEIGHTS else _folder(path)
+    if parts["transformer"] is None:
+        raise CheckpointError(f"ERNIE-Image release '{source}': no transformer/ folder in {root} (a release folder has "
+                              f"model_index.json and {', '.join(c + '/' for c in COMPONENTS[:5])}); for a single DiT "
+                              "file pass the file itself")
+    if parts["tokenizer"] is None and parts["text_encoder"] and os.path.isfile(
+            os.path.join(parts["text_encoder"], "tokenizer_config.json")):
+        parts["tokenizer"] = parts["text_encoder"]  # tokenizer files inside text_encoder/ (external.py's rule)
+    return Release(source, kind, model_index=index if os.path.isfile(index) else None, **parts)
+
+
+def _from_file(path: str, source: str) -> Release:
+    refuse_pickle(path)  # by name and by content
+    if os.path.abspath(path) == os.path.abspath(demo_model.DEMO_WEIGHTS) or demo_model.is_demo_file(path):
+        return Release(source, DEMO, path)
+    return Release(source, "files", path)
+
+
+def resolve_release(source, *, text_encoder=None, tokenizer=None, vae=None, scheduler=None, pe=None,
+                    pe_tokenizer=None) -> Release:
+    """The parts of the release ``source`` names (a release folder, a transformer/ folder, a repo id in the local
+    Hugging Face cache, a single DiT file or "demo"). The keyword arguments give or replace single components
+    (folders: a ComfyUI install's separate text encoder and VAE next to its DiT file). Raises CheckpointError
+    naming the file or folder for what cannot be used; loads nothing."""
+    source = os.fspath(source)
+    if source == DEMO:
+        release = Release(DEMO, DEMO, demo_model.DEMO_WEIGHTS)
+    elif os.path.isfile(source):
+        release = _from_file(source, source)
+    elif os.path.isdir(source):
+        if not os.path.isdir(os.path.join(source, "transformer")) and (
+                glob.glob(os.path.join(source, "*.safetensors")) or os.path.isfile(os.path.join(source, "config.json"))):
+            weights = _weights_folder(source, "transformer")  # a bare transformer/ folder: its siblings may be the rest
+            parent = os.path.dirname(os.path.abspath(source))
+            sibling = _from_folder(parent, source, "folder") if os.path.isdir(os.path.join(parent, "transformer")) and \
+                os.path.samefile(os.path.join(parent, "transformer"), source) else None
+            release = sibling or Release(source, "files", weights)
+        else:
+            release = _from_folder(source, source, "folder")
+    elif REPO_ID.match(source) and not source.startswith((".", "/")):
+        release = _from_folder(cached_snapshot(source), source, "hub")
+    else:
+        raise CheckpointError(f"'{source}': no such file or folder (expected an ERNIE-Image release folder, a DiT "
+                              ".safetensors file, a Hugging Face repo id such as baidu/ERNIE-Image-Turbo, or 'demo')")
+    given = {"text_encoder": text_encoder, "tokenizer": tokenizer, "vae": vae, "scheduler": scheduler, "pe": pe,
+             "pe_tokenizer": pe_tokenizer}
+    changes = {}
+    for name, value in given.items():
+        if value is None:
+            continue
+        value = os.fspath(value)
+        if name in WEIGHTS:
+            if os.path.isfile(value):
+                refuse_pickle(value)
+                value = os.path.dirname(os.path.abspath(value)) if os.path.isfile(
+                    os.path.join(os.path.dirname(os.path.abspath(value)), "config.json")) else value
+            checked = _weights_folder(value, name) if os.path.isdir(value) else None
+            if checked is None and not os.path.isfile(value):
+                raise CheckpointError(f"{name} '{value}': no such file or folder")
+            changes[name] = checked or value
+        else:
+            if not os.path.isdir(value):
+                raise CheckpointError(f"{name} '{value}': no such folder")
+            changes[name] = value
+    if "text_encoder" in changes and "tokenizer" not in changes and os.path.isdir(changes["text_encoder"]):
+        inside = os.path.join(changes["text_encoder"], "tokenizer_config.json")
+        sibling = os.path.join(os.path.dirname(os.path.abspath(changes["text_encoder"])), "tokenizer")
+        changes["tokenizer"] = changes["text_encoder"] if os.path.isfile(inside) else (
+            sibling if os.path.isdir(sibling) else release.tokenizer)
+    if "pe" in changes and "pe_tokenizer" not in changes and os.path.isdir(changes["pe"]):
+        sibling = os.path.join(os.path.dirname(os.path.abspath(changes["pe"])), "pe_tokenizer")
+        if os.path.isfile(os.path.join(changes["pe"], "tokenizer_config.json")):
+            changes["pe_tokenizer"] = changes["pe"]
+        elif os.path.isdir(sibling):
+            changes["pe_tokenizer"] = sibling
+    return replace(release, **changes) if changes else release

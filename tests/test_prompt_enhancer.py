@@ -1,0 +1,147 @@
+"""engine/prompt_enhancer.py against diffusers' own ``ErnieImagePipeline._enhance_prompt_with_pe`` on the same tiny
+random PE (tests/tiny_pe.py: built from configs, no downloads), and its bad inputs."""
+from __future__ import annotations
+
+import os
+import shutil
+import types
+
+import pytest
+import torch
+
+from engine.errors import CheckpointError, InputError
+from engine.prompt_enhancer import MAX_NEW_TOKENS_CAP, PromptEnhancer
+from tests.tiny_pe import MAX_LENGTH, write_tiny_pe
+
+pytest.importorskip("transformers")
+diffusers_pe = pytest.importorskip("diffusers.pipelines.ernie_image.pipeline_ernie_image")
+PROMPTS = ["a dog running on grass", "一只狗在草地上奔跑"]
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    return write_tiny_pe(str(tmp_path_factory.mktemp("pe_release")))
+
+
+@pytest.fixture(scope="module")
+def enhancer(release):
+    return PromptEnhancer.from_pretrained(release[0])
+
+
+def diffusers_enhance(release, prompt, width, height, **kw):
+    """diffusers' method, run on the pipeline's two PE components loaded by transformers itself (the method
+    uses nothing else of the pipeline, whose other components would be a DiT, a VAE and a text encoder)."""
+    from transformers import AutoTokenizer, Ministral3ForCausalLM
+    holder = types.SimpleNamespace(pe=Ministral3ForCausalLM.from_pretrained(release[0]).eval(),
+                                   pe_tokenizer=AutoTokenizer.from_pretrained(release[1]))
+    return diffusers_pe.ErnieImagePipeline._enhance_prompt_with_pe(holder, prompt, torch.device("cpu"), width=width,
+                                                                     height=height, **kw)
+
+
+def test_greedy_revised_prompt_equals_diffusers(release, enhancer):
+    ours = enhancer.enhance(PROMPTS, width=512, height=768, greedy=True)
+    # diffusers decodes greedily when temperature and top_p are both 1.0 (do_sample = either differs)
+    theirs = [diffusers_enhance(release, p, 512, 768, temperature=1.0, top_p=1.0) for p in PROMPTS]
+    assert ours == theirs
+    assert ours[0] != ours[1] and all(ours)
+    assert enhancer.seconds > 0
+
+
+def test_seeded_sampling_is_deterministic_and_equals_diffusers_sampling(release, enhancer):
+    """The release's generation_config (temperature 0.6, top-p 0.95, as diffusers passes) sampled from a seed."""
+    a = enhancer.enhance(PROMPTS[:1], 1024, 1024, seed=7)
+    assert enhancer.enhance(PROMPTS[:1], 1024, 1024, seed=7) == a
+    torch.manual_seed(7)
+    assert [diffusers_enhance(release, PROMPTS[0], 1024, 1024)] == a
+    others = {enhancer.enhance(PROMPTS[:1], 1024, 1024, seed=s)[0] for s in range(8, 12)}
+    assert others - {a[0]}, "different seeds never changed the sample"
+    # prompt i uses seed + i: a batch equals its prompts run one by one
+    assert enhancer.enhance(PROMPTS, 1024, 1024, seed=7) == [a[0], enhancer.enhance(PROMPTS[1:], 1024, 1024, seed=8)[0]]
+    state = torch.get_rng_state()
+    enhancer.enhance(PROMPTS[:1], 64, 64, seed=3)
+    assert torch.equal(torch.get_rng_state(), state), "the caller's RNG was changed"
+
+
+def test_sampling_settings_come_from_generation_config(tmp_path, enhancer):
+    greedy_release = write_tiny_pe(str(tmp_path / "g"), generation={"do_sample": False})
+    pe = PromptEnhancer.from_pretrained(greedy_release[0])
+    assert pe.sampling["do_sample"] is False
+    assert pe.enhance(PROMPTS, 64, 64, seed=5) == enhancer.enhance(PROMPTS, 64, 64, greedy=True)
+    bare = PromptEnhancer.from_pretrained(write_tiny_pe(str(tmp_path / "b"), generation={})[0])
+    assert bare.sampling == {"do_sample": True, "temperature": 0.6, "top_p": 0.95}  # diffusers' values
+
+
+def test_max_new_tokens_bound(enhancer):
+    assert enhancer.max_new_tokens() == MAX_LENGTH  # the tokenizer's model_max_length, as diffusers
+    enhancer.enhance(PROMPTS[:1], 64, 64, greedy=True, max_new_tokens=3)
+    assert enhancer.new_tokens == [3]
+    enhancer.enhance(PROMPTS, 64, 64, greedy=True)
+    assert all(1 <= n <= MAX_LENGTH for n in enhancer.new_tokens) and MAX_LENGTH in enhancer.new_tokens
+    for bad in (0, MAX_NEW_TOKENS_CAP + 1, 2.5):
+        with pytest.raises(InputError, match="max_new_tokens must be a whole number from 1 to"):
+            enhancer.enhance(PROMPTS[:1], 64, 64, max_new_tokens=bad)
+    with pytest.raises(InputError, match="width must be a positive"):
+        enhancer.enhance(PROMPTS[:1], 0, 64)
+
+
+def test_release_frees_and_reloads(release):
+    pe = PromptEnhancer.from_pretrained(release[0])
+    first = pe.enhance(PROMPTS[:1], 64, 64, greedy=True)
+    pe.release()
+    assert pe.model is None
+    assert pe.enhance(PROMPTS[:1], 64, 64, greedy=True) == first
+    pe.release()
+    pe._loader = None
+    with pytest.raises(InputError, match="was released"):
+        pe.enhance(PROMPTS[:1], 64, 64)
+
+
+def test_under_inference_mode(enhancer):
+    """ComfyUI runs nodes under inference mode; the pipeline may call the PE there."""
+    plain = enhancer.enhance(PROMPTS[:1], 64, 64, greedy=True)
+    with torch.inference_mode():
+        assert enhancer.enhance(PROMPTS[:1], 64, 64, greedy=True) == plain
+
+
+def test_single_file_with_config_folder(tmp_path, release, enhancer):
+    """ComfyUI's ernie-image-prompt-enhancer.safetensors style: one file, its config in a given folder."""
+    single = tmp_path / "ernie-image-prompt-enhancer.safetensors"
+    shutil.copy(os.path.join(release[0], "model.safetensors"), single)
+    with pytest.raises(CheckpointError, match=r"config\.json: missing; a single prompt enhancer file"):
+        PromptEnhancer.from_pretrained(str(single), tokenizer=release[1])
+    pe = PromptEnhancer.from_pretrained(str(single), tokenizer=release[1], config=release[0])
+    assert pe.enhance(PROMPTS, 64, 64, greedy=True) == enhancer.enhance(PROMPTS, 64, 64, greedy=True)
+
+
+def test_bad_inputs_name_the_file(tmp_path, release):
+    lone = tmp_path / "lone" / "pe"
+    shutil.copytree(release[0], lone)  # a PE folder without pe_tokenizer/ beside it or tokenizer files inside
+    with pytest.raises(CheckpointError, match=r"pe_tokenizer: no prompt enhancer tokenizer"):
+        PromptEnhancer.from_pretrained(str(lone))
+
+    pickled = tmp_path / "pickled" / "pe"
+    shutil.copytree(release[0], pickled)
+    torch.save({"w": torch.zeros(1)}, pickled / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin.*pickle"):
+        PromptEnhancer.from_pretrained(str(pickled), tokenizer=release[1])
+
+    no_config = tmp_path / "noconf" / "pe"
+    shutil.copytree(release[0], no_config)
+    os.remove(no_config / "config.json")
+    with pytest.raises(CheckpointError, match=r"pe/config\.json: missing"):
+        PromptEnhancer.from_pretrained(str(no_config), tokenizer=release[1])
+
+    no_template = tmp_path / "notemplate"
+    shutil.copytree(release[1], no_template)
+    os.remove(no_template / "chat_template.jinja")
+    with pytest.raises(CheckpointError, match="has no chat template"):
+        PromptEnhancer.from_pretrained(release[0], tokenizer=str(no_template))
+
+    damaged = tmp_path / "damaged" / "pe"
+    shutil.copytree(release[0], damaged)
+    (damaged / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        PromptEnhancer.from_pretrained(str(damaged), tokenizer=release[1])
+
+    with pytest.raises(CheckpointError, match="prompt enhancer not found"):
+        PromptEnhancer.from_pretrained(str(tmp_path / "nowhere"))
