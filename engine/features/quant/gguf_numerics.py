@@ -84,13 +84,14 @@ def _k_scale_min(s: torch.Tensor):
 
 
 # Each decoder: blocks [n, type_size] uint8 -> [n, block] float32, the same float32 operations in the same
-# order as gguf.quants (so the results are equal bit for bit; integers are exact in float32).
+# order as gguf.quants (so the results are equal bit for bit; integers are exact in float32, and their
+# offsets are applied in int8 before the one conversion, a byte a value instead of four).
 def _q8_0(b):
     return b[:, 2:].view(torch.int8).float() * _f16(b[:, 0:2])
 
 
 def _q4_0(b):
-    return _f16(b[:, 0:2]) * (_nibbles(b[:, 2:]).float() - 8)
+    return _f16(b[:, 0:2]) * (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
 
 
 def _q4_1(b):
@@ -99,7 +100,7 @@ def _q4_1(b):
 
 def _q5_0(b):
     q = _nibbles(b[:, 6:]) | (_bits(b[:, 2:6]) << 4)
-    return _f16(b[:, 0:2]) * (q.float() - 16)
+    return _f16(b[:, 0:2]) * (q.to(torch.int8) - 16).float()
 
 
 def _q5_1(b):
@@ -124,7 +125,7 @@ def _q3_k(b):
     dl = (_f16(b[:, 108:110]) * ((lo | (hi << 4)).float() - 32)).unsqueeze(-1)
     ql = _shifted(qs.reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 16, 16)
     qh = _shifted(hmask.reshape(n, 1, 32), range(8), 1).reshape(n, 16, 16) ^ 1
-    return (dl * (ql.float() - (qh << 2).float())).reshape(n, 256)
+    return (dl * (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()).reshape(n, 256)
 
 
 def _q4_k(b):
@@ -151,7 +152,7 @@ def _q6_k(b):
     d = (_f16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()).unsqueeze(-1)
     ql = _shifted(b[:, 0:128].reshape(n, 2, 64), (0, 4), 15).reshape(n, 8, 32)
     qh = _shifted(b[:, 128:192].reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 8, 32)
-    q = ((ql | (qh << 4)).float() - 32).reshape(n, 16, 16)
+    q = ((ql | (qh << 4)).to(torch.int8) - 32).float().reshape(n, 16, 16)
     return (d * q).reshape(n, 256)
 
 
@@ -162,11 +163,12 @@ def _f32(b):
 def _f16s(b):
     h = b.contiguous().view(torch.float16)
     out = h.float()
-    bits = h.view(torch.int16).to(torch.int32) & 0xFFFF
-    nan = ((bits & 0x7C00) == 0x7C00) & ((bits & 0x3FF) != 0)
-    # torch quiets signalling NaNs; gguf (numpy) keeps every payload bit (no branch: no device sync)
-    keep = ((bits & 0x8000) << 16) | 0x7F800000 | ((bits & 0x3FF) << 13)
-    return torch.where(nan, keep.view(torch.float32), out)
+    # torch sets the quiet bit of a signalling NaN, gguf (numpy) keeps the payload as it is: put it back. The
+    # check is a device sync, paid only here: the loader reads F16 tensors as torch float16, not per forward.
+    if bool(torch.isnan(out).any()):
+        signalling = torch.isnan(out) & ((h.view(torch.int16) & 0x200) == 0)
+        out = torch.where(signalling, (out.view(torch.int32) & ~0x400000).view(torch.float32), out)
+    return out
 
 
 def _bf16(b):
