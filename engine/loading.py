@@ -9,6 +9,7 @@ from torch import nn
 
 from .errors import CheckpointError
 from .features.quant import QuantPlan, QuantTransform
+from .features.quant.gguf_linear import GGUF_MODULES
 from .io.checkpoint import open_checkpoint
 from .io.load import LoadPlan, build_model
 from .models.ernie_image import ErnieImageConfig
@@ -20,8 +21,9 @@ def plan_load(checkpoint, dtype=None, quant: Optional[str] = None,
     quantization; ``.read(device)`` then loads. ``checkpoint``: a path or an opened Checkpoint."""
     ckpt = open_checkpoint(checkpoint)
     plan = QuantPlan(ckpt)
-    if shard is not None and shard[0] > 1 and plan.quantized:
-        raise CheckpointError(f"{ckpt.describe()}: tensor parallel needs a dense (bf16/fp16/fp32) checkpoint; this one is "
+    gguf_only = bool(plan.layers) and all(v["kind"] in GGUF_MODULES for v in plan.layers.values()) and plan.sources == {"gguf"}
+    if shard is not None and shard[0] > 1 and plan.quantized and not gguf_only:  # GGUF bytes split by rows (gguf_linear)
+        raise CheckpointError(f"{ckpt.describe()}: tensor parallel needs a dense (bf16/fp16/fp32) or GGUF checkpoint; this one is "
                               "pre-quantized. Use ulysses_degree / ring_degree / cfg_parallel, or the dense file with quant=...")
     return LoadPlan(ckpt, dtype, shard, QuantTransform(plan, quant))
 

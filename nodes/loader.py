@@ -16,6 +16,9 @@ from .model_cache import SGLDModel, get_engine
 
 NODE = "SGLDiffusion Model Loader"
 FOLDER = "diffusion_models"  # ComfyUI maps the legacy "unet" folder into this one
+# ComfyUI lists only its own extensions (.safetensors, ...) under diffusion_models: the .gguf files of the same
+# folders (and of models/unet) are listed under a folder name of this pack's, as ComfyUI-GGUF does with its own
+GGUF_FOLDER = "sgldiffusion_gguf"
 log = logging.getLogger("sgldiffusion")
 
 
@@ -29,11 +32,18 @@ def model_folders() -> list:
     return out
 
 
+def _gguf_folder() -> str:
+    """The pack's folder name for .gguf models: the model folders as they are now, .gguf files only."""
+    folder_paths.folder_names_and_paths[GGUF_FOLDER] = (model_folders(), {".gguf"})
+    return GGUF_FOLDER
+
+
 def model_files() -> list:
-    """The embedded demo model first, then the files of models/diffusion_models and models/unet."""
+    """The embedded demo model first, then the files of models/diffusion_models and models/unet (.gguf too)."""
     files = list(folder_paths.get_filename_list(FOLDER))
     if "unet" in folder_paths.folder_names_and_paths:
         files += [f for f in folder_paths.get_filename_list("unet") if f not in files]
+    files += [f for f in folder_paths.get_filename_list(_gguf_folder()) if f not in files]
     return [DEMO_CHOICE] + sorted(files)
 
 
@@ -43,10 +53,12 @@ def resolve(name: str) -> str:
     path = folder_paths.get_full_path(FOLDER, name)
     if path is None and "unet" in folder_paths.folder_names_and_paths:
         path = folder_paths.get_full_path("unet", name)
+    if path is None and name.lower().endswith(".gguf"):
+        path = folder_paths.get_full_path(_gguf_folder(), name)
     if path is None or not os.path.exists(path):
         raise ValueError(
             f"SGLDiffusion Model Loader: model file '{name}' was not found in {', '.join(model_folders())}. "
-            "Put the ERNIE-Image diffusion model (e.g. ernie-image-turbo.safetensors) in ComfyUI/models/diffusion_models "
+            "Put the ERNIE-Image diffusion model (e.g. ernie-image-turbo.safetensors or a .gguf file) in ComfyUI/models/diffusion_models "
             "and press R in the UI to refresh the list."
         )
     return path
@@ -82,7 +94,7 @@ def engine_config(unet_name: str, widgets: dict) -> EngineConfig:
 
 
 class SGLDiffusionModelLoader:
-    DESCRIPTION = ("Loads an ERNIE-Image diffusion model (.safetensors from models/diffusion_models) into the "
+    DESCRIPTION = ("Loads an ERNIE-Image diffusion model (.safetensors or .gguf from models/diffusion_models) into the "
                    "SGLDiffusion engine. The model stays loaded between runs until the inputs change or ComfyUI frees memory.")
     CATEGORY = "SGLDiffusion"
     RETURN_TYPES = ("SGLD_MODEL", "MODEL")

@@ -211,7 +211,7 @@ def test_requirements_are_ranges_of_what_the_nodes_import():
     assert reqs and not [r for r in reqs if "==" in r or "===" in r], reqs
     assert all(re.search(r">=\d", r) for r in reqs), reqs
     assert not set(names) & set(SERVER_PACKAGES), names
-    assert set(names) == {"safetensors", "numpy", "pillow", "scipy"}  # tests/test_imports.py: what nodes/ import
+    assert set(names) == {"safetensors", "numpy", "pillow", "scipy", "gguf"}  # tests/test_imports.py: what nodes/ import
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
     deps = [d.split(";")[0].replace(" ", "") for d in project["dependencies"]]

@@ -104,7 +104,7 @@ def test_bytes_at_rest_are_the_files_bytes(tmp_path):
     assert block_bytes * 7 < dense  # Q4_K: 4.5 bits a weight against 32
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q5_1"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q5_1", "q4_k"])
 def test_quant_option_quantizes_a_safetensors_model_at_load(tmp_path, fmt):
     src = tmp_path / "m.safetensors"
     save_file(SD, str(src))
@@ -112,7 +112,7 @@ def test_quant_option_quantizes_a_safetensors_model_at_load(tmp_path, fmt):
     layer = model.layers[1].self_attention.to_q
     assert isinstance(layer, GGUFLinear) and Q.model_quant_format(model) == fmt
     err = Q.relative_error(layer.dequantize(), SD["layers.1.self_attention.to_q.weight"])
-    assert 0 < err < {"q8_0": 0.01, "q4_0": 0.15, "q5_1": 0.06}[fmt]
+    assert 0 < err < {"q8_0": 0.01, "q4_0": 0.15, "q5_1": 0.06, "q4_k": 0.1}[fmt]
     assert estimate_bytes(src, quant=fmt) == Q.weight_bytes(model)
 
 

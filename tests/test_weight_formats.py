@@ -79,7 +79,8 @@ def _inputs(b=2):
 
 def test_the_quant_option_offers_the_tables_names():
     assert tuple(declared(EngineConfig)["quant"].choices) == Q.choices() == Q.FORMATS
-    assert list(Q.FORMAT_TABLE) == ["fp8", "int4"]
+    assert list(Q.FORMAT_TABLE)[:2] == ["fp8", "int4"]
+    assert list(Q.FORMAT_TABLE)[2:] == ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 
 
 def test_a_registered_format_is_parsed_applied_fused_and_split(int8):
@@ -132,5 +133,5 @@ def test_an_integer_weight_no_format_reads_is_refused(tmp_path):
     sd["layers.0.mlp.gate_proj.weight_scale"] = torch.ones(CFG.ffn_hidden_size)
     save_file(sd, str(path))
     with pytest.raises(CheckpointError, match=r"i8.safetensors: tensor 'layers.0.mlp.gate_proj.weight': a quantized "
-                                              r"weight stored as I8 that no weight format reads \(formats: fp8, int4\)"):
+                                              r"weight stored as I8 that no weight format reads \(formats: fp8, int4, q8_0, "):
         load_model(path)

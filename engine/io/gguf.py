@@ -4,7 +4,7 @@ with the GGUF magic), as unsloth and city96's ComfyUI-GGUF write them.
 The header is parsed by ``gguf.GGUFReader`` (the format's reference Python reader, memory-mapped), but only
 after ``_scan`` walked it once itself, bounding every count and length by the bytes really left in the file
 (the reference reader would loop over, or allocate for, whatever count a damaged header states). Then each
-tensor is checked as strictly as a safetensors entry: a type of gguf_numerics.SUPPORTED, 1-4 positive
+tensor is checked as strictly as a safetensors entry: a type of ``READ_TYPES``, 1-4 positive
 dims, whole blocks per row, an aligned offset, its bytes inside the file and no two tensors sharing bytes.
 ComfyUI-GGUF's convention is honoured: a tensor stored reshaped has its torch shape in the metadata key
 ``comfy.gguf.orig_shape.<name>`` (an INT32 array). Quantized tensors are reported as U8 in their torch
@@ -19,7 +19,9 @@ import os
 import struct
 from typing import Dict, Iterator, Optional, Tuple
 
+import gguf
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import CheckpointError
 from .readers import Reader, register_reader
@@ -39,9 +41,21 @@ SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4),
 STRING, ARRAY, INT32 = 8, 9, 5
 
 
-def _numerics():
-    from ..features.quant import gguf_numerics  # the block table (one place: gguf_numerics.SUPPORTED)
-    return gguf_numerics
+_T = GGMLQuantizationType
+# The block types read (engine/features/quant/gguf_numerics.py dequantizes exactly these: SUPPORTED there,
+# tests/test_gguf_validation.py checks the two agree). F32 / F16 / BF16 load as ordinary tensors.
+READ_TYPES: Dict[int, str] = {int(t): t.name for t in (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0,
+                                                        _T.Q5_1, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K)}
+DENSE = {int(_T.F32): torch.float32, int(_T.F16): torch.float16, int(_T.BF16): torch.bfloat16}
+
+
+def tensor_bytes(qtype: int, shape: Tuple[int, ...]) -> int:
+    """Bytes of a tensor of ``shape`` (torch order, rows last, whole blocks) in block type ``qtype``."""
+    block, size = GGML_QUANT_SIZES[_T(qtype)]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows * (shape[-1] // block) * size
 
 
 class _Scan:
@@ -63,15 +77,18 @@ class _Scan:
     def unpack(self, fmt: str, n: int, field: str):
         return struct.unpack_from(fmt, self.buf, self.take(n, field))[0]
 
-    def string(self, field: str, limit: int) -> str:
+    def string(self, field: str, limit: int, name: bool = False) -> str:
         n = self.unpack("<Q", 8, f"the length of {field}")
-        if n > limit:
-            self.fail(f"{field} is {n} bytes long; at most {limit} are allowed")
+        if n > limit or (name and n == 0):
+            self.fail(f"{field} is {n} bytes long; {'1 to ' if name else 'at most '}{limit} are allowed")
         start = self.take(n, field)
         try:
-            return bytes(self.buf[start:start + n]).decode("utf-8")
+            text = bytes(self.buf[start:start + n]).decode("utf-8")
         except UnicodeDecodeError:
             self.fail(f"{field} is not UTF-8 text")
+        if name and not text.isprintable():
+            self.fail(f"{field} {ascii(text)} holds control characters")
+        return text
 
     def value(self, vtype: int, field: str, depth: int = 0) -> None:
         if vtype in SCALARS:
@@ -97,8 +114,10 @@ class _Scan:
             self.fail(f"{field}: unknown value type {vtype}")
 
 
-def _scan(path: str, buf, size: int) -> Tuple[int, int]:
-    """Walk the fixed header, every key/value and every tensor info within the file; (tensor count, kv count)."""
+def _scan(path: str, buf, size: int):
+    """Walk the fixed header, every key/value and every tensor info within the file, and check each tensor
+    (a supported type, 1-4 positive dims, whole blocks per row, an aligned offset, its bytes inside the file).
+    Returns ({name: (qtype, torch shape, absolute offset, bytes)}, kv count, data start, alignment)."""
     s = _Scan(path, buf, size)
     if size < 24 or bytes(buf[:4]) != MAGIC:
         s.fail(f"it does not start with the GGUF magic and a 24-byte header (the file has {size} bytes)")
@@ -114,20 +133,53 @@ def _scan(path: str, buf, size: int) -> Tuple[int, int]:
         s.fail(f"header field 'kv_count' = {n_kv} does not fit a {size}-byte file")
     if n_tensors * 33 > size - 24 or n_tensors == 0:  # a tensor info takes at least 33 bytes
         s.fail(f"header field 'tensor_count' = {n_tensors}: must be at least 1 and fit a {size}-byte file")
+    alignment = 32  # GGUF_DEFAULT_ALIGNMENT
     for i in range(n_kv):
-        key = s.string(f"the key of metadata entry {i}", MAX_NAME)
-        s.value(s.unpack("<I", 4, f"the value type of metadata '{key}'"), f"metadata '{key}'")
+        key = s.string(f"the key of metadata entry {i}", MAX_NAME, name=True)
+        vtype = s.unpack("<I", 4, f"the value type of metadata '{key}'")
+        at = s.pos
+        s.value(vtype, f"metadata '{key}'")
+        if key == "general.alignment":
+            alignment = struct.unpack_from("<I", buf, at)[0] if vtype == 4 else 0
+            if not alignment or alignment & (alignment - 1) or alignment > 1 << 20:
+                s.fail("metadata 'general.alignment' must be a UINT32 power of two up to 1 MB")
+    infos = []
     for i in range(n_tensors):
-        name = s.string(f"the name of tensor {i}", MAX_NAME)
+        name = s.string(f"the name of tensor {i}", MAX_NAME, name=True)
         n_dims = s.unpack("<I", 4, f"tensor '{name}': n_dims")
         if not 1 <= n_dims <= MAX_DIMS:
             s.fail(f"tensor '{name}': n_dims = {n_dims}; 1 to {MAX_DIMS} are allowed")
-        s.take(8 * n_dims + 12, f"tensor '{name}': dims, type and offset")
-    return n_tensors, n_kv
+        at = s.take(8 * n_dims + 12, f"tensor '{name}': dims, type and offset")
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, at)
+        qtype, offset = struct.unpack_from("<IQ", buf, at + 8 * n_dims)
+        infos.append((name, dims, qtype, offset))
+    data_start = -(-s.pos // alignment) * alignment
+    tensors: Dict[str, Tuple[int, Tuple[int, ...], int, int]] = {}
+    for name, dims, qtype, offset in infos:
+        if name in tensors:
+            s.fail(f"tensor '{name}' appears twice")
+        if qtype not in READ_TYPES:
+            known = _T(qtype).name if qtype in _T._value2member_map_ else "unknown"
+            raise CheckpointError(f"{path}: tensor '{name}': GGUF type {qtype} ({known}) is not read; allowed: "
+                                  f"{', '.join(READ_TYPES.values())}")
+        if not all(d > 0 for d in dims):
+            raise CheckpointError(f"{path}: tensor '{name}': dims {list(dims)} must be positive")
+        shape = tuple(reversed(dims))  # torch order; GGUF lists the row (ne[0]) first
+        block = GGML_QUANT_SIZES[_T(qtype)][0]
+        if shape[-1] % block:
+            raise CheckpointError(f"{path}: tensor '{name}': rows of {shape[-1]} values are not whole "
+                                  f"{READ_TYPES[qtype]} blocks of {block}")
+        nbytes = tensor_bytes(qtype, shape)
+        if offset % alignment:
+            raise CheckpointError(f"{path}: tensor '{name}': offset {offset} is not a multiple of the alignment {alignment}")
+        if data_start + offset + nbytes > size:
+            raise CheckpointError(f"{path}: file is truncated: tensor '{name}' {list(shape)} {READ_TYPES[qtype]} "
+                                  f"ends at byte {data_start + offset + nbytes} but the file has {size} bytes")
+        tensors[name] = (qtype, shape, data_start + offset, nbytes)
+    return tensors, n_kv, data_start, alignment
 
 
 def _reference_reader(path: str):
-    import gguf  # the reference reader; imported here so that engine/io loads without it until a GGUF file comes
     try:
         return gguf.GGUFReader(path, "r")
     except (ValueError, KeyError, TypeError, IndexError, OverflowError, UnicodeDecodeError) as e:
@@ -153,51 +205,26 @@ class GGUFFile:
         if size == 0:
             raise CheckpointError(f"{path}: not a valid GGUF file: the file is empty")
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            n_tensors, n_kv = _scan(path, buf, size)
+            tensors, n_kv, data_start, self.alignment = _scan(path, buf, size)
         reader = _reference_reader(path)
-        if len(reader.tensors) != n_tensors or len(reader.fields) != n_kv + 3:  # + version and the two counts
-            raise CheckpointError(f"{path}: not a valid GGUF file: the reference reader found "
-                                  f"{len(reader.tensors)} tensors and {len(reader.fields) - 3} metadata entries, "
-                                  f"the header says {n_tensors} and {n_kv}")
+        theirs = {t.name: (int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset))
+                  for t in reader.tensors}
+        if (len(reader.fields) != n_kv + 3 or int(reader.data_offset) != data_start  # + version and the two counts
+                or theirs != {k: v[:3] for k, v in tensors.items()}):
+            raise CheckpointError(f"{path}: not a valid GGUF file: the reference reader reads its header otherwise "
+                                  f"({len(reader.tensors)} tensors, {len(reader.fields) - 3} metadata entries)")
         try:
             self.metadata: Dict[str, str] = {k: _text(v) for k, v in reader.fields.items() if not k.startswith("GGUF.")}
         except (UnicodeDecodeError, ValueError, TypeError) as e:
             raise CheckpointError(f"{path}: not a valid GGUF file: a metadata value cannot be read "
                                   f"({type(e).__name__}: {str(e)[:120]})") from None
         self.architecture = self.metadata.get("general.architecture", "")
-        self.alignment = int(reader.alignment)
-        self.data_start = int(reader.data_offset)
+        self.data_start = data_start
         # key -> (qtype, stored torch shape, torch shape, absolute offset, bytes)
-        self.entries: Dict[str, Tuple[int, Tuple[int, ...], Tuple[int, ...], int, int]] = {}
-        for t in reader.tensors:
-            self.entries[t.name] = self._entry(reader, t, size)
+        self.entries: Dict[str, Tuple[int, Tuple[int, ...], Tuple[int, ...], int, int]] = {
+            k: (qtype, shape, self._orig_shape(reader, k, shape), begin, n) for k, (qtype, shape, begin, n) in tensors.items()}
         del reader  # its memory map goes with it
         self._check_coverage(size)
-
-    def _entry(self, reader, t, size: int):
-        num = _numerics()
-        path, name = self.path, t.name
-        qtype = int(t.tensor_type)
-        if qtype not in num.SUPPORTED:
-            raise CheckpointError(f"{path}: tensor '{name}': GGUF type {qtype} ({getattr(t.tensor_type, 'name', '?')}) is "
-                                  f"not read; allowed: {', '.join(n.upper() for n in num.NAMES)}")
-        dims = [int(d) for d in t.shape]  # GGUF order: the row (ne[0]) first
-        if not all(d > 0 for d in dims):
-            raise CheckpointError(f"{path}: tensor '{name}': dims {dims} must be positive")
-        stored = tuple(reversed(dims))  # torch order
-        block, _ = num.block_size(qtype)
-        if stored[-1] % block:
-            raise CheckpointError(f"{path}: tensor '{name}': rows of {stored[-1]} values are not whole "
-                                  f"{num.type_name(qtype)} blocks of {block}")
-        nbytes = num.tensor_bytes(qtype, stored)
-        begin = int(t.data_offset)
-        if (begin - self.data_start) % self.alignment:
-            raise CheckpointError(f"{path}: tensor '{name}': offset {begin - self.data_start} is not a multiple of "
-                                  f"the alignment {self.alignment}")
-        if begin + nbytes > size:
-            raise CheckpointError(f"{path}: file is truncated: tensor '{name}' {list(stored)} {num.type_name(qtype)} "
-                                  f"ends at byte {begin + nbytes} but the file has {size} bytes")
-        return qtype, stored, self._orig_shape(reader, name, stored), begin, nbytes
 
     def _orig_shape(self, reader, name: str, stored: Tuple[int, ...]) -> Tuple[int, ...]:
         field = reader.get_field(ORIG_SHAPE_KEY + name)
@@ -258,31 +285,25 @@ class GGUFFile:
     def tensors(self, keys=None, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
         """(key, tensor) in file order, each in its own buffer: F32/F16/BF16 as tensors of their shape,
         quantized ones as their uint8 bytes [rows, bytes per row] of the stored layout."""
-        from .safetensors import _read_exactly
         wanted = sorted(self.entries if keys is None else keys, key=lambda k: self.entries[k][3])
         with open(self.path, "rb", buffering=0) as f:
             for key in wanted:
                 qtype, stored, shape, begin, n = self.entries[key]
                 buf = torch.empty(n, dtype=torch.uint8)
                 f.seek(begin)
-                _read_exactly(f, memoryview(buf.numpy()), f"{self.path}: file is truncated while reading '{key}'")
+                view, got = memoryview(buf.numpy()), 0
+                while got < n:  # one readinto returns at most 2 GiB, and less at a short file's end
+                    step = f.readinto(view[got:])
+                    if not step:
+                        raise CheckpointError(f"{self.path}: file is truncated while reading '{key}'")
+                    got += step
                 if qtype in DENSE:
                     t = buf.view(DENSE[qtype]).reshape(shape)
                     if dtype is not None and t.dtype != dtype:
                         t = t.to(dtype)
                 else:
-                    t = buf.reshape(-1, n // max(1, _rows(stored)))
+                    t = buf.reshape(-1, tensor_bytes(qtype, stored[-1:]))  # [rows, bytes per row]
                 yield key, t
-
-
-def _rows(shape: Tuple[int, ...]) -> int:
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    return rows
-
-
-DENSE = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGML type ids of F32, F16, BF16
 
 
 def is_gguf(head: bytes) -> bool:

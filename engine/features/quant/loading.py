@@ -16,10 +16,11 @@ from torch import nn
 
 from ...errors import CheckpointError
 from ...io.checkpoint import Checkpoint
-from ...io.load import SHARD_DIMS, Transform
+from ...io.load import SHARD_DIMS, Transform, shard_dim
 from ...io.safetensors import nbytes
 from .. import patching
 from .formats import QuantPlan
+from .gguf_linear import split_rows
 from .modules import is_block_linear, record_quant
 from .registry import get_format, parse_format
 
@@ -38,11 +39,13 @@ class QuantTransform(Transform):
         self.layer_of = {k: layer for layer in layers for k in plan.keys_of(layer)}  # stored key -> its layer
         self.ignored = set(plan.ignored) if plan is not None else set()
         self.parts: Dict[str, Dict[str, torch.Tensor]] = {}  # layer -> its tensors read so far
+        self.shard: Optional[Tuple[int, int]] = None
 
     def compute_dtype(self, ckpt: Checkpoint) -> torch.dtype:
         return self.plan.compute_dtype()
 
     def prepare(self, model: nn.Module, shard: Optional[Tuple[int, int]]) -> None:
+        self.shard = shard
         if shard is not None:
             shard_skeleton(model, shard[0])
 
@@ -105,6 +108,12 @@ class QuantTransform(Transform):
         info, wkey = self.plan.layers[layer], layer + ".weight"
         if self._keeps(layer):
             module = get_format(info["kind"]).from_stored(self.plan.stored(layer, parts))
+            dim = shard_dim(wkey)
+            if self.shard is not None and dim is not None:  # only GGUF files get here (engine/loading.py's plan_load)
+                try:
+                    module = split_rows(module, self.shard[1], self.shard[0], dim)
+                except ValueError as e:
+                    raise CheckpointError(f"{self.plan.ckpt.where(wkey)}: {e}") from None
             patching.replace_module(model, layer, module)
             return {}
         dense = self.plan.dequantize(layer, parts)
