@@ -226,3 +226,22 @@ def test_gguf_input_requantized(bf16_file, tmp_path):
             assert np.array_equal(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1), want.reshape(-1))
         else:
             assert t.tensor_type == src.tensor_type and np.array_equal(t.data, src.data), t.name
+
+
+def test_gguf_bad_values_name_the_tensor_and_new_folders_are_made(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from engine.models.random_weights import random_state_dict
+
+    sd = random_state_dict(CFG, seed=0)
+    sd["layers.0.mlp.up_proj.weight"][3, 5] = float("inf")
+    src = tmp_path / "bad.safetensors"
+    save_file(sd, str(src))
+    out = tmp_path / "new" / "folder" / "m.gguf"
+    assert main(["quantize", str(src), str(out), "--format", "q4_k"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.safetensors: tensor 'layers.0.mlp.up_proj.weight': cannot quantize to Q4_K" in err
+    assert "NaN or infinite" in err and os.listdir(out.parent) == []  # no output, no temporary file
+    sd["layers.0.mlp.up_proj.weight"][3, 5] = 0.0
+    save_file(sd, str(src))
+    assert main(["quantize", str(src), str(out), "--format", "q4_k"]) == 0 and out.is_file()
