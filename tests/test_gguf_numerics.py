@@ -192,3 +192,14 @@ def test_k_quants_on_cuda_equal_cpu_decode(qtype):
     raw = gn.quantize(w.cuda(), qtype)
     assert raw.device.type == "cuda"
     assert _bits_equal(gn.dequantize(raw, qtype, w.shape), _reference(raw.cpu().numpy(), qtype).reshape(w.shape))
+
+
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K), ids=lambda t: Q(t).name)
+def test_quantize_under_inference_mode(qtype):
+    # quant=q4_k at load runs under ComfyUI's inference mode: the same bytes as outside it
+    w = torch.randn(4, 512, generator=torch.Generator().manual_seed(6))
+    outside = gn.quantize(w, qtype)
+    with torch.inference_mode():
+        inside = gn.quantize(w, qtype)
+        assert torch.equal(inside, outside)
+        assert torch.equal(gn.dequantize(inside, qtype, w.shape), gn.dequantize(outside, qtype, w.shape))
