@@ -115,8 +115,10 @@ def test_dequantize_bad_input_is_a_clear_value_error():
         gn.dequantize(raw, Q.Q8_0, (2, 40))
     with pytest.raises(ValueError, match="uint8"):
         gn.dequantize(raw.float(), Q.Q8_0, (2, 64))
-    with pytest.raises(ValueError, match="not supported; supported: f32, f16"):
+    with pytest.raises(ValueError, match="GGUF type IQ2_XXS is not supported; supported: f32, f16"):
         gn.dequantize(raw, Q.IQ2_XXS, (2, 64))
+    with pytest.raises(ValueError, match="GGUF type 999 is not supported"):
+        gn.row_bytes(999, 64)
 
 
 def test_row_bytes_and_names():

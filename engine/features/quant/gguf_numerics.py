@@ -20,10 +20,11 @@ NAMES: Dict[str, int] = {Q(t).name.lower(): int(t) for t in SUPPORTED}  # "q8_0"
 def _check(qtype) -> Q:
     try:
         t = Q(int(qtype))
-    except ValueError:
+    except (TypeError, ValueError):
         t = None
     if t not in SUPPORTED:
-        raise ValueError(f"GGUF type {qtype!r} is not supported; supported: {', '.join(NAMES)}")
+        name = t.name if t is not None else repr(qtype)
+        raise ValueError(f"GGUF type {name} is not supported; supported: {', '.join(NAMES)}")
     return t
 
 
