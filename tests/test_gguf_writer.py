@@ -245,3 +245,63 @@ def test_gguf_bad_values_name_the_tensor_and_new_folders_are_made(tmp_path, caps
     sd["layers.0.mlp.up_proj.weight"][3, 5] = 0.0
     save_file(sd, str(src))
     assert main(["quantize", str(src), str(out), "--format", "q4_k"]) == 0 and out.is_file()
+
+
+_COMFYUI_GGUF_CHECK = r"""
+import json, sys
+sys.argv = ["check", "--cpu"]  # ComfyUI's model_management must not look for a GPU
+import comfy.options
+comfy.options.enable_args_parsing()
+import numpy as np, torch
+from gguf import GGUFReader, quants
+from comfyui_gguf.loader import gguf_sd_loader
+from comfyui_gguf.dequant import dequantize_tensor, is_quantized
+out = {}
+for path in sys.argv_files:
+    sd, arch = gguf_sd_loader(path, return_arch=True)
+    raw = {t.name: t for t in GGUFReader(path).tensors}
+    equal = 0
+    for k, v in sd.items():
+        theirs = dequantize_tensor(v, dtype=torch.float32, dequant_dtype=torch.float32)
+        t = raw[k]
+        ref = quants.dequantize(np.ascontiguousarray(t.data), t.tensor_type).astype(np.float32).reshape(tuple(v.shape))
+        equal += bool(np.array_equal(theirs.numpy(), ref))
+    out[path] = {"arch": arch, "shapes": {k: list(v.shape) for k, v in sd.items()}, "equal": equal,
+                 "quantized": sum(bool(is_quantized(v)) for v in sd.values())}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(os.environ.get("SGLD_COMFYUI_GGUF_DIR", "-"), "loader.py")),
+                    reason="set SGLD_COMFYUI_GGUF_DIR to a checkout of city96/ComfyUI-GGUF (not a dependency)")
+def test_comfyui_gguf_loader_reads_our_files(bf16_file, tmp_path):
+    """city96's ComfyUI-GGUF itself (its loader.py gguf_sd_loader and dequant.py, in a subprocess with ComfyUI
+    on the path) loads every type we write: the architecture accepted, diffusers' names, torch shapes, and its
+    float32 dequantization equal to gguf's numpy code for every tensor."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from comfy_server import COMFY_DIR
+
+    if not os.path.isdir(os.path.join(COMFY_DIR, "comfy")):
+        pytest.skip(f"no ComfyUI at {COMFY_DIR}")
+    pkgs = tmp_path / "pkgs"
+    pkgs.mkdir()
+    os.symlink(os.path.abspath(os.environ["SGLD_COMFYUI_GGUF_DIR"]), pkgs / "comfyui_gguf")
+    files = []
+    for fmt in gn.NAMES:
+        files.append(str(tmp_path / f"m-{fmt}.gguf"))
+        assert main(["quantize", str(bf16_file), files[-1], "--format", fmt]) == 0
+    script = _COMFYUI_GGUF_CHECK.replace("sys.argv_files", repr(files))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pkgs), COMFY_DIR])}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    source = load_file(str(bf16_file))
+    for path in files:
+        got = result[path]
+        assert got["arch"] == "wan" and got["equal"] == len(source), (path, got["equal"])
+        assert got["shapes"] == {k: list(v.shape) for k, v in source.items()}
+        assert got["quantized"] >= 7 * CFG.num_layers or path.endswith(("f16.gguf", "f32.gguf"))
