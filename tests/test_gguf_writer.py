@@ -101,14 +101,16 @@ def test_sgld_quantize_writes_comfyui_gguf_layout(bf16_file, tmp_path, fmt, caps
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0"])
-def test_rows_of_partial_blocks_get_llama_cpp_fallback(tmp_path, fmt):
+def test_rows_of_partial_blocks_get_llama_cpp_fallback(tmp_path, fmt, capsys):
     # the tiny model's linears have 64 / 192 inputs: no whole K block (256) per row
     src = tmp_path / "tiny.safetensors"
     save_random_checkpoint(str(src), TINY, seed=0, dtype=torch.float32)
     out = tmp_path / "t.gguf"
     assert main(["quantize", str(src), str(out), "--format", fmt]) == 0
     qtype = gn.NAMES[fmt]
-    want = FALLBACK.get(qtype, qtype)  # Q5_0 for Q4_K, Q8_0 for Q6_K; Q8_0 (blocks of 32) fits as it is
+    want = FALLBACK.get(qtype, qtype)
+    said = capsys.readouterr().out
+    assert (f"14 as {Q(want).name.lower()} (rows not whole blocks)" in said) == (want != qtype), said  # Q5_0 for Q4_K, Q8_0 for Q6_K; Q8_0 (blocks of 32) fits as it is
     types = {t.name: t.tensor_type for t in GGUFReader(str(out)).tensors}
     blocks = {k: v for k, v in types.items() if is_block_linear(k.rpartition(".")[0]) and k.endswith(".weight")}
     assert len(blocks) == 7 * TINY.num_layers and set(blocks.values()) == {want}

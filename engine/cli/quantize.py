@@ -46,6 +46,8 @@ def cmd_quantize(args) -> dict:
         print(json.dumps(summary))
     else:
         ratio = f" ({summary['output_bytes'] / summary['input_bytes']:.2f}x)" if summary.get("input_bytes") else ""
-        print(f"wrote {args.output}: {summary['layers']} linear layers as {args.format}, "
+        fallback = summary.get("fallback") or {}
+        other = f", {len(fallback)} as {'/'.join(sorted(set(fallback.values())))} (rows not whole blocks)" if fallback else ""
+        print(f"wrote {args.output}: {summary['layers']} linear layers as {args.format}{other}, "
               f"{summary['output_bytes'] / 2 ** 20:.1f} MiB{ratio}")
     return summary
