@@ -207,3 +207,41 @@ def test_written_file_loads_in_our_loader_and_runs_the_dequantized_weights(tmp_p
     assert torch.equal(got, want), f"max |difference| {(got - want).abs().max().item():.3g}"
     err = Q.relative_error(got, dense)
     assert 0 < err < {"q8_0": 0.002, "q4_k": 0.03, "q2_k": 0.1}[fmt], err  # measured: 0.0004, 0.0067, 0.024
+
+
+def test_gguf_input_requantized(bf16_file, tmp_path):
+    """A GGUF file (read by engine/io/gguf.py) as the input: its blocks are dequantized and written in the new
+    type, its dense tensors keep their type and bytes (bf16 stays BF16, not outvoted by the F32 norms)."""
+    q8 = tmp_path / "m-q8_0.gguf"
+    assert main(["quantize", str(bf16_file), str(q8), "--format", "q8_0"]) == 0
+    out = tmp_path / "m-q4_k.gguf"
+    assert main(["quantize", str(q8), str(out), "--format", "q4_k"]) == 0
+    first = {t.name: t for t in GGUFReader(str(q8)).tensors}
+    for t in GGUFReader(str(out)).tensors:
+        src = first[t.name]
+        if src.tensor_type == Q.Q8_0:
+            assert t.tensor_type == Q.Q4_K
+            values = torch.from_numpy(gq.dequantize(np.ascontiguousarray(src.data), Q.Q8_0).astype(np.float32))
+            want = gn.quantize(values.reshape(_torch_shape(GGUFReader(str(q8)), src)), Q.Q4_K).numpy()
+            assert np.array_equal(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1), want.reshape(-1))
+        else:
+            assert t.tensor_type == src.tensor_type and np.array_equal(t.data, src.data), t.name
+
+
+def test_gguf_bad_values_name_the_tensor_and_new_folders_are_made(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from engine.models.random_weights import random_state_dict
+
+    sd = random_state_dict(CFG, seed=0)
+    sd["layers.0.mlp.up_proj.weight"][3, 5] = float("inf")
+    src = tmp_path / "bad.safetensors"
+    save_file(sd, str(src))
+    out = tmp_path / "new" / "folder" / "m.gguf"
+    assert main(["quantize", str(src), str(out), "--format", "q4_k"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.safetensors: tensor 'layers.0.mlp.up_proj.weight': cannot quantize to Q4_K" in err
+    assert "NaN or infinite" in err and os.listdir(out.parent) == []  # no output, no temporary file
+    sd["layers.0.mlp.up_proj.weight"][3, 5] = 0.0
+    save_file(sd, str(src))
+    assert main(["quantize", str(src), str(out), "--format", "q4_k"]) == 0 and out.is_file()

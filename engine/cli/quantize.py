@@ -3,6 +3,7 @@ file (q8_0, q4_k, ...: engine/features/quant/gguf_convert.py)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from ..features.quant import FORMATS, quantize_file
@@ -36,6 +37,7 @@ def cmd_quantize(args) -> dict:
         raise ValueError(f"output '{args.output}' is a GGUF file: --format must be a GGUF type "
                          f"({', '.join(GGUF_FORMATS)}), not {args.format} (which writes .safetensors)")
     check_output_path("output", args.output, (".gguf",) if to_gguf else (".safetensors",))
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # as check_output_path promises
     t0 = time.perf_counter()
     write = quantize_gguf_file if to_gguf else quantize_file
     summary = write(args.input, args.output, args.format, dtype=args.dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import gguf
 import numpy as np
@@ -61,6 +61,17 @@ def _tensor_type(key: str, shape: Tuple[int, ...], qtype: int, dense: int) -> in
     return dense
 
 
+def _as_stored(ckpt, plan, shapes: Dict[str, Tuple[int, ...]], qtype: int) -> torch.dtype:
+    """The dense dtype "as stored": that of most tensors this writer stores dense (not the F32 small ones,
+    which would outvote the rest in a GGUF input), else the plan's."""
+    counts: Dict[torch.dtype, int] = {}
+    for k, shape in shapes.items():
+        dt = ckpt.header(k)[0]
+        if _tensor_type(k, shape, qtype, -1) == -1 and dt in DENSE_TYPES:
+            counts[dt] = counts.get(dt, 0) + 1
+    return max(counts, key=counts.get) if counts else plan.compute_dtype()
+
+
 def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dtype] = None) -> dict:
     """Read an ERNIE-Image checkpoint (bf16/fp16/fp32, or already quantized) and write ``dst`` (.gguf) with the
     blocks' linear weights in GGUF type ``fmt``; everything else F32 (1-D, small) or the dense dtype (``dtype``,
@@ -73,18 +84,16 @@ def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, tor
     ckpt = open_checkpoint(src)
     cfg = check_architecture(ckpt)
     plan = QuantPlan(ckpt)
-    compute = parse_dtype(dtype) or plan.compute_dtype()
+    skip = plan.stored_keys() - {layer + ".weight" for layer in plan.layers}
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    for k in sorted(ckpt.keys()):
+        if k not in skip:
+            layer, _, leaf = k.rpartition(".")
+            shapes[k] = tuple(plan.layers[layer]["shape"]) if leaf == "weight" and layer in plan.layers else ckpt.header(k)[1]
+    compute = parse_dtype(dtype) or _as_stored(ckpt, plan, shapes, qtype)
     if compute not in DENSE_TYPES:
         raise ValueError(f"--dtype {dtype}: a GGUF file stores dense tensors as bf16, fp16 or fp32")
-    dense_type = DENSE_TYPES[compute]
-    skip = plan.stored_keys() - {layer + ".weight" for layer in plan.layers}
-    entries: List[Tuple[str, int, Tuple[int, ...]]] = []  # key, type, torch shape
-    for k in sorted(ckpt.keys()):
-        if k in skip:
-            continue
-        layer, _, leaf = k.rpartition(".")
-        shape = tuple(plan.layers[layer]["shape"]) if leaf == "weight" and layer in plan.layers else ckpt.header(k)[1]
-        entries.append((k, _tensor_type(k, shape, qtype, dense_type), shape))
+    entries = [(k, _tensor_type(k, shape, qtype, DENSE_TYPES[compute]), shape) for k, shape in shapes.items()]
 
     writer = gguf.GGUFWriter(path=None, arch=ARCHITECTURE)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -110,7 +119,10 @@ def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, tor
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
             for k, t, _ in entries:
-                raw = gn.quantize(dense(k), t)
+                try:
+                    raw = gn.quantize(dense(k), t)
+                except ValueError as e:  # e.g. NaN / inf values: name the tensor
+                    raise ValueError(f"{ckpt.where(k)}: {e}") from None
                 writer.write_tensor_data(raw.numpy())
                 counts[Q(t).name] = counts.get(Q(t).name, 0) + 1
         finally:
