@@ -49,8 +49,8 @@ class EngineConfig:
         None, str, "weight-only quantization of the block linears at load (pre-quantized files load quantized anyway)",
         choices=FORMATS, optional=True, labels={None: "none"}, aliases={"off": None, "": None}, any_case=True,
         flag="--quant", widget="quant",
-        tooltip="Weight-only quantization of the transformer blocks' linear layers (fp8, or int4 in groups of 128 / "
-                "64). Pre-quantized files load quantized whatever this says.")
+        tooltip="Weight-only quantization of the transformer blocks' linear layers (fp8, int4 in groups of 128 / "
+                "64, or a GGUF block type, q8_0 ... q2_k). Pre-quantized files (GGUF too) load quantized whatever this says.")
     offload: str = option(
         "none", str, "layer-wise offload: block weights in pinned CPU memory, streamed through --resident-layers "
         "device buffers (auto: only when the GPU's free memory is below the model + working memory)",
