@@ -73,17 +73,19 @@ def mixed_types(sd: dict) -> dict:
     return out
 
 
-def write_gguf(path, sd: dict, types: dict, layout: str = "unsloth", seed: int = 0, arch: str = None) -> str:
+def write_gguf(path, sd: dict, types: dict, layout: str = "unsloth", seed: int = 0, arch: str = None,
+               reshape: dict = None) -> str:
     """Write ``sd`` as a GGUF file through GGUFWriter, each tensor in ``types[key]``; ``layout``: "unsloth" |
-    "comfy" (see the module docstring)."""
+    "comfy" (see the module docstring); ``reshape``: key -> a torch shape to store that tensor in, its own
+    shape in ``comfy.gguf.orig_shape.<name>``."""
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), arch or ("wan" if layout == "unsloth" else "ernie_image"))
     for k in sorted(sd):
         t, qtype = sd[k], types[k]
         name = k if layout == "unsloth" else COMFY_PREFIX + k
-        if layout == "comfy" and t.dim() > 2:
+        if (layout == "comfy" and t.dim() > 2) or k in (reshape or {}):
             w.add_array(f"comfy.gguf.orig_shape.{name}", [int(d) for d in t.shape])
-            t = t.reshape(t.shape[0], -1)
+            t = t.reshape((reshape or {}).get(k, (t.shape[0], -1)))
         data = encode(t, qtype, rng)
         w.add_tensor(name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
     w.write_header_to_file()

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import sys
 
+import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -25,6 +26,19 @@ COMFY_CFG = dataclasses.replace(CFG, in_channels=128, out_channels=128)
 SD = random_state_dict(COMFY_CFG, 0)
 TYPES = mixed_types(SD)
 UNSLOTH, COMFY, REF = "ernie-mixed-unsloth.gguf", "ernie-mixed-comfy.gguf", "ernie-mixed-ref.safetensors"
+LORA = "gguf-lora.safetensors"
+
+
+def write_lora(path: str) -> None:
+    """A LoRA in ComfyUI's key format on block linears of two GGUF types and on a dense one."""
+    g = torch.Generator().manual_seed(7)
+    sd = {}
+    for name in ("layers.0.self_attention.to_q", "layers.1.mlp.linear_fc2", "layers.0.mlp.up_proj"):
+        out_f, in_f = SD[name + ".weight"].shape
+        sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(2, in_f, generator=g) * 0.3
+        sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(out_f, 2, generator=g) * 0.3
+        sd[f"diffusion_model.{name}.alpha"] = torch.tensor(1.0)
+    save_file(sd, path)
 
 
 def comfy_base(base):
@@ -34,14 +48,24 @@ def comfy_base(base):
     write_gguf(os.path.join(models, "unet", COMFY), SD, TYPES, "comfy")
     save_file(reference_state(os.path.join(models, "diffusion_models", UNSLOTH)),
               os.path.join(models, "diffusion_models", REF))
+    os.makedirs(os.path.join(models, "loras"), exist_ok=True)
+    write_lora(os.path.join(models, "loras", LORA))
 
 
-def graph(model: str) -> dict:
+def graph(model: str, lora: bool = False) -> dict:
+    """Our KSampler on SGLD_MODEL (-> SaveLatent 6), ComfyUI's on comfy_model (-> 8); ``lora``: SGLDiffusion
+    LoRA Loader on ours, ComfyUI's LoraLoaderModelOnly on comfy_model."""
     dim = COMFY_CFG.text_in_dim
     g = cs.tiny_graph(model, seed=4, steps=3, cfg=2.0, weight_dtype="fp32", pos=(1, 7, dim), neg=(2, 5, dim),
                       width=64, height=64)
+    theirs = ["1", 1]
+    if lora:
+        g["20"] = {"class_type": "SGLDiffusionLoraLoader", "inputs": {"model": ["1", 0], "lora_name": LORA, "strength": 0.7}}
+        g["5"]["inputs"]["model"] = ["20", 0]
+        g["21"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 1], "lora_name": LORA, "strength_model": 0.7}}
+        theirs = ["21", 0]
     g["7"] = {"class_type": "KSampler", "inputs": {
-        "model": ["1", 1], "seed": 4, "steps": 3, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+        "model": theirs, "seed": 4, "steps": 3, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
         "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}}
     g["8"] = {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": "sgld/comfy"}}
     return g
@@ -51,8 +75,8 @@ def close(a, b, tol=1e-5) -> bool:
     return a.shape == b.shape and float((a - b).abs().max()) <= tol * float(b.abs().max())
 
 
-def latents(server, model: str):
-    entry = server.run(graph(model), timeout=300)
+def latents(server, model: str, lora: bool = False):
+    entry = server.run(graph(model, lora), timeout=300)
     assert entry["status"]["status_str"] == "success", f"{cs.error_message(entry)}\n{server.log()[-3000:]}"
     return cs.saved_latent(server, entry, "6"), cs.saved_latent(server, entry, "8")
 
@@ -70,3 +94,16 @@ def test_the_loader_lists_gguf_files_and_both_outputs_run_them(comfy):
         assert close(theirs, ours, 1e-4) and close(theirs, ref_theirs), name
     loaded = comfy.get("/sgldiffusion/models").json()["loaded"]
     assert any(d.get("name", d.get("model", "")).endswith(".gguf") or ".gguf" in str(d) for d in loaded), loaded
+
+
+def test_lora_on_gguf_weights_through_both_outputs(comfy):
+    """SGLDiffusion LoRA Loader on SGLD_MODEL and ComfyUI's LoraLoaderModelOnly on comfy_model, on the GGUF file
+    and on the reference: the same LoRA gives the same latent within 1e-4 (GGUF layers add it as a side path,
+    W x + B (A x); the dense reference merges it, (W + B A) x: float32 rounding apart)."""
+    base, _ = latents(comfy, UNSLOTH)
+    ours, theirs = latents(comfy, UNSLOTH, lora=True)
+    ref_ours, _ = latents(comfy, REF, lora=True)
+    assert float((ours - base).abs().max()) > 1e-3  # the LoRA changed the picture
+    assert close(ours, ref_ours, 1e-4) and close(theirs, ours, 1e-4)
+    again, _ = latents(comfy, UNSLOTH)  # the cached engine without the LoRA again: the base, exactly
+    assert close(again, base, 0)

@@ -151,3 +151,19 @@ def test_sgld_bench_and_serve_take_a_gguf_model(files, capsys):
     finally:
         server.proc.terminate()
         assert server.proc.wait(60) == 0, server.log()
+
+
+def test_tensor_parallel_with_another_format_asked_for_splits_before_quantizing(files):
+    from engine.features.quant import FP8Linear
+    q8 = load_model(files["q8"]).layers[0].mlp.linear_fc2.dequantize()  # [256, 512], row parallel: inputs split
+    half = load_model(files["q8"], quant="fp8", shard=(2, 1)).layers[0].mlp.linear_fc2
+    assert isinstance(half, FP8Linear) and half.in_features == 256
+    assert torch.equal(half.dequantize(), FP8Linear.from_dense(q8[:, 256:]).dequantize())
+
+
+def test_the_stored_compute_dtype_leaves_out_the_f32_norms(tmp_path):
+    sd = {k: (v if v.dim() == 1 else v.to(torch.bfloat16)) for k, v in SD.items()}
+    types = {k: (Q.F32 if v.dim() == 1 else Q.BF16) for k, v in sd.items()}
+    types["layers.0.mlp.gate_proj.weight"] = Q.Q8_0
+    path = write_gguf(tmp_path / "bf16.gguf", sd, types, "unsloth")
+    assert load_model(path).dtype == torch.bfloat16  # most tensors are F32 (norms, biases), most weights BF16

@@ -83,7 +83,8 @@ def test_the_architecture_comes_from_the_tensor_names_not_the_metadata(tmp_path)
     assert load_model(path).config.hidden_size == CFG.hidden_size
     other = {k.replace("layers.", "blocks."): v for k, v in SD.items()}  # not ERNIE-Image's names
     bad = write_gguf(tmp_path / "flux.gguf", other, types_for(other, GQ.Q8_0), "unsloth", arch="flux")
-    with pytest.raises(CheckpointError, match="flux.gguf: not an ERNIE-Image diffusion model: key 'layers.0"):
+    with pytest.raises(CheckpointError, match=r"flux.gguf: not an ERNIE-Image diffusion model: key 'layers.0.*"
+                                              r"general.architecture 'flux'\)"):
         load_model(bad)
 
 
@@ -163,3 +164,14 @@ def test_cli_generate_serves_every_type_in_both_layouts(tmp_path):
         pictures[name] = np.asarray(Image.open(out))
     assert pictures["ref"].std() > 0
     assert np.array_equal(pictures["unsloth"], pictures["ref"]) and np.array_equal(pictures["comfy"], pictures["ref"])
+
+
+def test_reshaped_tensors_dequantize_to_their_shape_and_reshaped_block_linears_are_refused(tmp_path):
+    types = types_for(SD, GQ.Q8_0)
+    ok = write_gguf(tmp_path / "ok.gguf", SD, types, "unsloth", reshape={"final_norm.linear.weight": (256, 512)})
+    assert torch.equal(load_model(ok, dtype="fp32").final_norm.linear.weight,
+                       reference_state(ok)["final_norm.linear.weight"])  # [512, 256] again
+    bad = write_gguf(tmp_path / "bad.gguf", SD, types, "unsloth", reshape={"layers.0.mlp.gate_proj.weight": (256, 512)})
+    with pytest.raises(CheckpointError, match=r"bad.gguf: tensor 'layers.0.mlp.gate_proj.weight': a Q8_0 block linear "
+                                              r"stored reshaped as \[256, 512\] \(its shape is \[512, 256\]\)"):
+        load_model(bad)

@@ -115,8 +115,10 @@ def test_dequantize_bad_input_is_a_clear_value_error():
         gn.dequantize(raw, Q.Q8_0, (2, 40))
     with pytest.raises(ValueError, match="uint8"):
         gn.dequantize(raw.float(), Q.Q8_0, (2, 64))
-    with pytest.raises(ValueError, match="not supported; supported: f32, f16"):
+    with pytest.raises(ValueError, match="GGUF type IQ2_XXS is not supported; supported: f32, f16"):
         gn.dequantize(raw, Q.IQ2_XXS, (2, 64))
+    with pytest.raises(ValueError, match="GGUF type 999 is not supported"):
+        gn.row_bytes(999, 64)
 
 
 def test_row_bytes_and_names():
@@ -192,3 +194,14 @@ def test_k_quants_on_cuda_equal_cpu_decode(qtype):
     raw = gn.quantize(w.cuda(), qtype)
     assert raw.device.type == "cuda"
     assert _bits_equal(gn.dequantize(raw, qtype, w.shape), _reference(raw.cpu().numpy(), qtype).reshape(w.shape))
+
+
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_K, Q.Q6_K), ids=lambda t: Q(t).name)
+def test_quantize_under_inference_mode(qtype):
+    # quant=q4_k at load runs under ComfyUI's inference mode: the same bytes as outside it
+    w = torch.randn(4, 512, generator=torch.Generator().manual_seed(6))
+    outside = gn.quantize(w, qtype)
+    with torch.inference_mode():
+        inside = gn.quantize(w, qtype)
+        assert torch.equal(inside, outside)
+        assert torch.equal(gn.dequantize(inside, qtype, w.shape), gn.dequantize(outside, qtype, w.shape))

@@ -101,14 +101,16 @@ def test_sgld_quantize_writes_comfyui_gguf_layout(bf16_file, tmp_path, fmt, caps
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0"])
-def test_rows_of_partial_blocks_get_llama_cpp_fallback(tmp_path, fmt):
+def test_rows_of_partial_blocks_get_llama_cpp_fallback(tmp_path, fmt, capsys):
     # the tiny model's linears have 64 / 192 inputs: no whole K block (256) per row
     src = tmp_path / "tiny.safetensors"
     save_random_checkpoint(str(src), TINY, seed=0, dtype=torch.float32)
     out = tmp_path / "t.gguf"
     assert main(["quantize", str(src), str(out), "--format", fmt]) == 0
     qtype = gn.NAMES[fmt]
-    want = FALLBACK.get(qtype, qtype)  # Q5_0 for Q4_K, Q8_0 for Q6_K; Q8_0 (blocks of 32) fits as it is
+    want = FALLBACK.get(qtype, qtype)
+    said = capsys.readouterr().out
+    assert (f"14 as {Q(want).name.lower()} (rows not whole blocks)" in said) == (want != qtype), said  # Q5_0 for Q4_K, Q8_0 for Q6_K; Q8_0 (blocks of 32) fits as it is
     types = {t.name: t.tensor_type for t in GGUFReader(str(out)).tensors}
     blocks = {k: v for k, v in types.items() if is_block_linear(k.rpartition(".")[0]) and k.endswith(".weight")}
     assert len(blocks) == 7 * TINY.num_layers and set(blocks.values()) == {want}
@@ -226,3 +228,82 @@ def test_gguf_input_requantized(bf16_file, tmp_path):
             assert np.array_equal(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1), want.reshape(-1))
         else:
             assert t.tensor_type == src.tensor_type and np.array_equal(t.data, src.data), t.name
+
+
+def test_gguf_bad_values_name_the_tensor_and_new_folders_are_made(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from engine.models.random_weights import random_state_dict
+
+    sd = random_state_dict(CFG, seed=0)
+    sd["layers.0.mlp.up_proj.weight"][3, 5] = float("inf")
+    src = tmp_path / "bad.safetensors"
+    save_file(sd, str(src))
+    out = tmp_path / "new" / "folder" / "m.gguf"
+    assert main(["quantize", str(src), str(out), "--format", "q4_k"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.safetensors: tensor 'layers.0.mlp.up_proj.weight': cannot quantize to Q4_K" in err
+    assert "NaN or infinite" in err and os.listdir(out.parent) == []  # no output, no temporary file
+    sd["layers.0.mlp.up_proj.weight"][3, 5] = 0.0
+    save_file(sd, str(src))
+    assert main(["quantize", str(src), str(out), "--format", "q4_k"]) == 0 and out.is_file()
+
+
+_COMFYUI_GGUF_CHECK = r"""
+import json, sys
+sys.argv = ["check", "--cpu"]  # ComfyUI's model_management must not look for a GPU
+import comfy.options
+comfy.options.enable_args_parsing()
+import numpy as np, torch
+from gguf import GGUFReader, quants
+from comfyui_gguf.loader import gguf_sd_loader
+from comfyui_gguf.dequant import dequantize_tensor, is_quantized
+out = {}
+for path in sys.argv_files:
+    sd, arch = gguf_sd_loader(path, return_arch=True)
+    raw = {t.name: t for t in GGUFReader(path).tensors}
+    equal = 0
+    for k, v in sd.items():
+        theirs = dequantize_tensor(v, dtype=torch.float32, dequant_dtype=torch.float32)
+        t = raw[k]
+        ref = quants.dequantize(np.ascontiguousarray(t.data), t.tensor_type).astype(np.float32).reshape(tuple(v.shape))
+        equal += bool(np.array_equal(theirs.numpy(), ref))
+    out[path] = {"arch": arch, "shapes": {k: list(v.shape) for k, v in sd.items()}, "equal": equal,
+                 "quantized": sum(bool(is_quantized(v)) for v in sd.values())}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(os.environ.get("SGLD_COMFYUI_GGUF_DIR", "-"), "loader.py")),
+                    reason="set SGLD_COMFYUI_GGUF_DIR to a checkout of city96/ComfyUI-GGUF (not a dependency)")
+def test_comfyui_gguf_loader_reads_our_files(bf16_file, tmp_path):
+    """city96's ComfyUI-GGUF itself (its loader.py gguf_sd_loader and dequant.py, in a subprocess with ComfyUI
+    on the path) loads every type we write: the architecture accepted, diffusers' names, torch shapes, and its
+    float32 dequantization equal to gguf's numpy code for every tensor."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from comfy_server import COMFY_DIR
+
+    if not os.path.isdir(os.path.join(COMFY_DIR, "comfy")):
+        pytest.skip(f"no ComfyUI at {COMFY_DIR}")
+    pkgs = tmp_path / "pkgs"
+    pkgs.mkdir()
+    os.symlink(os.path.abspath(os.environ["SGLD_COMFYUI_GGUF_DIR"]), pkgs / "comfyui_gguf")
+    files = []
+    for fmt in gn.NAMES:
+        files.append(str(tmp_path / f"m-{fmt}.gguf"))
+        assert main(["quantize", str(bf16_file), files[-1], "--format", fmt]) == 0
+    script = _COMFYUI_GGUF_CHECK.replace("sys.argv_files", repr(files))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pkgs), COMFY_DIR])}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    source = load_file(str(bf16_file))
+    for path in files:
+        got = result[path]
+        assert got["arch"] == "wan" and got["equal"] == len(source), (path, got["equal"])
+        assert got["shapes"] == {k: list(v.shape) for k, v in source.items()}
+        assert got["quantized"] >= 7 * CFG.num_layers or path.endswith(("f16.gguf", "f32.gguf"))

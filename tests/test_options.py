@@ -7,6 +7,7 @@ The loader node is imported without ComfyUI: stand-ins for ``folder_paths`` and 
 tests load through it)."""
 import argparse
 import importlib
+import re
 import sys
 import types
 
@@ -16,6 +17,7 @@ from engine.cli import build_parser
 from engine.cli.common import add_cache_arguments, cache_config, engine_config
 from engine.config import EngineConfig
 from engine.features.cache import CacheConfig, CacheConfigError, from_env
+from engine.features.quant import choices as quant_choices  # the format table's names
 from engine.options import declared, default_of, from_widgets, node_inputs, option, text_choices
 
 try:
@@ -168,8 +170,8 @@ def test_the_loader_node_knows_exactly_the_declared_engine_options(loader):
             extra = {"num_gpus": 2} if name in DEGREES else {}
             got = loader.engine_config("model.safetensors", {opt.widget: value, **extra})
             assert changed_fields(got, base) == {name, *extra}, (name, value)
-    with pytest.raises(ValueError, match="SGLDiffusion Model Loader field 'quant'='nf4' is not supported; "
-                                         "choose one of fp8, int4, int4-g64, none"):
+    with pytest.raises(ValueError, match=re.escape("SGLDiffusion Model Loader field 'quant'='nf4' is not supported; "
+                                                   f"choose one of {', '.join(quant_choices())}, none")):
         loader.engine_config("model.safetensors", {"quant": "nf4"})
     with pytest.raises(ValueError, match="SGLDiffusion Model Loader: unknown input 'qaunt'"):
         loader.engine_config("model.safetensors", {"qaunt": "fp8"})

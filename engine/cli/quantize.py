@@ -3,6 +3,7 @@ GGUF file (q8_0, q4_k, ...: engine/features/quant/gguf_convert.py)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from ..features.quant import FORMATS, quantize_file
@@ -37,6 +38,7 @@ def cmd_quantize(args) -> dict:
         raise ValueError(f"output '{args.output}' is a GGUF file: --format must be a GGUF type "
                          f"({', '.join(GGUF_FORMATS)}), not {args.format} (which writes .safetensors)")
     check_output_path("output", args.output, (".gguf",) if to_gguf else (".safetensors",))
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # as check_output_path promises
     t0 = time.perf_counter()
     write = quantize_gguf_file if to_gguf else quantize_file
     summary = write(args.input, args.output, args.format, dtype=args.dtype)
@@ -45,6 +47,8 @@ def cmd_quantize(args) -> dict:
         print(json.dumps(summary))
     else:
         ratio = f" ({summary['output_bytes'] / summary['input_bytes']:.2f}x)" if summary.get("input_bytes") else ""
-        print(f"wrote {args.output}: {summary['layers']} linear layers as {args.format}, "
+        fallback = summary.get("fallback") or {}
+        other = f", {len(fallback)} as {'/'.join(sorted(set(fallback.values())))} (rows not whole blocks)" if fallback else ""
+        print(f"wrote {args.output}: {summary['layers']} linear layers as {args.format}{other}, "
               f"{summary['output_bytes'] / 2 ** 20:.1f} MiB{ratio}")
     return summary

@@ -182,9 +182,10 @@ def check_architecture(ckpt: Checkpoint) -> ErnieImageConfig:
     missing_sig = [k for k in SIGNATURE_KEYS if k not in keys]
     if missing_sig:
         sample = ", ".join(sorted(keys)[:3]) or "(no tensors)"
+        arch = getattr(ckpt.files[0], "architecture", "") if ckpt.files else ""  # GGUF: a hint, never the test
         raise CheckpointError(
             f"{ckpt.describe()}: not an ERNIE-Image diffusion model: key '{missing_sig[0]}' is missing "
-            f"(the file has {len(keys)} tensors, e.g. {sample})"
+            f"(the file has {len(keys)} tensors, e.g. {sample}{f'; general.architecture {arch!r}' if arch else ''})"
         )
     try:
         cfg = ErnieImageConfig.from_shapes(ckpt.shapes(), ckpt.config_overrides, ckpt.config_source or "config")

@@ -158,7 +158,10 @@ class QuantPlan:
         recorded = self.sgld_meta.get("compute_dtype")
         if recorded:
             return getattr(torch, recorded)
-        return self.ckpt.stored_dtype(skip=self.stored_keys(), default=torch.bfloat16 if self.quantized else torch.float32)
+        skip = self.stored_keys()
+        if "gguf" in self.sources:  # GGUF converters keep 1-D tensors (norms, biases) F32 whatever the model's dtype
+            skip |= {k for k in self.keys if len(self.ckpt.header(k)[1]) <= 1}
+        return self.ckpt.stored_dtype(skip=skip, default=torch.bfloat16 if self.quantized else torch.float32)
 
     @property
     def quantized(self) -> bool:

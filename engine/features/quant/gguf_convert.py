@@ -119,7 +119,10 @@ def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, tor
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
             for k, t, _ in entries:
-                raw = gn.quantize(dense(k), t)
+                try:
+                    raw = gn.quantize(dense(k), t)
+                except ValueError as e:  # e.g. NaN / inf values: name the tensor
+                    raise ValueError(f"{ckpt.where(k)}: {e}") from None
                 writer.write_tensor_data(raw.numpy())
                 counts[Q(t).name] = counts.get(Q(t).name, 0) + 1
         finally:

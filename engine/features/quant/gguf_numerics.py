@@ -20,10 +20,11 @@ NAMES: Dict[str, int] = {Q(t).name.lower(): int(t) for t in SUPPORTED}  # "q8_0"
 def _check(qtype) -> Q:
     try:
         t = Q(int(qtype))
-    except ValueError:
+    except (TypeError, ValueError):
         t = None
     if t not in SUPPORTED:
-        raise ValueError(f"GGUF type {qtype!r} is not supported; supported: {', '.join(NAMES)}")
+        name = t.name if t is not None else repr(qtype)
+        raise ValueError(f"GGUF type {name} is not supported; supported: {', '.join(NAMES)}")
     return t
 
 
@@ -84,13 +85,14 @@ def _k_scale_min(s: torch.Tensor):
 
 
 # Each decoder: blocks [n, type_size] uint8 -> [n, block] float32, the same float32 operations in the same
-# order as gguf.quants (so the results are equal bit for bit; integers are exact in float32).
+# order as gguf.quants (so the results are equal bit for bit; integers are exact in float32, and their
+# offsets are applied in int8 before the one conversion, a byte a value instead of four).
 def _q8_0(b):
     return b[:, 2:].view(torch.int8).float() * _f16(b[:, 0:2])
 
 
 def _q4_0(b):
-    return _f16(b[:, 0:2]) * (_nibbles(b[:, 2:]).float() - 8)
+    return _f16(b[:, 0:2]) * (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
 
 
 def _q4_1(b):
@@ -99,7 +101,7 @@ def _q4_1(b):
 
 def _q5_0(b):
     q = _nibbles(b[:, 6:]) | (_bits(b[:, 2:6]) << 4)
-    return _f16(b[:, 0:2]) * (q.float() - 16)
+    return _f16(b[:, 0:2]) * (q.to(torch.int8) - 16).float()
 
 
 def _q5_1(b):
@@ -124,7 +126,7 @@ def _q3_k(b):
     dl = (_f16(b[:, 108:110]) * ((lo | (hi << 4)).float() - 32)).unsqueeze(-1)
     ql = _shifted(qs.reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 16, 16)
     qh = _shifted(hmask.reshape(n, 1, 32), range(8), 1).reshape(n, 16, 16) ^ 1
-    return (dl * (ql.float() - (qh << 2).float())).reshape(n, 256)
+    return (dl * (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()).reshape(n, 256)
 
 
 def _q4_k(b):
@@ -151,7 +153,7 @@ def _q6_k(b):
     d = (_f16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()).unsqueeze(-1)
     ql = _shifted(b[:, 0:128].reshape(n, 2, 64), (0, 4), 15).reshape(n, 8, 32)
     qh = _shifted(b[:, 128:192].reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 8, 32)
-    q = ((ql | (qh << 4)).float() - 32).reshape(n, 16, 16)
+    q = ((ql | (qh << 4)).to(torch.int8) - 32).float().reshape(n, 16, 16)
     return (d * q).reshape(n, 256)
 
 
@@ -162,11 +164,12 @@ def _f32(b):
 def _f16s(b):
     h = b.contiguous().view(torch.float16)
     out = h.float()
-    bits = h.view(torch.int16).to(torch.int32) & 0xFFFF
-    nan = ((bits & 0x7C00) == 0x7C00) & ((bits & 0x3FF) != 0)
-    # torch quiets signalling NaNs; gguf (numpy) keeps every payload bit (no branch: no device sync)
-    keep = ((bits & 0x8000) << 16) | 0x7F800000 | ((bits & 0x3FF) << 13)
-    return torch.where(nan, keep.view(torch.float32), out)
+    # torch sets the quiet bit of a signalling NaN, gguf (numpy) keeps the payload as it is: put it back. The
+    # check is a device sync, paid only here: the loader reads F16 tensors as torch float16, not per forward.
+    if bool(torch.isnan(out).any()):
+        signalling = torch.isnan(out) & ((h.view(torch.int16) & 0x200) == 0)
+        out = torch.where(signalling, (out.view(torch.int32) & ~0x400000).view(torch.float32), out)
+    return out
 
 
 def _bf16(b):
@@ -207,37 +210,67 @@ def dequantize(raw: torch.Tensor, qtype: int, shape, dtype=torch.float32) -> tor
 _FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
 
+def _keep_better(best, cand):
+    """(scale, offset, error) candidates per sub-block: the one of lower error."""
+    better = cand[2] < best[2]
+    return tuple(torch.where(better, c, b) for b, c in zip(best, cand))
+
+
+def _sym_fit(x, s, qmin, qmax):
+    inv = torch.where(s == 0, torch.zeros_like(s), 1 / s)
+    q = torch.round(x * inv).clamp(qmin, qmax)
+    return q, ((q * s - x) ** 2).sum(-1, keepdim=True)
+
+
 def _sym_scales(x: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
-    """Sub-blocks x [N, L] -> scales [N] for q in [qmin, qmax] (the largest magnitude maps to qmin)."""
+    """Sub-blocks x [N, L] -> scales [N] for q in [qmin, qmax]: the best of candidate ranges (the largest
+    magnitude mapped to qmin, then shrunk), refined by least squares on its integers."""
     big = x.gather(-1, x.abs().argmax(-1, keepdim=True))
-    best_s, best_e = None, None
+    zero = torch.zeros_like(big)
+    best = None
     for f in _FACTORS:
         s = big * (f / qmin)
-        inv = torch.where(s == 0, torch.zeros_like(s), 1 / s)
-        err = ((torch.round(x * inv).clamp(qmin, qmax) * s - x) ** 2).sum(-1, keepdim=True)
-        if best_s is None:
-            best_s, best_e = s, err
-        else:
-            better = err < best_e
-            best_s, best_e = torch.where(better, s, best_s), torch.minimum(err, best_e)
-    return best_s.squeeze(-1)
+        cand = (s, zero, _sym_fit(x, s, qmin, qmax)[1])
+        best = cand if best is None else _keep_better(best, cand)
+    for _ in range(2):  # s = <q, x> / <q, q> for the integers of the best scale
+        q, _ = _sym_fit(x, best[0], qmin, qmax)
+        qq = (q * q).sum(-1, keepdim=True)
+        s = torch.where(qq > 0, (q * x).sum(-1, keepdim=True) / qq.clamp(min=1), best[0])
+        best = _keep_better(best, (s, zero, _sym_fit(x, s, qmin, qmax)[1]))
+    return best[0].squeeze(-1)
+
+
+def _asym_fit(x, s, lo, qmax):
+    inv = torch.where(s == 0, torch.zeros_like(s), 1 / s)
+    q = torch.round((x - lo) * inv).clamp(0, qmax)
+    return q, ((q * s + lo - x) ** 2).sum(-1, keepdim=True)
 
 
 def _asym_scales(x: torch.Tensor, qmax: int):
-    """Sub-blocks x [N, L] -> (scales [N] >= 0, mins [N] >= 0) for x ~ scale * q - min, q in [0, qmax]."""
+    """Sub-blocks x [N, L] -> (scales [N] >= 0, mins [N] >= 0) for x ~ scale * q - min, q in [0, qmax]: the
+    best of candidate ranges, refined by least squares on its integers (min kept >= 0)."""
     lo = x.amin(-1, keepdim=True).clamp(max=0)
     hi = x.amax(-1, keepdim=True)
-    best_s, best_e = None, None
+    best = None
     for f in _FACTORS:
         s = (hi - lo) * (f / qmax)
-        inv = torch.where(s == 0, torch.zeros_like(s), 1 / s)
-        err = ((torch.round((x - lo) * inv).clamp(0, qmax) * s + lo - x) ** 2).sum(-1, keepdim=True)
-        if best_s is None:
-            best_s, best_e = s, err
-        else:
-            better = err < best_e
-            best_s, best_e = torch.where(better, s, best_s), torch.minimum(err, best_e)
-    return best_s.squeeze(-1), -lo.squeeze(-1)
+        cand = (s, lo, _asym_fit(x, s, lo, qmax)[1])
+        best = cand if best is None else _keep_better(best, cand)
+    n = x.shape[-1]
+    for _ in range(2):  # (s, lo) = the least-squares line through the best integers, lo <= 0
+        q, _ = _asym_fit(x, best[0], best[1], qmax)
+        sq, sx, sqq, sqx = q.sum(-1, keepdim=True), x.sum(-1, keepdim=True), (q * q).sum(-1, keepdim=True), \
+            (q * x).sum(-1, keepdim=True)
+        det = n * sqq - sq * sq
+        ok = det > 0
+        s = torch.where(ok, (n * sqx - sq * sx) / torch.where(ok, det, torch.ones_like(det)), best[0])
+        lo2 = torch.where(ok, (sx - s * sq) / n, best[1])
+        pos = lo2 > 0  # the min must stay >= 0: refit the scale alone with lo = 0
+        s = torch.where(pos, torch.where(sqq > 0, sqx / sqq.clamp(min=1), s), s)
+        lo2 = torch.where(pos, torch.zeros_like(lo2), lo2)
+        s = s.clamp(min=0)
+        best = _keep_better(best, (s, lo2, _asym_fit(x, s, lo2, qmax)[1]))
+    return best[0].squeeze(-1), -best[1].squeeze(-1)
 
 
 def _super(s: torch.Tensor, top: int, signed: bool):

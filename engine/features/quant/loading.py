@@ -16,7 +16,7 @@ from torch import nn
 
 from ...errors import CheckpointError
 from ...io.checkpoint import Checkpoint
-from ...io.load import SHARD_DIMS, Transform, shard_dim
+from ...io.load import SHARD_DIMS, Transform, shard_dim, shard_tensor
 from ...io.safetensors import nbytes
 from .. import patching
 from .formats import QuantPlan
@@ -117,6 +117,8 @@ class QuantTransform(Transform):
             patching.replace_module(model, layer, module)
             return {}
         dense = self.plan.dequantize(layer, parts)
+        if self.shard is not None:  # a GGUF layer (the only kind under tensor parallel): this rank's slice
+            dense = shard_tensor(wkey, dense, self.shard)
         if is_block_linear(layer):  # stored in another format than the one asked for: re-quantized
             module = self.format.quantize(dense, None, self.group)
             if module is not None:
