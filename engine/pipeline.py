@@ -13,6 +13,7 @@ docs/python.md.
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 import sys
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from . import options
 from .config import EngineConfig
-from .errors import InputError
+from .errors import CheckpointError, InputError
 from .features.cache import CacheConfig
 from .features.compile import compile_blocks
 from .features.lora import parse_spec
@@ -154,6 +155,12 @@ class ErnieImagePipeline:
             kind = "demo"
         else:
             release.require("text_encoder", "vae", why="a single DiT file needs text_encoder= and vae= folders")
+            for name in ("text_encoder", "vae"):
+                path = getattr(release, name)
+                if not os.path.isdir(path):  # a weights file without its config.json beside it
+                    raise CheckpointError(f"{name} '{path}': a single {name} file without its config is not read yet "
+                                          f"(ComfyUI's ministral-3-3b.safetensors / Flux2 VAE file); give the release's "
+                                          f"{name}/ folder (config.json + .safetensors)")
             te = TextEncoder.from_folder(release.text_encoder, dtype=parse_dtype(config.dtype) or torch.float32,
                                          device=config.device, tokenizer=release.tokenizer)
             vae = Flux2VAE.from_folder(release.vae, device=config.device)

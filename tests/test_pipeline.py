@@ -123,6 +123,10 @@ def test_single_dit_file_with_text_encoder_and_vae_folders(release, ours, tmp_pa
     save_file({"model.diffusion_model." + k: v for k, v in sd.items()}, str(dit))  # ComfyUI's repackaged prefix
     with pytest.raises(CheckpointError, match="text_encoder"):
         ErnieImagePipeline.from_pretrained(str(dit))
+    lone = tmp_path / "ministral-3-3b.safetensors"  # a text encoder file with no config.json beside it
+    shutil.copy(os.path.join(release, "text_encoder", "model.safetensors"), lone)
+    with pytest.raises(CheckpointError, match="ministral-3-3b.safetensors.*text_encoder/ folder"):
+        ErnieImagePipeline.from_pretrained(str(dit), text_encoder=str(lone), vae=os.path.join(release, "vae"))
     single = ErnieImagePipeline.from_pretrained(str(dit), text_encoder=os.path.join(release, "text_encoder"),
                                                 tokenizer=os.path.join(release, "tokenizer"),
                                                 vae=os.path.join(release, "vae"), cache="off")
@@ -206,24 +210,25 @@ def test_engine_options_are_keywords_and_methods(tmp_path):
 
 
 def test_bad_options_and_inputs_are_refused_with_their_names(release):
-    with pytest.raises(TypeError, match="not_an_option.*attention"):
-        ErnieImagePipeline.from_pretrained("demo", not_an_option=1)
-    with pytest.raises(ValueError, match="attention"):
-        ErnieImagePipeline.from_pretrained("demo", attention="nope")
-    with pytest.raises(ValueError, match="preset"):
-        ErnieImagePipeline.from_pretrained("demo", cache="warp-speed")
-    with pytest.raises(engine.ParallelConfigError, match="num_gpus"):  # the degrees checked before any rank starts
-        ErnieImagePipeline.from_pretrained("demo", num_gpus=2, tp=3)
-    with pytest.raises(ValueError, match="quant"):
-        ErnieImagePipeline.from_pretrained("demo", quant="int3")
-    pipe = ErnieImagePipeline.from_pretrained("demo")
-    for kw, match in [({"output_type": "pt"}, "output_type"), ({"seed": 1, "generator": torch.Generator()}, "not both"),
-                      ({"num_images_per_prompt": 0}, "num_images_per_prompt"), ({"sampler": "ddim"}, "sampler"),
-                      ({"negative_prompt": ["a", "b"]}, "negative_prompt"), ({"num_inference_steps": 0}, "steps")]:
-        with pytest.raises(ValueError, match=match):
-            pipe("a red circle", **kw)
-    with pytest.raises(CheckpointError, match="pe/"):  # use_pe without a prompt enhancer in the release
-        ErnieImagePipeline.from_pretrained(release)("a red cat", use_pe=True, height=64, width=64)
+    with torch.inference_mode():  # as ComfyUI runs nodes: the same errors
+        with pytest.raises(TypeError, match="not_an_option.*attention"):
+            ErnieImagePipeline.from_pretrained("demo", not_an_option=1)
+        with pytest.raises(ValueError, match="attention"):
+            ErnieImagePipeline.from_pretrained("demo", attention="nope")
+        with pytest.raises(ValueError, match="preset"):
+            ErnieImagePipeline.from_pretrained("demo", cache="warp-speed")
+        with pytest.raises(engine.ParallelConfigError, match="num_gpus"):  # the degrees checked before any rank starts
+            ErnieImagePipeline.from_pretrained("demo", num_gpus=2, tp=3)
+        with pytest.raises(ValueError, match="quant"):
+            ErnieImagePipeline.from_pretrained("demo", quant="int3")
+        pipe = ErnieImagePipeline.from_pretrained("demo")
+        for kw, match in [({"output_type": "pt"}, "output_type"), ({"seed": 1, "generator": torch.Generator()}, "not both"),
+                          ({"num_images_per_prompt": 0}, "num_images_per_prompt"), ({"sampler": "ddim"}, "sampler"),
+                          ({"negative_prompt": ["a", "b"]}, "negative_prompt"), ({"num_inference_steps": 0}, "steps")]:
+            with pytest.raises(ValueError, match=match):
+                pipe("a red circle", **kw)
+        with pytest.raises(CheckpointError, match="pe/"):  # use_pe without a prompt enhancer in the release
+            ErnieImagePipeline.from_pretrained(release)("a red cat", use_pe=True, height=64, width=64)
 
 
 # -- the release's resolution ------------------------------------------------------------------------------------------
@@ -234,23 +239,24 @@ def copy_release(release, tmp_path):
 
 
 def test_bad_release_folders_name_the_file(release, tmp_path):
-    dst = copy_release(release, tmp_path)
-    shutil.rmtree(dst / "vae")
-    with pytest.raises(CheckpointError, match="vae/"):
-        ErnieImagePipeline.from_pretrained(str(dst))
-    shutil.copytree(os.path.join(release, "vae"), dst / "vae")
-    weights = dst / "transformer" / "diffusion_pytorch_model.safetensors"
-    weights.rename(dst / "transformer" / "diffusion_pytorch_model.bin")
-    with pytest.raises(CheckpointError, match="diffusion_pytorch_model.bin"):
-        ErnieImagePipeline.from_pretrained(str(dst))
-    (dst / "transformer" / "diffusion_pytorch_model.bin").unlink()
-    with pytest.raises(CheckpointError, match="transformer/ folder has no .safetensors"):
-        resolve_release(str(dst))
-    (dst / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
-    with pytest.raises(CheckpointError, match="_class_name"):
-        resolve_release(str(dst))
-    with pytest.raises(CheckpointError, match="no such file or folder"):
-        resolve_release(str(tmp_path / "missing"))
+    with torch.inference_mode():  # as ComfyUI runs nodes: the same errors
+        dst = copy_release(release, tmp_path)
+        shutil.rmtree(dst / "vae")
+        with pytest.raises(CheckpointError, match="vae/"):
+            ErnieImagePipeline.from_pretrained(str(dst))
+        shutil.copytree(os.path.join(release, "vae"), dst / "vae")
+        weights = dst / "transformer" / "diffusion_pytorch_model.safetensors"
+        weights.rename(dst / "transformer" / "diffusion_pytorch_model.bin")
+        with pytest.raises(CheckpointError, match="diffusion_pytorch_model.bin"):
+            ErnieImagePipeline.from_pretrained(str(dst))
+        (dst / "transformer" / "diffusion_pytorch_model.bin").unlink()
+        with pytest.raises(CheckpointError, match="transformer/ folder has no .safetensors"):
+            resolve_release(str(dst))
+        (dst / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+        with pytest.raises(CheckpointError, match="_class_name"):
+            resolve_release(str(dst))
+        with pytest.raises(CheckpointError, match="no such file or folder"):
+            resolve_release(str(tmp_path / "missing"))
 
 
 def test_a_repo_id_resolves_through_the_local_hf_cache_only(release, tmp_path, monkeypatch):
