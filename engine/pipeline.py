@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 from . import options
@@ -32,6 +33,7 @@ from .features.lora import parse_spec
 from .io.checkpoint import parse_dtype
 from .models import demo as demo_pkg
 from .models.external import Flux2VAE, TextEncoder
+from .prompt_enhancer import PromptEnhancer
 from .release import Release, resolve_release
 from .router import open_engine
 from .sampling import DEFAULT_SHIFT, MAX_IMAGE_SIDE, SAMPLERS, SCHEDULERS, time_snr_shift
@@ -86,7 +88,7 @@ def _engine_config(torch_dtype, device, given: dict) -> EngineConfig:
     return EngineConfig(dtype=dtype, device=str(device or "cpu"), **given)
 
 
-def _cache_config(cache) -> Optional[CacheConfig]:
+def cache_option(cache) -> Optional[CacheConfig]:
     """None (the SGLANG_CACHE_DIT_* environment decides), False / "off", a preset name, or a CacheConfig."""
     if cache is None:
         return None
@@ -146,7 +148,7 @@ class ErnieImagePipeline:
         ``engine_options``: EngineConfig's fields (attention, compile, quant, offload, resident_layers, num_gpus,
         ulysses_degree, ring_degree, tp, cfg_parallel)."""
         config = _engine_config(torch_dtype, device, engine_options)
-        cache = _cache_config(cache)
+        cache = cache_option(cache)
         release = resolve_release(path, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae, pe=pe,
                                   pe_tokenizer=pe_tokenizer)
         if release.kind == "demo":  # its one file: DiT, text encoder and vocabulary; run in float32 unless asked
@@ -215,7 +217,7 @@ class ErnieImagePipeline:
 
     def set_loras(self, loras) -> List[str]:
         """Exactly these LoRAs active: [(path, strength), ...]; returns messages about keys not applied."""
-        return self.engine.set_loras(_loras(loras) if not isinstance(loras, list) else _loras(loras))
+        return self.engine.set_loras(_loras(loras))
 
     def load_lora(self, path, strength: float = 1.0) -> List[str]:
         """One more LoRA on top of the active ones (diffusers' load_lora_weights, merged as the engine does)."""
@@ -240,12 +242,9 @@ class ErnieImagePipeline:
     def _enhancer(self):
         if self.pe is None:
             self.release.require("pe", "pe_tokenizer", why="use_pe=True needs the release's prompt enhancer")
-            try:
-                from .prompt_enhancer import PromptEnhancer
-            except ImportError as e:
-                raise InputError(f"use_pe=True: the prompt enhancer (engine/prompt_enhancer.py) is not available: {e}") from None
             self.pe = PromptEnhancer.from_pretrained(self.release.pe, tokenizer=self.release.pe_tokenizer,
-                                                     device=self.engine.config.device)
+                                                     device=self.engine.config.device,
+                                                     dtype=parse_dtype(self.engine.config.dtype))
         return self.pe
 
     # -- running ---------------------------------------------------------------------------------------------------
@@ -315,7 +314,7 @@ class ErnieImagePipeline:
                    **{"disable": False, **self._progress})
         try:
             out = self.engine.sample(latent, cond, uncond, seed=0 if seed is None else seed, steps=steps, cfg=cfg,
-                                     cache=_cache_config(cache) if cache is not None else self.cache, noise=noise,
+                                     cache=cache_option(cache) if cache is not None else self.cache, noise=noise,
                                      callback=lambda i, n, x, d: bar.update(1), **run)
         finally:
             bar.close()
@@ -332,6 +331,4 @@ class ErnieImagePipeline:
 
 def _to_pil(pixels: np.ndarray) -> list:
     """Float images [B, H, W, 3] in 0..1 -> PIL images, as diffusers' numpy_to_pil rounds them."""
-    from PIL import Image
-
     return [Image.fromarray(img) for img in (pixels * 255).round().astype("uint8")]
