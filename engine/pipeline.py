@@ -231,6 +231,31 @@ class ErnieImagePipeline:
         """As diffusers: tqdm's keywords for the sampling bar (``disable=True`` switches it off)."""
         self._progress = dict(kwargs)
 
+    def to(self, device=None, torch_dtype: Optional[torch.dtype] = None) -> "ErnieImagePipeline":
+        """As diffusers' ``pipe.to("cuda")``: the DiT is opened again from its file with the new device / dtype (its
+        options and LoRAs kept), the text encoder and VAE moved. Returns the pipeline."""
+        changes = {}
+        if device is not None:
+            changes["device"] = str(device)
+        if torch_dtype is not None:
+            changes["dtype"] = DTYPE_NAMES.get(torch_dtype, torch_dtype)
+        if not changes:
+            return self
+        config = dataclasses.replace(self.engine.runner.config if self.engine.model is not None else self.engine.config,
+                                     **changes)
+        loras = self.engine.loras
+        self.engine = open_engine(self.release.transformer, config)
+        if loras:
+            self.engine.set_loras(loras)
+        if self.kind != "demo" and "device" in changes:  # the demo's text encoder and codec stay on the CPU
+            self.text_encoder.model.to(config.device)
+            self.text_encoder.device = torch.device(config.device)
+            self.vae.vae.to(config.device)
+            self.vae.device = torch.device(config.device)
+        if self.kind != "demo" and "dtype" in changes:
+            self.text_encoder.model.to(parse_dtype(config.dtype) or torch.float32)
+        return self
+
     def release_memory(self) -> int:
         """Free the engine's offload buffers and the prompt enhancer (loaded again when needed). Returns bytes."""
         if self.pe is not None:
@@ -325,8 +350,10 @@ class ErnieImagePipeline:
             images = pixels if output_type == "np" else _to_pil(pixels)
         if not return_dict:
             return (images,)
-        return ErnieImagePipelineOutput(images, revised, seed if generator is None else None,
-                                        self.engine.last_run.to_dict())
+        stats = self.engine.last_run.to_dict()
+        if revised is not None:
+            stats["pe_seconds"] = round(self.pe.seconds, 4)
+        return ErnieImagePipelineOutput(images, revised, seed if generator is None else None, stats)
 
 
 def _to_pil(pixels: np.ndarray) -> list:

@@ -201,6 +201,9 @@ def test_engine_options_are_keywords_and_methods(tmp_path):
     assert torch.equal(pipe("a red circle", **run).images, base)
     with_lora = ErnieImagePipeline.from_pretrained("demo", lora=f"{lora}:0.5", quant="int4")
     assert with_lora.engine.loras == [(lora, 0.5)] and with_lora.engine.describe()["quant"] == "int4"
+    with_lora.to(torch_dtype=torch.bfloat16)  # opened again in bf16, its options and LoRAs kept
+    assert with_lora.dtype == torch.bfloat16 and with_lora.engine.loras == [(lora, 0.5)]
+    assert with_lora.engine.describe()["quant"] == "int4"
     # torch.compile(pipe.transformer) is the engine's regional compile of the same module (compiled lazily)
     model = pipe.transformer
     pipe.transformer = torch.compile(pipe.transformer)
@@ -293,6 +296,7 @@ def test_prompt_enhancer_runs_by_default_and_greedy_equals_diffusers(release, re
     finally:
         reference.register_modules(pe=None, pe_tokenizer=None)
     assert out.revised_prompts == expected and expected != PROMPTS
+    assert out.stats["pe_seconds"] > 0  # the PE's time in the run's statistics
     # the picture is the revised prompts' (and use_pe=False keeps the user's)
     direct = pipe(expected, height=64, width=96, num_inference_steps=2, seed=4, use_pe=False, output_type="latent")
     assert torch.equal(out.images, direct.images) and direct.revised_prompts is None
