@@ -303,3 +303,22 @@ def test_prompt_enhancer_runs_by_default_and_greedy_equals_diffusers(release, re
     sampled = pipe(PROMPTS[0], height=64, width=96, num_inference_steps=1, seed=9, output_type="latent")
     again = pipe(PROMPTS[0], height=64, width=96, num_inference_steps=1, seed=9, output_type="latent")
     assert sampled.revised_prompts == again.revised_prompts  # sampled (temperature 0.6), deterministic per seed
+
+
+def test_a_transformer_folder_finds_its_release_and_components_can_be_replaced(release, tmp_path):
+    inner = resolve_release(os.path.join(release, "transformer"))  # sgld generate --model ERNIE-Image/transformer
+    assert inner.kind == "folder" and inner.vae == os.path.join(release, "vae")
+    assert inner.tokenizer == os.path.join(release, "tokenizer")
+    other = copy_release(release, tmp_path)
+    swapped = resolve_release(release, vae=str(other / "vae"), text_encoder=str(other / "text_encoder"))
+    assert swapped.vae == str(other / "vae") and swapped.tokenizer == str(other / "tokenizer")  # its sibling
+    with pytest.raises(CheckpointError, match="no such file or folder"):
+        resolve_release(release, vae=str(tmp_path / "nowhere"))
+
+
+def test_the_callers_noise_must_have_the_latents_shape():
+    pipe = ErnieImagePipeline.from_pretrained("demo")
+    demo = engine.open_demo()
+    with pytest.raises(InputError, match=r"noise has shape \(1, 48, 8, 8\)"):
+        pipe.engine.sample(demo.empty_latent(1), demo.encode(["a red circle"]), seed=0, steps=1, cfg=1.0,
+                           noise=torch.zeros(1, 48, 8, 8))
