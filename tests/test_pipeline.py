@@ -322,3 +322,18 @@ def test_the_callers_noise_must_have_the_latents_shape():
     with pytest.raises(InputError, match=r"noise has shape \(1, 48, 8, 8\)"):
         pipe.engine.sample(demo.empty_latent(1), demo.encode(["a red circle"]), seed=0, steps=1, cfg=1.0,
                            noise=torch.zeros(1, 48, 8, 8))
+
+
+def test_parallel_degrees_run_the_dit_on_worker_ranks():
+    """ulysses_degree=2: two gloo worker processes on this CPU machine (one per GPU elsewhere), same picture."""
+    single = ErnieImagePipeline.from_pretrained("demo", cache="off")
+    ranked = ErnieImagePipeline.from_pretrained("demo", cache="off", ulysses_degree=2)
+    try:
+        for pipe in (single, ranked):
+            pipe.set_progress_bar_config(disable=True)
+        run = {"seed": 1, "num_inference_steps": 3, "output_type": "latent"}
+        a, b = single("a red circle", **run).images, ranked("a red circle", **run).images
+        assert ranked.transformer is None and ranked.engine.describe()["parallel"]["world_size"] == 2
+        assert (a - b).abs().max() <= 1e-4
+    finally:
+        ranked.engine.runner.close()
