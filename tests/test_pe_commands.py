@@ -97,7 +97,26 @@ def test_generate_with_pe_prints_and_stores_the_revised_prompt(release, tmp_path
     assert result["pe_seconds"] > 0 and result["pe_new_tokens"] >= 1
 
 
-def test_pe_flags_refused_before_anything_loads(release, bare_release, tmp_path):
+@pytest.fixture
+def in_process(capsys):
+    """``sgld`` run in this process (cheap refusals: no interpreter start); cli.main's thread setting undone."""
+    import torch
+
+    from engine.cli import main
+    threads = torch.get_num_threads()
+
+    def run(*argv):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:  # --help
+            code = e.code
+        out, err = capsys.readouterr()
+        return code, out, err
+    yield run
+    torch.set_num_threads(threads)
+
+
+def test_pe_flags_refused_before_anything_loads(in_process, release, bare_release, tmp_path):
     out = ["--out", str(tmp_path / "x.png")]
     cases = [
         (["--pe"], "--pe without a PATH uses the --model-path release's pe/, but no --model-path"),
@@ -107,18 +126,20 @@ def test_pe_flags_refused_before_anything_loads(release, bare_release, tmp_path)
         (["--pe", os.path.join(bare_release, "transformer"), *SMALL, "--model-path", bare_release],
          "no prompt enhancer tokenizer"),
         (["--model-path", release, "--model", os.path.join(release, "transformer")], "--model-path and --model"),
+        (["--model-path", str(tmp_path / "nowhere")], "no such file or folder"),
     ]
     for flags, message in cases:
-        done = sgld("generate", "--prompt", "a cat", *out, *flags)
-        assert done.returncode == 2 and message in done.stderr, (flags, done.stderr)
-        assert "Traceback" not in done.stderr
+        code, _, err = in_process("generate", "--prompt", "a cat", *out, *flags)
+        assert code == 2 and message in err, (flags, err)
+    code, _, err = in_process("serve", "--model-path", bare_release, "--pe", "--port", "0")
+    assert code == 2 and "has no pe/ folder" in err, err
     assert not os.path.exists(tmp_path / "x.png")
 
 
-def test_help_spells_sglangs_flags():
+def test_help_spells_sglangs_flags(in_process):
     for command in ("generate", "serve"):
-        text = sgld(command, "--help").stdout
-        assert "--model-path" in text and "--enable-mix-parallel" in text and "--pe [PATH]" in text
+        code, text, _ = in_process(command, "--help")
+        assert code == 0 and "--model-path" in text and "--enable-mix-parallel" in text and "--pe [PATH]" in text
         assert "already mixes tensor and sequence" in " ".join(text.split())
 
 
