@@ -1,10 +1,12 @@
 """SGLDiffusion engine: ERNIE-Image DiT inference without ComfyUI.
 
 Public API: ``ErnieImagePipeline`` (prompt in, picture out, as diffusers' pipeline), ``open_engine`` (every engine: a file, a diffusers folder or the demo, on one device or
-several ranks), ``open_demo``, ``Engine``, ``EngineConfig``, ``load_model`` (the bare DiT) and the
+several ranks), ``accelerate`` / ``restore`` (a diffusers pipeline's
+transformer on the engine), ``open_demo``, ``Engine``, ``EngineConfig``, ``load_model`` (the bare DiT) and the
 error types. Importable as the top-level package ``engine`` (from the repository root) and as a
 subpackage of the ComfyUI pack. Layout and rules: docs/architecture.md.
 """
+from .accelerate import accelerate, restore
 from .config import EngineConfig
 from .engine import Engine, RunStats
 from .errors import (
@@ -23,4 +25,4 @@ from .router import DEMO, open_demo, open_engine
 __all__ = ["CacheConfigError", "CheckpointError", "DEMO", "Engine", "EngineConfig", "ErnieImagePipeline",
            "ErnieImagePipelineOutput", "InputError", "LoRAError",
            "ModelOutputError", "ParallelConfigError", "ParallelWorkerError", "RunStats", "load_model", "open_demo",
-           "open_engine"]
+           "open_engine", "accelerate", "restore"]

@@ -13,6 +13,7 @@ docs/python.md.
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 import sys
 from dataclasses import dataclass
@@ -20,17 +21,19 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 from . import options
 from .config import EngineConfig
-from .errors import InputError
+from .errors import CheckpointError, InputError
 from .features.cache import CacheConfig
 from .features.compile import compile_blocks
 from .features.lora import parse_spec
 from .io.checkpoint import parse_dtype
 from .models import demo as demo_pkg
 from .models.external import Flux2VAE, TextEncoder
+from .prompt_enhancer import PromptEnhancer
 from .release import Release, resolve_release
 from .router import open_engine
 from .sampling import DEFAULT_SHIFT, MAX_IMAGE_SIDE, SAMPLERS, SCHEDULERS, time_snr_shift
@@ -85,16 +88,18 @@ def _engine_config(torch_dtype, device, given: dict) -> EngineConfig:
     return EngineConfig(dtype=dtype, device=str(device or "cpu"), **given)
 
 
-def _cache_config(cache) -> Optional[CacheConfig]:
+def cache_option(cache) -> Optional[CacheConfig]:
     """None (the SGLANG_CACHE_DIT_* environment decides), False / "off", a preset name, or a CacheConfig."""
-    if cache is None or isinstance(cache, CacheConfig):
-        return cache
+    if cache is None:
+        return None
+    if isinstance(cache, CacheConfig):
+        return cache.validate()
     if cache is False or (isinstance(cache, str) and cache.lower() in ("off", "none")):
         return CacheConfig(enabled=False)
     if cache is True:
         return CacheConfig(enabled=True, preset="balanced")
     if isinstance(cache, str):
-        return CacheConfig(enabled=True, preset=cache)
+        return CacheConfig(enabled=True, preset=cache).validate()
     raise TypeError(f"cache={cache!r}: give a preset name (quality, balanced, fast, ...), 'off', or a CacheConfig")
 
 
@@ -143,7 +148,7 @@ class ErnieImagePipeline:
         ``engine_options``: EngineConfig's fields (attention, compile, quant, offload, resident_layers, num_gpus,
         ulysses_degree, ring_degree, tp, cfg_parallel)."""
         config = _engine_config(torch_dtype, device, engine_options)
-        cache = _cache_config(cache)
+        cache = cache_option(cache)
         release = resolve_release(path, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae, pe=pe,
                                   pe_tokenizer=pe_tokenizer)
         if release.kind == "demo":  # its one file: DiT, text encoder and vocabulary; run in float32 unless asked
@@ -152,11 +157,18 @@ class ErnieImagePipeline:
             kind = "demo"
         else:
             release.require("text_encoder", "vae", why="a single DiT file needs text_encoder= and vae= folders")
+            for name in ("text_encoder", "vae"):
+                path = getattr(release, name)
+                if not os.path.isdir(path):  # a weights file without its config.json beside it
+                    raise CheckpointError(f"{name} '{path}': a single {name} file without its config is not read yet "
+                                          f"(ComfyUI's ministral-3-3b.safetensors / Flux2 VAE file); give the release's "
+                                          f"{name}/ folder (config.json + .safetensors)")
             te = TextEncoder.from_folder(release.text_encoder, dtype=parse_dtype(config.dtype) or torch.float32,
                                          device=config.device, tokenizer=release.tokenizer)
             vae = Flux2VAE.from_folder(release.vae, device=config.device)
             engine = open_engine(release.transformer, config)
-            kind = model_kind(release.transformer if release.kind == "files" else release.source)
+            kinds = {model_kind(release.transformer)} | ({model_kind(release.source)} if release.kind == "hub" else set())
+            kind = "turbo" if "turbo" in kinds else "base"  # a repo id's name says Turbo too (its snapshot's cannot)
         pipe = cls(engine, te, vae, release, kind, cache=cache)
         if lora is not None:
             pipe.set_loras(_loras(lora))
@@ -197,7 +209,7 @@ class ErnieImagePipeline:
     # -- engine features ---------------------------------------------------------------------------------------
     def enable_cache(self, preset: str = "balanced", **fields) -> None:
         """Cache-DiT for the following runs: a preset (quality, balanced, fast, ...) and CacheConfig's fields."""
-        self.cache = CacheConfig(enabled=True, preset=preset, **fields)
+        self.cache = CacheConfig(enabled=True, preset=preset, **fields).validate()
 
     def disable_cache(self) -> None:
         """No Cache-DiT, whatever the SGLANG_CACHE_DIT_* environment says."""
@@ -205,7 +217,7 @@ class ErnieImagePipeline:
 
     def set_loras(self, loras) -> List[str]:
         """Exactly these LoRAs active: [(path, strength), ...]; returns messages about keys not applied."""
-        return self.engine.set_loras(_loras(loras) if not isinstance(loras, list) else _loras(loras))
+        return self.engine.set_loras(_loras(loras))
 
     def load_lora(self, path, strength: float = 1.0) -> List[str]:
         """One more LoRA on top of the active ones (diffusers' load_lora_weights, merged as the engine does)."""
@@ -230,12 +242,9 @@ class ErnieImagePipeline:
     def _enhancer(self):
         if self.pe is None:
             self.release.require("pe", "pe_tokenizer", why="use_pe=True needs the release's prompt enhancer")
-            try:
-                from .prompt_enhancer import PromptEnhancer
-            except ImportError as e:
-                raise InputError(f"use_pe=True: the prompt enhancer (engine/prompt_enhancer.py) is not available: {e}") from None
             self.pe = PromptEnhancer.from_pretrained(self.release.pe, tokenizer=self.release.pe_tokenizer,
-                                                     device=self.engine.config.device)
+                                                     device=self.engine.config.device,
+                                                     dtype=parse_dtype(self.engine.config.dtype))
         return self.pe
 
     # -- running ---------------------------------------------------------------------------------------------------
@@ -246,13 +255,13 @@ class ErnieImagePipeline:
                  generator: Optional[torch.Generator] = None, seed: Optional[int] = None, use_pe: Optional[bool] = None,
                  output_type: str = "pil", return_dict: bool = True, sampler: str = "euler",
                  scheduler: Optional[str] = None, shift: Optional[float] = None, cache=None,
-                 max_new_tokens: Optional[int] = None):
+                 max_new_tokens: Optional[int] = None, pe_greedy: bool = False):
         """diffusers' call. ``height``/``width``: 1024 (the demo: 64); ``num_inference_steps``/``guidance_scale``:
         the model's defaults; ``generator`` (diffusers) or ``seed`` (ComfyUI's noise; random when neither);
         ``use_pe``: None = on when the release has a prompt enhancer (diffusers' default), as diffusers.
         ``scheduler=None``: diffusers' linspace schedule with the release's shift; a ComfyUI scheduler name
         (simple, normal, beta) runs that one (the demo's default: simple, shift 3). ``cache`` overrides the
-        pipeline's for this call."""
+        pipeline's for this call; ``max_new_tokens`` / ``pe_greedy`` (argmax decoding) go to the prompt enhancer."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt or [])
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise InputError("prompt must be a string or a non-empty list of strings")
@@ -281,7 +290,8 @@ class ErnieImagePipeline:
 
         revised = None
         if use_pe or (use_pe is None and self.release.pe is not None and self.kind != "demo"):
-            revised = self._enhancer().enhance(prompts, width, height, seed=seed, max_new_tokens=max_new_tokens)
+            revised = self._enhancer().enhance(prompts, width, height, seed=seed, max_new_tokens=max_new_tokens,
+                                               greedy=pe_greedy)
             prompts = list(revised)
 
         latent = self.vae.empty_latent(width, height, len(prompts) * num_images_per_prompt)
@@ -304,7 +314,7 @@ class ErnieImagePipeline:
                    **{"disable": False, **self._progress})
         try:
             out = self.engine.sample(latent, cond, uncond, seed=0 if seed is None else seed, steps=steps, cfg=cfg,
-                                     cache=_cache_config(cache) if cache is not None else self.cache, noise=noise,
+                                     cache=cache_option(cache) if cache is not None else self.cache, noise=noise,
                                      callback=lambda i, n, x, d: bar.update(1), **run)
         finally:
             bar.close()
@@ -321,6 +331,4 @@ class ErnieImagePipeline:
 
 def _to_pil(pixels: np.ndarray) -> list:
     """Float images [B, H, W, 3] in 0..1 -> PIL images, as diffusers' numpy_to_pil rounds them."""
-    from PIL import Image
-
     return [Image.fromarray(img) for img in (pixels * 255).round().astype("uint8")]
