@@ -150,6 +150,24 @@ def test_pe_flags_refused_before_anything_loads(in_process, release, bare_releas
     assert not os.path.exists(tmp_path / "x.png")
 
 
+def test_save_output_names_stay_in_the_output_folder():
+    """--save-output's generated name (SGLang's scheme) cannot leave --output-path, whatever the prompt holds."""
+    import argparse
+
+    from engine.cli.generate import output_name
+    run = {"seed": 0, "steps": 8}
+    for prompt, start in (("../../etc/passwd x", "etc_passwd_x_"), ("一只狗 on grass", "on_grass_"), ("", ""),
+                          ("a" * 300, "a" * 100 + "_")):
+        args = argparse.Namespace(prompt=prompt, negative="", width=None, height=None, model_path="r", model=None,
+                                  output_path="outputs")
+        path = output_name(args, run)
+        folder, name = os.path.split(path)
+        assert folder == "outputs" and re.fullmatch(r"[A-Za-z0-9._-]+\.png", name) and name.startswith(start), path
+        assert re.search(r"\d{8}-\d{6}_[0-9a-f]{8}\.png$", name)
+    other = argparse.Namespace(**{**vars(args), "prompt": "a"})
+    assert output_name(other, {**run, "seed": 1})[-12:] != output_name(other, run)[-12:]  # the settings' hash
+
+
 def test_help_spells_sglangs_flags(in_process):
     for command in ("generate", "serve"):
         code, text, _ = in_process(command, "--help")
