@@ -20,6 +20,7 @@ from .config import EngineConfig
 from .errors import InputError
 from .io.load import build_model
 from .models.ernie_image import ErnieImageConfig
+from .pipeline import cache_option
 from .router import open_engine
 from .sampling import to_sigma
 
@@ -103,8 +104,8 @@ def _engine_model(original: nn.Module, device, dtype):
     except ValueError as e:
         raise InputError(f"pipe.transformer: not an ERNIE-Image transformer this engine can run: {e}") from None
     model = build_model(cfg)
-    model.load_state_dict({k: v.to(device=device, dtype=dtype, copy=True) for k, v in state.items()},
-                          strict=True, assign=True)
+    model.load_state_dict({k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
+                           for k, v in state.items()}, strict=True, assign=True)
     return model.eval().requires_grad_(False)
 
 
@@ -113,8 +114,6 @@ def accelerate(pipe, cache=None, quant: Optional[str] = None, offload: str = "no
     """Swap ``pipe.transformer`` (diffusers' ErnieImageTransformer2DModel) for the engine's DiT with these features
     (EngineConfig's options: quant, offload, compile, attention, ...; ``cache``: a Cache-DiT preset name, "off" or
     a CacheConfig, None = the SGLANG_CACHE_DIT_* environment). Returns ``pipe``; ``restore(pipe)`` undoes it."""
-    from .pipeline import _cache_config
-
     original = getattr(pipe, "transformer", None)
     if isinstance(original, EngineTransformer):
         raise InputError("this pipeline is already accelerated; engine.restore(pipe) first to change its options")
@@ -126,7 +125,7 @@ def accelerate(pipe, cache=None, quant: Optional[str] = None, offload: str = "no
     target = torch.device(device) if device is not None else original_device
     config = EngineConfig(device=str(target), quant=quant, offload=offload, compile=compile, attention=attention,
                           **engine_options)
-    cache = _cache_config(cache)
+    cache = cache_option(cache)
     if config.world_size > 1:
         raise InputError("engine.accelerate runs the DiT in this process; for several GPUs open "
                          "engine.ErnieImagePipeline.from_pretrained(path, num_gpus=...) on the release's files")

@@ -13,6 +13,7 @@ docs/python.md.
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 import sys
 from dataclasses import dataclass
@@ -20,17 +21,19 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 from . import options
 from .config import EngineConfig
-from .errors import InputError
+from .errors import CheckpointError, InputError
 from .features.cache import CacheConfig
 from .features.compile import compile_blocks
 from .features.lora import parse_spec
 from .io.checkpoint import parse_dtype
 from .models import demo as demo_pkg
 from .models.external import Flux2VAE, TextEncoder
+from .prompt_enhancer import PromptEnhancer
 from .release import Release, resolve_release
 from .router import open_engine
 from .sampling import DEFAULT_SHIFT, MAX_IMAGE_SIDE, SAMPLERS, SCHEDULERS, time_snr_shift
@@ -85,7 +88,7 @@ def _engine_config(torch_dtype, device, given: dict) -> EngineConfig:
     return EngineConfig(dtype=dtype, device=str(device or "cpu"), **given)
 
 
-def _cache_config(cache) -> Optional[CacheConfig]:
+def cache_option(cache) -> Optional[CacheConfig]:
     """None (the SGLANG_CACHE_DIT_* environment decides), False / "off", a preset name, or a CacheConfig."""
     if cache is None:
         return None
@@ -145,7 +148,7 @@ class ErnieImagePipeline:
         ``engine_options``: EngineConfig's fields (attention, compile, quant, offload, resident_layers, num_gpus,
         ulysses_degree, ring_degree, tp, cfg_parallel)."""
         config = _engine_config(torch_dtype, device, engine_options)
-        cache = _cache_config(cache)
+        cache = cache_option(cache)
         release = resolve_release(path, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae, pe=pe,
                                   pe_tokenizer=pe_tokenizer)
         if release.kind == "demo":  # its one file: DiT, text encoder and vocabulary; run in float32 unless asked
@@ -154,6 +157,12 @@ class ErnieImagePipeline:
             kind = "demo"
         else:
             release.require("text_encoder", "vae", why="a single DiT file needs text_encoder= and vae= folders")
+            for name in ("text_encoder", "vae"):
+                path = getattr(release, name)
+                if not os.path.isdir(path):  # a weights file without its config.json beside it
+                    raise CheckpointError(f"{name} '{path}': a single {name} file without its config is not read yet "
+                                          f"(ComfyUI's ministral-3-3b.safetensors / Flux2 VAE file); give the release's "
+                                          f"{name}/ folder (config.json + .safetensors)")
             te = TextEncoder.from_folder(release.text_encoder, dtype=parse_dtype(config.dtype) or torch.float32,
                                          device=config.device, tokenizer=release.tokenizer)
             vae = Flux2VAE.from_folder(release.vae, device=config.device)
@@ -208,7 +217,7 @@ class ErnieImagePipeline:
 
     def set_loras(self, loras) -> List[str]:
         """Exactly these LoRAs active: [(path, strength), ...]; returns messages about keys not applied."""
-        return self.engine.set_loras(_loras(loras) if not isinstance(loras, list) else _loras(loras))
+        return self.engine.set_loras(_loras(loras))
 
     def load_lora(self, path, strength: float = 1.0) -> List[str]:
         """One more LoRA on top of the active ones (diffusers' load_lora_weights, merged as the engine does)."""
@@ -222,6 +231,31 @@ class ErnieImagePipeline:
         """As diffusers: tqdm's keywords for the sampling bar (``disable=True`` switches it off)."""
         self._progress = dict(kwargs)
 
+    def to(self, device=None, torch_dtype: Optional[torch.dtype] = None) -> "ErnieImagePipeline":
+        """As diffusers' ``pipe.to("cuda")``: the DiT is opened again from its file with the new device / dtype (its
+        options and LoRAs kept), the text encoder and VAE moved. Returns the pipeline."""
+        changes = {}
+        if device is not None:
+            changes["device"] = str(device)
+        if torch_dtype is not None:
+            changes["dtype"] = DTYPE_NAMES.get(torch_dtype, torch_dtype)
+        if not changes:
+            return self
+        config = dataclasses.replace(self.engine.runner.config if self.engine.model is not None else self.engine.config,
+                                     **changes)
+        loras = self.engine.loras
+        self.engine = open_engine(self.release.transformer, config)
+        if loras:
+            self.engine.set_loras(loras)
+        if self.kind != "demo" and "device" in changes:  # the demo's text encoder and codec stay on the CPU
+            self.text_encoder.model.to(config.device)
+            self.text_encoder.device = torch.device(config.device)
+            self.vae.vae.to(config.device)
+            self.vae.device = torch.device(config.device)
+        if self.kind != "demo" and "dtype" in changes:
+            self.text_encoder.model.to(parse_dtype(config.dtype) or torch.float32)
+        return self
+
     def release_memory(self) -> int:
         """Free the engine's offload buffers and the prompt enhancer (loaded again when needed). Returns bytes."""
         if self.pe is not None:
@@ -233,12 +267,9 @@ class ErnieImagePipeline:
     def _enhancer(self):
         if self.pe is None:
             self.release.require("pe", "pe_tokenizer", why="use_pe=True needs the release's prompt enhancer")
-            try:
-                from .prompt_enhancer import PromptEnhancer
-            except ImportError as e:
-                raise InputError(f"use_pe=True: the prompt enhancer (engine/prompt_enhancer.py) is not available: {e}") from None
             self.pe = PromptEnhancer.from_pretrained(self.release.pe, tokenizer=self.release.pe_tokenizer,
-                                                     device=self.engine.config.device)
+                                                     device=self.engine.config.device,
+                                                     dtype=parse_dtype(self.engine.config.dtype))
         return self.pe
 
     # -- running ---------------------------------------------------------------------------------------------------
@@ -308,7 +339,7 @@ class ErnieImagePipeline:
                    **{"disable": False, **self._progress})
         try:
             out = self.engine.sample(latent, cond, uncond, seed=0 if seed is None else seed, steps=steps, cfg=cfg,
-                                     cache=_cache_config(cache) if cache is not None else self.cache, noise=noise,
+                                     cache=cache_option(cache) if cache is not None else self.cache, noise=noise,
                                      callback=lambda i, n, x, d: bar.update(1), **run)
         finally:
             bar.close()
@@ -319,12 +350,12 @@ class ErnieImagePipeline:
             images = pixels if output_type == "np" else _to_pil(pixels)
         if not return_dict:
             return (images,)
-        return ErnieImagePipelineOutput(images, revised, seed if generator is None else None,
-                                        self.engine.last_run.to_dict())
+        stats = self.engine.last_run.to_dict()
+        if revised is not None:
+            stats["pe_seconds"] = round(self.pe.seconds, 4)
+        return ErnieImagePipelineOutput(images, revised, seed if generator is None else None, stats)
 
 
 def _to_pil(pixels: np.ndarray) -> list:
     """Float images [B, H, W, 3] in 0..1 -> PIL images, as diffusers' numpy_to_pil rounds them."""
-    from PIL import Image
-
     return [Image.fromarray(img) for img in (pixels * 255).round().astype("uint8")]

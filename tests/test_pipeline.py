@@ -123,6 +123,10 @@ def test_single_dit_file_with_text_encoder_and_vae_folders(release, ours, tmp_pa
     save_file({"model.diffusion_model." + k: v for k, v in sd.items()}, str(dit))  # ComfyUI's repackaged prefix
     with pytest.raises(CheckpointError, match="text_encoder"):
         ErnieImagePipeline.from_pretrained(str(dit))
+    lone = tmp_path / "ministral-3-3b.safetensors"  # a text encoder file with no config.json beside it
+    shutil.copy(os.path.join(release, "text_encoder", "model.safetensors"), lone)
+    with pytest.raises(CheckpointError, match="ministral-3-3b.safetensors.*text_encoder/ folder"):
+        ErnieImagePipeline.from_pretrained(str(dit), text_encoder=str(lone), vae=os.path.join(release, "vae"))
     single = ErnieImagePipeline.from_pretrained(str(dit), text_encoder=os.path.join(release, "text_encoder"),
                                                 tokenizer=os.path.join(release, "tokenizer"),
                                                 vae=os.path.join(release, "vae"), cache="off")
@@ -197,6 +201,9 @@ def test_engine_options_are_keywords_and_methods(tmp_path):
     assert torch.equal(pipe("a red circle", **run).images, base)
     with_lora = ErnieImagePipeline.from_pretrained("demo", lora=f"{lora}:0.5", quant="int4")
     assert with_lora.engine.loras == [(lora, 0.5)] and with_lora.engine.describe()["quant"] == "int4"
+    with_lora.to(torch_dtype=torch.bfloat16)  # opened again in bf16, its options and LoRAs kept
+    assert with_lora.dtype == torch.bfloat16 and with_lora.engine.loras == [(lora, 0.5)]
+    assert with_lora.engine.describe()["quant"] == "int4"
     # torch.compile(pipe.transformer) is the engine's regional compile of the same module (compiled lazily)
     model = pipe.transformer
     pipe.transformer = torch.compile(pipe.transformer)
@@ -206,24 +213,25 @@ def test_engine_options_are_keywords_and_methods(tmp_path):
 
 
 def test_bad_options_and_inputs_are_refused_with_their_names(release):
-    with pytest.raises(TypeError, match="not_an_option.*attention"):
-        ErnieImagePipeline.from_pretrained("demo", not_an_option=1)
-    with pytest.raises(ValueError, match="attention"):
-        ErnieImagePipeline.from_pretrained("demo", attention="nope")
-    with pytest.raises(ValueError, match="preset"):
-        ErnieImagePipeline.from_pretrained("demo", cache="warp-speed")
-    with pytest.raises(engine.ParallelConfigError, match="num_gpus"):  # the degrees checked before any rank starts
-        ErnieImagePipeline.from_pretrained("demo", num_gpus=2, tp=3)
-    with pytest.raises(ValueError, match="quant"):
-        ErnieImagePipeline.from_pretrained("demo", quant="int3")
-    pipe = ErnieImagePipeline.from_pretrained("demo")
-    for kw, match in [({"output_type": "pt"}, "output_type"), ({"seed": 1, "generator": torch.Generator()}, "not both"),
-                      ({"num_images_per_prompt": 0}, "num_images_per_prompt"), ({"sampler": "ddim"}, "sampler"),
-                      ({"negative_prompt": ["a", "b"]}, "negative_prompt"), ({"num_inference_steps": 0}, "steps")]:
-        with pytest.raises(ValueError, match=match):
-            pipe("a red circle", **kw)
-    with pytest.raises(CheckpointError, match="pe/"):  # use_pe without a prompt enhancer in the release
-        ErnieImagePipeline.from_pretrained(release)("a red cat", use_pe=True, height=64, width=64)
+    with torch.inference_mode():  # as ComfyUI runs nodes: the same errors
+        with pytest.raises(TypeError, match="not_an_option.*attention"):
+            ErnieImagePipeline.from_pretrained("demo", not_an_option=1)
+        with pytest.raises(ValueError, match="attention"):
+            ErnieImagePipeline.from_pretrained("demo", attention="nope")
+        with pytest.raises(ValueError, match="preset"):
+            ErnieImagePipeline.from_pretrained("demo", cache="warp-speed")
+        with pytest.raises(engine.ParallelConfigError, match="num_gpus"):  # the degrees checked before any rank starts
+            ErnieImagePipeline.from_pretrained("demo", num_gpus=2, tp=3)
+        with pytest.raises(ValueError, match="quant"):
+            ErnieImagePipeline.from_pretrained("demo", quant="int3")
+        pipe = ErnieImagePipeline.from_pretrained("demo")
+        for kw, match in [({"output_type": "pt"}, "output_type"), ({"seed": 1, "generator": torch.Generator()}, "not both"),
+                          ({"num_images_per_prompt": 0}, "num_images_per_prompt"), ({"sampler": "ddim"}, "sampler"),
+                          ({"negative_prompt": ["a", "b"]}, "negative_prompt"), ({"num_inference_steps": 0}, "steps")]:
+            with pytest.raises(ValueError, match=match):
+                pipe("a red circle", **kw)
+        with pytest.raises(CheckpointError, match="pe/"):  # use_pe without a prompt enhancer in the release
+            ErnieImagePipeline.from_pretrained(release)("a red cat", use_pe=True, height=64, width=64)
 
 
 # -- the release's resolution ------------------------------------------------------------------------------------------
@@ -234,23 +242,24 @@ def copy_release(release, tmp_path):
 
 
 def test_bad_release_folders_name_the_file(release, tmp_path):
-    dst = copy_release(release, tmp_path)
-    shutil.rmtree(dst / "vae")
-    with pytest.raises(CheckpointError, match="vae/"):
-        ErnieImagePipeline.from_pretrained(str(dst))
-    shutil.copytree(os.path.join(release, "vae"), dst / "vae")
-    weights = dst / "transformer" / "diffusion_pytorch_model.safetensors"
-    weights.rename(dst / "transformer" / "diffusion_pytorch_model.bin")
-    with pytest.raises(CheckpointError, match="diffusion_pytorch_model.bin"):
-        ErnieImagePipeline.from_pretrained(str(dst))
-    (dst / "transformer" / "diffusion_pytorch_model.bin").unlink()
-    with pytest.raises(CheckpointError, match="transformer/ folder has no .safetensors"):
-        resolve_release(str(dst))
-    (dst / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
-    with pytest.raises(CheckpointError, match="_class_name"):
-        resolve_release(str(dst))
-    with pytest.raises(CheckpointError, match="no such file or folder"):
-        resolve_release(str(tmp_path / "missing"))
+    with torch.inference_mode():  # as ComfyUI runs nodes: the same errors
+        dst = copy_release(release, tmp_path)
+        shutil.rmtree(dst / "vae")
+        with pytest.raises(CheckpointError, match="vae/"):
+            ErnieImagePipeline.from_pretrained(str(dst))
+        shutil.copytree(os.path.join(release, "vae"), dst / "vae")
+        weights = dst / "transformer" / "diffusion_pytorch_model.safetensors"
+        weights.rename(dst / "transformer" / "diffusion_pytorch_model.bin")
+        with pytest.raises(CheckpointError, match="diffusion_pytorch_model.bin"):
+            ErnieImagePipeline.from_pretrained(str(dst))
+        (dst / "transformer" / "diffusion_pytorch_model.bin").unlink()
+        with pytest.raises(CheckpointError, match="transformer/ folder has no .safetensors"):
+            resolve_release(str(dst))
+        (dst / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+        with pytest.raises(CheckpointError, match="_class_name"):
+            resolve_release(str(dst))
+        with pytest.raises(CheckpointError, match="no such file or folder"):
+            resolve_release(str(tmp_path / "missing"))
 
 
 def test_a_repo_id_resolves_through_the_local_hf_cache_only(release, tmp_path, monkeypatch):
@@ -287,9 +296,44 @@ def test_prompt_enhancer_runs_by_default_and_greedy_equals_diffusers(release, re
     finally:
         reference.register_modules(pe=None, pe_tokenizer=None)
     assert out.revised_prompts == expected and expected != PROMPTS
+    assert out.stats["pe_seconds"] > 0  # the PE's time in the run's statistics
     # the picture is the revised prompts' (and use_pe=False keeps the user's)
     direct = pipe(expected, height=64, width=96, num_inference_steps=2, seed=4, use_pe=False, output_type="latent")
     assert torch.equal(out.images, direct.images) and direct.revised_prompts is None
     sampled = pipe(PROMPTS[0], height=64, width=96, num_inference_steps=1, seed=9, output_type="latent")
     again = pipe(PROMPTS[0], height=64, width=96, num_inference_steps=1, seed=9, output_type="latent")
     assert sampled.revised_prompts == again.revised_prompts  # sampled (temperature 0.6), deterministic per seed
+
+
+def test_a_transformer_folder_finds_its_release_and_components_can_be_replaced(release, tmp_path):
+    inner = resolve_release(os.path.join(release, "transformer"))  # sgld generate --model ERNIE-Image/transformer
+    assert inner.kind == "folder" and inner.vae == os.path.join(release, "vae")
+    assert inner.tokenizer == os.path.join(release, "tokenizer")
+    other = copy_release(release, tmp_path)
+    swapped = resolve_release(release, vae=str(other / "vae"), text_encoder=str(other / "text_encoder"))
+    assert swapped.vae == str(other / "vae") and swapped.tokenizer == str(other / "tokenizer")  # its sibling
+    with pytest.raises(CheckpointError, match="no such file or folder"):
+        resolve_release(release, vae=str(tmp_path / "nowhere"))
+
+
+def test_the_callers_noise_must_have_the_latents_shape():
+    pipe = ErnieImagePipeline.from_pretrained("demo")
+    demo = engine.open_demo()
+    with pytest.raises(InputError, match=r"noise has shape \(1, 48, 8, 8\)"):
+        pipe.engine.sample(demo.empty_latent(1), demo.encode(["a red circle"]), seed=0, steps=1, cfg=1.0,
+                           noise=torch.zeros(1, 48, 8, 8))
+
+
+def test_parallel_degrees_run_the_dit_on_worker_ranks():
+    """ulysses_degree=2: two gloo worker processes on this CPU machine (one per GPU elsewhere), same picture."""
+    single = ErnieImagePipeline.from_pretrained("demo", cache="off")
+    ranked = ErnieImagePipeline.from_pretrained("demo", cache="off", ulysses_degree=2)
+    try:
+        for pipe in (single, ranked):
+            pipe.set_progress_bar_config(disable=True)
+        run = {"seed": 1, "num_inference_steps": 3, "output_type": "latent"}
+        a, b = single("a red circle", **run).images, ranked("a red circle", **run).images
+        assert ranked.transformer is None and ranked.engine.describe()["parallel"]["world_size"] == 2
+        assert (a - b).abs().max() <= 1e-4
+    finally:
+        ranked.engine.runner.close()

@@ -145,3 +145,22 @@ def test_bad_inputs_name_the_file(tmp_path, release):
 
     with pytest.raises(CheckpointError, match="prompt enhancer not found"):
         PromptEnhancer.from_pretrained(str(tmp_path / "nowhere"))
+
+
+def test_own_dtype_and_device(release):
+    """The PE on its own dtype (bf16 here, whatever the caller's default) and, where there is one, a GPU."""
+    pe = PromptEnhancer.from_pretrained(release[0], dtype="bf16")
+    assert {p.dtype for p in pe.model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
+    assert all(pe.enhance(PROMPTS, 64, 64, seed=1)) and pe.enhance(PROMPTS, 64, 64, seed=1) == pe.enhance(PROMPTS, 64, 64, seed=1)
+    with pytest.raises(ValueError, match="prompt enhancer dtype 'int8'"):
+        PromptEnhancer.from_pretrained(release[0], dtype="int8")
+    if not torch.cuda.is_available():
+        return  # this machine has no GPU: the CUDA half runs where there is one
+    gpu = PromptEnhancer.from_pretrained(release[0], device="cuda", dtype="bf16")
+    assert next(gpu.model.parameters()).device.type == "cuda"
+    state = torch.cuda.get_rng_state()
+    assert gpu.enhance(PROMPTS, 64, 64, seed=2) == gpu.enhance(PROMPTS, 64, 64, seed=2)
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+    gpu.release()
+    assert gpu.model is None

@@ -144,12 +144,13 @@ def cmd_generate(args) -> dict:
     """A picture from a prompt (the embedded demo model, or ERNIE-Image files): PNG with ComfyUI-style text metadata."""
     t0 = time.perf_counter()
     run = check_generate_args(args)
+    size = ERNIE_SIZE if uses_ernie_files(args) else demo_pkg.IMAGE_SIZE
+    width, height = args.width or size, args.height or size
+    revised, pe_stats = _enhance(args, width, height, run["seed"])  # first: its memory is free before the DiT loads
     parts = make_parts(args)
     eng = parts.engine
     if args.loras:
         eng.set_loras(args.loras)
-    width, height = args.width or parts.default_size, args.height or parts.default_size
-    revised, pe_stats = _enhance(args, width, height, run["seed"])
     cond, uncond = parts.encode(revised if revised is not None else args.prompt), parts.encode(args.negative)
     load_s = time.perf_counter() - t0 - pe_stats.get("pe_seconds", 0.0) - pe_stats.get("pe_load_seconds", 0.0)
     settings = {"prompt": args.prompt, "negative": args.negative, **run, "model": os.path.basename(parts.model_path)}
