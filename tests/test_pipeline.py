@@ -227,7 +227,9 @@ def test_bad_options_and_inputs_are_refused_with_their_names(release):
         pipe = ErnieImagePipeline.from_pretrained("demo")
         for kw, match in [({"output_type": "pt"}, "output_type"), ({"seed": 1, "generator": torch.Generator()}, "not both"),
                           ({"num_images_per_prompt": 0}, "num_images_per_prompt"), ({"sampler": "ddim"}, "sampler"),
-                          ({"negative_prompt": ["a", "b"]}, "negative_prompt"), ({"num_inference_steps": 0}, "steps")]:
+                          ({"negative_prompt": ["a", "b"]}, "negative_prompt"), ({"num_inference_steps": 0}, "num_inference_steps"),
+                          ({"guidance_scale": float("nan")}, "guidance_scale"), ({"seed": -1}, "seed"),
+                          ({"shift": 0.0}, "shift"), ({"scheduler": "karras"}, "scheduler")]:
             with pytest.raises(ValueError, match=match):
                 pipe("a red circle", **kw)
         with pytest.raises(CheckpointError, match="pe/"):  # use_pe without a prompt enhancer in the release
