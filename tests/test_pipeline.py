@@ -305,6 +305,9 @@ def test_prompt_enhancer_runs_by_default_and_greedy_equals_diffusers(release, re
     sampled = pipe(PROMPTS[0], height=64, width=96, num_inference_steps=1, seed=9, output_type="latent")
     again = pipe(PROMPTS[0], height=64, width=96, num_inference_steps=1, seed=9, output_type="latent")
     assert sampled.revised_prompts == again.revised_prompts  # sampled (temperature 0.6), deterministic per seed
+    shutil.rmtree(tok_dir)  # a PE folder without its tokenizer
+    with pytest.raises(CheckpointError, match="pe_tokenizer/"):
+        ErnieImagePipeline.from_pretrained(str(dst))("a red cat", height=64, width=64, num_inference_steps=1)
 
 
 def test_a_transformer_folder_finds_its_release_and_components_can_be_replaced(release, tmp_path):
