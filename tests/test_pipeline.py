@@ -342,3 +342,16 @@ def test_parallel_degrees_run_the_dit_on_worker_ranks():
         assert (a - b).abs().max() <= 1e-4
     finally:
         ranked.engine.runner.close()
+
+
+def test_accelerate_in_bf16_stays_within_bf16_rounding(release):
+    """bf16 weights on both sides; the two implementations round differently (diffusers runs its modulation in
+    float32): measured 0.06 at most, 0.01 on average, on latents of magnitude 5.5."""
+    pipe = diffusers.ErnieImagePipeline.from_pretrained(release, torch_dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    before = call(pipe, use_pe=False).float()
+    engine.accelerate(pipe, cache="off")
+    assert pipe.transformer.dtype == torch.bfloat16
+    during = call(pipe, use_pe=False).float()
+    assert (before - during).abs().max() <= 0.15 and (before - during).abs().mean() <= 0.03
+    engine.restore(pipe)
