@@ -45,6 +45,20 @@ def bare_release(tmp_path_factory):
     return str(root)
 
 
+@pytest.fixture(scope="module")
+def hub_cache(release, tmp_path_factory):
+    """A Hugging Face cache (HF_HUB_CACHE) holding the tiny release as baidu/ERNIE-Image-Turbo's snapshot, so the
+    article's own repo id resolves (engine/release.py reads the cache; nothing is downloaded)."""
+    hub = tmp_path_factory.mktemp("hub")
+    repo = hub / "models--baidu--ERNIE-Image-Turbo"
+    (repo / "snapshots").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    revision = "0" * 40
+    (repo / "refs" / "main").write_text(revision)
+    os.symlink(release, repo / "snapshots" / revision)
+    return str(hub)
+
+
 def expected_revision(release, prompt, width, height, seed):
     pe = PromptEnhancer.from_pretrained(os.path.join(release, "pe"))
     return pe.enhance([prompt], width, height, seed=seed)[0]
@@ -136,6 +150,24 @@ def test_pe_flags_refused_before_anything_loads(in_process, release, bare_releas
     assert not os.path.exists(tmp_path / "x.png")
 
 
+def test_save_output_names_stay_in_the_output_folder():
+    """--save-output's generated name (SGLang's scheme) cannot leave --output-path, whatever the prompt holds."""
+    import argparse
+
+    from engine.cli.generate import output_name
+    run = {"seed": 0, "steps": 8}
+    for prompt, start in (("../../etc/passwd x", "etc_passwd_x_"), ("一只狗 on grass", "on_grass_"), ("", ""),
+                          ("a" * 300, "a" * 100 + "_")):
+        args = argparse.Namespace(prompt=prompt, negative="", width=None, height=None, model_path="r", model=None,
+                                  output_path="outputs")
+        path = output_name(args, run)
+        folder, name = os.path.split(path)
+        assert folder == "outputs" and re.fullmatch(r"[A-Za-z0-9._-]+\.png", name) and name.startswith(start), path
+        assert re.search(r"\d{8}-\d{6}_[0-9a-f]{8}\.png$", name)
+    other = argparse.Namespace(**{**vars(args), "prompt": "a"})
+    assert output_name(other, {**run, "seed": 1})[-12:] != output_name(other, run)[-12:]  # the settings' hash
+
+
 def test_help_spells_sglangs_flags(in_process):
     for command in ("generate", "serve"):
         code, text, _ = in_process(command, "--help")
@@ -147,26 +179,28 @@ class ArticleServer(Server):
     """`sgld serve --model-path <release> --tp 1 --sp 1 --port N --max-running-steps 64` as the article types it
     (its "production with Cache-DiT" environment), plus ``extra`` flags; test_serve's ``Server`` otherwise."""
 
-    def __init__(self, log_path, release, *extra):
+    def __init__(self, log_path, release, *extra, env=None):
         from tests.test_serve import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base = self.url + "/v1"
         self.log_path = str(log_path)
-        env = {**ENV, "SGLANG_CACHE_DIT_ENABLED": "true", "SGLANG_CACHE_DIT_SCM_PRESET": "balanced"}
+        env = {**ENV, "SGLANG_CACHE_DIT_ENABLED": "true", "SGLANG_CACHE_DIT_SCM_PRESET": "balanced", **(env or {})}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [SGLD, "serve", "--model-path", release, "--tp", "1", "--sp", "1", "--port", str(self.port),
                  "--max-running-steps", "64", *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def test_article_serve_command_with_enhance_prompt(release, tmp_path):
-    server = ArticleServer(tmp_path / "serve.log", release, "--pe", "--enable-mix-parallel").wait_ready()
+def test_article_serve_command_with_enhance_prompt(release, hub_cache, tmp_path):
+    """The article's repo id, found in the (test's) local Hugging Face cache; plus --pe and --enable-mix-parallel."""
+    server = ArticleServer(tmp_path / "serve.log", "baidu/ERNIE-Image-Turbo", "--pe", "--enable-mix-parallel",
+                           env={"HF_HUB_CACHE": hub_cache}).wait_ready()
     try:
         sdk = client(server)
         model = sdk.models.list().data[0].id
-        assert model == "ERNIE-Image-Tiny"
+        assert model == "baidu/ERNIE-Image-Turbo"  # the repo id, as SGLang names it
         plain = sdk.images.generate(model=model, prompt="a red cat", size="64x64", n=1,
                                     extra_body={"seed": 5, "num_inference_steps": 2})
         assert plain.data[0].revised_prompt is None  # off unless asked: it costs seconds
@@ -184,11 +218,17 @@ def test_article_serve_command_with_enhance_prompt(release, tmp_path):
         assert server.stop() == 0, server.log()
 
 
-def test_enhance_prompt_without_pe_is_400(tmp_path):
-    server = Server(tmp_path / "demo.log").wait_ready()  # the demo, no --pe
+def test_enhance_prompt_without_pe_is_400(release, tmp_path):
+    """`sgld serve --model-path <release folder> --tp 1 --sp 1 --port N --max-running-steps 64`, exactly as typed
+    (no --pe): pictures as usual, enhance_prompt refused with the flag named."""
+    server = ArticleServer(tmp_path / "folder.log", release).wait_ready()
     try:
+        sdk = client(server)
+        assert sdk.models.list().data[0].id == "ERNIE-Image-Tiny"  # the release folder's name
+        r = sdk.images.generate(prompt="a red cat", size="64x64", extra_body={"num_inference_steps": 2})
+        assert r.data[0].b64_json and r.data[0].revised_prompt is None
         with pytest.raises(openai.BadRequestError, match="this server has no prompt enhancer; start it with --pe"):
-            client(server).images.generate(prompt="a red circle", extra_body={"enhance_prompt": True})
+            sdk.images.generate(prompt="a red cat", size="64x64", extra_body={"enhance_prompt": True})
         body = requests.post(server.base + "/images/generations", json={"prompt": "x", "enhance_prompt": "yes"},
                              timeout=30)
         assert body.status_code == 400 and body.json()["error"]["param"] == "enhance_prompt"

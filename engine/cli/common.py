@@ -114,7 +114,8 @@ def add_pe_arguments(p) -> None:
     g = p.add_argument_group("prompt enhancer (ERNIE-Image's PE; costs seconds per prompt)")
     g.add_argument("--pe", nargs="?", const="", default=None, metavar="PATH",
                    help="rewrite the prompt with the PE first: PATH is its folder (the release's pe/) or a "
-                        ".safetensors file with its config.json beside it; no PATH: the --model-path release's pe/")
+                        ".safetensors file with its config.json beside it; no PATH: the --model-path release's pe/. "
+                        "Sampled as the release's generation_config.json says, seeded by the image's seed")
     g.add_argument("--pe-tokenizer", default=None,
                    help="the PE's tokenizer folder (default: the release's pe_tokenizer/ beside pe/, else PATH itself)")
     g.add_argument("--pe-device", default=None, help="torch device of the PE (default: --device)")
