@@ -55,7 +55,8 @@ class EngineTransformer(nn.Module):
         timesteps, sigmas = getattr(scheduler, "timesteps", None), getattr(scheduler, "sigmas", None)
         if timesteps is None or sigmas is None or not len(timesteps):
             return None
-        first = float(timestep.reshape(-1)[0]) == float(timesteps[0])
+        t0, start = float(timestep.reshape(-1)[0]), float(timesteps[0])
+        first = abs(t0 - start) <= abs(start) / 128  # diffusers hands the timestep over in the model's dtype (bf16)
         if self._calls is not None and (first or self._done >= self._total):
             self.finish()
         if self._calls is None:

@@ -30,6 +30,7 @@ from .errors import CheckpointError, InputError
 from .features.cache import CacheConfig
 from .features.compile import compile_blocks
 from .features.lora import parse_spec
+from .inputs import check_sampling_settings, check_seed
 from .io.checkpoint import parse_dtype
 from .models import demo as demo_pkg
 from .models.external import Flux2VAE, TextEncoder
@@ -42,6 +43,7 @@ from .sampling_options import MODEL_DEFAULTS, model_kind
 ERNIE_SIZE = 1024  # diffusers' default height / width
 OUTPUT_TYPES = ("pil", "np", "latent")
 ENGINE_OPTIONS = tuple(n for n in options.declared(EngineConfig) if n not in ("dtype", "device"))
+CALL_NAMES = {"steps": "num_inference_steps", "cfg": "guidance_scale"}  # errors name the call's keywords
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -312,6 +314,13 @@ class ErnieImagePipeline:
                 raise InputError(f"{name} must be a whole number of pixels from 1 to {MAX_IMAGE_SIDE} (got {value!r})")
         steps = self.defaults["steps"] if num_inference_steps is None else num_inference_steps
         cfg = self.defaults["cfg"] if guidance_scale is None else guidance_scale
+        diffusers_schedule = scheduler is None and self.kind != "demo"
+        if shift is None:  # the release's scheduler config (diffusers' schedule), else ComfyUI's 3.0
+            shift = self.scheduler_config.get("shift", DEFAULT_SHIFT) if diffusers_schedule else DEFAULT_SHIFT
+        check_sampling_settings(steps=steps, cfg=cfg, shift=shift, names=CALL_NAMES)  # before the PE's seconds
+        if generator is None and seed is None:
+            seed = secrets.randbelow(2 ** 63)  # reported in the output; the PE is seeded with it too
+        check_seed(seed if seed is not None else 0)
 
         revised = None
         if use_pe or (use_pe is None and self.release.pe is not None and self.kind != "demo"):
@@ -327,14 +336,11 @@ class ErnieImagePipeline:
         noise = None
         if generator is not None:
             noise = torch.randn(latent.shape, generator=generator, device=generator.device, dtype=torch.float32)
-        elif seed is None:
-            seed = secrets.randbelow(2 ** 63)
         run = {"sampler": sampler}
-        if scheduler is None and self.kind != "demo":
-            shift = self.scheduler_config.get("shift", DEFAULT_SHIFT) if shift is None else shift
-            run["sigmas"] = diffusers_sigmas(steps, float(shift)) if isinstance(steps, int) and steps >= 1 else None
+        if diffusers_schedule:
+            run["sigmas"] = diffusers_sigmas(steps, float(shift))
         else:
-            run.update(scheduler=scheduler or demo_pkg.DEFAULT_SCHEDULER, shift=DEFAULT_SHIFT if shift is None else shift)
+            run.update(scheduler=scheduler or demo_pkg.DEFAULT_SCHEDULER, shift=shift)
         bar = tqdm(total=steps, desc="sampling", unit="step", file=sys.stderr, leave=False,
                    **{"disable": False, **self._progress})
         try:

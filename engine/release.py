@@ -140,6 +140,8 @@ def _from_folder(root: str, source: str, kind: str) -> Release:
     if parts["tokenizer"] is None and parts["text_encoder"] and os.path.isfile(
             os.path.join(parts["text_encoder"], "tokenizer_config.json")):
         parts["tokenizer"] = parts["text_encoder"]  # tokenizer files inside text_encoder/ (external.py's rule)
+    if parts["pe_tokenizer"] is None and parts["pe"] and os.path.isfile(os.path.join(parts["pe"], "tokenizer_config.json")):
+        parts["pe_tokenizer"] = parts["pe"]
     return Release(source, kind, model_index=index if os.path.isfile(index) else None, **parts)
 
 
