@@ -10,7 +10,9 @@ import torch
 
 from .. import options
 from ..config import PARALLEL, EngineConfig
+from ..errors import CheckpointError
 from ..features.cache import CacheConfig
+from ..prompt_enhancer import MAX_NEW_TOKENS_CAP, PromptEnhancer
 from ..sampling_options import SamplingOptions
 
 MAX_THREADS = 1024  # --threads: generous; more only oversubscribes the cores
@@ -127,7 +129,6 @@ def add_pe_arguments(p) -> None:
 
 def check_pe_args(args) -> None:
     """The PE's flags, before anything loads."""
-    from ..prompt_enhancer import MAX_NEW_TOKENS_CAP
 
     limit = getattr(args, "pe_max_new_tokens", None)
     if limit is not None and not 1 <= limit <= MAX_NEW_TOKENS_CAP:
@@ -143,8 +144,6 @@ def load_prompt_enhancer(args, release=None):
     what is missing)."""
     if getattr(args, "pe", None) is None:
         return None
-    from ..errors import CheckpointError
-    from ..prompt_enhancer import PromptEnhancer
 
     path, tokenizer = args.pe, args.pe_tokenizer
     if not path:
