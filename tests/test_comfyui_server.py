@@ -133,7 +133,7 @@ def test_nodes_in_object_info(object_info):
     assert opt["attention"][0][:2] == ["auto", "sdpa"] and "math" in opt["attention"][0]
     assert "sage" not in opt["attention"][0] and "flash" not in opt["attention"][0]  # CPU: only what runs here
     assert opt["compile"][0] == ["off", "static", "dynamic"]
-    assert opt["quant"][0] == ["none", "fp8", "int4", "int4-g64"]
+    assert opt["quant"][0] == ["none", "fp8", "int4", "int4-g64", "int8", "int8-weight"]
     assert opt["offload"][0] == ["auto", "none", "layerwise"] and opt["offload"][1]["default"] == "auto"
     assert opt["resident_layers"][0] == "INT" and opt["resident_layers"][1]["default"] == 2
     assert [opt[k][1]["default"] for k in ("num_gpus", "ulysses_degree", "ring_degree", "tp", "cfg_parallel")] == [1, 1, 1, 1, False]

@@ -169,7 +169,7 @@ def test_the_loader_node_knows_exactly_the_declared_engine_options(loader):
             got = loader.engine_config("model.safetensors", {opt.widget: value, **extra})
             assert changed_fields(got, base) == {name, *extra}, (name, value)
     with pytest.raises(ValueError, match="SGLDiffusion Model Loader field 'quant'='nf4' is not supported; "
-                                         "choose one of fp8, int4, int4-g64, none"):
+                                         "choose one of fp8, int4, int4-g64, int8, int8-weight, none"):
         loader.engine_config("model.safetensors", {"quant": "nf4"})
     with pytest.raises(ValueError, match="SGLDiffusion Model Loader: unknown input 'qaunt'"):
         loader.engine_config("model.safetensors", {"qaunt": "fp8"})
