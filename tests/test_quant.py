@@ -90,8 +90,8 @@ def test_int4_packing_layout():
 
 
 def test_bad_formats_are_named():
-    with pytest.raises(ValueError, match="fp8, int4"):
-        Q.parse_format("int8")
+    with pytest.raises(ValueError, match="'int9' is not supported; choose one of fp8, int4, int4-g64, int8, int8-weight"):
+        Q.parse_format("int9")
     with pytest.raises(ValueError, match="group size 48"):
         Q.parse_format("int4-g48")
     with pytest.raises(ValueError, match="EngineConfig.quant 'nf4'.*fp8, int4, int4-g64"):

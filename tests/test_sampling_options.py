@@ -166,7 +166,7 @@ def test_the_launch_has_every_engine_flag():
 
 
 def test_the_launch_refuses_a_bad_flag_in_one_line():
-    for argv, message in ((["--quant", "int8"], "--quant='int8' is not supported; choose one of fp8, int4"),
+    for argv, message in ((["--quant", "int9"], "--quant='int9' is not supported; choose one of fp8, int4"),
                           (["--steps", "0"], "--steps must be an integer from 1 to 10000 (got 0)")):
         r = subprocess.run([sys.executable, "-m", "engine.parallel.launch", "--size", "tiny", "--device", "cpu",
                             "--random-text", "4", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120,
