@@ -28,6 +28,8 @@ from the measured eager forward.
     int4           open_engine(file, quant=int4): load peak, inference memory, forward                     20
     int8           open_engine(file, quant=int8): W8A8 (torch._int_mm, per-token activation scales) vs bf16:
                    load peak, inference memory, forward, Turbo image if the budget allows                 25
+    gguf           open_engine(file, quant=q4_k): GGUF Q4_K blocks (our K quantizer on the GPU at load), the
+                   bytes dequantized per layer each forward vs bf16: load, memory, forward                 25
     fuse-quant     the engine's order (quantize, fuse) and the reverse: same tensors, state_dict works     10
     off-bf16, off-bf16-8buf, off-fp8, off-engine   layer-wise offload (bench/gpu_check_offload.py)         56
     lora           rank-32 LoRA apply / strength / switch / remove on the 8B model (gpu_check_serve.py)      9
@@ -37,7 +39,6 @@ from the measured eager forward.
     all-on         [subprocess] fp8 + the best attention + compiled, Turbo with all of it (or 1.3x the
                    compiled row's compile time when this run measured it)                                 150
     flash          FlashAttention 2 when installed (PyPI has only its sdist: normally n/a)                  0
-    gguf           placeholder: "not built yet"                                                             0
   about 621 s of rows + ~20 s of set-up: more than one 540 s run (rows 1-23, 471 s, fit); the first run
   answers the headline rows, and $OUT/rerun.txt names the command for the rest (bench/RESULTS.md: the
   15-minute plan).
@@ -63,7 +64,7 @@ import torch  # noqa: E402
 from gpu_check_core import Ctx, Report, _count, attention_flops, forward_flops, guarded  # noqa: E402,F401 (tests read these)
 from gpu_check_offload import OFFLOAD_ROWS, offload_rows  # noqa: E402
 from gpu_check_rows import opened, row_build, row_diffusers, row_eager, row_fuse_quant, row_turbo, whole_run  # noqa: E402
-from gpu_check_serve import PLACEHOLDERS, row_comfy, row_lora, row_placeholder, row_serve, serve_estimate  # noqa: E402
+from gpu_check_serve import row_comfy, row_lora, row_serve, serve_estimate  # noqa: E402
 from gpu_check_workers import run_worker, worker_main  # noqa: E402
 
 from engine.features import attention as A  # noqa: E402
@@ -73,8 +74,8 @@ from engine.models.random_weights import SIZES  # noqa: E402
 PRESETS = ("quality", "balanced", "fast")
 RISKY = ("sage", "compiled", "all-on", "flash")
 ALL_ROWS = ("build", "eager", "diffusers", "turbo", *(f"turbo-{p}" for p in PRESETS), "fp8", "sage", "compiled",
-            "base", *(f"base-{p}" for p in PRESETS), "int4", "int8", "fuse-quant", *OFFLOAD_ROWS, "lora", "serve", "comfy",
-            "all-on", "flash", *PLACEHOLDERS)
+            "base", *(f"base-{p}" for p in PRESETS), "int4", "int8", "gguf", "fuse-quant", *OFFLOAD_ROWS, "lora", "serve", "comfy",
+            "all-on", "flash")
 WORKER_CAP = {"sage": 120, "compiled": 240, "all-on": 240, "flash": 60}  # seconds a worker may take at most
 
 
@@ -102,12 +103,12 @@ def plan(ctx):
     rows += [(f"base-{p}", run_need(steps, 2, p), whole_run(f"base-{p}", steps, 4.0, p)) for p in PRESETS]
     rows += [("int4", lambda: ctx.checkpoint_estimate("int4") + 8 + load() * 1.5 + 2 * c * f(), opened("int4")),
              ("int8", lambda: ctx.checkpoint_estimate("int8") + 8 + load() * 1.5 + 2 * c * f(), opened("int8")),
+             ("gguf", lambda: ctx.checkpoint_estimate("gguf") + 10 + load() * 1.5 + 3 * c * f(), opened("gguf")),
              ("fuse-quant", lambda: 8 + 4 * c * f(), row_fuse_quant)]
     rows += offload_rows(ctx)
     rows += [("lora", lambda: 4 + load() / 2 + 2 * c * f(), row_lora),
              ("serve", lambda: serve_estimate(ctx), row_serve), ("comfy", lambda: 0.1, row_comfy),
              ("all-on", lambda: compile_estimate(ctx), None), ("flash", lambda: 30 if A._package_version("flash_attn")[0] else 0.0, None)]
-    rows += [(n, lambda: 0.0, row_placeholder(n)) for n in PLACEHOLDERS]
     return rows
 
 

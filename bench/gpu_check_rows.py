@@ -1,6 +1,6 @@
 """The GPU check's rows that run in its own process (bench/gpu_check.py lists them in running order): the
-model, our forward against diffusers, Turbo / Base images with and without Cache-DiT, and FP8 / INT4 / INT8
-engines opened from a file the way users open them."""
+model, our forward against diffusers, Turbo / Base images with and without Cache-DiT, and FP8 / INT4 / INT8 /
+GGUF Q4_K engines opened from a file the way users open them."""
 import time
 
 import torch
@@ -25,6 +25,8 @@ from engine.engine import Engine
 from engine.features import quant as Q
 from engine.features.cache import CacheConfig
 from engine.features.fuse import fuse_projections
+from engine.features.quant.gguf_linear import GGUFLinear
+from engine.features.quant.gguf_numerics import NAMES as GGUF_NAMES
 from engine.router import open_engine
 from engine.sampling import MULTIPLIER, sigma_schedule
 
@@ -213,11 +215,19 @@ def _quality(ctx, key, out):
 
 
 # -- FP8 / INT4 as users open them ---------------------------------------------------------------------------------
-def opened(fmt):
-    """open_engine(file, quant=fmt): the quantize-on-load peak (window opened with nothing allocated), then the
+def gguf_type(cfg) -> str:
+    """The GGUF row's block type: Q4_K (the type most GGUF users run) where the block linears' inputs are whole
+    256-value blocks (the 8B model's 4096 / 12288), else Q8_0 (32-value blocks: the CPU rehearsal's tiny model)."""
+    return "q4_k" if cfg.hidden_size % 256 == 0 and cfg.ffn_hidden_size % 256 == 0 else "q8_0"
+
+
+def opened(row):
+    """open_engine(file, quant=...): the quantize-on-load peak (window opened with nothing allocated), then the
     inference peak with the window opened after loading, a forward and a Turbo image with their errors against
-    bf16, and the model's state_dict (the engine's order: quantized, then fused)."""
+    bf16, and the model's state_dict (the engine's order: quantized, then fused). ``row`` is the format, or
+    "gguf" for ``gguf_type``'s."""
     def run(ctx):
+        fmt = gguf_type(ctx.cfg) if row == "gguf" else row
         path = ctx.checkpoint()
         ctx.release()
         start = ctx.start_window()
@@ -227,18 +237,18 @@ def opened(fmt):
         load_s, load_peak = time.perf_counter() - s, ctx.peak()
         m = eng.model
         gib = Q.weight_bytes(m) / 2 ** 30
-        ctx.report.row(fmt, "measured", f"open_engine(file, quant={fmt}): quantize-on-load", None, None, load_peak, start,
+        ctx.report.row(row, "measured", f"open_engine(file, quant={fmt}): quantize-on-load", None, None, load_peak, start,
                        f"{load_s:.1f} s from a {ctx.model_bytes() / 2 ** 30:.1f} GiB bf16 file; {gib:.1f} GiB of weights after",
                        load_s=_round(load_s, 2), check=True)
         start = ctx.start_window()
         st, first, ok = time_forward(ctx, m, ctx.state["inp1"])
         notes = matmul_note(eng, fmt, ctx.state["inp1"])
-        ctx.report.row(fmt, "measured", f"DiT forward, {fmt} weights ({gib:.1f} GiB), sdpa (inference memory)", st, None,
+        ctx.report.row(row, "measured", f"DiT forward, {fmt} weights ({gib:.1f} GiB), sdpa (inference memory)", st, None,
                        ctx.peak(), start, f"{notes}{speed_note(ctx, st)}{err_note(ctx)}{finite_note(ok)}")
         if fmt == "fp8" or ctx.left() > 10 * st + 5:
             start = ctx.start_window()
             total, out = sample(ctx, eng, 8, 1.0, None)
-            ctx.report.row(fmt, "measured", f"Turbo image: 8 steps, cfg 1, {fmt} sdpa eager, no cache", total / 8, total,
+            ctx.report.row(row, "measured", f"Turbo image: 8 steps, cfg 1, {fmt} sdpa eager, no cache", total / 8, total,
                            ctx.peak(), start, f"{quality_note(ctx, 'turbo_latent', out).lstrip('; ').replace('uncached', 'bf16')}"
                            f"{finite_note(bool(torch.isfinite(out).all()))}")
         ctx.state["engine_sd_keys"] = state_dict_check(m)
@@ -249,13 +259,16 @@ def opened(fmt):
 
 def matmul_note(eng, fmt, inp) -> str:
     """Which matmul the row's layers ran: fp8's torch._scaled_mm note, int8's torch._int_mm probe (cached by
-    the forward just timed, for its token count), else the dequantize path."""
+    the forward just timed, for its token count), GGUF's per-layer dequantization, else the dequantize path."""
     if fmt == "int8":
         lin = next(m for m in eng.model.modules() if isinstance(m, Q.Int8Linear))
         tokens = inp[0].shape[0] * inp[0].shape[2] * inp[0].shape[3] // eng.model.config.patch_size ** 2
         if Q.int_mm_accepts(lin.weight.device, tokens, lin.in_features, lin.out_features):
             return "W8A8: torch._int_mm int8 x int8 -> int32, per-token activation scales"
         return "torch._int_mm refused these shapes here: dequantized matmul"
+    if fmt in GGUF_NAMES:
+        n = sum(isinstance(m, GGUFLinear) for m in eng.model.modules())
+        return f"{n} GGUF {fmt.upper()} layers: their bytes dequantized per layer each forward (bf16 matmul)"
     return "; ".join(n for n in eng.notes if "fp8 matmul" in n) or "dequantize path"
 
 

@@ -32,7 +32,6 @@ from lora_bench import RANK, lora_state_dict  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
-PLACEHOLDERS = ("gguf",)
 SERVE_NEEDS = ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "opentelemetry", "prometheus_client",
                "requests")
 CLIENTS = (1, 4, 8)
@@ -212,19 +211,13 @@ def serve_main(args):
     return 0
 
 
-# -- ComfyUI and the formats not built yet ------------------------------------------------------------------------
+# -- ComfyUI (not carried) -------------------------------------------------------------------------------------------
 def row_comfy(ctx):
     ctx.report.row("comfy", "n/a", "ComfyUI KSampler on comfy_model vs SGLDiffusion KSampler, per-step overhead",
                    notes="ComfyUI is not carried: ComfyUI 0.3.75 (33 MB) with its frontend package (48 MB) is more than the "
                          "64 MiB that travels with a call, and its requirements are not on the GPU machine; the CPU figures "
                          "are bench/comfy_model_bench.py's (bench/RESULTS.md)")
 
-
-def row_placeholder(name):
-    def run(ctx):
-        ctx.report.row(name, "n/a", f"{name.upper()} weights", notes=f"not built yet: the engine has no {name.upper()} "
-                       "format; this row measures it once it exists")
-    return run
 
 
 if __name__ == "__main__":

@@ -103,11 +103,10 @@ def test_cpu_rehearsal_runs_every_row_of_the_gpu_check(tmp_path):
     assert list(by_name) == list(gpu_check.ALL_ROWS)  # in the plan's order: the article's headline claims first
     assert gpu_check.ALL_ROWS[:9] == ("build", "eager", "diffusers", "turbo", "turbo-quality", "turbo-balanced",
                                       "turbo-fast", "fp8", "sage") and gpu_check.ALL_ROWS[9] == "compiled"
-    not_here = {"sage", "flash", "comfy", "gguf"}  # CUDA only, not installed, not carried, not built yet
+    not_here = {"sage", "flash", "comfy"}  # CUDA only, not installed, not carried
     measured = {n for n, rs in by_name.items() if any(r["status"] == "measured" for r in rs)}
     assert measured == set(gpu_check.ALL_ROWS) - not_here, {n: [r["notes"] for r in rs] for n, rs in by_name.items()}
     assert all(by_name[n][0]["status"] == "n/a" for n in not_here)
-    assert "not built yet" in by_name["gguf"][0]["notes"]
     assert "not carried" in by_name["comfy"][0]["notes"]
 
     # diffusers side by side: ours, diffusers as shipped and diffusers on ours' kernel, shared weights, all agree
@@ -124,12 +123,13 @@ def test_cpu_rehearsal_runs_every_row_of_the_gpu_check(tmp_path):
         for p in ("quality", "balanced", "fast"):
             q = by_name[f"{base}-{p}"][0]["quality"]
             assert q["rel_err"] >= 0 and q["psnr_db"] > 20, (base, p, q)
-    # fp8 / int4 / int8 opened from a file: the load (quantize-on-load) first, then inference with its own window
-    for fmt in ("fp8", "int4", "int8"):
+    # fp8 / int4 / int8 / gguf opened from a file: the load (quantize-on-load) first, then inference with its own window
+    for fmt in ("fp8", "int4", "int8", "gguf"):
         what = [r["what"] for r in by_name[fmt]]
         assert "quantize-on-load" in what[0] and "inference memory" in what[1], what
         assert by_name[fmt][0]["load_s"] >= 0
     assert "W8A8: torch._int_mm" in by_name["int8"][1]["notes"]  # this CPU runs the int8 kernel
+    assert "GGUF Q8_0 layers" in by_name["gguf"][1]["notes"]  # the tiny model's inputs are 32-value blocks
     assert "the same tensors" in by_name["fuse-quant"][0]["notes"] and "raised" not in by_name["fuse-quant"][0]["notes"]
     # the risky rows ran in subprocesses of their own; sage says why it cannot run here
     for name in ("sage", "compiled", "all-on"):
@@ -320,7 +320,7 @@ def rehearsal_ctx(tmp_path, *argv):
     return gpu_check_core.Ctx(args, dev, gpu_check.SIZES["tiny"], gpu_check_core.Report(args.out))
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int4", "int8"])
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "int8", "gguf"])
 def test_quantized_rows_open_the_file_and_start_the_inference_window_after_quantization(tmp_path, monkeypatch, fmt):
     """Point 1: the fp8 / int4 rows open the bf16 file through open_engine with quant= (quantize-on-load, its own
     memory window opened with nothing of the model allocated) and time inference in a window opened after the
@@ -353,8 +353,9 @@ def test_quantized_rows_open_the_file_and_start_the_inference_window_after_quant
     monkeypatch.setattr(gpu_check_rows, "open_engine", opened)
     gpu_check_rows.opened(fmt)(ctx)
     assert events[0] == ("window", None) and "model" not in ctx.state  # nothing of the bf16 model left
-    assert events[1][0] == "open" and events[1][1].endswith(".safetensors") and events[1][2] == fmt
-    assert events[2] == ("loaded", fmt) and events[3][0] == "window"  # inference window after quantization
+    quant = gpu_check_rows.gguf_type(ctx.cfg) if fmt == "gguf" else fmt
+    assert events[1][0] == "open" and events[1][1].endswith(".safetensors") and events[1][2] == quant
+    assert events[2] == ("loaded", quant) and events[3][0] == "window"  # inference window after quantization
     rows = ctx.report.rows_named(fmt)
     assert "quantize-on-load" in rows[0]["what"] and "inference memory" in rows[1]["what"]
 
