@@ -336,3 +336,20 @@ def test_cli_quantize_bench_and_generate_with_int8(tiny_checkpoint, tmp_path):
         assert judge.judge(np.asarray(im.convert("RGB")), prompt)["pass"]
     with pytest.raises(ValueError, match="int9.*int8, int8-weight"):
         EngineConfig(quant="int9")  # the flag's check (the table's names)
+
+
+def test_compiled_blocks_run_the_int8_layers():
+    """Regional torch.compile (aot_eager: dynamo's graph of the block without Inductor's C++ build, which would
+    take most of a test's time here) traces Int8Linear's forward, _int_mm included, and agrees with eager."""
+    from engine.features.compile import compile_blocks
+
+    model = random_model(CFG, seed=0)
+    Q.apply_quant(model, "int8")
+    x = inputs()
+    with torch.inference_mode():
+        eager = model(*x)
+    compile_blocks(model, "static", mode=None, backend="aot_eager")
+    assert patching.get(model, "compile").describe()["blocks"] == CFG.num_layers
+    with torch.inference_mode():
+        compiled = model(*x)
+    assert Q.relative_error(compiled, eager) < 1e-5
