@@ -39,7 +39,7 @@ from the measured eager forward.
     all-on         [subprocess] fp8 + the best attention + compiled, Turbo with all of it (or 1.3x the
                    compiled row's compile time when this run measured it)                                 150
     flash          FlashAttention 2 when installed (PyPI has only its sdist: normally n/a)                  0
-  about 621 s of rows + ~20 s of set-up: more than one 540 s run (rows 1-23, 471 s, fit); the first run
+  about 671 s of rows + ~20 s of set-up: more than one 540 s run (rows 1-23, 474 s, fit); the first run
   answers the headline rows, and $OUT/rerun.txt names the command for the rest (bench/RESULTS.md: the
   15-minute plan).
 A row that would not fit the budget left is skipped with that reason; a failing row is reported with its
