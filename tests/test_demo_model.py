@@ -56,53 +56,53 @@ def test_engine_samples_the_demo_model(prompt, seed):
     assert np.array_equal(again, img)
 
 
-@pytest.mark.parametrize("quant", ["int8", "int8-weight"])
-def test_the_demo_picture_through_int8_passes_the_judge(quant):
-    """The demo DiT's block linears in int8 (W8A8: the int8 matmul; or weight-only), under inference_mode as
-    ComfyUI runs it: the judge still accepts the picture, which is close to the fp16 model's."""
+def assert_the_judge_passes_close_to_fp16(make_engine) -> float:
+    """The picture of CASES[0] from ``make_engine()`` (a quantized engine of the demo DiT), sampled under
+    inference_mode as ComfyUI runs it: the judge accepts it, and its PSNR against the fp16 model's picture is
+    above 25 dB (returned)."""
     prompt, seed = CASES[0]
     demo = load_demo(cached=False)
     cond, uncond = demo.encode([prompt]), demo.encode([""])
+    images = []
     with torch.inference_mode():
-        ref = demo.decode(Engine(demo.dit).sample(demo.empty_latent(1), cond, uncond, seed=seed, steps=FEW_STEPS,
-                                                  cfg=DEFAULT_CFG, sampler="euler"))[0]
-        engine = Engine(load_demo(cached=False).dit, EngineConfig(quant=quant))
-        assert engine.describe()["quant"] == quant and Q.model_quant_format(engine.model) == quant
-        img = demo.decode(engine.sample(demo.empty_latent(1), cond, uncond, seed=seed, steps=FEW_STEPS,
-                                        cfg=DEFAULT_CFG, sampler="euler"))[0]
+        for engine in (Engine(demo.dit), make_engine()):
+            images.append(demo.decode(engine.sample(demo.empty_latent(1), cond, uncond, seed=seed, steps=FEW_STEPS,
+                                                    cfg=DEFAULT_CFG, sampler="euler"))[0])
+    ref, img = images
     res = judge.judge(img, prompt)
     assert res["pass"], res
     mse = np.mean((img.astype(np.float64) - ref.astype(np.float64)) ** 2)
     psnr = 10 * np.log10(255.0 ** 2 / max(mse, 1e-12))
-    print(f"PSNR {psnr:.1f} dB")
-    assert psnr > 25  # PSNR against the unquantized picture, dB
+    assert psnr > 25, psnr
+    return psnr
+
+
+@pytest.mark.parametrize("quant", ["int8", "int8-weight"])
+def test_the_demo_picture_through_int8_passes_the_judge(quant):
+    """The demo DiT's block linears in int8 (W8A8: the int8 matmul; or weight-only): the judge still accepts
+    the picture, which is close to the fp16 model's."""
+    def make_engine():
+        engine = Engine(load_demo(cached=False).dit, EngineConfig(quant=quant))
+        assert engine.describe()["quant"] == quant and Q.model_quant_format(engine.model) == quant
+        return engine
+
+    assert_the_judge_passes_close_to_fp16(make_engine)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
 def test_the_demo_picture_through_a_gguf_file_passes_the_judge(tmp_path, fmt):
     """The demo DiT written as a GGUF file by `sgld quantize --format q8_0|q4_k` (Q4_K's 384-input rows take
     llama.cpp's fallback, Q5_0, as any converter would), loaded from that file with its block linears kept in
-    their GGUF types and dequantized per layer, under inference_mode: the judge accepts the picture, which
-    stays close to the fp16 model's."""
+    their GGUF types and dequantized per layer: the judge accepts the picture, close to the fp16 model's."""
     from engine.features.quant.gguf_convert import quantize_gguf_file
     from engine.features.quant.gguf_linear import GGUFLinear
 
     path = str(tmp_path / f"demo-{fmt}.gguf")
-    summary = quantize_gguf_file(DEMO_WEIGHTS, path, fmt)
-    assert summary["types"].get(fmt.upper(), 0) > 0  # the asked type is really in the file
-    prompt, seed = CASES[0]
-    demo = load_demo(cached=False)
-    cond, uncond = demo.encode([prompt]), demo.encode([""])
-    with torch.inference_mode():
-        ref = demo.decode(Engine(demo.dit).sample(demo.empty_latent(1), cond, uncond, seed=seed, steps=FEW_STEPS,
-                                                  cfg=DEFAULT_CFG, sampler="euler"))[0]
+    assert quantize_gguf_file(DEMO_WEIGHTS, path, fmt)["types"].get(fmt.upper(), 0) > 0  # the asked type is in it
+
+    def make_engine():
         model = load_model(path, dtype="fp32")
         assert sum(isinstance(m, GGUFLinear) for m in model.modules()) == 7 * model.config.num_layers
-        img = demo.decode(Engine(model).sample(demo.empty_latent(1), cond, uncond, seed=seed, steps=FEW_STEPS,
-                                               cfg=DEFAULT_CFG, sampler="euler"))[0]
-    res = judge.judge(img, prompt)
-    assert res["pass"], res
-    mse = np.mean((img.astype(np.float64) - ref.astype(np.float64)) ** 2)
-    psnr = 10 * np.log10(255.0 ** 2 / max(mse, 1e-12))
-    print(f"PSNR {psnr:.1f} dB")
-    assert psnr > 25  # PSNR against the unquantized picture, dB
+        return Engine(model)
+
+    assert_the_judge_passes_close_to_fp16(make_engine)
