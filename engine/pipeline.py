@@ -13,7 +13,6 @@ docs/python.md.
 from __future__ import annotations
 
 import dataclasses
-import os
 import secrets
 import sys
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from tqdm import tqdm
 
 from . import options
 from .config import EngineConfig
-from .errors import CheckpointError, InputError
+from .errors import InputError
 from .features.cache import CacheConfig
 from .features.compile import compile_blocks
 from .features.lora import parse_spec
@@ -142,9 +141,10 @@ class ErnieImagePipeline:
     @classmethod
     def from_pretrained(cls, path, torch_dtype: Optional[torch.dtype] = None, device=None, *, cache=None, lora=None,
                         text_encoder=None, tokenizer=None, vae=None, pe=None, pe_tokenizer=None,
-                        **engine_options) -> "ErnieImagePipeline":
+                        text_encoder_config=None, vae_config=None, **engine_options) -> "ErnieImagePipeline":
         """``path``: "demo", a release folder, a Hugging Face repo id in the local cache, or a single DiT file with
-        ``text_encoder=`` and ``vae=`` (folders) beside it. ``torch_dtype``: the DiT's and text encoder's dtype
+        ``text_encoder=`` and ``vae=`` (folders, or ComfyUI's single files with ``text_encoder_config=`` /
+        ``vae_config=``: folders holding config.json, and the tokenizer for the text encoder; docs/python.md). ``torch_dtype``: the DiT's and text encoder's dtype
         (the VAE runs in float32); ``device``: "cpu", "cuda", ...; ``cache``: a Cache-DiT preset name, "off" or a
         CacheConfig (None: the SGLANG_CACHE_DIT_* environment); ``lora``: a path, "path:strength" or a list;
         ``engine_options``: EngineConfig's fields (attention, compile, quant, offload, resident_layers, num_gpus,
@@ -158,16 +158,10 @@ class ErnieImagePipeline:
             engine = open_engine(release.transformer, dataclasses.replace(config, dtype=config.dtype or "fp32"))
             kind = "demo"
         else:
-            release.require("text_encoder", "vae", why="a single DiT file needs text_encoder= and vae= folders")
-            for name in ("text_encoder", "vae"):
-                path = getattr(release, name)
-                if not os.path.isdir(path):  # a weights file without its config.json beside it
-                    raise CheckpointError(f"{name} '{path}': a single {name} file without its config is not read yet "
-                                          f"(ComfyUI's ministral-3-3b.safetensors / Flux2 VAE file); give the release's "
-                                          f"{name}/ folder (config.json + .safetensors)")
-            te = TextEncoder.from_folder(release.text_encoder, dtype=parse_dtype(config.dtype) or torch.float32,
-                                         device=config.device, tokenizer=release.tokenizer)
-            vae = Flux2VAE.from_folder(release.vae, device=config.device)
+            release.require("text_encoder", "vae", why="a single DiT file needs text_encoder= and vae= (folders or files)")
+            te = TextEncoder.load(release.text_encoder, dtype=parse_dtype(config.dtype) or torch.float32,
+                                  device=config.device, tokenizer=release.tokenizer, config=text_encoder_config)
+            vae = Flux2VAE.load(release.vae, device=config.device, config=vae_config)
             engine = open_engine(release.transformer, config)
             kinds = {model_kind(release.transformer)} | ({model_kind(release.source)} if release.kind == "hub" else set())
             kind = "turbo" if "turbo" in kinds else "base"  # a repo id's name says Turbo too (its snapshot's cannot)

@@ -187,9 +187,7 @@ def resolve_release(source, *, text_encoder=None, tokenizer=None, vae=None, sche
         value = os.fspath(value)
         if name in WEIGHTS:
             if os.path.isfile(value):
-                refuse_pickle(value)
-                value = os.path.dirname(os.path.abspath(value)) if os.path.isfile(
-                    os.path.join(os.path.dirname(os.path.abspath(value)), "config.json")) else value
+                refuse_pickle(value)  # a single file stays one: engine/models/external.py reads its layout
             checked = _weights_folder(value, name) if os.path.isdir(value) else None
             if checked is None and not os.path.isfile(value):
                 raise CheckpointError(f"{name} '{value}': no such file or folder")

@@ -95,7 +95,7 @@ def test_text_features_are_the_input_of_the_last_layer_with_bos(ernie_files):
 
     from engine.models.external import TextEncoder
 
-    te = TextEncoder.from_folder(ernie_files["te"])
+    te = TextEncoder.load(ernie_files["te"])
     ids = te.token_ids("a blue sky")
     assert ids[0, 0].item() == 1 and ids.shape[1] == 4  # BOS + three words
     assert te.token_ids("").tolist() == [[1]]  # the empty prompt is BOS alone
@@ -112,7 +112,7 @@ def test_vae_decode_inverts_the_patchify_and_normalisation(ernie_files):
     the result matches decoding the raw VAE latent directly."""
     from engine.models.external import BN_EPS, Flux2VAE
 
-    vae = Flux2VAE.from_folder(ernie_files["vae"])
+    vae = Flux2VAE.load(ernie_files["vae"])
     x = torch.rand(1, 3, 32, 32) * 2 - 1
     with torch.no_grad():
         z = vae.vae.encode(x).latent_dist.mean

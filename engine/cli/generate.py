@@ -64,8 +64,9 @@ def add_parser(sub) -> None:
                                "--text-encoder --vae; needs transformers and diffusers)")
     add_release_arguments(ext)
     ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder")
-    ext.add_argument("--text-encoder", help="text encoder folder (HF text_encoder/; tokenizer inside or in the sibling tokenizer/)")
-    ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/)")
+    ext.add_argument("--text-encoder", help="text encoder folder (HF text_encoder/; tokenizer inside or in the sibling tokenizer/) or single "
+                     "file (ComfyUI's; its config.json and tokenizer beside it)")
+    ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/) or single file (ComfyUI's flux2-vae.safetensors)")
     ext.add_argument("--width", type=int, default=None,
                      help=f"image width in pixels, up to {MAX_IMAGE_SIDE} (default 1024; the demo makes 64x64 only)")
     ext.add_argument("--height", type=int, default=None, help="image height in pixels (as --width)")
@@ -133,8 +134,8 @@ def _ernie_parts(args) -> GenerateParts:
             raise ValueError(f"--model, --text-encoder and --vae go together; missing {', '.join(missing)} (or give "
                              "--model-path: a release folder holding all three)")
         model, text_encoder, vae_folder = args.model, args.text_encoder, args.vae
-    vae = Flux2VAE.from_folder(vae_folder, device=args.device)
-    te = TextEncoder.from_folder(text_encoder, device=args.device)
+    vae = Flux2VAE.load(vae_folder, device=args.device)
+    te = TextEncoder.load(text_encoder, device=args.device, tokenizer=release.tokenizer if release else None)
     eng = open_engine(model, engine_config(args, cache=cache_config(args)))
     return GenerateParts(eng, lambda p: [te.encode(p)], vae.empty_latent, lambda z: vae.decode(z)[0].numpy(), model,
                          ERNIE_SIZE)
