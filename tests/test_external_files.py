@@ -147,7 +147,7 @@ def test_bad_external_inputs_get_clear_errors(ernie_files, tmp_path):
     assert r.returncode == 2 and "30x1024 is not a positive multiple of 4" in r.stderr
 
     r = run([*base, "--text-encoder", ernie_files["model"], *vae])
-    assert r.returncode == 2 and "is not a folder" in r.stderr
+    assert r.returncode == 2 and "dit.safetensors': a single file needs its config" in r.stderr
     assert "Traceback" not in r.stderr
 
 
