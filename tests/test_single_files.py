@@ -103,6 +103,25 @@ def test_single_files_give_the_release_folders_image(files):
     assert np.abs(single - folder).max() <= 1e-5
 
 
+def test_bfl_layout_and_prefixed_vae_files_load_the_same_weights(files, tmp_path):
+    """BFL's own Flux.2 ``ae.safetensors`` keeps the quant convs inside encoder/decoder (ComfyUI's comfy/sd.py
+    renames them the same way); a checkpoint-embedded VAE carries ``vae.``; the BatchNorm's step counter may be
+    absent."""
+    import diffusers
+    from safetensors.torch import load_file, save_file
+
+    from engine.models.external import Flux2VAE
+
+    renames = {"quant_conv.": "encoder.quant_conv.", "post_quant_conv.": "decoder.post_quant_conv."}
+    sd = {"vae." + next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), k): v
+          for k, v in load_file(files["vae"]).items() if k != "bn.num_batches_tracked"}
+    assert "vae.encoder.quant_conv.weight" in sd
+    save_file(sd, str(tmp_path / "ae.safetensors"))
+    ours = Flux2VAE.load(str(tmp_path / "ae.safetensors"), config=os.path.join(files["release"], "vae")).vae.state_dict()
+    ref = diffusers.AutoencoderKLFlux2.from_pretrained(os.path.join(files["release"], "vae")).state_dict()
+    assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
+
+
 def test_wrong_or_configless_single_files_are_named(files, tmp_path):
     from engine.models.external import Flux2VAE
 

@@ -77,6 +77,7 @@ def _read_single_file(path: str) -> dict:
 def _load_checked(module: torch.nn.Module, sd: dict, path: str, what: str) -> None:
     """Load ``sd`` into ``module`` after checking every key and shape, so a wrong file is named, not a torch trace."""
     want = module.state_dict()
+    sd = {**{k: v for k, v in want.items() if k.endswith("num_batches_tracked")}, **sd}  # a counter, not a weight
     missing = [k for k in want if k not in sd]
     extra = [k for k in sd if k not in want]
     bad = next((k for k in want if k in sd and tuple(sd[k].shape) != tuple(want[k].shape)), None)
@@ -148,14 +149,16 @@ class TextEncoder:
             tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer or _tokenizer_folder(folder))
             if not single:
                 model = transformers.AutoModel.from_pretrained(path, dtype=dtype, use_safetensors=True)
-            else:  # the text tower alone: the features never enter the vision tower
+            else:  # the text tower alone (the features never enter the vision tower), not randomly initialised:
+                from transformers.initialization import no_init_weights  # every weight is the file's
+
                 cfg = transformers.AutoConfig.from_pretrained(folder)
-                model = transformers.AutoModel.from_config(getattr(cfg, "text_config", cfg))
+                with no_init_weights():
+                    model = transformers.AutoModel.from_config(getattr(cfg, "text_config", cfg), dtype=dtype)
         except (OSError, ValueError, KeyError) as e:
             raise InputError(f"text encoder '{path}' could not be loaded by transformers: {e}") from None
         if single:
             _load_checked(model, _text_tower_keys(_read_single_file(path)), path, "text encoder")
-            model = model.to(dtype)
         return cls(model.to(device).eval(), tokenizer, device)
 
     def token_ids(self, prompt: str) -> torch.Tensor:
