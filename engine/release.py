@@ -39,8 +39,8 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 @dataclass(frozen=True)
 class Release:
-    """The paths of one release's parts (None: absent). ``transformer`` is a folder or a single file; the
-    others are folders. ``source``: what the caller named (folder, repo id, file); ``kind``: "folder",
+    """The paths of one release's parts (None: absent). ``transformer``, ``text_encoder`` and ``vae`` are folders or
+    single files; the others are folders. ``source``: what the caller named (folder, repo id, file); ``kind``: "folder",
     "hub" (a repo id found in the cache), "files" (single files) or "demo"."""
 
     source: str
@@ -156,7 +156,8 @@ def resolve_release(source, *, text_encoder=None, tokenizer=None, vae=None, sche
                     pe_tokenizer=None) -> Release:
     """The parts of the release ``source`` names (a release folder, a transformer/ folder, a repo id in the local
     Hugging Face cache, a single DiT file or "demo"). The keyword arguments give or replace single components
-    (folders: a ComfyUI install's separate text encoder and VAE next to its DiT file). Raises CheckpointError
+    (folders, or a ComfyUI install's single text encoder and VAE files next to its DiT file, which
+    engine/models/external.py reads with their configs). Raises CheckpointError
     naming the file or folder for what cannot be used; loads nothing."""
     source = os.fspath(source)
     if source == DEMO:
