@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine import CheckpointError, ErnieImagePipeline
+from engine.errors import InputError
 from engine.models.random_weights import SIZES
 
 pytest.importorskip("diffusers")
@@ -141,6 +142,12 @@ def test_wrong_or_configless_single_files_are_named(files, tmp_path):
         ErnieImagePipeline.from_pretrained(files["dit"], text_encoder=files["vae"], vae=files["vae"],
                                            text_encoder_config=os.path.join(release, "text_encoder"),
                                            vae_config=os.path.join(release, "vae"))
+    # a config is for single files: with a folder (which has its own config.json) it is refused, not ignored
+    with pytest.raises(InputError, match=r"text encoder '.*text_encoder' is a folder with its own config.json"):
+        ErnieImagePipeline.from_pretrained(files["dit"], text_encoder=os.path.join(release, "text_encoder"),
+                                           vae=files["vae"], text_encoder_config=os.path.join(release, "text_encoder"))
+    with pytest.raises(InputError, match=r"VAE '.*vae' is a folder with its own config.json"):
+        Flux2VAE.load(os.path.join(release, "vae"), config=os.path.join(release, "vae"))
 
 
 def test_sgld_generate_takes_the_single_files(files, tmp_path):

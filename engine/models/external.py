@@ -37,8 +37,12 @@ def _require(module: str, what: str):
         raise InputError(f"{what} needs the '{module}' package (pip install {module}): {e}") from None
 
 
-def _safetensors_folder(path: str, what: str) -> str:
-    """A folder holding safetensors weights; pickled weights are refused before any library sees them."""
+def _safetensors_folder(path: str, what: str, config: Optional[str] = None) -> str:
+    """A folder holding safetensors weights; pickled weights are refused before any library sees them. A
+    ``config`` is for single files only: a folder has its own config.json, so one given here is refused."""
+    if config is not None and os.path.isdir(path):
+        raise InputError(f"{what} '{path}' is a folder with its own config.json: a separate config ('{config}') is "
+                         "only for a single file")
     if not os.path.isdir(path):
         raise InputError(f"{what} '{path}' is not a folder (expected the HF release's folder with "
                          f"config.json and *.safetensors)")
@@ -139,7 +143,7 @@ class TextEncoder:
         folder). ``tokenizer``: its folder when it is not in the (config) folder or the sibling ``tokenizer/``."""
         transformers = _require("transformers", "the text encoder")
         single = os.path.isfile(path)
-        folder = _config_folder(path, config) if single else _safetensors_folder(path, "text encoder")
+        folder = _config_folder(path, config) if single else _safetensors_folder(path, "text encoder", config)
         if folder is None:
             raise CheckpointError(f"text encoder '{path}': a single file needs its config: give text_encoder_config= "
                                   "(sgld: put them beside the file), e.g. the release's text_encoder/ folder: "
@@ -187,7 +191,7 @@ class Flux2VAE:
         """``path``: the release's vae/ folder or a single file (see the module's docstring)."""
         diffusers = _require("diffusers", "the VAE")
         single = os.path.isfile(path)
-        folder = _config_folder(path, config) if single else _safetensors_folder(path, "VAE")
+        folder = _config_folder(path, config) if single else _safetensors_folder(path, "VAE", config)
         try:
             if not single:
                 vae = diffusers.AutoencoderKLFlux2.from_pretrained(path, torch_dtype=torch.float32,
