@@ -56,14 +56,17 @@ def atomic_path(path: str, suffix: str = ".part"):
 
 
 def private_dir(name: str) -> str:
-    """``<temp folder>/<name>-<uid>``: this user's own folder for files kept between runs (created 0700). One
-    that exists is used only if it is a real folder of this user that nobody else can write or read; anything
-    else (a planted folder, a link) is refused, so a file found there was written by this user."""
-    path = os.path.join(tempfile.gettempdir(), f"{name}-{os.getuid()}")
+    """``<user cache>/sgld/<name>`` (``$XDG_CACHE_HOME``, else ``~/.cache``): this user's own folder for files kept
+    between runs, created 0700 and never in the shared temp folder. One that exists is used only if it is a real
+    folder of this user that nobody else can write or read; anything else (a link, an open folder) is refused,
+    so a file found there was written by this user."""
+    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "sgld")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    path = os.path.join(root, name)
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     st = os.lstat(path)
     if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise OSError(f"{path}: not a private folder of this user (it must be a folder owned by uid {os.getuid()} "
-                      f"with mode 0700); remove it or set TMPDIR to a folder of your own")
+                      f"with mode 0700); remove it or set XDG_CACHE_HOME to a folder of your own")
     return path
