@@ -28,7 +28,7 @@ import torch
 
 from .errors import CheckpointError, InputError
 from .io.readers import open_file
-from .io.safetensors import PICKLE_SUFFIXES, refuse_pickle
+from .io.safetensors import refuse_pickle, refuse_pickles_in
 
 DIFFUSERS_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95}  # what diffusers passes generate()
 DEFAULT_MAX_NEW_TOKENS = 2048  # when the tokenizer states no real model_max_length (transformers' 1e30 sentinel)
@@ -57,17 +57,10 @@ def _dtype(dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _refuse_pickles(folder: str) -> None:
-    """A pickle among the folder's files is refused by name (transformers would otherwise pick it up)."""
-    for name in sorted(os.listdir(folder)):
-        if name.lower().endswith(PICKLE_SUFFIXES):
-            refuse_pickle(os.path.join(folder, name))
-
-
 def _weights_and_config(path: str, config: Optional[str]):
     """(folder with config.json, the single weight file or None) for a PE folder or one safetensors file."""
     if os.path.isdir(path):
-        _refuse_pickles(path)
+        refuse_pickles_in(path)
         cfg = os.path.join(path, "config.json")
         if not os.path.isfile(cfg):
             raise CheckpointError(f"{cfg}: missing; the prompt enhancer folder '{path}' needs the config.json the "

@@ -26,12 +26,11 @@ from typing import Optional
 
 from .errors import CheckpointError
 from .io.checkpoint import read_json_file
-from .io.safetensors import refuse_pickle
+from .io.safetensors import refuse_pickle, refuse_pickles_in
 from .models import demo as demo_model
 
 COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler", "pe", "pe_tokenizer")
 WEIGHTS = ("transformer", "text_encoder", "vae", "pe")  # the components that hold weights (safetensors only)
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 PIPELINE_CLASS = "ErnieImagePipeline"
 DEMO = "demo"
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -112,9 +111,7 @@ def _weights_folder(path: str, name: str) -> Optional[str]:
         return None
     if glob.glob(os.path.join(path, "*.safetensors")):
         return path
-    pickles = sorted(p for p in os.listdir(path) if p.lower().endswith(PICKLE_SUFFIXES))
-    if pickles:
-        refuse_pickle(os.path.join(path, pickles[0]))  # raises, naming the file
+    refuse_pickles_in(path)  # raises, naming the file
     raise CheckpointError(f"{path}: the release's {name}/ folder has no .safetensors weights")
 
 

@@ -111,6 +111,14 @@ def refuse_pickle(path: str) -> None:
         )
 
 
+def refuse_pickles_in(folder: str) -> None:
+    """A pickle-named file among ``folder``'s files is refused by name (the first in sorted order), before any
+    library that would pick it up (transformers, diffusers) sees the folder."""
+    for name in sorted(os.listdir(folder)):
+        if name.lower().endswith(PICKLE_SUFFIXES):
+            refuse_pickle(os.path.join(folder, name))
+
+
 def nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
     """Bytes of a tensor of ``dtype`` and ``shape``."""
     n = dtype.itemsize

@@ -16,11 +16,11 @@ import logging
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...errors import CheckpointError
 from ...io.safetensors import DTYPE_NAMES
+from .numerics import scaled_linear
 from .registry import WeightFormat, register_format
 
 log = logging.getLogger("sgld.quant")
@@ -110,9 +110,7 @@ class _Int8Stored(nn.Module):
         return dequantize_int8(self.weight, self.weight_scale, dtype)
 
     def dequantized_forward(self, x: torch.Tensor) -> torch.Tensor:
-        # int8 -> bf16/fp16/fp32 is exact; the per-channel scale is applied to the output
-        y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        return scaled_linear(x, self.weight, self.weight_scale, self.bias)
 
 
 class Int8Linear(_Int8Stored):

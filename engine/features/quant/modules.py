@@ -16,7 +16,17 @@ from torch import nn
 
 from .. import patching
 from .formats import read_fp8_layers, read_int4_layers
-from .numerics import FP8_DTYPE, FP8_MAX, dequantize_fp8, dequantize_int4, int4_group, parse_int4, quantize_fp8, quantize_int4
+from .numerics import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_fp8,
+    dequantize_int4,
+    int4_group,
+    parse_int4,
+    quantize_fp8,
+    quantize_int4,
+    scaled_linear,
+)
 from .registry import WeightFormat, format_of, get_format, parse_format, quant_modules, register_format
 from .registry import choices as quant_choices  # noqa: I001
 
@@ -73,9 +83,7 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_scaled_mm and x.dtype == torch.bfloat16:  # the probed (and row-wise-supported) case
             return fp8_scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
-        # e4m3 -> bf16/fp16/fp32 is exact; the scale is applied to the output (one channel = one scale).
-        y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        return scaled_linear(x, self.weight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
         kind = "per-channel" if self.weight_scale.dim() else "per-tensor"

@@ -79,3 +79,12 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
 def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     a, ref = a.float(), ref.float()
     return ((a - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x`` times an 8-bit weight (fp8 e4m3 or int8, either cast exactly to ``x``'s dtype) with its scale (one
+    per output channel, or one) applied to the output, plus the bias: the dequantized path of FP8Linear and
+    both int8 layers."""
+    y = torch.nn.functional.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
+    return y if bias is None else y + bias.to(x.dtype)
