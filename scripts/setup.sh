@@ -18,7 +18,8 @@ want="base-$(sha1sum requirements.txt pyproject.toml | sha1sum | cut -c1-12)"
 if ! grep -qx "$want" "$stamp" 2>/dev/null; then
   # torch 2.14.1 + torchvision 0.29.1 are the versions ComfyUI's requirements resolve to;
   # one torch for the CLI and the ComfyUI tests keeps the two worlds identical.
-  pip torch==2.14.1 torchvision==0.29.1
+  # SGLD_TORCH_INDEX_URL: a wheel index with another build of these versions (a CPU-only one: no CUDA libraries)
+  pip torch==2.14.1 torchvision==0.29.1 ${SGLD_TORCH_INDEX_URL:+--index-url "$SGLD_TORCH_INDEX_URL"}
   pip -r requirements.txt  # the nodes' imports, as ComfyUI-Manager installs them
   # the `sgld` command with its HTTP server (pyproject.toml's [serve] extra: fastapi, uvicorn, prometheus-client)
   pip -e ".[serve]"

@@ -73,3 +73,44 @@ def test_the_engine_api_the_pages_name_exists():
             if not hasattr(engine, attr) and not hasattr(engine.Engine, attr):
                 missing.append(f"{os.path.basename(page)}: engine.{attr}")
     assert missing == []
+
+
+def readme_section(title: str) -> str:
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    start = text.index(title)
+    return text[start:text.index("\n#", start + len(title))]
+
+
+def test_readme_tells_a_newcomer_what_to_set_and_which_comfyui_is_tested():
+    """Issue 33 item 12: loader options per card size, the tested ComfyUI version, and what torch's CUDA wheel costs."""
+    gpu = readme_section("### GPU quick start")
+    rows = {r.split("|")[1].strip(): r for r in gpu.splitlines() if r.startswith("| ") and "GB" in r.split("|")[1]}
+    assert list(rows) == ["8 GB", "12 GB", "16 GB", "24 GB and more"]
+    from engine.config import EngineConfig
+    from engine.features.quant import FORMATS
+    from engine.features.offload.auto import MODES
+    for row in rows.values():  # every value named in the table is one the loader takes
+        quant, offload = (c.strip() for c in row.split("|")[2:4])
+        assert set(re.findall(r"`([\w-]+)`", quant)) - {"none"} <= set(FORMATS), row
+        assert set(re.findall(r"`([\w-]+)`", offload)) - {"resident_layers"} <= set(MODES), row
+    assert "resident_layers" in EngineConfig.__dataclass_fields__
+    which = readme_section("### Which ComfyUI")
+    assert "0.3.75" in which and "0.19" in which and "0.3.64" in which
+    assert "SGLD_TORCH_INDEX_URL" in open(os.path.join(ROOT, "scripts", "setup.sh")).read()
+    assert "SGLD_TORCH_INDEX_URL" in open(os.path.join(ROOT, "README.md")).read()
+
+
+def test_readmes_offline_accelerate_example_runs(capsys):
+    """The README's offline `engine.accelerate` example runs as printed (in this process: diffusers is loaded)
+    and shows the engine's DiT giving diffusers' picture."""
+    block = readme_section("**Trying `accelerate` offline**")
+    code = block[block.index("```python\n") + 10:block.index("```", block.index("```python\n") + 10)]
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        import tqdm  # noqa: F401  (diffusers' progress bars go to stderr)
+        exec(compile(code, "README.md", "exec"), {})
+    finally:
+        os.chdir(cwd)
+    diff = float(capsys.readouterr().out.split("largest difference:")[1])
+    assert diff < 1e-4
