@@ -87,8 +87,8 @@ def test_readme_tells_a_newcomer_what_to_set_and_which_comfyui_is_tested():
     rows = {r.split("|")[1].strip(): r for r in gpu.splitlines() if r.startswith("| ") and "GB" in r.split("|")[1]}
     assert list(rows) == ["8 GB", "12 GB", "16 GB", "24 GB and more"]
     from engine.config import EngineConfig
-    from engine.features.quant import FORMATS
     from engine.features.offload.auto import MODES
+    from engine.features.quant import FORMATS
     for row in rows.values():  # every value named in the table is one the loader takes
         quant, offload = (c.strip() for c in row.split("|")[2:4])
         assert set(re.findall(r"`([\w-]+)`", quant)) - {"none"} <= set(FORMATS), row
