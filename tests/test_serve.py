@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -46,10 +47,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _limit(address_space: int):
+    if not address_space:
+        return None
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+
 class Server:
     """A `sgld serve` process on a free port; its output in a log file, shown when something fails."""
 
-    def __init__(self, log_path, *flags):
+    def __init__(self, log_path, *flags, address_space: int = 0):
+        """``address_space``: the process's RLIMIT_AS in bytes (0: none), so an attack run against old code fails
+        an allocation instead of taking the shared machine's memory."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base = self.url + "/v1"
@@ -59,7 +68,7 @@ class Server:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port),
                                           "--log-level", "warning", *flags], cwd=ROOT, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, preexec_fn=_limit(address_space))
 
     def log(self) -> str:
         return open(self.log_path).read()[-4000:]
