@@ -195,6 +195,20 @@ def test_openai_sdk_makes_demo_pictures_the_judge_passes(server):
     assert server.metric("sgld_images_total") >= 2
 
 
+def test_the_counts_say_what_they_count(server):
+    """Issue 33 item 11: with Cache-DiT on, each of n=2 images of 30 steps makes 30 model calls and computes fewer;
+    the response says so per image and in total (``calls_computed``), and the old ``steps_computed`` (a total of
+    computed model calls, not steps) stays as its deprecated alias."""
+    r = client(server).images.generate(model="sgld-demo", prompt=PROMPTS[0], size="64x64", n=2,
+                                       response_format="b64_json", extra_body={"seed": 1, "cache": "balanced"})
+    extra, images = r.model_extra, [d.model_extra for d in r.data]
+    assert extra["num_inference_steps"] == 30
+    assert [i["model_calls"] for i in images] == [30, 30]  # euler: one model call a step, per image
+    assert all(0 < i["calls_computed"] < 30 for i in images), images  # the rest reused by Cache-DiT
+    assert extra["model_calls"] == 60 and extra["calls_computed"] == sum(i["calls_computed"] for i in images)
+    assert extra["steps_computed"] == extra["calls_computed"]
+
+
 def test_image_equals_sgld_generate(server, tmp_path):
     """The server's picture is the one `sgld generate` makes for the same prompt and seed (the same pixels);
     image i of a request of n is the request's seed + i."""
