@@ -2,9 +2,12 @@
 real `sgld serve` process (demo model, --max-batch 4 --max-queue 2, its address space limited so that the old
 code's 39 GB mask fails an allocation instead of taking the machine's memory): a batch that cannot share one
 forward is a 400 naming --max-batch, every sample (and batch_index's noise draws) counts against the
-admission, and /health answers within 0.5 s while the attack bodies of the issue are sent."""
+admission, and /health answers within 0.5 s while the attack bodies of the issue are sent. In process: a job
+prepared off the event loop is cancelled when its request leaves meanwhile, and only a closed batcher reads
+"shutting down"."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import threading
@@ -15,6 +18,10 @@ import requests
 import torch
 from safetensors.torch import load, save
 from test_serve import LONG, Server
+
+from engine import EngineConfig, open_engine
+from engine.serve import Batcher, ImageServer, Job, ServedModel, ServeSettings
+from engine.serve.protocol import ApiError
 
 MAX_BATCH, MAX_QUEUE = 4, 2
 HEALTH_S = 0.5  # the issue's bound on /health while the attacks run
@@ -135,3 +142,48 @@ def test_health_answers_while_the_attack_bodies_are_sent(server):
     for r in answers["masks"]:
         assert torch.equal(latent_of(result(r)), one_mask)
     assert worst[0] < HEALTH_S, f"/health took {worst[0]:.2f} s during the attacks"
+
+
+# -- in process: the server object's submission --------------------------------------------------------------------
+@pytest.fixture
+def image_server():
+    eng = open_engine("demo", EngineConfig(dtype="fp32"))
+    batcher = Batcher(eng, max_batch=MAX_BATCH)
+    yield ImageServer(ServedModel("sgld-demo", eng, None, None, None, None, 64, 30, 3.0), batcher, ServeSettings())
+    batcher.close()
+
+
+def test_a_request_that_leaves_while_its_job_is_prepared_has_it_cancelled(image_server):
+    """The noise of 256 draws takes a moment (in a thread): the request is cancelled meanwhile, and its job, once
+    queued, is cancelled too instead of running its 10000 steps for nobody."""
+    job = Job(torch.zeros(1, 48, 64, 64), torch.zeros(4, 128), None, 0, LONG, 1.0, batch_index=[255])
+
+    async def leave_early():
+        request = asyncio.ensure_future(image_server.submit([job]))
+        await asyncio.sleep(0.05)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        deadline = time.monotonic() + 60
+        while job.stats.steps == 0 or any(image_server.batcher.stats()[k] for k in ("queued", "running")):
+            assert time.monotonic() < deadline, image_server.batcher.stats()
+            await asyncio.sleep(0.05)
+    asyncio.run(leave_early())
+    assert image_server.batcher.stats()["steps_done"] < 10
+
+
+def test_only_a_closed_batcher_is_shutting_down(image_server, monkeypatch):
+    job = Job(torch.zeros(48, 16, 16), torch.zeros(4, 128), None, 0, 1, 1.0, noise_mask=torch.ones(3, 1, 8, 8))
+
+    def no_memory(jobs):  # a stub: running the shared machine out of memory is no test
+        raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 39321600000 bytes")
+    monkeypatch.setattr(image_server.batcher, "submit_many", no_memory)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(image_server.submit([job]))
+    assert e.value.status == 503 and e.value.code == "prepare_failed", e.value.body()
+    assert "latent [48, 16, 16], noise_mask [3, 1, 8, 8]" in e.value.message and "shutting" not in e.value.message
+    monkeypatch.undo()
+    image_server.batcher.close()
+    with pytest.raises(ApiError) as e:
+        asyncio.run(image_server.submit([job]))
+    assert e.value.status == 503 and e.value.code == "shutting_down", e.value.body()
