@@ -12,8 +12,9 @@ Answer: 200 with newline-delimited JSON (application/x-ndjson), one event a line
 after each step; an empty line every second without one (a keepalive: clients skip it); then the last line,
 ``{"latent": <base64 safetensors with the tensor "latent" of the request's latent shape, float32>,
 "model_calls", "calls_computed", "timeline", "warnings"}`` or ``{"error": {OpenAI error}, "status": code}`` when
-the run failed after the answer began. Everything checkable before the run (body, fields, shapes, a full
-server) is refused with its status and the OpenAI error body instead. A client that closes the connection
+the run failed after the answer began. Everything checkable before the run (body, fields, shapes, a batch
+past --max-batch, batch_index past the draws the server makes, a full server) is refused with its status and
+the OpenAI error body instead. A client that closes the connection
 cancels the job (its batcher slot is freed)."""
 from __future__ import annotations
 
