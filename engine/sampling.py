@@ -150,10 +150,12 @@ def noise_scaling(sigma: torch.Tensor, noise: torch.Tensor, latent: torch.Tensor
 def prepare_mask(mask: torch.Tensor, shape) -> torch.Tensor:
     """A denoise mask [N, 1, h, w] (or [h, w], [N, h, w]) at any resolution -> [B, C, H, W] for a latent of
     ``shape``, as ComfyUI's comfy.utils.reshape_mask makes it: bilinear to the latent's size, repeated over
-    the channels, the N masks tiled (or cut) to the batch."""
-    m = mask.reshape(-1, 1, mask.shape[-2], mask.shape[-1]).to(torch.float32)
-    m = F.interpolate(m, size=tuple(shape[2:]), mode="bilinear").repeat(1, shape[1], 1, 1)
-    return m.repeat(math.ceil(shape[0] / m.shape[0]), 1, 1, 1)[: shape[0]]
+    the channels, the N masks tiled (or cut) to the batch. Masks past the batch are cut before any scaling:
+    the work is the latent's size, however many masks come."""
+    batch = shape[0]
+    m = mask.reshape(-1, 1, mask.shape[-2], mask.shape[-1])[:batch].to(torch.float32)
+    m = F.interpolate(m, size=tuple(shape[2:]), mode="bilinear")
+    return m.repeat(math.ceil(batch / m.shape[0]), shape[1], 1, 1)[:batch]
 
 
 def inpaint_denoiser(denoiser: Denoiser, mask: torch.Tensor, noise: torch.Tensor, latent: torch.Tensor) -> Denoiser:

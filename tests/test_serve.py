@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -46,10 +47,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _limit(address_space: int):
+    if not address_space:
+        return None
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+
 class Server:
     """A `sgld serve` process on a free port; its output in a log file, shown when something fails."""
 
-    def __init__(self, log_path, *flags):
+    def __init__(self, log_path, *flags, address_space: int = 0):
+        """``address_space``: the process's RLIMIT_AS in bytes (0: none), so an attack run against old code fails
+        an allocation instead of taking the shared machine's memory."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base = self.url + "/v1"
@@ -59,7 +68,7 @@ class Server:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(self.port),
                                           "--log-level", "warning", *flags], cwd=ROOT, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, preexec_fn=_limit(address_space))
 
     def log(self) -> str:
         return open(self.log_path).read()[-4000:]
@@ -184,6 +193,20 @@ def test_openai_sdk_makes_demo_pictures_the_judge_passes(server):
     for image in images:
         assert judge.passes(image, EXAMPLE_PROMPT), judge.judge(image, EXAMPLE_PROMPT)
     assert server.metric("sgld_images_total") >= 2
+
+
+def test_the_counts_say_what_they_count(server):
+    """Issue 33 item 11: with Cache-DiT on, each of n=2 images of 30 steps makes 30 model calls and computes fewer;
+    the response says so per image and in total (``calls_computed``), and the old ``steps_computed`` (a total of
+    computed model calls, not steps) stays as its deprecated alias."""
+    r = client(server).images.generate(model="sgld-demo", prompt=PROMPTS[0], size="64x64", n=2,
+                                       response_format="b64_json", extra_body={"seed": 1, "cache": "balanced"})
+    extra, images = r.model_extra, [d.model_extra for d in r.data]
+    assert extra["num_inference_steps"] == 30
+    assert [i["model_calls"] for i in images] == [30, 30]  # euler: one model call a step, per image
+    assert all(0 < i["calls_computed"] < 30 for i in images), images  # the rest reused by Cache-DiT
+    assert extra["model_calls"] == 60 and extra["calls_computed"] == sum(i["calls_computed"] for i in images)
+    assert extra["steps_computed"] == extra["calls_computed"]
 
 
 def test_image_equals_sgld_generate(server, tmp_path):

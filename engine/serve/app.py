@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import USER_ERRORS, CheckpointError
 from ..io.safetensors import load_json_object
 from ..sampling import MAX_SEED
-from .batcher import Job
+from .batcher import BatcherClosed, Job
 from .guard import Guard
 from .loras import Loras
 from .metrics import CLIENT_GONE, Metrics
@@ -42,6 +42,7 @@ from .sample_route import sample_router
 
 log = logging.getLogger("sgld")
 
+PREPARE_THREADS = 2  # jobs prepared at once (seeded noise, the mask at the latent's size), off the event loop
 OPEN_PATHS = ("/health", "/metrics")  # no API key: load balancers and scrapers
 ENDPOINTS = ("/v1/images/generations", "/v1/sample", "/v1/models", "/v1/set_lora", "/v1/unset_lora", "/v1/list_loras", "/health",
              "/health_generate", "/metrics")
@@ -166,6 +167,7 @@ class ImageServer:
         self.created = int(time.time())
         self._encode_lock = threading.Lock()  # one text-encoder call at a time, even after its request was cancelled
         self._pe_lock = threading.Lock()  # one PE call at a time (its seconds are read under the lock)
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, "sgld-prepare")
 
     # -- admission -------------------------------------------------------------------------------------
     def admit(self, images: int) -> None:
@@ -216,22 +218,41 @@ class ImageServer:
         with self._pe_lock:
             return self.served.enhance(prompt, width, height, seed)
 
-    def submit(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
-        """The jobs to the batcher (all checked before any is queued): a bad one is a 400, a closed batcher a 503.
-        Call it under ``gate.shared()``."""
+    async def submit(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
+        """The jobs to the batcher (all checked before any is queued), prepared (checks, noise, mask) in one of
+        PREPARE_THREADS threads so the event loop keeps answering; a request that leaves meanwhile has its jobs
+        cancelled once they are queued. Call it under ``gate.shared()``."""
+        pending = asyncio.get_running_loop().run_in_executor(self._prepare_pool, self._submit_now, jobs)
+        try:
+            return await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            pending.add_done_callback(self._cancel_submitted)
+            raise
+
+    def _submit_now(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
+        """A bad job is a 400, a closed batcher a 503 ``shutting_down``, anything else (memory for the noise or
+        the mask) a 503 naming the jobs' sizes."""
         try:
             return self.batcher.submit_many(jobs)
         except USER_ERRORS as e:
             raise ApiError(400, str(e), code="invalid_value") from None
-        except RuntimeError:  # closed: the server is stopping
+        except BatcherClosed:
             raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down") from None
+        except (MemoryError, RuntimeError) as e:  # torch's "can't allocate memory" is a RuntimeError
+            raise ApiError(503, f"preparing {_sizes(jobs)} failed: {type(e).__name__}: {e}"[:500], "server_error",
+                           code="prepare_failed") from None
+
+    def _cancel_submitted(self, pending: asyncio.Future) -> None:
+        if not pending.cancelled() and pending.exception() is None:
+            for future in pending.result():
+                self.batcher.cancel(future)
 
     async def sample(self, jobs: List[Job]) -> list:
         """The jobs through the batcher, under the shared gate; their latents and run stats."""
         async with self.gate.shared():
             futures = []
             try:
-                futures = self.submit(jobs)
+                futures = await self.submit(jobs)
                 await _all_done(futures)
             finally:
                 for f in futures:
@@ -262,9 +283,12 @@ class ImageServer:
                "guidance_scale": gen.cfg, "inference_time_s": round(time.perf_counter() - started, 4)}
         if revised is not None:
             out["pe_time_s"] = round(pe_s, 4)
-        if len(stats) == len(results):
-            out["model_calls"] = sum(s["model_calls"] for s in stats)
-            out["steps_computed"] = sum(s["calls_computed"] for s in stats)
+        if len(stats) == len(results):  # model calls (heun: two a step), not steps; computed: not Cache-DiT reuse
+            for item, s in zip(data, stats):
+                item.update(model_calls=s["model_calls"], calls_computed=s["calls_computed"])
+            out["model_calls"] = sum(s["model_calls"] for s in stats)  # all images'
+            out["calls_computed"] = sum(s["calls_computed"] for s in stats)
+            out["steps_computed"] = out["calls_computed"]  # its first, wrong name (deprecated): model calls, all images
         return out
 
     async def tiny_generation(self) -> dict:
@@ -295,6 +319,7 @@ class ImageServer:
         yield
         # uvicorn has stopped listening and let the running requests finish (or cancelled them after
         # --shutdown-grace): cancel what is left, stop the batcher's worker and the engine's workers
+        await asyncio.to_thread(self._prepare_pool.shutdown, True)
         await asyncio.to_thread(self.batcher.close, True)
         await asyncio.to_thread(self.served.engine.release)
 
@@ -329,6 +354,17 @@ async def _internal_error(request, e):
     log.exception("internal error on %s", request.url.path)
     return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}"[:500], "server_error",
                                    code="internal_error"), status_code=500)
+
+
+def _sizes(jobs: List[Job]) -> str:
+    """The jobs' inputs that cost memory to prepare, for an error message."""
+    job = jobs[0]
+    sizes = f"latent {list(job.latent.shape)}"
+    if job.noise_mask is not None:
+        sizes += f", noise_mask {list(job.noise_mask.shape)}"
+    if job.batch_index:
+        sizes += f", batch_index up to {max(job.batch_index)}"
+    return f"{len(jobs)} job(s) of {sizes}" if len(jobs) > 1 else f"the job ({sizes})"
 
 
 def _outcome(future: concurrent.futures.Future):

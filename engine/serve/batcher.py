@@ -80,6 +80,10 @@ class Job:
     stats: RunStats = field(default_factory=RunStats, init=False)  # this job's run: step mask, cache summary
 
 
+class BatcherClosed(RuntimeError):
+    """``submit`` on a closed batcher (the server is stopping): the one failure that means "shutting down"."""
+
+
 class _Cancelled(Exception):
     """Raised in a job's thread at its next model call once the job is cancelled."""
 
@@ -164,7 +168,7 @@ class Batcher:
         slots = [self._prepare(job) for job in jobs]
         with self._cv:
             if self._closed:
-                raise RuntimeError("the batcher is closed: it takes no more jobs")
+                raise BatcherClosed("the batcher is closed: it takes no more jobs")
             for slot in slots:
                 if slot.run.steps:
                     self._slots[slot.future] = slot

@@ -12,8 +12,9 @@ Answer: 200 with newline-delimited JSON (application/x-ndjson), one event a line
 after each step; an empty line every second without one (a keepalive: clients skip it); then the last line,
 ``{"latent": <base64 safetensors with the tensor "latent" of the request's latent shape, float32>,
 "model_calls", "calls_computed", "timeline", "warnings"}`` or ``{"error": {OpenAI error}, "status": code}`` when
-the run failed after the answer began. Everything checkable before the run (body, fields, shapes, a full
-server) is refused with its status and the OpenAI error body instead. A client that closes the connection
+the run failed after the answer began. Everything checkable before the run (body, fields, shapes, a batch
+past --max-batch, batch_index past the draws the server makes, a full server) is refused with its status and
+the OpenAI error body instead. A client that closes the connection
 cancels the job (its batcher slot is freed)."""
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import asyncio
 import base64
 import json
 import time
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from fastapi import APIRouter, Request
@@ -35,7 +36,7 @@ from ..errors import USER_ERRORS, CheckpointError
 from ..features.cache import CacheConfig, CacheConfigError
 from ..features.cache.config import config_from_dict
 from ..io.safetensors import load_json_object
-from ..sampling import DEFAULT_SHIFT
+from ..sampling import DEFAULT_SHIFT, cfg_on
 from ..sampling_options import DEFAULT_DENOISE, DEFAULT_SAMPLER, DEFAULT_SCHEDULER
 from .batcher import Job
 from .protocol import ApiError, bad_field, parse, parse_cache
@@ -125,6 +126,28 @@ def parse_sample(body: bytes) -> Job:
                cache=_cache(settings.cache))
 
 
+def admitted_samples(job: Job, settings) -> Tuple[int, int]:
+    """(the job's samples, the noise draws its batch_index implies), both counted against the server's admission
+    (the draws only while the job is prepared); a 400 naming --max-batch for a batch that cannot share one forward
+    (a single sample always can), or the limit on batch_index, before any of it is allocated or drawn."""
+    latent = job.latent
+    samples = latent.shape[0] if latent.dim() == 4 else 1  # another shape is prepare's 400
+    rows = samples * (2 if cfg_on(job.cfg, job.uncond) else 1)
+    if samples > 1 and rows > settings.max_batch:
+        cfg = f" (twice with CFG: {rows} per model call)" if rows > samples else ""
+        raise ApiError(400, f"the latent is a batch of {samples} samples{cfg}, more than this server's --max-batch "
+                            f"{settings.max_batch} samples per forward: send at most {settings.max_batch} samples "
+                            f"per request{' with CFG counting twice' if cfg else ''}, or raise --max-batch",
+                       param="latent", code="batch_too_large")
+    draws = max(job.batch_index) + 1 if job.batch_index else 0
+    most = settings.max_batch + settings.max_queue
+    if draws > most:
+        raise ApiError(400, f"batch_index {draws - 1} means drawing the seed's noise for {draws} samples; this server "
+                            f"draws at most {most} (--max-batch + --max-queue): batch_index values from 0 to {most - 1}",
+                       param="batch_index", code="batch_index_too_large")
+    return samples, draws
+
+
 def _line(event: dict) -> bytes:
     return (json.dumps(event) + "\n").encode()
 
@@ -134,8 +157,9 @@ def latent_bytes(latent: torch.Tensor) -> str:
 
 
 def sample_router(server) -> APIRouter:
-    """The route, built from the server (engine/serve/app.py's ``ImageServer``): the job admitted as one image
-    against the generations' bound, under their shared gate while it runs, on their batcher."""
+    """The route, built from the server (engine/serve/app.py's ``ImageServer``): the job admitted as its samples
+    (``admitted_samples``) against the generations' bound, under their shared gate while it runs, on their
+    batcher."""
     router = APIRouter()
 
     @router.post(PATH)
@@ -147,17 +171,22 @@ def sample_router(server) -> APIRouter:
         def on_step(step: int, total: int) -> None:  # the job's thread
             loop.call_soon_threadsafe(events.put_nowait, {"step": step, "total": total})
         job.on_step = on_step
-        server.admit(1)
+        samples, draws = admitted_samples(job, server.settings)
+        server.admit(max(samples, draws))
         shared = server.gate.shared()
         try:
             await shared.__aenter__()
-            future, = server.submit([job])
+            try:
+                future, = await server.submit([job])  # prepared off the event loop
+            except BaseException:
+                await shared.__aexit__(None, None, None)
+                raise
         except BaseException:
-            await shared.__aexit__(None, None, None)
-            server.release(1)
+            server.release(max(samples, draws))
             raise
+        server.release(max(samples, draws) - samples)  # the noise is drawn: the job holds its own samples
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
-        return _Stream(_stream(server, job, future, events, shared), media_type="application/x-ndjson")
+        return _Stream(_stream(server, job, future, events, shared, samples), media_type="application/x-ndjson")
 
     return router
 
@@ -189,7 +218,7 @@ class _Stream(StreamingResponse):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _stream(server, job, future, events, shared):
+async def _stream(server, job, future, events, shared, samples: int):
     """The progress lines, then the result's; whatever ends it (the end, a failure, the deadline, the client
     leaving: the stream is cancelled), the job is cancelled and its place freed."""
     request_timeout = server.settings.request_timeout
@@ -215,7 +244,7 @@ async def _stream(server, job, future, events, shared):
         if not future.done():
             server.batcher.cancel(future)
         await shared.__aexit__(None, None, None)
-        server.release(1)
+        server.release(samples)
 
 
 def _outcome(job, future, metrics) -> dict:
