@@ -27,9 +27,11 @@ NODE_DISPLAY_NAME_MAPPINGS = {
 for module in (cache_dit, demo, latent, server_nodes):
     NODE_CLASS_MAPPINGS.update(module.NODE_CLASS_MAPPINGS)
     NODE_DISPLAY_NAME_MAPPINGS.update(module.NODE_DISPLAY_NAME_MAPPINGS)
-# what this ComfyUI lacks for ERNIE-Image ("" when nothing), on every node but the demo's and the remote server's (no ERNIE-Image file here)
-COMPAT_NOTICE = compat.check_at_startup([c for k, c in NODE_CLASS_MAPPINGS.items()
-                                         if k not in demo.NODE_CLASS_MAPPINGS and k not in server_nodes.NODE_CLASS_MAPPINGS])
+# what this ComfyUI has of what ERNIE-Image needs; what it lacks ("" when nothing) goes on every node but the demo's and
+# the remote server's (no ERNIE-Image file here)
+COMPAT_FOUND = compat.check_at_startup([c for k, c in NODE_CLASS_MAPPINGS.items()
+                                        if k not in demo.NODE_CLASS_MAPPINGS and k not in server_nodes.NODE_CLASS_MAPPINGS])
+COMPAT_NOTICE = compat.notice(COMPAT_FOUND, compat.version())
 
 install_memory_hooks()
 
@@ -40,7 +42,8 @@ def _add_routes() -> None:
     the web panel, which has nothing to show on a reloaded page or when ComfyUI reuses a cached output,
     and "compat": what this ComfyUI lacks for the ERNIE-Image workflows ("" when nothing), for the panel too.
     POST /sgldiffusion/last_runs {"workflow": id, "prompt": the API prompt of the graph shown}: the same, only
-    the runs of that graph's content (another graph under the same id shows nothing of them)."""
+    the runs of that graph's content (another graph under the same id shows nothing of them), and "compat" only
+    for what that graph needs (compat.graph_notice: "" for the demo's graph)."""
     try:
         from aiohttp import web
         from server import PromptServer
@@ -70,7 +73,7 @@ def _add_routes() -> None:
                                                    "API prompt}"}, status=400)
             workflow = str(body.get("workflow") or "")
             return web.json_response({"workflow": workflow, "runs": last_runs(workflow, body["prompt"]),
-                                      "compat": COMPAT_NOTICE})
+                                      "compat": compat.graph_notice(COMPAT_FOUND, body["prompt"], compat.version())})
     except Exception:  # e.g. the router is already frozen: the nodes still work
         logging.getLogger("sgldiffusion").warning("SGLDiffusion: could not add the /sgldiffusion routes", exc_info=True)
 

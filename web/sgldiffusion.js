@@ -10,8 +10,9 @@
 //   graph (POST /sgldiffusion/last_runs with the graph's id and its API prompt: runs of another graph under
 //   the same id are not shown), labelled "last run". A run that fails or is interrupted clears
 //   the timeline; results of an earlier prompt are marked as such. The panel grows to what it shows
-//   (a whole error message, every warning). Not run yet, it shows what this ComfyUI lacks for the
-//   ERNIE-Image workflows, if anything (the same request's `compat`, also in the nodes' descriptions).
+//   (a whole error message, every warning). Not run yet, it shows what this ComfyUI lacks of what this graph
+//   needs, if anything (the same request's `compat`: a CLIPLoader of the Ministral-3 file needs ComfyUI 0.19's
+//   text encoder, the demo's graph needs nothing; the nodes' descriptions name all that this ComfyUI lacks).
 // * SGLDiffusion Cache-DiT: web/sgldiffusion_cache.js.
 //
 // Only stable extension APIs: app.registerExtension (beforeRegisterNodeDef, nodeCreated), onExecuted,
@@ -26,7 +27,7 @@ const RUN_EVENT = "sgldiffusion.run";
 const WIDGET = "sgld_run";
 const LAST_RUNS = "/sgldiffusion/last_runs";
 const MARGIN = 4; // the DOM widget's margin inside the node
-let compatNotice = ""; // what this ComfyUI lacks for ERNIE-Image (GET /sgldiffusion/last_runs), "" when nothing
+let compatNotice = ""; // what this ComfyUI lacks of what the graph shown needs (POST /sgldiffusion/last_runs), "" when nothing
 
 // -- styles ----------------------------------------------------------------------------------------------------
 const STYLE = `
