@@ -103,6 +103,54 @@ def test_panel_at_its_largest_covers_no_other_node(comfy, page, name):
     screenshot(page, f"web_layout_{name.split(' (')[0].replace(' ', '_')}.png")
 
 
+# A workflow opened as saved (its extra.ds: the view the frontend restores), at the page's size: every node's
+# rectangle on the screen (title bar included, as the frontend draws it) and the frontend's own chrome around the canvas.
+SAVED_VIEW = """async ([wf, name]) => {
+  const app = window.app, T = window.LiteGraph.NODE_TITLE_HEIGHT;
+  await app.loadGraphData(wf, true, true, name);
+  await new Promise((r) => setTimeout(r, 600));  // DOM widgets and the panel laid out, the view restored
+  const c = app.canvas, box = c.canvas.getBoundingClientRect();
+  const screen = (x, y) => { const [cx, cy] = c.ds.convertOffsetToCanvas([x, y]); return [box.left + cx, box.top + cy]; };
+  const rect = (el) => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  const chrome = {};
+  for (const sel of [".side-tool-bar-container", ".workflow-tabs-container", ".actionbar-container", ".subgraph-breadcrumb"]) {
+    const el = document.querySelector(sel);
+    if (el && el.getBoundingClientRect().width > 0) chrome[sel] = rect(el);
+  }
+  return {view: [c.ds.scale, [...c.ds.offset]], free: rect(document.querySelector(".graph-canvas-panel")), chrome,
+          nodes: app.graph._nodes.map((n) => ({id: n.id, type: n.comfyClass ?? n.type,
+                 rect: [...screen(n.pos[0], n.pos[1] - T), ...screen(n.pos[0] + n.size[0], n.pos[1] + n.size[1])]}))};
+}"""
+WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
+def test_saved_view_shows_every_node_clear_of_the_header_and_sidebar(comfy, page, path):
+    """Issue 33 item 10b: a shipped workflow opened at 1600x1000 with the view it saves (extra.ds) shows every node
+    whole inside the canvas panel the frontend leaves free (below its tabs, breadcrumb and run toolbar, right of its
+    sidebar), covered by none of them (at offset 0,0 the top row was under the header, the left column under the
+    sidebar)."""
+    with open(path) as f:
+        wf = json.load(f)
+    size = page.viewport_size
+    page.set_viewport_size({"width": 1600, "height": 1000})
+    try:
+        out = page.evaluate(SAVED_VIEW, [wf, os.path.basename(path)])
+        close_error_dialog(page)  # the ERNIE-Image workflows' missing models
+        screenshot(page, f"web_saved_view_{os.path.splitext(os.path.basename(path))[0]}.png")
+    finally:
+        page.set_viewport_size(size)
+    ds = wf["extra"]["ds"]
+    assert out["view"] == [ds["scale"], ds["offset"]], out["view"]  # the frontend restored the saved view
+    free = out["free"]
+    assert free[0] >= out["chrome"][".side-tool-bar-container"][2] and free[1] >= out["chrome"][".workflow-tabs-container"][3]
+    outside = [(n["type"], [round(v) for v in n["rect"]]) for n in out["nodes"]
+               if not (free[0] <= n["rect"][0] and free[1] <= n["rect"][1] and n["rect"][2] <= free[2] and n["rect"][3] <= free[3])]
+    assert outside == [], (outside, free)
+    covered = [(n["type"], sel) for n in out["nodes"] for sel, r in out["chrome"].items() if overlap(n["rect"], r)]
+    assert covered == [], (covered, out["chrome"])
+
+
 def test_a_changed_graph_under_the_same_id_shows_no_old_run(comfy, page):
     """A template loaded again under the same workflow id but changed (another prompt here) is another graph:
     its KSampler shows none of the recorded run; the graph that ran shows it, labelled "last run", also with
