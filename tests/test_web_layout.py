@@ -151,6 +151,63 @@ def test_saved_view_shows_every_node_clear_of_the_header_and_sidebar(comfy, page
     assert covered == [], (covered, out["chrome"])
 
 
+# The longest realistic run record: 50 steps with CFG (100 calls), every field at its widest.
+LONGEST_RUN = {"state": "done", "model_calls": 100, "calls_computed": 57, "speedup": 12.34, "sampling_seconds": 3599.4,
+               "timeline": [i % 7 not in (1, 3, 5) for i in range(100)], "cache": {"preset": "balanced"}, "attention": "sageattention",
+               "offload": "layerwise", "offload_detail": "12/36 blocks resident", "quant": "fp8_e4m3fn", "parallel": 8,
+               "warnings": ["steps_mask has 2 entries for a run of 100 model calls: padded with 1 (computed) to 100"]}
+
+# A sampler node (ComfyUI's own KSampler or ours) at its default width, in the graph, its panel showing `record` as the
+# server's run message would bring it (the page's api dispatches it); then every piece of text in the panel: whether it
+# lies whole inside the panel, and every number in it (with its unit) on one line.
+PANEL_TEXT = """async ([type, record]) => {
+  const app = window.app, LG = window.LiteGraph, api = window.comfyAPI.api.api;
+  const node = LG.createNode(type);
+  node.pos = [-2000, -2000];  // away from the graph's nodes
+  app.graph.add(node);
+  app.canvas.ds.scale = 1;
+  app.canvas.ds.offset = [2150, 2180];  // on the screenshot, clear of the side bar and the tabs
+  app.graph.setDirtyCanvas(true, true);
+  const width = node.size[0];
+  api.dispatchEvent(new CustomEvent("sgldiffusion.run", {detail: {...record, node: String(node.id)}}));
+  await new Promise((r) => setTimeout(r, 800));  // laid out, measured (the panel fits itself)
+  const el = document.querySelector(`.sgld-run[data-node-id="${node.id}"]`);
+  const box = el.getBoundingClientRect();
+  const inside = (r) => r.left >= box.left - 0.5 && r.right <= box.right + 0.5 && r.top >= box.top - 0.5 && r.bottom <= box.bottom + 0.5;
+  const cut = [], split = [];
+  const walk = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+  for (let t = walk.nextNode(); t; t = walk.nextNode()) {
+    const range = document.createRange();
+    range.selectNodeContents(t);
+    if (![...range.getClientRects()].every(inside)) cut.push(t.textContent);
+    for (const m of t.textContent.matchAll(/\\d+(?:[./]\\d+)*x?(?:\\s(?:s|min|GPUs|computed|cached))?/g)) {
+      range.setStart(t, m.index);
+      range.setEnd(t, m.index + m[0].length);
+      const lines = new Set([...range.getClientRects()].filter((r) => r.width > 0).map((r) => Math.round(r.top)));
+      if (lines.size > 1) split.push(m[0]);
+    }
+  }
+  return {id: node.id, width, panelWidth: box.width, text: el.innerText, cut, split};
+}"""
+
+
+@pytest.mark.parametrize("node_type", ["KSampler", KSAMPLER])
+def test_run_panel_cuts_no_text_on_a_narrow_sampler(comfy, page, node_type):
+    """Issue 33 item 10c: on ComfyUI's own KSampler (narrower than ours) the panel cut its text mid-number ("wall
+    clock · 11."): with the longest realistic record every piece of text lies whole inside the panel, no number is
+    split from itself or its unit across lines, and all of it is there (the panel wraps at the separators)."""
+    out = page.evaluate(PANEL_TEXT, [node_type, LONGEST_RUN])
+    screenshot(page, f"web_panel_narrow_{node_type}.png")
+    page.evaluate("(id) => window.app.graph.remove(window.app.graph.getNodeById(id))", out["id"])
+    assert out["width"] < 400, out  # a narrow node: the default width
+    assert out["cut"] == [] and out["split"] == [], out
+    text = " ".join(out["text"].split())
+    for part in ("57/100 computed", "12.34x wall clock", "59 min 59 s", "57 computed", "43 cached", "Cache-DiT balanced",
+                 "attention sageattention", "offload layerwise (12/36 blocks resident)", "quant fp8_e4m3fn", "8 GPUs",
+                 LONGEST_RUN["warnings"][0]):
+        assert part in text, (part, out["text"])
+
+
 def test_a_changed_graph_under_the_same_id_shows_no_old_run(comfy, page):
     """A template loaded again under the same workflow id but changed (another prompt here) is another graph:
     its KSampler shows none of the recorded run; the graph that ran shows it, labelled "last run", also with
