@@ -3,7 +3,10 @@
 Imported only inside ComfyUI (the pack's ``__init__.py`` checks), as a subpackage of the pack,
 so the engine is imported relatively (``from ..engine import ...``).
 """
+import glob
+import json
 import logging
+import os
 
 from . import cache_dit, compat, demo, latent, server_nodes
 from .comfy_model import SGLDiffusionApplyCacheDiT
@@ -36,6 +39,24 @@ COMPAT_NOTICE = compat.notice(COMPAT_FOUND, compat.version())
 install_memory_hooks()
 
 
+WORKFLOWS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workflows")
+
+
+def template_descriptions(folder: str = WORKFLOWS) -> dict:
+    """{template name: its card's description} from each workflow's ``extra.sgldiffusion.description``: ComfyUI
+    lists a pack's workflows by file name alone, and its frontend shows that name as both title and description."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = json.load(f)["extra"]["sgldiffusion"]["description"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(text, str) and text.strip():
+            out[os.path.splitext(os.path.basename(path))[0]] = text.strip()
+    return out
+
+
 def _add_routes() -> None:
     """GET /sgldiffusion/models: the engines held in memory now (for the web extension and tests).
     GET /sgldiffusion/last_runs?workflow=<id>: {"runs": {node id: the last run of that KSampler}} for
@@ -43,7 +64,8 @@ def _add_routes() -> None:
     and "compat": what this ComfyUI lacks for the ERNIE-Image workflows ("" when nothing), for the panel too.
     POST /sgldiffusion/last_runs {"workflow": id, "prompt": the API prompt of the graph shown}: the same, only
     the runs of that graph's content (another graph under the same id shows nothing of them), and "compat" only
-    for what that graph needs (compat.graph_notice: "" for the demo's graph)."""
+    for what that graph needs (compat.graph_notice: "" for the demo's graph).
+    GET /sgldiffusion/templates: {"templates": {workflow name: its template card's description}}."""
     try:
         from aiohttp import web
         from server import PromptServer
@@ -56,6 +78,10 @@ def _add_routes() -> None:
         @server.routes.get("/sgldiffusion/models")
         async def sgld_models(request):
             return web.json_response({"loaded": loaded()})
+
+        @server.routes.get("/sgldiffusion/templates")
+        async def sgld_templates(request):
+            return web.json_response({"templates": template_descriptions()})
 
         @server.routes.get("/sgldiffusion/last_runs")
         async def sgld_last_runs(request):

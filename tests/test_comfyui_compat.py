@@ -27,8 +27,8 @@ except ImportError:
 ROOT = cs.ROOT
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ERNIE_WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "ERNIE-Image*.json")))
-TURBO = os.path.join(ROOT, "workflows", "ERNIE-Image Turbo (8 steps, SGLDiffusion).json")
-DEMO = os.path.join(ROOT, "workflows", "SGLDiffusion demo on CPU (64x64, Cache-DiT).json")
+TURBO = os.path.join(ROOT, "workflows", "ERNIE-Image Turbo.json")
+DEMO = os.path.join(ROOT, "workflows", "SGLDiffusion CPU demo.json")
 NODE = "SGLDiffusionEmptyLatentERNIE"
 # Comfy-Org's repackaged ERNIE-Image files (/work/shared/reference/ernie_image.md §4; the URLs as Comfy-Org's
 # own template image_ernie_image_turbo.json gives them): folder -> file names
@@ -263,7 +263,7 @@ def test_workflows_carry_well_formed_model_entries(comfy):
             assert e["url"] == f"{HF}/{folder}/{e['name']}" and e["name"].endswith(".safetensors"), e
             seen.add(folder)
         assert seen == set(COMFY_ORG_FILES), (path, seen)
-    with open(os.path.join(ROOT, "workflows", "SGLDiffusion demo on CPU (64x64, Cache-DiT).json")) as f:
+    with open(os.path.join(ROOT, "workflows", "SGLDiffusion CPU demo.json")) as f:
         assert not any("models" in n.get("properties", {}) for n in json.load(f)["nodes"])  # its model is embedded
 
 

@@ -6,6 +6,7 @@ id but changed shows no run of the old one; the Cache-DiT node shows its advance
 `advanced` is on. Screenshots go to test-artifacts/."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -84,8 +85,8 @@ LAYOUT = """async ([wf, name, error]) => {
 }"""
 
 
-@pytest.mark.parametrize("name", ["ERNIE-Image Base (50 steps, SGLDiffusion).json",
-                                  "ERNIE-Image Turbo (8 steps, SGLDiffusion).json"])
+@pytest.mark.parametrize("name", ["ERNIE-Image Base.json",
+                                  "ERNIE-Image Turbo.json"])
 def test_panel_at_its_largest_covers_no_other_node(comfy, page, name):
     """The shipped ERNIE-Image workflows in the real frontend: with the KSampler's panel showing a long
     multi-line error (it grows the node to all of it), the node covers no other node (the VAE loader's
@@ -101,6 +102,17 @@ def test_panel_at_its_largest_covers_no_other_node(comfy, page, name):
     assert not [(a["type"], b["type"]) for i, a in enumerate(items) for b in items[i + 1:] if overlap(a["rect"], b["rect"])]
     close_error_dialog(page)  # ComfyUI's "missing models" (the ERNIE-Image files are not here)
     screenshot(page, f"web_layout_{name.split(' (')[0].replace(' ', '_')}.png")
+
+
+@contextlib.contextmanager
+def viewport(page, width, height):
+    """The page at another size for a while (the module's page is shared)."""
+    size = page.viewport_size
+    page.set_viewport_size({"width": width, "height": height})
+    try:
+        yield
+    finally:
+        page.set_viewport_size(size)
 
 
 # A workflow opened as saved (its extra.ds: the view the frontend restores), at the page's size: every node's
@@ -132,14 +144,10 @@ def test_saved_view_shows_every_node_clear_of_the_header_and_sidebar(comfy, page
     sidebar)."""
     with open(path) as f:
         wf = json.load(f)
-    size = page.viewport_size
-    page.set_viewport_size({"width": 1600, "height": 1000})
-    try:
+    with viewport(page, 1600, 1000):
         out = page.evaluate(SAVED_VIEW, [wf, os.path.basename(path)])
         close_error_dialog(page)  # the ERNIE-Image workflows' missing models
         screenshot(page, f"web_saved_view_{os.path.splitext(os.path.basename(path))[0]}.png")
-    finally:
-        page.set_viewport_size(size)
     ds = wf["extra"]["ds"]
     assert out["view"] == [ds["scale"], ds["offset"]], out["view"]  # the frontend restored the saved view
     free = out["free"]
@@ -206,6 +214,48 @@ def test_run_panel_cuts_no_text_on_a_narrow_sampler(comfy, page, node_type):
                  "attention sageattention", "offload layerwise (12/36 blocks resident)", "quant fp8_e4m3fn", "8 GPUs",
                  LONGEST_RUN["warnings"][0]):
         assert part in text, (part, out["text"])
+
+
+# The pack's cards in ComfyUI's template browser: each card's title and description, and whether either is cut
+# (the title is one clamped line, the description two).
+TEMPLATE_CARDS = """async (pack) => {
+  await window.app.extensionManager.command.execute("Comfy.BrowseTemplates");
+  const wait = async (f) => { for (let i = 0; i < 100 && !f(); i++) await new Promise((r) => setTimeout(r, 100)); return f(); };
+  const nav = await wait(() => [...document.querySelectorAll("[role=dialog] *")].find((e) => e.children.length === 0
+                                                                                          && e.textContent.trim() === pack));
+  nav.click();
+  await wait(() => document.querySelector('[data-testid^="template-workflow-"]'));
+  await new Promise((r) => setTimeout(r, 500));  // the web extension's descriptions (next frame)
+  const cut = (e) => e.scrollWidth > e.clientWidth + 1 || e.scrollHeight > e.clientHeight + 1;
+  return [...document.querySelectorAll('[data-testid^="template-workflow-"]')].map((card) => {
+    const title = card.querySelector("h3"), text = card.querySelector("p");
+    return {name: card.dataset.testid.slice("template-workflow-".length), title: title.textContent, description: text.textContent,
+            titleCut: cut(title), descriptionCut: cut(text)};
+  });
+}"""
+
+
+def test_template_cards_show_whole_titles_and_their_own_descriptions(comfy, page):
+    """Issue 33 item 10d: the pack's template cards in the real template browser: every title whole on its one line
+    (the long file names were cut), and a description of the workflow's own, whole, that is not the title again (the
+    frontend makes a custom template's description from its name, hyphens dropped)."""
+    import comfy_server as cs
+
+    with viewport(page, 1600, 1000):  # four cards a row, each at the grid's narrowest (15rem)
+        try:
+            cards = page.evaluate(TEMPLATE_CARDS, cs.PACK_NAME)
+            screenshot(page, "web_template_cards.png")
+        finally:
+            page.keyboard.press("Escape")
+    names = sorted(os.path.splitext(os.path.basename(p))[0] for p in WORKFLOWS)
+    assert sorted(c["name"] for c in cards) == names, cards
+    for card in cards:
+        with open(os.path.join(ROOT, "workflows", card["name"] + ".json")) as f:
+            own = json.load(f)["extra"]["sgldiffusion"].get("description")
+        assert card["title"] == card["name"] and not card["titleCut"], card
+        assert card["description"] == own and not card["descriptionCut"], card
+        squeeze = lambda t: "".join(ch for ch in t.lower() if ch.isalnum())  # noqa: E731
+        assert squeeze(card["name"]) not in squeeze(card["description"]), card
 
 
 def test_a_changed_graph_under_the_same_id_shows_no_old_run(comfy, page):
