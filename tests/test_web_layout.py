@@ -235,6 +235,22 @@ TEMPLATE_CARDS = """async (pack) => {
 }"""
 
 
+def close_template_browser(page):
+    """Its close button, the one at the dialog's top right (Escape does not close it)."""
+    dialog = page.locator(".p-dialog[role=dialog]").first
+    point = page.evaluate("""() => {
+      const d = document.querySelector(".p-dialog[role=dialog]");
+      if (!d) return null;
+      const top = d.getBoundingClientRect().top;
+      const b = [...d.querySelectorAll("button")].map((e) => e.getBoundingClientRect()).filter((r) => r.width && r.top < top + 80)
+        .sort((a, c) => c.right - a.right)[0];
+      return b ? [b.left + b.width / 2, b.top + b.height / 2] : null;
+    }""")
+    if point:
+        page.mouse.click(*point)
+        dialog.wait_for(state="hidden", timeout=5_000)
+
+
 def test_template_cards_show_whole_titles_and_their_own_descriptions(comfy, page):
     """Issue 33 item 10d: the pack's template cards in the real template browser: every title whole on its one line
     (the long file names were cut), and a description of the workflow's own, whole, that is not the title again (the
@@ -246,7 +262,7 @@ def test_template_cards_show_whole_titles_and_their_own_descriptions(comfy, page
             cards = page.evaluate(TEMPLATE_CARDS, cs.PACK_NAME)
             screenshot(page, "web_template_cards.png")
         finally:
-            page.keyboard.press("Escape")
+            close_template_browser(page)
     names = sorted(os.path.splitext(os.path.basename(p))[0] for p in WORKFLOWS)
     assert sorted(c["name"] for c in cards) == names, cards
     for card in cards:
