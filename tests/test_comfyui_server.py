@@ -234,7 +234,7 @@ def test_workflow_nodes_and_links(path, object_info):
         assert by_type["SGLDiffusionModelLoader"]["unet_name"] == object_info["SGLDiffusionModelLoader"]["input"]["required"]["unet_name"][0][0]
         assert by_type["SGLDiffusionCacheDiT"]["enabled"] is True
         return
-    turbo = "turbo" in os.path.basename(path).lower()
+    turbo = "turbo" in wf["extra"]["sgldiffusion"]["model"].lower()  # the any-sampler workflow's name does not say
     ks = by_type.get("SGLDiffusionKSampler") or by_type["KSampler"]
     if "KSampler" in by_type:  # ComfyUI's KSampler <- Apply Cache-DiT <- the loader's MODEL (slot 1) and a Cache-DiT node
         apply = api[ks["model"][0]]
