@@ -3,7 +3,10 @@
 Imported only inside ComfyUI (the pack's ``__init__.py`` checks), as a subpackage of the pack,
 so the engine is imported relatively (``from ..engine import ...``).
 """
+import glob
+import json
 import logging
+import os
 
 from . import cache_dit, compat, demo, latent, server_nodes
 from .comfy_model import SGLDiffusionApplyCacheDiT
@@ -27,11 +30,31 @@ NODE_DISPLAY_NAME_MAPPINGS = {
 for module in (cache_dit, demo, latent, server_nodes):
     NODE_CLASS_MAPPINGS.update(module.NODE_CLASS_MAPPINGS)
     NODE_DISPLAY_NAME_MAPPINGS.update(module.NODE_DISPLAY_NAME_MAPPINGS)
-# what this ComfyUI lacks for ERNIE-Image ("" when nothing), on every node but the demo's and the remote server's (no ERNIE-Image file here)
-COMPAT_NOTICE = compat.check_at_startup([c for k, c in NODE_CLASS_MAPPINGS.items()
-                                         if k not in demo.NODE_CLASS_MAPPINGS and k not in server_nodes.NODE_CLASS_MAPPINGS])
+# what this ComfyUI has of what ERNIE-Image needs; what it lacks ("" when nothing) goes on every node but the demo's and
+# the remote server's (no ERNIE-Image file here)
+COMPAT_FOUND = compat.check_at_startup([c for k, c in NODE_CLASS_MAPPINGS.items()
+                                        if k not in demo.NODE_CLASS_MAPPINGS and k not in server_nodes.NODE_CLASS_MAPPINGS])
+COMPAT_NOTICE = compat.notice(COMPAT_FOUND, compat.version())
 
 install_memory_hooks()
+
+
+WORKFLOWS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workflows")
+
+
+def template_descriptions(folder: str = WORKFLOWS) -> dict:
+    """{template name: its card's description} from each workflow's ``extra.sgldiffusion.description``: ComfyUI
+    lists a pack's workflows by file name alone, and its frontend shows that name as both title and description."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = json.load(f)["extra"]["sgldiffusion"]["description"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(text, str) and text.strip():
+            out[os.path.splitext(os.path.basename(path))[0]] = text.strip()
+    return out
 
 
 def _add_routes() -> None:
@@ -40,7 +63,9 @@ def _add_routes() -> None:
     the web panel, which has nothing to show on a reloaded page or when ComfyUI reuses a cached output,
     and "compat": what this ComfyUI lacks for the ERNIE-Image workflows ("" when nothing), for the panel too.
     POST /sgldiffusion/last_runs {"workflow": id, "prompt": the API prompt of the graph shown}: the same, only
-    the runs of that graph's content (another graph under the same id shows nothing of them)."""
+    the runs of that graph's content (another graph under the same id shows nothing of them), and "compat" only
+    for what that graph needs (compat.graph_notice: "" for the demo's graph).
+    GET /sgldiffusion/templates: {"templates": {workflow name: its template card's description}}."""
     try:
         from aiohttp import web
         from server import PromptServer
@@ -53,6 +78,10 @@ def _add_routes() -> None:
         @server.routes.get("/sgldiffusion/models")
         async def sgld_models(request):
             return web.json_response({"loaded": loaded()})
+
+        @server.routes.get("/sgldiffusion/templates")
+        async def sgld_templates(request):
+            return web.json_response({"templates": template_descriptions()})
 
         @server.routes.get("/sgldiffusion/last_runs")
         async def sgld_last_runs(request):
@@ -70,7 +99,7 @@ def _add_routes() -> None:
                                                    "API prompt}"}, status=400)
             workflow = str(body.get("workflow") or "")
             return web.json_response({"workflow": workflow, "runs": last_runs(workflow, body["prompt"]),
-                                      "compat": COMPAT_NOTICE})
+                                      "compat": compat.graph_notice(COMPAT_FOUND, body["prompt"], compat.version())})
     except Exception:  # e.g. the router is already frozen: the nodes still work
         logging.getLogger("sgldiffusion").warning("SGLDiffusion: could not add the /sgldiffusion routes", exc_info=True)
 

@@ -2,9 +2,10 @@
 version number: ComfyUI's EmptyFlux2LatentImage node, CLIPLoader's ``flux2`` type, the Flux2 latent format
 and the Flux.2 VAE (all since about 0.3.72) and the Ministral-3 3B text encoder (``TEModel.MINISTRAL_3_3B``,
 ``comfy/text_encoders/ernie.py``: since 0.19). Without the Flux2 latent format the Model Loader builds no
-``comfy_model`` (comfy_model.py); SGLDiffusion KSampler needs none of these. Anything missing is logged in one line and shown on the pack's nodes (their description, and
-the web extension through GET /sgldiffusion/last_runs), so a user knows to update ComfyUI. A probe that
-finds ComfyUI's modules shaped differently counts as "not found"; it never raises."""
+``comfy_model`` (comfy_model.py); SGLDiffusion KSampler needs none of these. Anything missing is logged in one line and
+shown in the pack's nodes' descriptions, so a user knows to update ComfyUI; the web panel shows it only for a graph that
+needs it (``graph_notice``: the demo workflow needs none of it). A probe that finds ComfyUI's modules shaped differently
+counts as "not found"; it never raises."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,6 +25,25 @@ FEATURES = {
 BROKEN = {"flux2_latent_format": "the Model Loader's comfy_model output (ComfyUI's own samplers on ERNIE-Image)",
           "flux2_vae": "decoding ERNIE-Image latents (VAEDecode)"}
 log = logging.getLogger("sgldiffusion")
+LOADER_OUTPUTS = {"SGLDiffusionModelLoader", "SGLDiffusionLoraLoader"}  # their output 1 is comfy_model
+COMFY_MODEL_SLOT = 1
+
+
+def _names(inputs: dict, word: str) -> bool:
+    """Some text input of a node names ``word`` (a file name such as ministral-3-3b.safetensors)."""
+    return any(isinstance(v, str) and word in v.lower() for v in inputs.values())
+
+
+# feature -> does a node of an API prompt (class_type, inputs, the prompt) need it
+NEEDED_BY = {
+    "empty_flux2_latent": lambda kind, inputs, prompt: kind == "EmptyFlux2LatentImage",
+    "flux2_clip_type": lambda kind, inputs, prompt: "CLIPLoader" in kind and inputs.get("type") == "flux2",
+    "ministral3_text_encoder": lambda kind, inputs, prompt: "CLIPLoader" in kind and _names(inputs, "ministral"),
+    "flux2_latent_format": lambda kind, inputs, prompt: any(
+        isinstance(v, list) and len(v) == 2 and v[1] == COMFY_MODEL_SLOT
+        and (prompt.get(str(v[0])) or {}).get("class_type") in LOADER_OUTPUTS for v in inputs.values()),
+    "flux2_vae": lambda kind, inputs, prompt: "VAELoader" in kind and _names(inputs, "flux2"),
+}
 
 
 def _has_empty_flux2_latent() -> bool:
@@ -101,6 +121,26 @@ def notice(found: dict, version: str = "") -> str:
             f"{UPDATE}. {works}")
 
 
+def needed(prompt) -> set:
+    """The features of FEATURES that the nodes of an API prompt (``{id: {"class_type", "inputs"}}``) need: a
+    CLIPLoader of a Ministral-3 file needs the Ministral-3 text encoder, a sampler on comfy_model the Flux2
+    latent format, and so on; the demo's nodes need none."""
+    out = set()
+    for node in (prompt.values() if isinstance(prompt, dict) else ()):
+        kind = node.get("class_type") if isinstance(node, dict) else None
+        inputs = node.get("inputs") if isinstance(node, dict) else None
+        if not isinstance(kind, str) or not isinstance(inputs, dict):
+            continue
+        out |= {name for name, needs in NEEDED_BY.items() if needs(kind, inputs, prompt)}
+    return out
+
+
+def graph_notice(found: dict, prompt, version: str = "") -> str:
+    """notice() for one graph: only what this ComfyUI lacks of what the graph needs ("" when nothing)."""
+    wanted = needed(prompt)
+    return notice({name: found.get(name, False) or name not in wanted for name in FEATURES}, version)
+
+
 def mark_nodes(node_classes, text: str) -> None:
     """Append ``text`` to the description of each node class (ComfyUI shows it on hover and in the node library)."""
     for cls in node_classes:
@@ -108,11 +148,12 @@ def mark_nodes(node_classes, text: str) -> None:
         cls.DESCRIPTION = f"{base}\n\n{text}" if base else text
 
 
-def check_at_startup(node_classes) -> str:
+def check_at_startup(node_classes) -> dict:
     """Probe once, log the notice (one line) and put it on ``node_classes`` (the nodes that take ERNIE-Image files);
-    returns it ("" when nothing is missing)."""
-    text = notice(probe(), version())
+    returns what the probes found (``notice(found, version())`` is the line, "" when nothing is missing)."""
+    found = probe()
+    text = notice(found, version())
     if text:
         log.warning(text)
         mark_nodes(node_classes, text)
-    return text
+    return found

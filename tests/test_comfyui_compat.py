@@ -27,7 +27,8 @@ except ImportError:
 ROOT = cs.ROOT
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ERNIE_WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "ERNIE-Image*.json")))
-TURBO = os.path.join(ROOT, "workflows", "ERNIE-Image Turbo (8 steps, SGLDiffusion).json")
+TURBO = os.path.join(ROOT, "workflows", "ERNIE-Image Turbo.json")
+DEMO = os.path.join(ROOT, "workflows", "SGLDiffusion CPU demo.json")
 NODE = "SGLDiffusionEmptyLatentERNIE"
 # Comfy-Org's repackaged ERNIE-Image files (/work/shared/reference/ernie_image.md §4; the URLs as Comfy-Org's
 # own template image_ernie_image_turbo.json gives them): folder -> file names
@@ -87,6 +88,31 @@ def test_notice_names_each_missing_feature_and_nothing_else():
         assert what in line and "this ComfyUI (0.3.10)" in line and "update to ComfyUI 0.19 or newer" in line, line
         assert "\n" not in line and not any(c.FEATURES[k] in line for k in c.FEATURES if k != name), line
     assert all(w in c.notice({}) for w in c.FEATURES.values()) and "this ComfyUI lacks" in c.notice({})
+
+
+def api_node(kind, **inputs):
+    return {"class_type": kind, "inputs": inputs}
+
+
+def test_a_graph_needs_only_what_its_nodes_use():
+    """The web panel's notice is for the graph shown: the demo's nodes need none of the features; a CLIPLoader of
+    the Ministral-3 file needs the text encoder (and the flux2 type), a sampler on comfy_model the Flux2 latent."""
+    c = compat_module()
+    demo = {"1": api_node("SGLDiffusionModelLoader", unet_name="sgld-demo (embedded, 64x64)"),
+            "2": api_node("SGLDiffusionDemoTextEncode", text="a red circle"),
+            "6": api_node("SGLDiffusionKSampler", model=["1", 0], positive=["2", 0])}
+    assert c.needed(demo) == set()
+    lacking = {name: name != "ministral3_text_encoder" for name in c.FEATURES}  # ComfyUI 0.3.75
+    assert c.notice(lacking, "0.3.75") and c.graph_notice(lacking, demo, "0.3.75") == ""
+    ernie = dict(demo, **{"7": api_node("CLIPLoader", clip_name="ministral-3-3b.safetensors", type="flux2", device="default")})
+    assert c.needed(ernie) == {"ministral3_text_encoder", "flux2_clip_type"}
+    assert c.graph_notice(lacking, ernie, "0.3.75") == c.notice(lacking, "0.3.75")
+    flux2 = {"7": api_node("CLIPLoader", clip_name="mistral_3_small_flux2_bf16.safetensors", type="flux2")}
+    assert c.needed(flux2) == {"flux2_clip_type"}  # Flux.2's own encoder: not ERNIE-Image's
+    any_sampler = dict(demo, **{"8": api_node("KSampler", model=["1", 1]), "9": api_node("VAELoader", vae_name="flux2-vae.safetensors"),
+                                "10": api_node("EmptyFlux2LatentImage", width=64, height=64, batch_size=1)})
+    assert c.needed(any_sampler) == {"flux2_latent_format", "flux2_vae", "empty_flux2_latent"}
+    assert c.needed("not a graph") == set() and c.needed({"1": None, "2": {"class_type": 3}}) == set()
 
 
 PROBE = r"""
@@ -237,7 +263,7 @@ def test_workflows_carry_well_formed_model_entries(comfy):
             assert e["url"] == f"{HF}/{folder}/{e['name']}" and e["name"].endswith(".safetensors"), e
             seen.add(folder)
         assert seen == set(COMFY_ORG_FILES), (path, seen)
-    with open(os.path.join(ROOT, "workflows", "SGLDiffusion demo on CPU (64x64, Cache-DiT).json")) as f:
+    with open(os.path.join(ROOT, "workflows", "SGLDiffusion CPU demo.json")) as f:
         assert not any("models" in n.get("properties", {}) for n in json.load(f)["nodes"])  # its model is embedded
 
 
@@ -288,3 +314,22 @@ def test_frontend_offers_the_downloads_and_the_panel_shows_the_notice(page, obje
     panel = page.locator(f".sgld-run[data-node-id='{ks}']")
     assert panel.get_attribute("data-state") == "idle"
     assert panel.locator(".sgld-compat").inner_text() == f"⚠ {expected_notice(object_info)}"
+
+
+def test_demo_workflow_shows_no_notice(page, object_info, comfy):
+    """Issue 33 item 10a: the demo workflow uses none of what 0.3.75 lacks (its text encoder is the demo's own):
+    its KSampler's panel, not run yet, shows no update notice, though the Turbo workflow's did on the same page;
+    the pack answers the demo's graph (as the frontend sends it) with no notice, the Turbo graph with it."""
+    prompts = {}
+    for path in (TURBO, DEMO):
+        with open(path) as f:
+            wf = json.load(f)
+        page.evaluate(LOAD, [wf, os.path.basename(path)])
+        page.keyboard.press("Escape")  # the Turbo workflow's missing-models dialog
+        prompts[path] = page.evaluate("async () => (await window.app.graphToPrompt()).output")
+    ks = next(str(n["id"]) for n in wf["nodes"] if n["type"] == "SGLDiffusionKSampler")
+    page.wait_for_function(f"() => document.querySelector('.sgld-run[data-node-id=\"{ks}\"]')?.dataset.state === 'idle'"
+                           f" && !document.querySelector('.sgld-run[data-node-id=\"{ks}\"] .sgld-compat')", timeout=30_000)
+    answers = {path: comfy.post("/sgldiffusion/last_runs", {"workflow": "w", "prompt": p}).json()["compat"]
+               for path, p in prompts.items()}
+    assert answers == {TURBO: expected_notice(object_info), DEMO: ""}, answers

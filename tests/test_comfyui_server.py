@@ -22,10 +22,10 @@ except ImportError:
 ROOT = cs.ROOT
 WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
 ERNIE_WORKFLOWS = [p for p in WORKFLOWS if os.path.basename(p).startswith("ERNIE-Image")]
-DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "SGLDiffusion demo on CPU (64x64, Cache-DiT).json")
-ANY_SAMPLER_WORKFLOW = os.path.join(ROOT, "workflows", "ERNIE-Image Turbo (8 steps, any sampler, Cache-DiT).json")
-TEMPLATE_NAMES = ["ERNIE-Image Base (50 steps, SGLDiffusion)", "ERNIE-Image Turbo (8 steps, SGLDiffusion)",
-                  "ERNIE-Image Turbo (8 steps, any sampler, Cache-DiT)", "SGLDiffusion demo on CPU (64x64, Cache-DiT)"]
+DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "SGLDiffusion CPU demo.json")
+ANY_SAMPLER_WORKFLOW = os.path.join(ROOT, "workflows", "ERNIE-Image any sampler.json")
+TEMPLATE_NAMES = ["ERNIE-Image Base", "ERNIE-Image Turbo",
+                  "ERNIE-Image any sampler", "SGLDiffusion CPU demo"]
 OUR_NODES = {"SGLDiffusionModelLoader": "SGLDiffusion Model Loader", "SGLDiffusionKSampler": "SGLDiffusion KSampler",
              "SGLDiffusionCacheDiT": "SGLDiffusion Cache-DiT", "SGLDiffusionEmptyLatentERNIE": "SGLDiffusion Empty Latent (ERNIE)"}
 APPLY_CACHE = "SGLDiffusionApplyCacheDiT"  # the any-sampler workflow: ComfyUI's KSampler on the loader's MODEL
@@ -234,7 +234,7 @@ def test_workflow_nodes_and_links(path, object_info):
         assert by_type["SGLDiffusionModelLoader"]["unet_name"] == object_info["SGLDiffusionModelLoader"]["input"]["required"]["unet_name"][0][0]
         assert by_type["SGLDiffusionCacheDiT"]["enabled"] is True
         return
-    turbo = "turbo" in os.path.basename(path).lower()
+    turbo = "turbo" in wf["extra"]["sgldiffusion"]["model"].lower()  # the any-sampler workflow's name does not say
     ks = by_type.get("SGLDiffusionKSampler") or by_type["KSampler"]
     if "KSampler" in by_type:  # ComfyUI's KSampler <- Apply Cache-DiT <- the loader's MODEL (slot 1) and a Cache-DiT node
         apply = api[ks["model"][0]]
@@ -283,7 +283,8 @@ def template_url(name: str, ext: str) -> str:
 
 def card_description(name: str) -> str:
     """The card's description as the frontend makes it for a custom-node template (getTemplateDescription:
-    the template's name, the only text /workflow_templates gives, with - and _ as spaces)."""
+    the template's name, the only text /workflow_templates gives, with - and _ as spaces); the pack's web
+    extension (web/sgldiffusion_templates.js) replaces it with the workflow's own (GET /sgldiffusion/templates)."""
     return name.replace("-", " ").replace("_", " ").strip()
 
 
@@ -318,13 +319,17 @@ def test_any_sampler_workflow_runs_and_equals_sgldiffusion_ksampler(comfy, objec
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
 def test_template_card_has_a_thumbnail_and_a_description(path, comfy):
-    """Each template card: a real description (the file name says what the workflow is) and a picture
-    next to the JSON that decodes as an image, served where the frontend looks for it."""
+    """Each template card: a title that names the model (the file name), a description of its own (the workflow's
+    extra.sgldiffusion.description, served for the web extension) that is not the title again, and a picture next
+    to the JSON that decodes as an image, served where the frontend looks for it."""
     from PIL import Image
 
     name = os.path.splitext(os.path.basename(path))[0]
-    words = card_description(name).split()
-    assert len(words) >= 4 and ("ERNIE" in words or "demo" in words), words
+    assert "ERNIE" in name or "demo" in name, name
+    description = comfy.get("/sgldiffusion/templates").json()["templates"][name]
+    with open(path) as f:
+        assert description == json.load(f)["extra"]["sgldiffusion"]["description"]
+    assert len(description.split()) >= 4 and description != card_description(name), description
     thumb = os.path.splitext(path)[0] + ".jpg"
     with Image.open(thumb) as im:
         im.load()
@@ -336,7 +341,7 @@ def test_template_card_has_a_thumbnail_and_a_description(path, comfy):
 
 
 def test_demo_workflow_runs_on_cpu_and_the_judge_accepts_it(comfy, object_info):
-    """the demo workflow (workflows/SGLDiffusion demo on CPU ...json) as shipped: the embedded demo model, Cache-DiT on, a 64x64 picture
+    """the demo workflow (workflows/SGLDiffusion CPU demo.json) as shipped: the embedded demo model, Cache-DiT on, a 64x64 picture
     that the demo judge accepts for the workflow's own prompt."""
     import numpy as np
     from PIL import Image

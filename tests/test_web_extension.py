@@ -40,7 +40,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = os.path.join(ROOT, "test-artifacts")
-DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "SGLDiffusion demo on CPU (64x64, Cache-DiT).json")
+DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "SGLDiffusion CPU demo.json")
 OWN_WORKFLOW = os.path.join(ROOT, "tests", "web_workflow.json")
 TINY = "tiny-ernie.safetensors"
 KSAMPLER = "SGLDiffusionKSampler"

@@ -6,6 +6,7 @@ id but changed shows no run of the old one; the Cache-DiT node shows its advance
 `advanced` is on. Screenshots go to test-artifacts/."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -84,8 +85,8 @@ LAYOUT = """async ([wf, name, error]) => {
 }"""
 
 
-@pytest.mark.parametrize("name", ["ERNIE-Image Base (50 steps, SGLDiffusion).json",
-                                  "ERNIE-Image Turbo (8 steps, SGLDiffusion).json"])
+@pytest.mark.parametrize("name", ["ERNIE-Image Base.json",
+                                  "ERNIE-Image Turbo.json"])
 def test_panel_at_its_largest_covers_no_other_node(comfy, page, name):
     """The shipped ERNIE-Image workflows in the real frontend: with the KSampler's panel showing a long
     multi-line error (it grows the node to all of it), the node covers no other node (the VAE loader's
@@ -101,6 +102,176 @@ def test_panel_at_its_largest_covers_no_other_node(comfy, page, name):
     assert not [(a["type"], b["type"]) for i, a in enumerate(items) for b in items[i + 1:] if overlap(a["rect"], b["rect"])]
     close_error_dialog(page)  # ComfyUI's "missing models" (the ERNIE-Image files are not here)
     screenshot(page, f"web_layout_{name.split(' (')[0].replace(' ', '_')}.png")
+
+
+@contextlib.contextmanager
+def viewport(page, width, height):
+    """The page at another size for a while (the module's page is shared)."""
+    size = page.viewport_size
+    page.set_viewport_size({"width": width, "height": height})
+    try:
+        yield
+    finally:
+        page.set_viewport_size(size)
+
+
+# A workflow opened as saved (its extra.ds: the view the frontend restores), at the page's size: every node's
+# rectangle on the screen (title bar included, as the frontend draws it) and the frontend's own chrome around the canvas.
+SAVED_VIEW = """async ([wf, name]) => {
+  const app = window.app, T = window.LiteGraph.NODE_TITLE_HEIGHT;
+  await app.loadGraphData(wf, true, true, name);
+  await new Promise((r) => setTimeout(r, 600));  // DOM widgets and the panel laid out, the view restored
+  const c = app.canvas, box = c.canvas.getBoundingClientRect();
+  const screen = (x, y) => { const [cx, cy] = c.ds.convertOffsetToCanvas([x, y]); return [box.left + cx, box.top + cy]; };
+  const rect = (el) => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  const chrome = {};
+  for (const sel of [".side-tool-bar-container", ".workflow-tabs-container", ".actionbar-container", ".subgraph-breadcrumb"]) {
+    const el = document.querySelector(sel);
+    if (el && el.getBoundingClientRect().width > 0) chrome[sel] = rect(el);
+  }
+  return {view: [c.ds.scale, [...c.ds.offset]], free: rect(document.querySelector(".graph-canvas-panel")), chrome,
+          nodes: app.graph._nodes.map((n) => ({id: n.id, type: n.comfyClass ?? n.type,
+                 rect: [...screen(n.pos[0], n.pos[1] - T), ...screen(n.pos[0] + n.size[0], n.pos[1] + n.size[1])]}))};
+}"""
+WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
+def test_saved_view_shows_every_node_clear_of_the_header_and_sidebar(comfy, page, path):
+    """Issue 33 item 10b: a shipped workflow opened at 1600x1000 with the view it saves (extra.ds) shows every node
+    whole inside the canvas panel the frontend leaves free (below its tabs, breadcrumb and run toolbar, right of its
+    sidebar), covered by none of them (at offset 0,0 the top row was under the header, the left column under the
+    sidebar)."""
+    with open(path) as f:
+        wf = json.load(f)
+    with viewport(page, 1600, 1000):
+        out = page.evaluate(SAVED_VIEW, [wf, os.path.basename(path)])
+        close_error_dialog(page)  # the ERNIE-Image workflows' missing models
+        screenshot(page, f"web_saved_view_{os.path.splitext(os.path.basename(path))[0]}.png")
+    ds = wf["extra"]["ds"]
+    assert out["view"] == [ds["scale"], ds["offset"]], out["view"]  # the frontend restored the saved view
+    free = out["free"]
+    assert free[0] >= out["chrome"][".side-tool-bar-container"][2] and free[1] >= out["chrome"][".workflow-tabs-container"][3]
+    outside = [(n["type"], [round(v) for v in n["rect"]]) for n in out["nodes"]
+               if not (free[0] <= n["rect"][0] and free[1] <= n["rect"][1] and n["rect"][2] <= free[2] and n["rect"][3] <= free[3])]
+    assert outside == [], (outside, free)
+    covered = [(n["type"], sel) for n in out["nodes"] for sel, r in out["chrome"].items() if overlap(n["rect"], r)]
+    assert covered == [], (covered, out["chrome"])
+
+
+# The longest realistic run record: 50 steps with CFG (100 calls), every field at its widest.
+LONGEST_RUN = {"state": "done", "model_calls": 100, "calls_computed": 57, "speedup": 12.34, "sampling_seconds": 3599.4,
+               "timeline": [i % 7 not in (1, 3, 5) for i in range(100)], "cache": {"preset": "balanced"}, "attention": "sageattention",
+               "offload": "layerwise", "offload_detail": "12/36 blocks resident", "quant": "fp8_e4m3fn", "parallel": 8,
+               "warnings": ["steps_mask has 2 entries for a run of 100 model calls: padded with 1 (computed) to 100"]}
+
+# A sampler node (ComfyUI's own KSampler or ours) at its default width, in the graph, its panel showing `record` as the
+# server's run message would bring it (the page's api dispatches it); then every piece of text in the panel: whether it
+# lies whole inside the panel, and every number in it (with its unit) on one line.
+PANEL_TEXT = """async ([type, record]) => {
+  const app = window.app, LG = window.LiteGraph, api = window.comfyAPI.api.api;
+  const node = LG.createNode(type);
+  node.pos = [-2000, -2000];  // away from the graph's nodes
+  app.graph.add(node);
+  app.canvas.ds.scale = 1;
+  app.canvas.ds.offset = [2150, 2180];  // on the screenshot, clear of the side bar and the tabs
+  app.graph.setDirtyCanvas(true, true);
+  const width = node.size[0];
+  api.dispatchEvent(new CustomEvent("sgldiffusion.run", {detail: {...record, node: String(node.id)}}));
+  await new Promise((r) => setTimeout(r, 800));  // laid out, measured (the panel fits itself)
+  const el = document.querySelector(`.sgld-run[data-node-id="${node.id}"]`);
+  const box = el.getBoundingClientRect();
+  const inside = (r) => r.left >= box.left - 0.5 && r.right <= box.right + 0.5 && r.top >= box.top - 0.5 && r.bottom <= box.bottom + 0.5;
+  const cut = [], split = [];
+  const walk = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+  for (let t = walk.nextNode(); t; t = walk.nextNode()) {
+    const range = document.createRange();
+    range.selectNodeContents(t);
+    if (![...range.getClientRects()].every(inside)) cut.push(t.textContent);
+    for (const m of t.textContent.matchAll(/\\d+(?:[./]\\d+)*x?(?:\\s(?:s|min|GPUs|computed|cached))?/g)) {
+      range.setStart(t, m.index);
+      range.setEnd(t, m.index + m[0].length);
+      const lines = new Set([...range.getClientRects()].filter((r) => r.width > 0).map((r) => Math.round(r.top)));
+      if (lines.size > 1) split.push(m[0]);
+    }
+  }
+  return {id: node.id, width, panelWidth: box.width, text: el.innerText, cut, split};
+}"""
+
+
+@pytest.mark.parametrize("node_type", ["KSampler", KSAMPLER])
+def test_run_panel_cuts_no_text_on_a_narrow_sampler(comfy, page, node_type):
+    """Issue 33 item 10c: on ComfyUI's own KSampler (narrower than ours) the panel cut its text mid-number ("wall
+    clock · 11."): with the longest realistic record every piece of text lies whole inside the panel, no number is
+    split from itself or its unit across lines, and all of it is there (the panel wraps at the separators)."""
+    out = page.evaluate(PANEL_TEXT, [node_type, LONGEST_RUN])
+    screenshot(page, f"web_panel_narrow_{node_type}.png")
+    page.evaluate("(id) => window.app.graph.remove(window.app.graph.getNodeById(id))", out["id"])
+    assert out["width"] < 400, out  # a narrow node: the default width
+    assert out["cut"] == [] and out["split"] == [], out
+    text = " ".join(out["text"].split())
+    for part in ("57/100 computed", "12.34x wall clock", "59 min 59 s", "57 computed", "43 cached", "Cache-DiT balanced",
+                 "attention sageattention", "offload layerwise (12/36 blocks resident)", "quant fp8_e4m3fn", "8 GPUs",
+                 LONGEST_RUN["warnings"][0]):
+        assert part in text, (part, out["text"])
+
+
+# The pack's cards in ComfyUI's template browser: each card's title and description, and whether either is cut
+# (the title is one clamped line, the description two).
+TEMPLATE_CARDS = """async (pack) => {
+  await window.app.extensionManager.command.execute("Comfy.BrowseTemplates");
+  const wait = async (f) => { for (let i = 0; i < 100 && !f(); i++) await new Promise((r) => setTimeout(r, 100)); return f(); };
+  const nav = await wait(() => [...document.querySelectorAll("[role=dialog] *")].find((e) => e.children.length === 0
+                                                                                          && e.textContent.trim() === pack));
+  nav.click();
+  await wait(() => document.querySelector('[data-testid^="template-workflow-"]'));
+  await new Promise((r) => setTimeout(r, 500));  // the web extension's descriptions (next frame)
+  const cut = (e) => e.scrollWidth > e.clientWidth + 1 || e.scrollHeight > e.clientHeight + 1;
+  return [...document.querySelectorAll('[data-testid^="template-workflow-"]')].map((card) => {
+    const title = card.querySelector("h3"), text = card.querySelector("p");
+    return {name: card.dataset.testid.slice("template-workflow-".length), title: title.textContent, description: text.textContent,
+            titleCut: cut(title), descriptionCut: cut(text)};
+  });
+}"""
+
+
+def close_template_browser(page):
+    """Its close button, the one at the dialog's top right (Escape does not close it)."""
+    dialog = page.locator(".p-dialog[role=dialog]").first
+    point = page.evaluate("""() => {
+      const d = document.querySelector(".p-dialog[role=dialog]");
+      if (!d) return null;
+      const top = d.getBoundingClientRect().top;
+      const b = [...d.querySelectorAll("button")].map((e) => e.getBoundingClientRect()).filter((r) => r.width && r.top < top + 80)
+        .sort((a, c) => c.right - a.right)[0];
+      return b ? [b.left + b.width / 2, b.top + b.height / 2] : null;
+    }""")
+    if point:
+        page.mouse.click(*point)
+        dialog.wait_for(state="hidden", timeout=5_000)
+
+
+def test_template_cards_show_whole_titles_and_their_own_descriptions(comfy, page):
+    """Issue 33 item 10d: the pack's template cards in the real template browser: every title whole on its one line
+    (the long file names were cut), and a description of the workflow's own, whole, that is not the title again (the
+    frontend makes a custom template's description from its name, hyphens dropped)."""
+    import comfy_server as cs
+
+    with viewport(page, 1600, 1000):  # four cards a row, each at the grid's narrowest (15rem)
+        try:
+            cards = page.evaluate(TEMPLATE_CARDS, cs.PACK_NAME)
+            screenshot(page, "web_template_cards.png")
+        finally:
+            close_template_browser(page)
+    names = sorted(os.path.splitext(os.path.basename(p))[0] for p in WORKFLOWS)
+    assert sorted(c["name"] for c in cards) == names, cards
+    for card in cards:
+        with open(os.path.join(ROOT, "workflows", card["name"] + ".json")) as f:
+            own = json.load(f)["extra"]["sgldiffusion"].get("description")
+        assert card["title"] == card["name"] and not card["titleCut"], card
+        assert card["description"] == own and not card["descriptionCut"], card
+        squeeze = lambda t: "".join(ch for ch in t.lower() if ch.isalnum())  # noqa: E731
+        assert squeeze(card["name"]) not in squeeze(card["description"]), card
 
 
 def test_a_changed_graph_under_the_same_id_shows_no_old_run(comfy, page):

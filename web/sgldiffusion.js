@@ -10,8 +10,9 @@
 //   graph (POST /sgldiffusion/last_runs with the graph's id and its API prompt: runs of another graph under
 //   the same id are not shown), labelled "last run". A run that fails or is interrupted clears
 //   the timeline; results of an earlier prompt are marked as such. The panel grows to what it shows
-//   (a whole error message, every warning). Not run yet, it shows what this ComfyUI lacks for the
-//   ERNIE-Image workflows, if anything (the same request's `compat`, also in the nodes' descriptions).
+//   (a whole error message, every warning). Not run yet, it shows what this ComfyUI lacks of what this graph
+//   needs, if anything (the same request's `compat`: a CLIPLoader of the Ministral-3 file needs ComfyUI 0.19's
+//   text encoder, the demo's graph needs nothing; the nodes' descriptions name all that this ComfyUI lacks).
 // * SGLDiffusion Cache-DiT: web/sgldiffusion_cache.js.
 //
 // Only stable extension APIs: app.registerExtension (beforeRegisterNodeDef, nodeCreated), onExecuted,
@@ -26,14 +27,16 @@ const RUN_EVENT = "sgldiffusion.run";
 const WIDGET = "sgld_run";
 const LAST_RUNS = "/sgldiffusion/last_runs";
 const MARGIN = 4; // the DOM widget's margin inside the node
-let compatNotice = ""; // what this ComfyUI lacks for ERNIE-Image (GET /sgldiffusion/last_runs), "" when nothing
+let compatNotice = ""; // what this ComfyUI lacks of what the graph shown needs (POST /sgldiffusion/last_runs), "" when nothing
 
 // -- styles ----------------------------------------------------------------------------------------------------
 const STYLE = `
 .sgld-run { box-sizing: border-box; width: 100%; padding: 4px 6px; font: 11px/1.35 sans-serif;
   color: var(--input-text, #ddd); background: var(--comfy-input-bg, #222); border-radius: 6px; overflow: hidden; }
-.sgld-run .sgld-head { display: flex; justify-content: space-between; gap: 6px; white-space: nowrap; height: 16px; }
-.sgld-run .sgld-state { font-weight: 600; }
+.sgld-run .sgld-head { display: flex; flex-wrap: wrap; justify-content: space-between; column-gap: 6px; }
+.sgld-run .sgld-state { font-weight: 600; white-space: nowrap; }
+.sgld-run .sgld-item { display: inline-block; max-width: 100%; }
+.sgld-run .sgld-nb { white-space: nowrap; }
 .sgld-run[data-state="done"] .sgld-state { color: #6c6; }
 .sgld-run[data-state="running"] .sgld-state { color: #6af; }
 .sgld-run[data-state="failed"] .sgld-state, .sgld-run[data-state="interrupted"] .sgld-state { color: #e66; }
@@ -42,7 +45,6 @@ const STYLE = `
 .sgld-run .sgld-cell { height: 10px; border-radius: 2px; box-sizing: border-box; min-width: 2px; }
 .sgld-run .sgld-computed { background: #4a9eff; }
 .sgld-run .sgld-cached { background: transparent; border: 1px solid #8a8a8a; }
-.sgld-run .sgld-meta, .sgld-run .sgld-legend { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; height: 15px; }
 .sgld-run .sgld-legend i { display: inline-block; width: 8px; height: 8px; margin: 0 3px 0 0; border-radius: 2px; vertical-align: -1px; }
 .sgld-run .sgld-warn { color: #e9b44c; white-space: pre-wrap; word-break: break-word; }
 .sgld-run .sgld-msg { white-space: pre-wrap; word-break: break-word; }
@@ -66,6 +68,25 @@ function h(tag, cls, text) {
 function fmtSeconds(s) {
   if (typeof s !== "number" || !isFinite(s)) return "";
   return s < 10 ? `${s.toFixed(2)} s` : s < 120 ? `${s.toFixed(1)} s` : `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+}
+
+// Text as nodes where each number and the word after it ("11.2 s", "12/36 blocks") are one unbreakable span.
+function glued(text) {
+  return text.split(/(\d[\d.,/]*x?\s\S+)/).map((t, i) => (i % 2 ? h("span", "sgld-nb", t) : t)).filter((t) => t !== "");
+}
+
+// Items joined by " · ", each an inline block: a line breaks between items, and inside one only when it is longer
+// than the line (at a space, never inside a number or between it and its unit), so a narrow node (ComfyUI's own
+// KSampler) cuts no text.
+function items(tag, cls, parts) {
+  const el = h(tag, cls);
+  parts.filter((p) => p !== null && p !== undefined && p !== "").forEach((p, i) => {
+    if (i) el.append(" · ");
+    const item = h("span", "sgld-item");
+    item.append(...(Array.isArray(p) ? p : [p]).flatMap((x) => (typeof x === "string" ? glued(x) : [x])));
+    el.append(item);
+  });
+  return el;
 }
 
 function timelineOf(stats) {
@@ -201,8 +222,8 @@ class RunPanel {
       this.el.dataset.cached = String(cached);
       // what the cache did (calls computed of the total) first; the speedup is measured on the wall clock of
       // this machine's model calls, so another program on the same CPU/GPU lowers it: said so
-      const speed = typeof s.speedup === "number" ? ` · ${s.speedup.toFixed(2)}x wall clock` : "";
-      const sp = h("span", "sgld-speed", `${computed}/${cells.length} computed${speed} · ${fmtSeconds(s.sampling_seconds)}`);
+      const speed = typeof s.speedup === "number" ? `${s.speedup.toFixed(2)}x wall clock` : "";
+      const sp = items("span", "sgld-speed", [`${computed}/${cells.length} computed`, speed, fmtSeconds(s.sampling_seconds)]);
       sp.title = "computed / total model calls (Cache-DiT reused the rest); the speedup is measured on the wall " +
         "clock of this run's model calls against pricing every call as a computed one, so other work on the machine lowers it";
       head.append(sp);
@@ -217,19 +238,17 @@ class RunPanel {
       });
       el.append(tl);
       height += rows * 11 + 6;
-      const legend = h("div", "sgld-legend");
       const sw = (cls) => {
         const i = h("i", `sgld-cell ${cls}`);
         i.style.height = "8px";
         return i;
       };
-      legend.append(sw("sgld-computed"), `${computed} computed  `, sw("sgld-cached"), `${cached} cached`);
-      legend.append(s.cache ? ` · Cache-DiT ${s.cache.preset ?? s.cache.config ?? "on"}` : " · Cache-DiT off");
-      el.append(legend);
+      el.append(items("div", "sgld-legend", [[sw("sgld-computed"), `${computed} computed`],
+        [sw("sgld-cached"), `${cached} cached`], s.cache ? `Cache-DiT ${s.cache.preset ?? s.cache.config ?? "on"}` : "Cache-DiT off"]));
       const meta = [`attention ${s.attention ?? "?"}`, `offload ${s.offload ?? "?"}${s.offload_detail ? ` (${s.offload_detail})` : ""}`,
         `quant ${s.quant ?? "?"}`];
       if (s.parallel) meta.push(`${s.parallel} GPUs`);
-      const m = h("div", "sgld-meta", meta.join(" · "));
+      const m = items("div", "sgld-meta", meta);
       m.title = meta.join("\n");
       el.append(m);
       height += 36;
