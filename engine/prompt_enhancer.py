@@ -175,6 +175,7 @@ class PromptEnhancer:
         dtype = _dtype(dtype)
         folder, single, files = _weights_and_config(path, config)
         tok_folder = _tokenizer_folder(path, folder, tokenizer)
+        sampling = _sampling(folder)
         transformers = _transformers()
         _check_config(transformers, folder, files)
         try:
@@ -188,7 +189,7 @@ class PromptEnhancer:
             return model, time.perf_counter() - t0
 
         model, seconds = load()
-        pe = cls(model, tok, source=single or folder, sampling=_sampling(folder), device=device, dtype=dtype, loader=load)
+        pe = cls(model, tok, source=single or folder, sampling=sampling, device=device, dtype=dtype, loader=load)
         pe.load_seconds = seconds
         return pe
 
