@@ -32,4 +32,9 @@ class ParallelWorkerError(RuntimeError):
     """A worker died, failed or stopped answering; the pool was stopped and restarts on the next run."""
 
 
+class Cancelled(RuntimeError):
+    """A run its caller stopped (a server request past --request-timeout, or whose client left): it ended at
+    its next step instead of running on for nobody. Not a user error: nobody reads its result."""
+
+
 USER_ERRORS = (CheckpointError, InputError, CacheConfigError, ParallelConfigError, ParallelWorkerError)

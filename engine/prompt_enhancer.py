@@ -19,20 +19,27 @@ import contextlib
 import gc
 import glob
 import json
+import math
 import os
 import tempfile
+import threading
 import time
 from typing import List, Optional, Union
 
 import torch
 
-from .errors import CheckpointError, InputError
+from .errors import Cancelled, CheckpointError, InputError
 from .io.readers import open_file
-from .io.safetensors import refuse_pickle, refuse_pickles_in
+from .io.safetensors import load_json_object, refuse_pickle, refuse_pickles_in
+from .io.shapes import check_layer_counts, check_shapes
 
 DIFFUSERS_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95}  # what diffusers passes generate()
 DEFAULT_MAX_NEW_TOKENS = 2048  # when the tokenizer states no real model_max_length (transformers' 1e30 sentinel)
 MAX_NEW_TOKENS_CAP = 8192  # hard cap on any request: a revised prompt is a paragraph, not a book
+# what the PE reads: the prompt in its chat template (system prompt included), in tokens. A longer one is refused,
+# not cut: cutting would drop the template's closing "Output:". The text encoder reads at most 2048 tokens anyway,
+# and the prefill (the part a cancellation cannot stop) stays seconds long.
+MAX_PROMPT_TOKENS = 4096
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tekken.json", "tokenizer.model")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
@@ -58,7 +65,8 @@ def _dtype(dtype) -> torch.dtype:
 
 
 def _weights_and_config(path: str, config: Optional[str]):
-    """(folder with config.json, the single weight file or None) for a PE folder or one safetensors file."""
+    """(folder with config.json, the single weight file or None, the opened weight files) for a PE folder or one
+    safetensors file."""
     if os.path.isdir(path):
         refuse_pickles_in(path)
         cfg = os.path.join(path, "config.json")
@@ -69,14 +77,13 @@ def _weights_and_config(path: str, config: Optional[str]):
         if not shards:
             raise CheckpointError(f"{path}: no .safetensors weights in the prompt enhancer folder (only "
                                   "safetensors are loaded)")
-        for shard in shards:
-            open_file(shard)  # the header is checked here, with the file named, before transformers reads it
-        return path, None
+        # the headers are checked here, with the file named, before transformers reads them
+        return path, None, [open_file(shard) for shard in shards]
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: prompt enhancer not found (give the release's pe/ folder or a "
                               ".safetensors file with its config.json)")
     refuse_pickle(path)
-    open_file(path)
+    opened = open_file(path)
     folder = config or os.path.dirname(os.path.abspath(path))
     if os.path.isfile(folder):
         folder = os.path.dirname(os.path.abspath(folder))
@@ -84,7 +91,7 @@ def _weights_and_config(path: str, config: Optional[str]):
         raise CheckpointError(f"{os.path.join(folder, 'config.json')}: missing; a single prompt enhancer file "
                               f"('{os.path.basename(path)}') needs its model config beside it or in the folder given "
                               "as config=")
-    return folder, path
+    return folder, path, [opened]
 
 
 def _tokenizer_folder(path: str, weights_folder: str, tokenizer: Optional[str]) -> str:
@@ -102,17 +109,43 @@ def _tokenizer_folder(path: str, weights_folder: str, tokenizer: Optional[str]) 
                           f"{looked}); give the release's pe_tokenizer/ folder (tokenizer=... / --pe-tokenizer)")
 
 
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{path}: not readable: {e}") from None
+    return load_json_object(raw, path)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# each sampling field: (its check, what is allowed); what transformers' logits processors accept
+SAMPLING_RULES = {
+    "do_sample": (lambda v: isinstance(v, bool), "true or false"),
+    "temperature": (lambda v: _is_number(v) and v > 0, "a number above 0"),
+    "top_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number from 0 to 1"),
+    "top_k": (lambda v: type(v) is int and v >= 0, "a whole number from 0 (off) up"),
+}
+
+
 def _sampling(folder: str) -> dict:
-    """The release's sampling settings (generation_config.json), else diffusers' values."""
+    """The release's sampling settings (generation_config.json), else diffusers' values; each field's type and
+    range checked here, at load, naming the file and field (not a ValueError on every request later)."""
     path = os.path.join(folder, "generation_config.json")
     if not os.path.isfile(path):
         return dict(DIFFUSERS_SAMPLING)
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not readable JSON: {e}") from None
-    found = {k: cfg[k] for k in SAMPLING_KEYS if k in cfg}
+    cfg = _read_json(path)
+    found = {k: cfg[k] for k in SAMPLING_KEYS if cfg.get(k) is not None}  # null: not set, as transformers reads it
+    for key, value in found.items():
+        valid, allowed = SAMPLING_RULES[key]
+        if not valid(value):
+            raise CheckpointError(f"{path}: field '{key}' must be {allowed} (got {json.dumps(value)[:40]})")
+    for key in ("temperature", "top_p"):  # transformers wants floats: a JSON 2 is 2.0
+        if key in found:
+            found[key] = float(found[key])
     if "do_sample" not in found:  # a file with temperature/top_p but no do_sample means sampling, as diffusers does
         found["do_sample"] = any(k in found for k in ("temperature", "top_p", "top_k"))
     return found
@@ -140,9 +173,11 @@ class PromptEnhancer:
         path = os.fspath(path)
         device = torch.device(device or "cpu")
         dtype = _dtype(dtype)
-        folder, single = _weights_and_config(path, config)
+        folder, single, files = _weights_and_config(path, config)
         tok_folder = _tokenizer_folder(path, folder, tokenizer)
+        sampling = _sampling(folder)
         transformers = _transformers()
+        _check_config(transformers, folder, files)
         try:
             tok = transformers.AutoTokenizer.from_pretrained(tok_folder)
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -154,7 +189,7 @@ class PromptEnhancer:
             return model, time.perf_counter() - t0
 
         model, seconds = load()
-        pe = cls(model, tok, source=single or folder, sampling=_sampling(folder), device=device, dtype=dtype, loader=load)
+        pe = cls(model, tok, source=single or folder, sampling=sampling, device=device, dtype=dtype, loader=load)
         pe.load_seconds = seconds
         return pe
 
@@ -175,13 +210,26 @@ class PromptEnhancer:
         return ([{"role": "system", "content": system_prompt}] if system_prompt is not None else []) + \
             [{"role": "user", "content": user}]
 
+    def prompt_ids(self, prompt: str, width: int, height: int, system_prompt: Optional[str] = None) -> torch.Tensor:
+        """The prompt in the chat template as token ids [1, T]; InputError past ``MAX_PROMPT_TOKENS``."""
+        tok = self.tokenizer
+        text = tok.apply_chat_template(self.messages(prompt, width, height, system_prompt), tokenize=False,
+                                       add_generation_prompt=False)
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        if ids.shape[1] > MAX_PROMPT_TOKENS:
+            raise InputError(f"prompt: {ids.shape[1]} tokens in the prompt enhancer's chat template (system prompt "
+                             f"included), over its limit of {MAX_PROMPT_TOKENS} tokens; shorten the prompt")
+        return ids
+
     @torch.no_grad()
     def enhance(self, prompts: Union[str, List[str]], width: int, height: int, seed: Optional[int] = None,
                 max_new_tokens: Optional[int] = None, greedy: bool = False,
-                system_prompt: Optional[str] = None) -> List[str]:
+                system_prompt: Optional[str] = None, stop: Optional[threading.Event] = None) -> List[str]:
         """The revised prompts, one per prompt, each generated alone (no padding, as diffusers). With ``seed``,
         prompt i is sampled from seed + i on a forked RNG (the caller's RNG state is untouched), so a result
-        does not depend on what ran before; ``greedy``: argmax decoding (what parity tests compare)."""
+        does not depend on what ran before; ``greedy``: argmax decoding (what parity tests compare). Every
+        prompt is checked against ``MAX_PROMPT_TOKENS`` before any runs. ``stop``: once set (the server's
+        request timed out or its client left), generation ends at the next token and Cancelled is raised."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
@@ -192,23 +240,23 @@ class PromptEnhancer:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise InputError(f"seed must be a non-negative whole number (got {seed!r})")
         limit = self.max_new_tokens(max_new_tokens)
+        ids = [self.prompt_ids(p, width, height, system_prompt) for p in prompts]
         if self.model is None:
             if self._loader is None:
                 raise InputError(f"{self.source}: the prompt enhancer was released and cannot be loaded again")
             self.model, self.load_seconds = self._loader()
         t0 = time.perf_counter()
         out, self.new_tokens = [], []
-        for i, prompt in enumerate(prompts):
-            out.append(self._one(prompt, width, height, None if seed is None else (seed + i) % 2 ** 64, limit, greedy,
-                                 system_prompt))
+        for i, prompt_ids in enumerate(ids):
+            out.append(self._one(prompt_ids, None if seed is None else (seed + i) % 2 ** 64, limit, greedy, stop))
         self.seconds = time.perf_counter() - t0
         return out
 
-    def _one(self, prompt, width, height, seed, limit, greedy, system_prompt) -> str:
+    def _one(self, prompt_ids, seed, limit, greedy, stop) -> str:
         tok = self.tokenizer
-        text = tok.apply_chat_template(self.messages(prompt, width, height, system_prompt), tokenize=False,
-                                       add_generation_prompt=False)
-        inputs = tok(text, return_tensors="pt").to(self.device)
+        if stop is not None and stop.is_set():  # stopped while it waited (for the server's PE lock)
+            raise Cancelled("the prompt enhancer was stopped before it began")
+        inputs = {"input_ids": prompt_ids.to(self.device), "attention_mask": torch.ones_like(prompt_ids, device=self.device)}
         sampling = {"do_sample": False} if greedy else dict(self.sampling)
         if not sampling.get("do_sample"):
             sampling = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
@@ -218,8 +266,11 @@ class PromptEnhancer:
         with torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext():
             if seed is not None:
                 torch.manual_seed(seed)
-            ids = self.model.generate(**inputs, generation_config=generation)
-        new = ids[0][inputs["input_ids"].shape[1]:]
+            ids = self.model.generate(**inputs, generation_config=generation,
+                                      stopping_criteria=None if stop is None else _stopping(stop))
+        if stop is not None and stop.is_set():
+            raise Cancelled("the prompt enhancer was stopped while it wrote")
+        new = ids[0][prompt_ids.shape[1]:]
         self.new_tokens.append(int(new.numel()))
         return tok.decode(new, skip_special_tokens=True).strip()
 
@@ -229,6 +280,35 @@ class PromptEnhancer:
         gc.collect()
         if self.device.type == "cuda" and torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _stopping(stop: threading.Event):
+    """transformers' stopping criteria that end generation at the next token once ``stop`` is set."""
+    transformers = _transformers()
+
+    class Stopped(transformers.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
+
+    return transformers.StoppingCriteriaList([Stopped()])
+
+
+def _check_config(transformers, folder: str, files) -> None:
+    """config.json against the weights' headers before transformers allocates anything: the model built on the
+    meta device (no memory), its parameter shapes compared with the files' (engine/io/shapes.py)."""
+    path = os.path.join(folder, "config.json")
+    raw = _read_json(path)
+    check_layer_counts(raw, sum(len(f.keys()) for f in files), path)
+    if "quantization_config" in raw:  # packed tensors: their shapes are transformers' quantizer's to check
+        return
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: transformers cannot build a causal LM from it: {str(e)[:300]}") from None
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    check_shapes(shapes, files, raw, path)
 
 
 def _load_model(transformers, folder: str, single: Optional[str], device, dtype):

@@ -8,12 +8,13 @@ import json
 import os
 import re
 import subprocess
+import time
 
 import openai
 import pytest
 import requests
 
-from engine.prompt_enhancer import PromptEnhancer
+from engine.prompt_enhancer import MAX_PROMPT_TOKENS, PromptEnhancer
 from tests.test_cli_errors import ENV, SGLD, png_pixels, sgld
 from tests.test_serve import Server, client
 from tests.tiny_pe import write_tiny_pe
@@ -196,7 +197,7 @@ class ArticleServer(Server):
 def test_article_serve_command_with_enhance_prompt(release, hub_cache, tmp_path):
     """The article's repo id, found in the (test's) local Hugging Face cache; plus --pe and --enable-mix-parallel."""
     server = ArticleServer(tmp_path / "serve.log", "baidu/ERNIE-Image-Turbo", "--pe", "--enable-mix-parallel",
-                           env={"HF_HUB_CACHE": hub_cache}).wait_ready()
+                           "--request-timeout", "10", env={"HF_HUB_CACHE": hub_cache}).wait_ready()
     try:
         sdk = client(server)
         model = sdk.models.list().data[0].id
@@ -214,6 +215,20 @@ def test_article_serve_command_with_enhance_prompt(release, hub_cache, tmp_path)
         assert raw["pe_time_s"] > 0 and raw["data"][0]["revised_prompt"] == revised
         assert "pe_time_s" not in server.post("/v1/images/generations", {"prompt": "a cat", "size": "64x64",
                                                                          "num_inference_steps": 1}).json()
+
+        # a 150,000-character prompt: a 400 naming the field and the PE's limit at once (it ran for minutes, past
+        # --request-timeout, holding the PE), and the next request's enhancement is not held up
+        t0 = time.perf_counter()
+        huge = server.post("/v1/images/generations", {"prompt": "a red cat " * 15000, "size": "64x64",
+                                                      "num_inference_steps": 1, "enhance_prompt": True})
+        assert huge.status_code == 400 and huge.json()["error"]["param"] == "prompt", huge.text
+        assert f"over its limit of {MAX_PROMPT_TOKENS} tokens" in huge.json()["error"]["message"]
+        assert time.perf_counter() - t0 < 5
+        t0 = time.perf_counter()
+        after = server.post("/v1/images/generations", {"prompt": "a red cat", "size": "64x64", "seed": 5,
+                                                       "num_inference_steps": 2, "enhance_prompt": True})
+        assert after.status_code == 200 and after.json()["data"][0]["revised_prompt"] == revised, after.text
+        assert time.perf_counter() - t0 < 8
     finally:
         assert server.stop() == 0, server.log()
 
@@ -232,5 +247,33 @@ def test_enhance_prompt_without_pe_is_400(release, tmp_path):
         body = requests.post(server.base + "/images/generations", json={"prompt": "x", "enhance_prompt": "yes"},
                              timeout=30)
         assert body.status_code == 400 and body.json()["error"]["param"] == "enhance_prompt"
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) a process has used, from /proc."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_request_timeout_stops_the_prompt_enhancer(tmp_path):
+    """`sgld serve --pe <a PE that never ends> --request-timeout 2`: the request is a 503 after 2 s, and the PE
+    stops writing then (it wrote on for minutes, holding the PE lock, for nobody): the server goes idle."""
+    pe = write_tiny_pe(str(tmp_path), generation={"do_sample": False}, endless=True)[0]
+    server = Server(tmp_path / "serve.log", "--pe", pe, "--pe-max-new-tokens", "8192", "--request-timeout", "2")
+    server.wait_ready()
+    try:
+        t0 = time.perf_counter()
+        slow = server.post("/v1/images/generations", {"prompt": "a red cat", "num_inference_steps": 1,
+                                                      "enhance_prompt": True})
+        assert slow.status_code == 503 and slow.json()["error"]["code"] == "timeout", slow.text
+        assert time.perf_counter() - t0 < 6
+        time.sleep(0.5)
+        used = cpu_seconds(server.proc.pid)
+        time.sleep(2)
+        used = cpu_seconds(server.proc.pid) - used
+        assert used < 0.3, f"the server still works for the timed-out request: {used:.2f} CPU s in 2 s"
+        assert server.healthy()
     finally:
         assert server.stop() == 0, server.log()

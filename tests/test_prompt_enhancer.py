@@ -2,16 +2,22 @@
 random PE (tests/tiny_pe.py: built from configs, no downloads), and its bad inputs."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import subprocess
+import sys
+import threading
+import time
 import types
 
 import pytest
 import torch
 
-from engine.errors import CheckpointError, InputError
-from engine.prompt_enhancer import MAX_NEW_TOKENS_CAP, PromptEnhancer
-from tests.tiny_pe import MAX_LENGTH, write_tiny_pe
+from engine.errors import Cancelled, CheckpointError, InputError
+from engine.prompt_enhancer import MAX_NEW_TOKENS_CAP, MAX_PROMPT_TOKENS, PromptEnhancer
+from tests.tiny_pe import MAX_LENGTH, read_json, write_tiny_pe
 
 pytest.importorskip("transformers")
 diffusers_pe = pytest.importorskip("diffusers.pipelines.ernie_image.pipeline_ernie_image")
@@ -164,3 +170,90 @@ def test_own_dtype_and_device(release):
     assert torch.equal(torch.cuda.get_rng_state(), state)
     gpu.release()
     assert gpu.model is None
+
+
+def edited_copy(tmp_path, release, name: str, **changes) -> str:
+    """A copy of the tiny PE folder with fields of its JSON file ``name`` changed."""
+    folder = tmp_path / f"pe-{len(os.listdir(tmp_path))}"
+    shutil.copytree(release[0], folder)
+    data = read_json(folder / name)
+    data.update(changes)
+    (folder / name).write_text(json.dumps(data))
+    return str(folder)
+
+
+def test_generation_config_checked_at_load(tmp_path, release):
+    """A bad sampling setting is refused at load naming the file and field, not a ValueError on every request."""
+    for field, value, allowed in (("temperature", "hot", "a number above 0"), ("temperature", -1, "a number above 0"),
+                                  ("top_k", -5, "a whole number from 0"), ("top_k", 2.5, "a whole number from 0"),
+                                  ("top_p", 1.5, "a number from 0 to 1"), ("do_sample", "yes", "true or false")):
+        folder = edited_copy(tmp_path, release, "generation_config.json", **{field: value})
+        with pytest.raises(CheckpointError, match=rf"generation_config\.json: field '{field}' must be {allowed}"):
+            PromptEnhancer.from_pretrained(folder, tokenizer=release[1])
+    # a JSON whole number is a number (transformers' processors want a float temperature)
+    pe = PromptEnhancer.from_pretrained(edited_copy(tmp_path, release, "generation_config.json", temperature=2, top_k=0),
+                                        tokenizer=release[1])
+    assert pe.sampling["temperature"] == 2.0 and pe.enhance(PROMPTS[:1], 64, 64, seed=0)
+
+
+def test_prompt_over_the_token_limit_is_refused_before_any_runs(enhancer):
+    long = "a cat " * 1200  # about 4800 tokens in the chat template: past the limit, and seconds of prefill
+    t0 = time.perf_counter()
+    with pytest.raises(InputError, match=rf"prompt: \d+ tokens .* over its limit of {MAX_PROMPT_TOKENS} tokens"):
+        enhancer.enhance([PROMPTS[0], long], 64, 64, greedy=True)
+    assert time.perf_counter() - t0 < 1.5
+    assert enhancer.enhance(["a cat " * 300], 64, 64, greedy=True)  # ~1200 tokens: read
+
+
+def test_stop_ends_the_generation_at_the_next_token(tmp_path):
+    """What `sgld serve` sets when a request times out or its client leaves: the PE stops writing (and frees
+    the server's PE lock) instead of running on for nobody. An endless PE writes until max_new_tokens."""
+    pe = PromptEnhancer.from_pretrained(write_tiny_pe(str(tmp_path), generation={"do_sample": False}, endless=True)[0])
+    assert pe.enhance(PROMPTS[:1], 64, 64, max_new_tokens=20) and pe.new_tokens == [20]
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    t0 = time.perf_counter()
+    with pytest.raises(Cancelled, match="stopped while it wrote"):
+        pe.enhance(PROMPTS[:1], 64, 64, max_new_tokens=MAX_NEW_TOKENS_CAP, stop=stop)  # minutes if not stopped
+    assert time.perf_counter() - t0 < 3
+    with pytest.raises(Cancelled, match="stopped before it began"):
+        pe.enhance(PROMPTS[:1], 64, 64, stop=stop)
+
+
+ABSURD_CONFIGS = r"""
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # the old code's allocations die here, not on the machine
+from engine.errors import CheckpointError
+from engine.prompt_enhancer import PromptEnhancer
+from transformers import Ministral3ForCausalLM  # imported before the clock starts
+for folder in sys.argv[2:]:
+    t0 = time.perf_counter()
+    try:
+        PromptEnhancer.from_pretrained(folder, tokenizer=sys.argv[1])
+        print(json.dumps({"loaded": folder}), flush=True)
+    except CheckpointError as e:
+        print(json.dumps({"error": str(e), "seconds": time.perf_counter() - t0}), flush=True)
+"""
+
+
+def test_config_sizes_checked_against_the_weights_before_allocation(tmp_path, release):
+    """config.json against the safetensors header, on the meta device: absurd sizes are refused in about a second
+    naming the file and the field, before transformers allocates (or builds a million layers). In a child
+    process under an address-space limit, so that the old code fails cheaply."""
+    cases = [({"vocab_size": 2_000_000, "hidden_size": 20_000, "head_dim": 5_000}, r"field 'vocab_size' = 2000000 "
+              r"makes 'model\.embed_tokens\.weight' \[2000000, 20000\], but .*model\.safetensors holds it as \[300, 32\]"),
+             ({"num_hidden_layers": 1_000_000}, r"field 'num_hidden_layers' is 1000000, but the weights hold only 20 tensors"),
+             ({"num_hidden_layers": 3}, r"describe 37,472 parameter values, but the weights .* hold 28,192 "
+              r"\('model\.layers\.2\.self_attn\.q_proj\.weight' is not among them\)"),
+             ({"tie_word_embeddings": False}, r"'lm_head\.weight' is not among them")]
+    folders = [edited_copy(tmp_path, release, "config.json", **changes) for changes, _ in cases]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    done = subprocess.run([sys.executable, "-c", ABSURD_CONFIGS, release[1], *folders], capture_output=True, text=True,
+                          timeout=120, env=env)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == len(cases), done.stdout + done.stderr[-3000:]
+    for (_, pattern), folder, result in zip(cases, folders, results):
+        assert "error" in result, result
+        assert result["error"].startswith(os.path.join(folder, "config.json") + ": "), result
+        assert re.search(pattern, result["error"]), result
+        assert result["seconds"] < 20, result  # about a second each here

@@ -1,7 +1,9 @@
 """A tiny random prompt enhancer in the release's layout (``pe/`` + ``pe_tokenizer/``), built from configs with
 transformers and the ``tokenizers`` library (no downloads): a 2-layer Ministral3ForCausalLM, a byte-level BPE
 tokenizer trained on a few sentences, and a chat template that ends the user block with "Output:" as the
-release's does. ``write_tiny_pe(root)`` -> (pe folder, pe_tokenizer folder)."""
+release's does. ``write_tiny_pe(root)`` -> (pe folder, pe_tokenizer folder). ``endless=True``: the end-of-text
+token's (tied) embedding row is zero, so its logit is 0 while the best other one is above it: with greedy
+decoding (``generation={"do_sample": False}``) the PE writes until max_new_tokens, a slow request on demand."""
 from __future__ import annotations
 
 import json
@@ -21,7 +23,7 @@ CORPUS = [
 MAX_LENGTH = 12  # the tokenizer's model_max_length: diffusers' max_new_tokens
 
 
-def write_tiny_pe(root: str, seed: int = 0, generation: dict | None = None):
+def write_tiny_pe(root: str, seed: int = 0, generation: dict | None = None, endless: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, Ministral3Config, Ministral3ForCausalLM, PreTrainedTokenizerFast
 
@@ -48,6 +50,8 @@ def write_tiny_pe(root: str, seed: int = 0, generation: dict | None = None):
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.5)
+        if endless:
+            model.get_input_embeddings().weight[ids["</s>"]] = 0
     model.save_pretrained(pe, safe_serialization=True)
     gen = GenerationConfig(bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
                            **(generation if generation is not None else {"do_sample": True, "temperature": 0.6, "top_p": 0.95}))

@@ -133,9 +133,9 @@ def served_model(args) -> ServedModel:
 
 
 def _enhancer(pe, max_new_tokens):
-    """(prompt, width, height, seed) -> (revised prompt, seconds): the server's call into the PE."""
-    def enhance(prompt: str, width: int, height: int, seed: int):
-        return pe.enhance([prompt], width, height, seed=seed, max_new_tokens=max_new_tokens)[0], pe.seconds
+    """(prompt, width, height, seed, stop) -> (revised prompt, seconds): the server's call into the PE."""
+    def enhance(prompt: str, width: int, height: int, seed: int, stop):
+        return pe.enhance([prompt], width, height, seed=seed, max_new_tokens=max_new_tokens, stop=stop)[0], pe.seconds
     return enhance
 
 

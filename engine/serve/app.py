@@ -30,14 +30,14 @@ from fastapi.responses import JSONResponse, Response
 from PIL import Image
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import USER_ERRORS, CheckpointError
+from ..errors import USER_ERRORS, CheckpointError, InputError
 from ..io.safetensors import load_json_object
 from ..sampling import MAX_SEED
 from .batcher import BatcherClosed, Job
 from .guard import Guard
 from .loras import Loras
 from .metrics import CLIENT_GONE, Metrics
-from .protocol import ApiError, Generation, SetLoraRequest, UnsetLoraRequest, error_body, parse, parse_generation
+from .protocol import ApiError, Generation, SetLoraRequest, UnsetLoraRequest, bad_field, error_body, parse, parse_generation
 from .sample_route import sample_router
 
 log = logging.getLogger("sgld")
@@ -61,8 +61,9 @@ class ServedModel:
     default_steps: int
     default_cfg: float
     root: str = ""  # the model's file
-    # the prompt enhancer (sgld serve --pe): (prompt, width, height, seed) -> (revised prompt, seconds); None: none
-    enhance: Optional[Callable[[str, int, int, int], Tuple[str, float]]] = None
+    # the prompt enhancer (sgld serve --pe): (prompt, width, height, seed, stop event) -> (revised prompt, seconds),
+    # ending early (Cancelled) once the event is set; None: none
+    enhance: Optional[Callable[[str, int, int, int, threading.Event], Tuple[str, float]]] = None
 
 
 @dataclass
@@ -214,9 +215,21 @@ class ImageServer:
     async def encode(self, prompt: str) -> torch.Tensor:
         return await asyncio.to_thread(self._encode_alone, prompt)
 
-    def _enhance_alone(self, prompt: str, width: int, height: int, seed: int):
+    def _enhance_alone(self, prompt: str, width: int, height: int, seed: int, stop: threading.Event):
         with self._pe_lock:
-            return self.served.enhance(prompt, width, height, seed)
+            return self.served.enhance(prompt, width, height, seed, stop)
+
+    async def enhance(self, gen: Generation, seed: int):
+        """The PE's (revised prompt, seconds). When the request ends first (timeout, client gone), ``stop`` ends
+        the PE's generation at its next token, so the lock is free for the next request; a prompt over the
+        PE's limit is a 400 naming the field."""
+        stop = threading.Event()
+        try:
+            return await asyncio.to_thread(self._enhance_alone, gen.prompt, gen.width, gen.height, seed, stop)
+        except InputError as e:
+            raise bad_field("prompt", str(e)) from None
+        finally:
+            stop.set()
 
     async def submit(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
         """The jobs to the batcher (all checked before any is queued), prepared (checks, noise, mask) in one of
@@ -266,7 +279,7 @@ class ImageServer:
         seed = random.randrange(MAX_SEED + 1) if gen.seed is None else gen.seed
         revised, pe_s = None, 0.0
         if gen.enhance_prompt:  # once per request (diffusers: once per prompt): every image shows the same text
-            revised, pe_s = await asyncio.to_thread(self._enhance_alone, gen.prompt, gen.width, gen.height, seed)
+            revised, pe_s = await self.enhance(gen, seed)
         cond = await self.encode(gen.prompt if revised is None else revised)
         uncond = await self.encode(gen.negative_prompt)
         seeds = [(seed + i) % (MAX_SEED + 1) for i in range(gen.n)]  # image i: the request's seed + i
