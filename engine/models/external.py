@@ -143,7 +143,8 @@ def _check_sizes(module: torch.nn.Module, have: dict, path: str, what: str, conf
     found = {id(v) for k, v in want.items() if k in have}  # tied weights: one of their names in the file is enough
     missing = [k for k, v in want.items() if k not in have and id(v) not in found]
     extra = [k for k in have if k not in want] if strict else []
-    bad = next((k for k in want if k in have and tuple(have[k].shape) != tuple(want[k].shape)), None)
+    bad = max((k for k in want if k in have and tuple(have[k].shape) != tuple(want[k].shape)), default=None,
+              key=lambda k: want[k].numel())  # the largest: the one the config's sizes show best
     config_path = f" {config_path}" if config_path else ""
     if missing or extra or bad:
         key = bad or (missing or extra)[0]
