@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 import tiny_release
 from engine.loading import load_model
 from engine.models.external import Flux2VAE, TextEncoder
-from engine.models.random_weights import SIZES, save_random_checkpoint
+from engine.models.random_weights import SIZES, random_state_dict, save_random_checkpoint
+from safetensors.torch import save_file
 
 tmp = sys.argv[2]
 
@@ -74,6 +75,12 @@ os.makedirs(dit)
 save_random_checkpoint(os.path.join(dit, "diffusion_pytorch_model.safetensors"), SIZES["tiny"])
 with open(os.path.join(dit, "config.json"), "w") as f:
     json.dump({"hidden_size": 10 ** 6, "num_layers": 10 ** 6, "ffn_hidden_size": 10 ** 7}, f)
+single = os.path.join(tmp, "single")  # a DiT file: its metadata's config restates, a config.json beside is not read
+os.makedirs(single)
+save_file(random_state_dict(SIZES["tiny"]), os.path.join(single, "dit.safetensors"),
+          metadata={"ernie_image_config": json.dumps({"hidden_size": 10 ** 6, "num_layers": 10 ** 6})})
+save_random_checkpoint(os.path.join(single, "plain.safetensors"), SIZES["tiny"])
+shutil.copy(os.path.join(dit, "config.json"), single)
 wv, dv = copy(vae, "wide_vae", wide_vae), copy(vae, "deep_vae", deep_vae)
 wt, dt = copy(te, "wide_te", wide_te), copy(te, "deep_te", deep_te)
 cases = {
@@ -85,6 +92,8 @@ cases = {
     "te_layers": lambda: TextEncoder.load(os.path.join(dt, "model.safetensors")),
     "dit_release": lambda: load_model(os.path.join(tmp, "release")),
     "dit_folder": lambda: load_model(dit),
+    "dit_metadata": lambda: load_model(os.path.join(single, "dit.safetensors")),
+    "dit_beside": lambda: load_model(os.path.join(single, "plain.safetensors")),
 }
 with open("/proc/self/status") as f:
     vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
@@ -120,6 +129,7 @@ def refused(tmp_path_factory):
     ("te_layers", "deep_te/config.json", r"field 'text_config.num_hidden_layers' = 100000000"),
     ("dit_release", "release/transformer/config.json", r"field 'hidden_size' = 1000000"),
     ("dit_folder", "release/transformer/config.json", r"field 'hidden_size' = 1000000"),
+    ("dit_metadata", "single/dit.safetensors", r"metadata 'ernie_image_config': field 'hidden_size' = 1000000"),
 ])
 def test_absurd_config_is_refused_before_allocation(refused, case, file, field):
     import re
@@ -131,3 +141,9 @@ def test_absurd_config_is_refused_before_allocation(refused, case, file, field):
     assert os.path.join(tmp, file) in got["error"] and re.search(field, got["error"]), got["error"]
     # measured: 0 MB and ~0.03 s each; before the fix a raw RuntimeError asking for 57.6 GB / 160 GB
     assert got["growth_mb"] < 200 and got["cpu_s"] < 5, got
+
+
+def test_a_config_beside_a_dit_file_is_not_what_sizes_it(refused):
+    """A single DiT file is sized by its header alone: the absurd config.json beside it allocates nothing."""
+    results, _ = refused
+    assert results["dit_beside"]["error"] == "loaded" and results["dit_beside"]["growth_mb"] < 200, results["dit_beside"]
