@@ -9,6 +9,11 @@ tokenizer files inside it or in the sibling ``tokenizer/``; ``vae/``) or a singl
 config: ``config=`` (a folder holding config.json) or config.json beside the file; the VAE falls back on
 AutoencoderKLFlux2's defaults (the Flux.2 VAE's own sizes), the text encoder has no such default.
 
+Sizes are checked before anything is allocated: the config's layer counts against the weights' tensor count,
+then the model built on the meta device from the config against the safetensors header (``_check_sizes``), and
+only then the model built for real and loaded; a config saying ``block_out_channels [40000, 40000]`` beside a
+small file is a CheckpointError naming the file, key and config field, not a 57.6 GB allocation.
+
 Conventions (shared/reference/ernie_image.md §3): the prompt's features are the hidden states that
 *enter* the last decoder layer (``hidden_states[-2]``, no final norm), one prompt at a time with
 BOS first; the DiT's latent is the VAE latent patchified 2x2 (128 channels at 1/16 of the image)
@@ -134,10 +139,11 @@ def _on_meta(build):
 
 def _check_sizes(module: torch.nn.Module, have: dict, path: str, what: str, config: Optional[dict] = None,
                  config_path: str = "", strict: bool = True, rename=lambda key: key) -> None:
-    """``module`` (built on the meta device from its config) against the weights' header ``have`` (key -> tensor,
-    in the module's names) before anything is allocated: every parameter and persistent buffer present in its shape
-    (``strict``: and no other key; ``rename``: the module's names as ``have`` gives them), and the buffers the config alone makes bounded by the file's size. A mismatch
-    is a CheckpointError naming the file, the key and the config field, not a torch trace or a 50 GB allocation."""
+    """``module`` (built on the meta device from its config) against the weights' header ``have`` (key -> tensor;
+    ``rename``: the module's names as ``have`` gives them) before anything is allocated: every parameter and
+    persistent buffer present in its shape (``strict``: and no other key), and the buffers the config alone makes
+    bounded by the file's size. A mismatch is a CheckpointError naming the file, the key and the config field,
+    not a torch trace or a 50 GB allocation."""
     want = {rename(k): v for k, v in module.state_dict(keep_vars=True).items()}
     have = {**{k: v for k, v in want.items() if k.endswith("num_batches_tracked")}, **have}  # a counter, not a weight
     found = {id(v) for k, v in want.items() if k in have}  # tied weights: one of their names in the file is enough
@@ -237,13 +243,17 @@ class TextEncoder:
         have = _text_tower_keys(header) if single else {_te_name(k): v for k, v in header.items()}
         _check_sizes(meta, have, path, "text encoder", full.to_dict(), config_path, strict=single, rename=_te_name)
         del meta
-        if not single:
-            model = transformers.AutoModel.from_pretrained(path, dtype=dtype, use_safetensors=True)
-        else:  # not randomly initialised: every weight is the file's (the features never enter the vision tower)
-            from transformers.initialization import no_init_weights
+        try:
+            if not single:
+                model = transformers.AutoModel.from_pretrained(path, dtype=dtype, use_safetensors=True)
+            else:  # not randomly initialised: every weight is the file's (the features never enter the vision tower)
+                from transformers.initialization import no_init_weights
 
-            with no_init_weights():
-                model = transformers.AutoModel.from_config(cfg, dtype=dtype)
+                with no_init_weights():
+                    model = transformers.AutoModel.from_config(cfg, dtype=dtype)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InputError(f"text encoder '{path}' could not be loaded by transformers: {e}") from None
+        if single:
             _load(model, _text_tower_keys(_read_single_file(path)))
         return cls(model.to(device).eval(), tokenizer, device)
 
@@ -287,11 +297,12 @@ class Flux2VAE:
             raise InputError(f"VAE '{path}' could not be loaded as a Flux2 VAE by diffusers: {e}") from None
         _check_sizes(meta, have, path, "VAE", cfg, config_path, strict=single)
         del meta
-        if not single:
-            vae = diffusers.AutoencoderKLFlux2.from_pretrained(path, torch_dtype=torch.float32, use_safetensors=True,
-                                                               low_cpu_mem_usage=False)
-        else:
-            vae = diffusers.AutoencoderKLFlux2.from_config(cfg)
+        try:
+            vae = diffusers.AutoencoderKLFlux2.from_config(cfg) if single else diffusers.AutoencoderKLFlux2.from_pretrained(
+                path, torch_dtype=torch.float32, use_safetensors=True, low_cpu_mem_usage=False)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InputError(f"VAE '{path}' could not be loaded as a Flux2 VAE by diffusers: {e}") from None
+        if single:
             _load(vae, _vae_keys(_read_single_file(path), vae.config))
         return cls(vae.float().to(device).eval(), device)
 
