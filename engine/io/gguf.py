@@ -2,10 +2,10 @@
 with the GGUF magic), as unsloth and city96's ComfyUI-GGUF write them.
 
 The header is parsed by ``gguf.GGUFReader`` (the format's reference Python reader, memory-mapped), but only
-after ``_scan`` walked it once itself, bounding every count and length by the bytes really left in the file
-(the reference reader would loop over, or allocate for, whatever count a damaged header states). Then each
-tensor is checked as strictly as a safetensors entry: a type of ``READ_TYPES``, 1-4 positive
-dims, whole blocks per row, an aligned offset, its bytes inside the file and no two tensors sharing bytes.
+after ``_scan`` walked it once itself, bounding every count and length by the bytes really left in the file and
+the tensor count by a DiT's (``MAX_TENSORS``), and checking each tensor as strictly as a safetensors entry: a type
+of ``READ_TYPES``, 1-4 positive dims, whole blocks per row, an aligned offset, its bytes inside the file and no two
+tensors sharing bytes (the reference reader would loop over, and build objects for, whatever a header states).
 ComfyUI-GGUF's convention is honoured: a tensor stored reshaped has its torch shape in the metadata key
 ``comfy.gguf.orig_shape.<name>`` (an INT32 array). Quantized tensors are reported as U8 in their torch
 (logical) shape and read as their raw bytes, [rows, bytes per row]; the weight formats of
@@ -34,6 +34,10 @@ MAX_NAME = 4096  # a key or tensor name (ggml itself allows 64 bytes)
 MAX_ARRAY_ITEMS = 1 << 16  # all metadata arrays together: the reference reader makes objects per item
 MAX_DEPTH = 3  # arrays of arrays
 MAX_DIMS = 4  # GGML_MAX_DIMS
+# A DiT's tensors: ERNIE-Image 8B has 409 (11 per layer); MAX_LAYERS (512) of its layers fit. The reference reader
+# builds objects per tensor and per key (300,000 took it 57 s and 1.6 GB), so the counts are bounded before it runs.
+MAX_TENSORS = 8192
+MAX_KV = MAX_TENSORS + 1024  # general.* keys and a comfy.gguf.orig_shape.<name> per tensor
 ORIG_SHAPE_KEY = "comfy.gguf.orig_shape."
 # GGUF value types -> (struct format, size) of the scalar ones; 8 = string, 9 = array
 SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
@@ -116,7 +120,8 @@ class _Scan:
 
 def _scan(path: str, buf, size: int):
     """Walk the fixed header, every key/value and every tensor info within the file, and check each tensor
-    (a supported type, 1-4 positive dims, whole blocks per row, an aligned offset, its bytes inside the file).
+    (a supported type, 1-4 positive dims, whole blocks per row, an aligned offset, its bytes inside the file, no
+    shared bytes), all before the reference reader runs: the work is bounded by MAX_TENSORS and the file's size.
     Returns ({name: (qtype, torch shape, absolute offset, bytes)}, kv count, data start, alignment)."""
     s = _Scan(path, buf, size)
     if size < 24 or bytes(buf[:4]) != MAGIC:
@@ -131,8 +136,11 @@ def _scan(path: str, buf, size: int):
     n_kv = s.unpack("<Q", 8, "kv_count")
     if n_kv * 13 > size - 24:  # a key/value takes at least 13 bytes
         s.fail(f"header field 'kv_count' = {n_kv} does not fit a {size}-byte file")
-    if n_tensors * 33 > size - 24 or n_tensors == 0:  # a tensor info takes at least 33 bytes
-        s.fail(f"header field 'tensor_count' = {n_tensors}: must be at least 1 and fit a {size}-byte file")
+    if n_kv > MAX_KV:
+        s.fail(f"header field 'kv_count' = {n_kv}: at most {MAX_KV} metadata entries are read")
+    if n_tensors * 33 > size - 24 or not 1 <= n_tensors <= MAX_TENSORS:  # a tensor info takes at least 33 bytes
+        s.fail(f"header field 'tensor_count' = {n_tensors}: must be 1 to {MAX_TENSORS} (a DiT's tensors; "
+               f"ERNIE-Image has 409) and fit a {size}-byte file")
     alignment = 32  # GGUF_DEFAULT_ALIGNMENT
     for i in range(n_kv):
         key = s.string(f"the key of metadata entry {i}", MAX_NAME, name=True)
@@ -176,7 +184,24 @@ def _scan(path: str, buf, size: int):
             raise CheckpointError(f"{path}: file is truncated: tensor '{name}' {list(shape)} {READ_TYPES[qtype]} "
                                   f"ends at byte {data_start + offset + nbytes} but the file has {size} bytes")
         tensors[name] = (qtype, shape, data_start + offset, nbytes)
+    _check_coverage(path, tensors, data_start, alignment, size)
     return tensors, n_kv, data_start, alignment
+
+
+def _check_coverage(path: str, tensors: dict, data_start: int, alignment: int, size: int) -> None:
+    """No two tensors share bytes; between them (and after the last) only alignment padding. One sort by offset:
+    O(n log n), before the reference reader builds anything."""
+    pos, prev = data_start, None
+    for begin, end, key in sorted((e[2], e[2] + e[3], k) for k, e in tensors.items()):
+        if begin < pos and prev is not None:
+            raise CheckpointError(f"{path}: corrupt header: tensor '{key}' (bytes {begin}-{end}) overlaps "
+                                  f"tensor '{prev}'; tensors may not share bytes")
+        if begin - pos >= alignment:
+            raise CheckpointError(f"{path}: corrupt header: bytes {pos}-{begin} (before tensor '{key}') "
+                                  "belong to no tensor")
+        pos, prev = end, key
+    if size - pos >= alignment:
+        raise CheckpointError(f"{path}: corrupt file: {size - pos} bytes after the last tensor belong to no tensor")
 
 
 def _reference_reader(path: str):
@@ -224,7 +249,6 @@ class GGUFFile:
         self.entries: Dict[str, Tuple[int, Tuple[int, ...], Tuple[int, ...], int, int]] = {
             k: (qtype, shape, self._orig_shape(reader, k, shape), begin, n) for k, (qtype, shape, begin, n) in tensors.items()}
         del reader  # its memory map goes with it
-        self._check_coverage(size)
 
     def _orig_shape(self, reader, name: str, stored: Tuple[int, ...]) -> Tuple[int, ...]:
         field = reader.get_field(ORIG_SHAPE_KEY + name)
@@ -244,21 +268,6 @@ class GGUFFile:
             raise CheckpointError(f"{where} = {list(shape)} must be positive sizes of {m} values in all, "
                                   f"as tensor '{name}' {list(stored)} holds")
         return shape
-
-    def _check_coverage(self, size: int) -> None:
-        """No two tensors share bytes; between them (and after the last) only alignment padding."""
-        pos, prev = self.data_start, None
-        for begin, end, key in sorted((e[3], e[3] + e[4], k) for k, e in self.entries.items()):
-            if begin < pos and prev is not None:
-                raise CheckpointError(f"{self.path}: corrupt header: tensor '{key}' (bytes {begin}-{end}) overlaps "
-                                      f"tensor '{prev}'; tensors may not share bytes")
-            if begin - pos >= self.alignment:
-                raise CheckpointError(f"{self.path}: corrupt header: bytes {pos}-{begin} (before tensor '{key}') "
-                                      "belong to no tensor")
-            pos, prev = end, key
-        if size - pos >= self.alignment:
-            raise CheckpointError(f"{self.path}: corrupt file: {size - pos} bytes after the last tensor belong to "
-                                  "no tensor")
 
     # -- the Reader protocol ----------------------------------------------------------------------------------
     def keys(self):

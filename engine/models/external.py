@@ -9,6 +9,11 @@ tokenizer files inside it or in the sibling ``tokenizer/``; ``vae/``) or a singl
 config: ``config=`` (a folder holding config.json) or config.json beside the file; the VAE falls back on
 AutoencoderKLFlux2's defaults (the Flux.2 VAE's own sizes), the text encoder has no such default.
 
+Sizes are checked before anything is allocated: the config's layer counts against the weights' tensor count,
+then the model built on the meta device from the config against the safetensors header (``_check_sizes``), and
+only then the model built for real and loaded; a config saying ``block_out_channels [40000, 40000]`` beside a
+small file is a CheckpointError naming the file, key and config field, not a 57.6 GB allocation.
+
 Conventions (shared/reference/ernie_image.md §3): the prompt's features are the hidden states that
 *enter* the last decoder layer (``hidden_states[-2]``, no final norm), one prompt at a time with
 BOS first; the DiT's latent is the VAE latent patchified 2x2 (128 channels at 1/16 of the image)
@@ -78,20 +83,94 @@ def _read_single_file(path: str) -> dict:
     return dict(f.tensors(list(f.keys())))
 
 
-def _load_checked(module: torch.nn.Module, sd: dict, path: str, what: str) -> None:
-    """Load ``sd`` into ``module`` after checking every key and shape, so a wrong file is named, not a torch trace."""
-    want = module.state_dict()
-    sd = {**{k: v for k, v in want.items() if k.endswith("num_batches_tracked")}, **sd}  # a counter, not a weight
-    missing = [k for k in want if k not in sd]
-    extra = [k for k in sd if k not in want]
-    bad = next((k for k in want if k in sd and tuple(sd[k].shape) != tuple(want[k].shape)), None)
+def _header(path: str) -> dict:
+    """Every tensor of a weight file (or a folder's ``*.safetensors``) as a meta tensor of its stored dtype and
+    shape: the header only, no data read (safetensors only: else a CheckpointError naming the file)."""
+    out = {}
+    for name in [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        f = SAFETENSORS.open(name)
+        out.update((k, torch.empty(f.shape(k), dtype=f.dtype(k), device="meta")) for k in f.keys())
+    return out
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    """A config as {"field": value, "text_config.field": value, ...}."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + str(k)] = v
+    return out
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _fields_giving(config: dict, sizes) -> str:
+    """The config fields whose value (or a list item) is one of ``sizes``, for messages."""
+    hits = [f"'{k}' = {_short(v)}" for k, v in _flat(config).items() if type(v) is int and v in sizes
+            or isinstance(v, list) and any(type(i) is int and i in sizes for i in v)]
+    return f" (config field {', '.join(hits[:4])})" if hits else ""
+
+
+# Config fields that multiply the modules a build makes; each at most the weights' tensor count (every layer and
+# block has tensors), checked before even the meta build, so a config cannot ask for millions of modules.
+COUNT_FIELDS = ("num_hidden_layers", "layers_per_block", "block_out_channels", "down_block_types", "up_block_types")
+SPARE_VALUES = 16 << 20  # buffers a config makes beyond the file's tensors (rotary tables): at most this or the file's size
+
+
+def _check_counts(config: dict, tensors: int, where: str) -> None:
+    for key, value in _flat(config).items():
+        if key.rpartition(".")[2] in COUNT_FIELDS:
+            count = len(value) if isinstance(value, list) else value
+            if type(count) is int and count > tensors:
+                raise CheckpointError(f"{where}: field '{key}' = {_short(value)} asks for more layers or blocks than "
+                                      f"the weights have tensors ({tensors})")
+
+
+def _on_meta(build):
+    """The module ``build()`` makes, on the meta device: its parameters have shapes but no memory."""
+    with torch.device("meta"):
+        return build()
+
+
+def _check_sizes(module: torch.nn.Module, have: dict, path: str, what: str, config: Optional[dict] = None,
+                 config_path: str = "", strict: bool = True, rename=lambda key: key) -> None:
+    """``module`` (built on the meta device from its config) against the weights' header ``have`` (key -> tensor;
+    ``rename``: the module's names as ``have`` gives them) before anything is allocated: every parameter and
+    persistent buffer present in its shape (``strict``: and no other key), and the buffers the config alone makes
+    bounded by the file's size. A mismatch is a CheckpointError naming the file, the key and the config field,
+    not a torch trace or a 50 GB allocation."""
+    want = {rename(k): v for k, v in module.state_dict(keep_vars=True).items()}
+    have = {**{k: v for k, v in want.items() if k.endswith("num_batches_tracked")}, **have}  # a counter, not a weight
+    found = {id(v) for k, v in want.items() if k in have}  # tied weights: one of their names in the file is enough
+    missing = [k for k, v in want.items() if k not in have and id(v) not in found]
+    extra = [k for k in have if k not in want] if strict else []
+    bad = max((k for k in want if k in have and tuple(have[k].shape) != tuple(want[k].shape)), default=None,
+              key=lambda k: want[k].numel())  # the largest: the one the config's sizes show best
+    config_path = f" {config_path}" if config_path else ""
     if missing or extra or bad:
         key = bad or (missing or extra)[0]
-        why = (f"shape {tuple(sd[key].shape)} where the config gives {tuple(want[key].shape)}" if bad else
+        why = (f"shape {tuple(have[key].shape)} where the config{config_path} gives {tuple(want[key].shape)}"
+               f"{_fields_giving(config or {}, set(want[key].shape) - set(have[key].shape))}" if bad else
                "missing" if missing else "not part of the model")
         raise CheckpointError(f"{what} '{path}': not a {what} file of this layout/config: key '{key}' is {why} "
                               f"({len(missing)} missing, {len(extra)} unknown of {len(want)} keys)")
-    module.load_state_dict(sd, strict=True)
+    unique = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    spare = sum(t.numel() for i, t in unique.items() if i not in found)
+    stored = sum(t.numel() for t in have.values())
+    if spare > max(SPARE_VALUES, stored):
+        raise CheckpointError(f"{what} '{path}': the config{config_path} makes buffers of {spare} values besides the "
+                              f"file's {stored}; more than the weights are worth")
+
+
+def _load(module: torch.nn.Module, sd: dict) -> None:
+    """``sd`` (checked by ``_check_sizes``) into the materialised ``module``."""
+    want = module.state_dict()
+    module.load_state_dict({**{k: v for k, v in want.items() if k.endswith("num_batches_tracked")}, **sd}, strict=True)
 
 
 # ComfyUI's text encoder file holds the text tower (``model.*``) and the Tekken vocabulary as a tensor; an HF
@@ -100,16 +179,18 @@ _TE_PREFIXES = ("text_encoders.ministral3_3b.transformer.", "model.", "language_
 _TE_UNUSED = ("tekken_model", "lm_head.", "vision_tower.", "multi_modal_projector.")
 
 
+def _te_name(key: str) -> str:
+    """A text encoder key without the prefixes of the known layouts (transformers' Mistral3Model saves its text
+    tower as ``language_model.model.*`` and names it ``language_model.*``)."""
+    prefix = True
+    while prefix:
+        prefix = next((p for p in _TE_PREFIXES if key.startswith(p)), "")
+        key = key[len(prefix):]
+    return key
+
+
 def _text_tower_keys(sd: dict) -> dict:
-    out = {}
-    for key, value in sd.items():
-        prefix = True
-        while prefix:
-            prefix = next((p for p in _TE_PREFIXES if key.startswith(p)), "")
-            key = key[len(prefix):]
-        if not key.startswith(_TE_UNUSED):
-            out[key] = value
-    return out
+    return {name: v for name, v in ((_te_name(k), v) for k, v in sd.items()) if not name.startswith(_TE_UNUSED)}
 
 
 def _vae_keys(sd: dict, config) -> dict:
@@ -149,20 +230,31 @@ class TextEncoder:
                                   "(sgld: put them beside the file), e.g. the release's text_encoder/ folder: "
                                   "config.json, with the tokenizer files inside it or in a sibling tokenizer/ (the "
                                   "Tekken vocabulary inside ComfyUI's file is not read)")
+        config_path = os.path.join(folder, "config.json")
+        header = _header(path)  # first the sizes: the header, the config's counts, a meta build
+        _check_counts(read_json_file(config_path), len(header), config_path)
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer or _tokenizer_folder(folder))
+            full = transformers.AutoConfig.from_pretrained(folder)
+            cfg = getattr(full, "text_config", full) if single else full  # a single file: the text tower alone
+            meta = _on_meta(lambda: transformers.AutoModel.from_config(cfg, dtype=dtype))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InputError(f"text encoder '{path}' could not be loaded by transformers: {e}") from None
+        have = _text_tower_keys(header) if single else {_te_name(k): v for k, v in header.items()}
+        _check_sizes(meta, have, path, "text encoder", full.to_dict(), config_path, strict=single, rename=_te_name)
+        del meta
+        try:
             if not single:
                 model = transformers.AutoModel.from_pretrained(path, dtype=dtype, use_safetensors=True)
-            else:  # the text tower alone (the features never enter the vision tower), not randomly initialised:
-                from transformers.initialization import no_init_weights  # every weight is the file's
+            else:  # not randomly initialised: every weight is the file's (the features never enter the vision tower)
+                from transformers.initialization import no_init_weights
 
-                cfg = transformers.AutoConfig.from_pretrained(folder)
                 with no_init_weights():
-                    model = transformers.AutoModel.from_config(getattr(cfg, "text_config", cfg), dtype=dtype)
-        except (OSError, ValueError, KeyError) as e:
+                    model = transformers.AutoModel.from_config(cfg, dtype=dtype)
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise InputError(f"text encoder '{path}' could not be loaded by transformers: {e}") from None
         if single:
-            _load_checked(model, _text_tower_keys(_read_single_file(path)), path, "text encoder")
+            _load(model, _text_tower_keys(_read_single_file(path)))
         return cls(model.to(device).eval(), tokenizer, device)
 
     def token_ids(self, prompt: str) -> torch.Tensor:
@@ -192,17 +284,26 @@ class Flux2VAE:
         diffusers = _require("diffusers", "the VAE")
         single = os.path.isfile(path)
         folder = _config_folder(path, config) if single else _safetensors_folder(path, "VAE", config)
+        config_path = os.path.join(folder, "config.json") if folder else ""
+        if config_path and not os.path.isfile(config_path):
+            raise InputError(f"VAE '{path}': no config.json in the folder (the release's vae/ folder has one)")
+        cfg = read_json_file(config_path) if folder else {}  # none: AutoencoderKLFlux2's defaults
+        header = _header(path)  # first the sizes: the header, the config's counts, a meta build
+        _check_counts(cfg, len(header), config_path or path)
         try:
-            if not single:
-                vae = diffusers.AutoencoderKLFlux2.from_pretrained(path, torch_dtype=torch.float32,
-                                                                   use_safetensors=True, low_cpu_mem_usage=False)
-            else:
-                cfg = read_json_file(os.path.join(folder, "config.json")) if folder else {}
-                vae = diffusers.AutoencoderKLFlux2.from_config(cfg)
+            meta = _on_meta(lambda: diffusers.AutoencoderKLFlux2.from_config(cfg))
+            have = _vae_keys(header, meta.config) if single else header
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InputError(f"VAE '{path}' could not be loaded as a Flux2 VAE by diffusers: {e}") from None
+        _check_sizes(meta, have, path, "VAE", cfg, config_path, strict=single)
+        del meta
+        try:
+            vae = diffusers.AutoencoderKLFlux2.from_config(cfg) if single else diffusers.AutoencoderKLFlux2.from_pretrained(
+                path, torch_dtype=torch.float32, use_safetensors=True, low_cpu_mem_usage=False)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InputError(f"VAE '{path}' could not be loaded as a Flux2 VAE by diffusers: {e}") from None
         if single:
-            _load_checked(vae, _vae_keys(_read_single_file(path), vae.config), path, "VAE")
+            _load(vae, _vae_keys(_read_single_file(path), vae.config))
         return cls(vae.float().to(device).eval(), device)
 
     @property
