@@ -31,7 +31,7 @@ import torch
 from .errors import Cancelled, CheckpointError, InputError
 from .io.readers import open_file
 from .io.safetensors import load_json_object, refuse_pickle, refuse_pickles_in
-from .io.shapes import check_layer_counts, check_shapes
+from .io.shapes import check_counts, check_sizes, on_meta, read_header
 
 DIFFUSERS_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95}  # what diffusers passes generate()
 DEFAULT_MAX_NEW_TOKENS = 2048  # when the tokenizer states no real model_max_length (transformers' 1e30 sentinel)
@@ -295,20 +295,18 @@ def _stopping(stop: threading.Event):
 
 def _check_config(transformers, folder: str, files) -> None:
     """config.json against the weights' headers before transformers allocates anything: the model built on the
-    meta device (no memory), its parameter shapes compared with the files' (engine/io/shapes.py)."""
+    meta device (no memory) and compared with the files' headers (engine/io/shapes.py)."""
     path = os.path.join(folder, "config.json")
     raw = _read_json(path)
-    check_layer_counts(raw, sum(len(f.keys()) for f in files), path)
+    have, origin = read_header(files)
+    check_counts(raw, len(have), path)
     if "quantization_config" in raw:  # packed tensors: their shapes are transformers' quantizer's to check
         return
     try:
-        config = transformers.AutoConfig.from_pretrained(folder)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+        model = on_meta(lambda: transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder)))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
         raise CheckpointError(f"{path}: transformers cannot build a causal LM from it: {str(e)[:300]}") from None
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    check_shapes(shapes, files, raw, path)
+    check_sizes(model, have, path, "prompt enhancer", raw, strict=False, origin=origin)
 
 
 def _load_model(transformers, folder: str, single: Optional[str], device, dtype):

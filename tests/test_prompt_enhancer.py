@@ -240,12 +240,15 @@ def test_config_sizes_checked_against_the_weights_before_allocation(tmp_path, re
     """config.json against the safetensors header, on the meta device: absurd sizes are refused in about a second
     naming the file and the field, before transformers allocates (or builds a million layers). In a child
     process under an address-space limit, so that the old code fails cheaply."""
-    cases = [({"vocab_size": 2_000_000, "hidden_size": 20_000, "head_dim": 5_000}, r"field 'vocab_size' = 2000000 "
-              r"makes 'model\.embed_tokens\.weight' \[2000000, 20000\], but .*model\.safetensors holds it as \[300, 32\]"),
-             ({"num_hidden_layers": 1_000_000}, r"field 'num_hidden_layers' is 1000000, but the weights hold only 20 tensors"),
-             ({"num_hidden_layers": 3}, r"describe 37,472 parameter values, but the weights .* hold 28,192 "
-              r"\('model\.layers\.2\.self_attn\.q_proj\.weight' is not among them\)"),
-             ({"tie_word_embeddings": False}, r"'lm_head\.weight' is not among them")]
+    cases = [({"vocab_size": 2_000_000, "hidden_size": 20_000, "head_dim": 5_000}, r"key 'model\.embed_tokens\.weight' "
+              r"is \[300, 32\] in .*model\.safetensors, but the config makes it \[2000000, 20000\] \(field "
+              r"'hidden_size' = 20000, 'vocab_size' = 2000000"),
+             ({"num_hidden_layers": 1_000_000}, r"field 'num_hidden_layers' = 1000000 asks for more layers or blocks "
+              r"than the weights hold tensors \(20\)"),
+             ({"num_hidden_layers": 3}, r"key 'model\.layers\.2\.self_attn\.q_proj\.weight' is not in the weights "
+              r"\(.*model\.safetensors\): the config's sizes \(.*num_hidden_layers 3.*\) describe 37,472 values, the "
+              r"weights hold 28,192"),
+             ({"tie_word_embeddings": False}, r"key 'lm_head\.weight' is not in the weights")]
     folders = [edited_copy(tmp_path, release, "config.json", **changes) for changes, _ in cases]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     done = subprocess.run([sys.executable, "-c", ABSURD_CONFIGS, release[1], *folders], capture_output=True, text=True,

@@ -129,8 +129,8 @@ def test_wrong_or_configless_single_files_are_named(files, tmp_path):
     release = files["release"]
     lone = tmp_path / "flux2-vae.safetensors"  # no config beside it: AutoencoderKLFlux2's defaults (Flux.2's sizes)
     shutil.copy(files["vae"], lone)
-    with pytest.raises(CheckpointError, match=r"VAE '.*flux2-vae\.safetensors'.*key '.*' is shape .* where the config "
-                                              r"gives \(512, 512, 3, 3\)"):  # the largest misshapen key
+    with pytest.raises(CheckpointError, match=r"VAE '.*flux2-vae\.safetensors'.*key '.*' is .* but the config "
+                                              r"makes it \[512, 512, 3, 3\]"):  # the largest misshapen key
         Flux2VAE.load(str(lone))
     with pytest.raises(CheckpointError, match=r"ministral-3-3b\.safetensors.*needs its config.*text_encoder_config="):
         ErnieImagePipeline.from_pretrained(files["dit"], text_encoder=files["te"], vae=files["vae"])

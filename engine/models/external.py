@@ -9,8 +9,8 @@ tokenizer files inside it or in the sibling ``tokenizer/``; ``vae/``) or a singl
 config: ``config=`` (a folder holding config.json) or config.json beside the file; the VAE falls back on
 AutoencoderKLFlux2's defaults (the Flux.2 VAE's own sizes), the text encoder has no such default.
 
-Sizes are checked before anything is allocated: the config's layer counts against the weights' tensor count,
-then the model built on the meta device from the config against the safetensors header (``_check_sizes``), and
+Sizes are checked before anything is allocated (engine/io/shapes.py): the config's layer counts against the
+weights' tensor count, then the model built on the meta device from the config against the safetensors header, and
 only then the model built for real and loaded; a config saying ``block_out_channels [40000, 40000]`` beside a
 small file is a CheckpointError naming the file, key and config field, not a 57.6 GB allocation.
 
@@ -31,6 +31,7 @@ from ..errors import CheckpointError, InputError
 from ..io.checkpoint import read_json_file
 from ..io.readers import SAFETENSORS
 from ..io.safetensors import refuse_pickle
+from ..io.shapes import check_counts, check_sizes, on_meta, read_header
 
 BN_EPS = 1e-5  # the pipeline's trained value; vae/config.json says 1e-4
 
@@ -83,92 +84,15 @@ def _read_single_file(path: str) -> dict:
     return dict(f.tensors(list(f.keys())))
 
 
-def _header(path: str) -> dict:
-    """Every tensor of a weight file (or a folder's ``*.safetensors``) as a meta tensor of its stored dtype and
-    shape: the header only, no data read (safetensors only: else a CheckpointError naming the file)."""
-    out = {}
-    for name in [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        f = SAFETENSORS.open(name)
-        out.update((k, torch.empty(f.shape(k), dtype=f.dtype(k), device="meta")) for k in f.keys())
-    return out
-
-
-def _flat(config: dict, prefix: str = "") -> dict:
-    """A config as {"field": value, "text_config.field": value, ...}."""
-    out = {}
-    for k, v in config.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + str(k)] = v
-    return out
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _fields_giving(config: dict, sizes) -> str:
-    """The config fields whose value (or a list item) is one of ``sizes``, for messages."""
-    hits = [f"'{k}' = {_short(v)}" for k, v in _flat(config).items() if type(v) is int and v in sizes
-            or isinstance(v, list) and any(type(i) is int and i in sizes for i in v)]
-    return f" (config field {', '.join(hits[:4])})" if hits else ""
-
-
-# Config fields that multiply the modules a build makes; each at most the weights' tensor count (every layer and
-# block has tensors), checked before even the meta build, so a config cannot ask for millions of modules.
-COUNT_FIELDS = ("num_hidden_layers", "layers_per_block", "block_out_channels", "down_block_types", "up_block_types")
-SPARE_VALUES = 16 << 20  # buffers a config makes beyond the file's tensors (rotary tables): at most this or the file's size
-
-
-def _check_counts(config: dict, tensors: int, where: str) -> None:
-    for key, value in _flat(config).items():
-        if key.rpartition(".")[2] in COUNT_FIELDS:
-            count = len(value) if isinstance(value, list) else value
-            if type(count) is int and count > tensors:
-                raise CheckpointError(f"{where}: field '{key}' = {_short(value)} asks for more layers or blocks than "
-                                      f"the weights have tensors ({tensors})")
-
-
-def _on_meta(build):
-    """The module ``build()`` makes, on the meta device: its parameters have shapes but no memory."""
-    with torch.device("meta"):
-        return build()
-
-
-def _check_sizes(module: torch.nn.Module, have: dict, path: str, what: str, config: Optional[dict] = None,
-                 config_path: str = "", strict: bool = True, rename=lambda key: key) -> None:
-    """``module`` (built on the meta device from its config) against the weights' header ``have`` (key -> tensor;
-    ``rename``: the module's names as ``have`` gives them) before anything is allocated: every parameter and
-    persistent buffer present in its shape (``strict``: and no other key), and the buffers the config alone makes
-    bounded by the file's size. A mismatch is a CheckpointError naming the file, the key and the config field,
-    not a torch trace or a 50 GB allocation."""
-    want = {rename(k): v for k, v in module.state_dict(keep_vars=True).items()}
-    have = {**{k: v for k, v in want.items() if k.endswith("num_batches_tracked")}, **have}  # a counter, not a weight
-    found = {id(v) for k, v in want.items() if k in have}  # tied weights: one of their names in the file is enough
-    missing = [k for k, v in want.items() if k not in have and id(v) not in found]
-    extra = [k for k in have if k not in want] if strict else []
-    bad = max((k for k in want if k in have and tuple(have[k].shape) != tuple(want[k].shape)), default=None,
-              key=lambda k: want[k].numel())  # the largest: the one the config's sizes show best
-    config_path = f" {config_path}" if config_path else ""
-    if missing or extra or bad:
-        key = bad or (missing or extra)[0]
-        why = (f"shape {tuple(have[key].shape)} where the config{config_path} gives {tuple(want[key].shape)}"
-               f"{_fields_giving(config or {}, set(want[key].shape) - set(have[key].shape))}" if bad else
-               "missing" if missing else "not part of the model")
-        raise CheckpointError(f"{what} '{path}': not a {what} file of this layout/config: key '{key}' is {why} "
-                              f"({len(missing)} missing, {len(extra)} unknown of {len(want)} keys)")
-    unique = {id(t): t for t in (*module.parameters(), *module.buffers())}
-    spare = sum(t.numel() for i, t in unique.items() if i not in found)
-    stored = sum(t.numel() for t in have.values())
-    if spare > max(SPARE_VALUES, stored):
-        raise CheckpointError(f"{what} '{path}': the config{config_path} makes buffers of {spare} values besides the "
-                              f"file's {stored}; more than the weights are worth")
+def _header(path: str):
+    """(key -> meta tensor, key -> file) of a weight file or a folder's ``*.safetensors``: the header only
+    (safetensors only: else a CheckpointError naming the file)."""
+    names = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    return read_header(SAFETENSORS.open(name) for name in names)
 
 
 def _load(module: torch.nn.Module, sd: dict) -> None:
-    """``sd`` (checked by ``_check_sizes``) into the materialised ``module``."""
+    """``sd`` (checked by ``check_sizes``) into the materialised ``module``."""
     want = module.state_dict()
     module.load_state_dict({**{k: v for k, v in want.items() if k.endswith("num_batches_tracked")}, **sd}, strict=True)
 
@@ -231,17 +155,18 @@ class TextEncoder:
                                   "config.json, with the tokenizer files inside it or in a sibling tokenizer/ (the "
                                   "Tekken vocabulary inside ComfyUI's file is not read)")
         config_path = os.path.join(folder, "config.json")
-        header = _header(path)  # first the sizes: the header, the config's counts, a meta build
-        _check_counts(read_json_file(config_path), len(header), config_path)
+        header, origin = _header(path)  # first the sizes: the header, the config's counts, a meta build
+        check_counts(read_json_file(config_path), len(header), config_path)
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer or _tokenizer_folder(folder))
             full = transformers.AutoConfig.from_pretrained(folder)
             cfg = getattr(full, "text_config", full) if single else full  # a single file: the text tower alone
-            meta = _on_meta(lambda: transformers.AutoModel.from_config(cfg, dtype=dtype))
+            meta = on_meta(lambda: transformers.AutoModel.from_config(cfg, dtype=dtype))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InputError(f"text encoder '{path}' could not be loaded by transformers: {e}") from None
         have = _text_tower_keys(header) if single else {_te_name(k): v for k, v in header.items()}
-        _check_sizes(meta, have, path, "text encoder", full.to_dict(), config_path, strict=single, rename=_te_name)
+        check_sizes(meta, have, f"text encoder '{path}'", "text encoder file", full.to_dict(), config_path,
+                    strict=single, rename=_te_name, origin={_te_name(k): f for k, f in origin.items()}, weights=path)
         del meta
         try:
             if not single:
@@ -288,14 +213,15 @@ class Flux2VAE:
         if config_path and not os.path.isfile(config_path):
             raise InputError(f"VAE '{path}': no config.json in the folder (the release's vae/ folder has one)")
         cfg = read_json_file(config_path) if folder else {}  # none: AutoencoderKLFlux2's defaults
-        header = _header(path)  # first the sizes: the header, the config's counts, a meta build
-        _check_counts(cfg, len(header), config_path or path)
+        header, origin = _header(path)  # first the sizes: the header, the config's counts, a meta build
+        check_counts(cfg, len(header), config_path or path)
         try:
-            meta = _on_meta(lambda: diffusers.AutoencoderKLFlux2.from_config(cfg))
+            meta = on_meta(lambda: diffusers.AutoencoderKLFlux2.from_config(cfg))
             have = _vae_keys(header, meta.config) if single else header
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InputError(f"VAE '{path}' could not be loaded as a Flux2 VAE by diffusers: {e}") from None
-        _check_sizes(meta, have, path, "VAE", cfg, config_path, strict=single)
+        check_sizes(meta, have, f"VAE '{path}'", "VAE file", cfg, config_path, strict=single, origin=origin,
+                    weights=path)
         del meta
         try:
             vae = diffusers.AutoencoderKLFlux2.from_config(cfg) if single else diffusers.AutoencoderKLFlux2.from_pretrained(
