@@ -9,6 +9,8 @@ import signal
 import socket
 import sys
 
+import torch
+
 from .. import inputs
 from ..models import demo as demo_pkg
 from ..sampling import MAX_IMAGE_SIDE
@@ -177,6 +179,7 @@ def cmd_serve(args) -> None:
     # re-raises the signal to the handler found before it: for SIGTERM that is this one, so the exit is 0
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     host, port = sock.getsockname()[:2]
-    print(f"sgld serve: {served.id} on http://{host}:{port}/v1 (max batch {args.max_batch}, queue {args.max_queue})",
-          file=sys.stderr, flush=True)
+    threads = f", {torch.get_num_threads()} CPU threads" if served.engine.device.type == "cpu" else ""
+    print(f"sgld serve: {served.id} on http://{host}:{port}/v1 (max batch {args.max_batch}, queue {args.max_queue}"
+          f"{threads})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
