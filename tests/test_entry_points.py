@@ -128,6 +128,11 @@ def test_generate_and_the_pipeline_sample_a_release_with_its_schedulers_shift(re
     settings = ["--seed", "11", "--steps", "4", "--cfg", "1", "--width", "64", "--height", "64"]
     cli, _ = generate_json("--model-path", release, *settings, "--out", str(tmp_path / "cli.png"))
     assert cli["shift"] == 4.0  # was 3.0 (ComfyUI's), while the pipeline took the release's 4.0
+    from engine.cli.generate import check_generate_args
+
+    parts = ["--model", os.path.join(release, "transformer"), "--text-encoder", os.path.join(release, "text_encoder"),
+             "--vae", os.path.join(release, "vae")]  # its transformer/ folder: the release around it says the shift
+    assert check_generate_args(build_parser().parse_args(["generate", "--prompt", PROMPT, *parts]))["shift"] == 4.0
     code, out, _ = sgld("generate", "--prompt", PROMPT, "--model-path", release, *settings, "--out", str(tmp_path / "t.png"))
     assert code == 0 and out.rstrip().endswith("shift 4"), out
     pipe = ErnieImagePipeline.from_pretrained(release)

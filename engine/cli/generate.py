@@ -283,6 +283,15 @@ def model_source(args) -> str:
     return release.transformer if release is not None else args.model or ""
 
 
+def release_shift(args):
+    """The sigma shift of the release the DiT comes from (--model-path, or a --model transformer/ folder inside a
+    release folder: Release.shift, the pipeline's reading), None when there is none."""
+    release = release_of(args)
+    if release is None and args.model and uses_ernie_files(args) and os.path.exists(args.model):
+        release = resolve_release(args.model)  # its transformer/ folder finds the release around it
+    return release.shift() if release is not None else None
+
+
 def check_generate_args(args) -> tuple:
     """Every option of ``sgld generate`` checked before anything loads (ValueError naming the option and
     what is allowed). Returns the run's sampling settings (``SAMPLING``): the flags', else the model's defaults."""
@@ -300,9 +309,9 @@ def check_generate_args(args) -> tuple:
                 raise ValueError(f"--{name} {value}: the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} "
                                  "pictures only (other sizes need ERNIE-Image files: --model --text-encoder --vae)")
     run = from_flags(args, model_source(args), SAMPLING)
-    release_shift = release_of(args).shift() if release_of(args) is not None else None
-    if args.shift is None and release_shift is not None:
-        run["shift"] = release_shift  # the release's scheduler config, as ErnieImagePipeline reads it
+    shift = release_shift(args)
+    if args.shift is None and shift is not None:
+        run["shift"] = shift  # the release's scheduler config, as ErnieImagePipeline reads it
     check_pe_args(args)
     if args.out is None:
         args.out = output_name(args, run) if args.save_output else DEFAULT_OUT
