@@ -111,6 +111,23 @@ def test_serve_takes_the_demo_s_one_thread_and_torchs_for_a_real_model(release):
     assert served_threads("--threads", "3") == 3
 
 
+def test_a_batcher_on_the_demo_runs_its_jobs_on_one_thread():
+    """The server's batcher takes the engine's rule itself (not only the count sgld serve set for the process)."""
+    from engine import open_demo, open_engine
+    from engine.serve.batcher import Batcher, Job
+
+    demo = open_demo()
+    seen = []
+    batcher = Batcher(open_engine("demo"), max_batch=2)
+    try:
+        job = Job(demo.empty_latent(1)[0], demo.encode([PROMPT])[0], None, seed=0, steps=2, cfg=1.0,
+                  on_step=lambda step, total: seen.append(torch.get_num_threads()))
+        batcher.submit(job).result(timeout=60)
+    finally:
+        batcher.close()
+    assert seen == [1, 1]  # the process's TORCH_THREADS before
+
+
 def test_pipeline_runs_the_demo_on_one_thread_and_a_real_model_on_the_callers(release):
     demo = ErnieImagePipeline.from_pretrained("demo")
     demo.set_progress_bar_config(disable=True)
