@@ -179,7 +179,8 @@ def cmd_serve(args) -> None:
     # re-raises the signal to the handler found before it: for SIGTERM that is this one, so the exit is 0
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     host, port = sock.getsockname()[:2]
-    threads = f", {torch.get_num_threads()} CPU threads" if served.engine.device.type == "cpu" else ""
+    count = torch.get_num_threads()
+    threads = f", {count} CPU thread{'s' if count > 1 else ''}" if served.engine.device.type == "cpu" else ""
     print(f"sgld serve: {served.id} on http://{host}:{port}/v1 (max batch {args.max_batch}, queue {args.max_queue}"
           f"{threads})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
