@@ -161,6 +161,35 @@ def test_generate_and_the_pipeline_sample_a_release_with_its_schedulers_shift(re
     assert np.abs(cli_pixels - np.round(out.images[0] * 255).astype(int)).max() <= 1  # one schedule, one picture
     three, _ = generate_json("--model-path", release, *settings, "--shift", "3", "--out", str(tmp_path / "three.png"))
     assert three["shift"] == 3.0 and np.abs(png_pixels(tmp_path / "three.png")[0].astype(int) - cli_pixels).max() > 1
+    served = served_image(PROMPT, seed=11, steps=4, cfg=1.0, size=64, argv=["--model-path", release])
+    assert np.abs(served.astype(int) - cli_pixels).max() <= 1  # sgld serve too: it sampled with 3.0 before
+
+
+def served_image(prompt, *, seed, steps, cfg, size, argv):
+    """One image from `sgld serve`'s request path (served_model, its batcher, ImageServer.generate) in this process."""
+    import asyncio
+    import base64
+    import io
+
+    from PIL import Image
+
+    from engine.cli.serve import served_model
+    from engine.serve.app import ImageServer, ServeSettings
+    from engine.serve.batcher import Batcher
+    from engine.serve.protocol import parse_generation
+
+    args = build_parser().parse_args(["serve", *argv])
+    args.loras = []
+    served = served_model(args)
+    batcher = Batcher(served.engine, max_batch=2)
+    try:
+        server = ImageServer(served, batcher, ServeSettings())
+        body = {"prompt": prompt, "size": f"{size}x{size}", "seed": seed, "num_inference_steps": steps,
+                "guidance_scale": cfg, "response_format": "b64_json"}
+        answer = asyncio.run(server.generate(parse_generation(body, served)))
+    finally:
+        batcher.close()
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(answer["data"][0]["b64_json"]))).convert("RGB"))
 
 
 def test_a_dynamic_or_bad_shift_names_the_file_and_field(release, tmp_path, sgld):

@@ -13,7 +13,7 @@ import torch
 
 from .. import inputs
 from ..models import demo as demo_pkg
-from ..sampling import MAX_IMAGE_SIDE
+from ..sampling import DEFAULT_SHIFT, MAX_IMAGE_SIDE
 from ..sampling_options import from_flags
 from .common import (
     add_cache_arguments,
@@ -26,7 +26,7 @@ from .common import (
     engine_config,
     load_prompt_enhancer,
 )
-from .generate import make_parts, model_source, release_of, uses_ernie_files
+from .generate import make_parts, model_source, release_of, release_shift, uses_ernie_files
 
 try:  # the HTTP server's packages are an extra (pip install '.[serve]'): without them the other commands still run
     import uvicorn
@@ -131,7 +131,8 @@ def served_model(args) -> ServedModel:
     return ServedModel(name, parts.engine, lambda p: parts.encode(p)[0], lambda w, h: parts.empty_latent(w, h)[0],
                        lambda z: parts.decode(z[None]), _check_size(external, parts.empty_latent), parts.default_size,
                        defaults["steps"], defaults["cfg"],
-                       parts.model_path, enhance=None if pe is None else _enhancer(pe, args.pe_max_new_tokens))
+                       parts.model_path, shift=release_shift(args) or DEFAULT_SHIFT,
+                       enhance=None if pe is None else _enhancer(pe, args.pe_max_new_tokens))
 
 
 def _enhancer(pe, max_new_tokens):
