@@ -47,6 +47,7 @@ from .sampling import (
     step_of_call,
 )
 from .sampling_options import DEFAULT_DENOISE, DEFAULT_SAMPLER, DEFAULT_SCHEDULER
+from .threads import default_threads, torch_threads
 
 
 @dataclass
@@ -61,6 +62,7 @@ class RunStats:
     cache: dict = field(default_factory=dict)  # Cache-DiT summary (engine.features.cache); empty when off
     warnings: List[str] = field(default_factory=list)  # what this run did other than asked (denoise 0, ...)
     sampler: str = DEFAULT_SAMPLER
+    threads: int = 0  # the CPU threads torch ran the loop on (engine/threads.py); 0: not recorded
 
     def nonfinite_output(self) -> ModelOutputError:
         """The error for a model call (the last one recorded) whose output held NaN or inf."""
@@ -84,6 +86,8 @@ class RunStats:
         d = {"steps": self.steps, "model_calls": self.model_calls, "calls_computed": self.calls_computed,
              "sampling_seconds": round(self.sampling_seconds, 4), "step_mask": "".join("x" if m else "." for m in self.step_mask),
              "warnings": list(self.warnings) + list(self.cache.get("warnings", []))}
+        if self.threads:
+            d["threads"] = self.threads
         if self.cache:
             d["cache"] = {k: v for k, v in self.cache.items() if k not in ("diffs", "warnings")}
             d["speedup"] = self.speedup
@@ -107,6 +111,8 @@ class Engine:
         self.runner = LocalRunner(runner, self.config) if isinstance(runner, nn.Module) else runner
         self.source = source
         self.last_run = RunStats()
+        # CPU threads of a run (engine/threads.py: the demo's count for its shapes, else None = torch's); settable
+        self.threads = default_threads(self.model_config, self.device)
 
     # -- what the engine is ----------------------------------------------------------------------------
     @property
@@ -314,7 +320,9 @@ class Engine:
         self.last_run = prepared.stats
         if not prepared.steps:
             return prepared.latent.clone()
-        return self.loop(prepared, self.runner.run(prepared.plan, cfg_batched=prepared.cfg_batched), callback)
+        with torch_threads(self.threads):
+            prepared.stats.threads = torch.get_num_threads()
+            return self.loop(prepared, self.runner.run(prepared.plan, cfg_batched=prepared.cfg_batched), callback)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
@@ -78,6 +79,12 @@ class _DemoParts:
     def decode_float(self, latent: torch.Tensor) -> torch.Tensor:
         return self.demo.decode_float(latent)
 
+    def warnings(self, prompts: Sequence[str], negatives: Sequence[str]) -> List[str]:
+        """One per prompt that uses what the demo model does not know (WordTokenizer.unknown_words, "top right")."""
+        found = [self.demo.tokenizer.unknown_words_warning(p, where=f" in {name}")
+                 for name, texts in (("prompt", prompts), ("negative_prompt", negatives)) for p in dict.fromkeys(texts)]
+        return [w for w in found if w]
+
 
 def _engine_config(torch_dtype, device, given: dict) -> EngineConfig:
     """The EngineConfig of ``from_pretrained``'s keywords; an unknown keyword is named with the allowed ones."""
@@ -131,10 +138,7 @@ class ErnieImagePipeline:
         self.text_encoder, self.vae, self.release, self.kind = text_encoder, vae, release, kind
         self.cache = cache
         self.pe = pe  # a loaded PromptEnhancer, or None (loaded at the first use_pe run when the release has one)
-        self.scheduler_config = release.scheduler_config()
-        if self.scheduler_config.get("use_dynamic_shifting"):
-            raise InputError(f"{release.scheduler}/scheduler_config.json: 'use_dynamic_shifting' is true; ERNIE-Image's "
-                             "pipeline uses the static shift only (set it to false)")
+        self.shift = release.shift() or DEFAULT_SHIFT  # the release's scheduler config, as sgld generate reads it
         self._progress = {}
 
     # -- opening ------------------------------------------------------------------------------------------
@@ -309,13 +313,15 @@ class ErnieImagePipeline:
         steps = self.defaults["steps"] if num_inference_steps is None else num_inference_steps
         cfg = self.defaults["cfg"] if guidance_scale is None else guidance_scale
         diffusers_schedule = scheduler is None and self.kind != "demo"
-        if shift is None:  # the release's scheduler config (diffusers' schedule), else ComfyUI's 3.0
-            shift = self.scheduler_config.get("shift", DEFAULT_SHIFT) if diffusers_schedule else DEFAULT_SHIFT
+        shift = self.shift if shift is None else shift  # the release's scheduler config, else ComfyUI's 3.0
         check_sampling_settings(steps=steps, cfg=cfg, shift=shift, names=CALL_NAMES)  # before the PE's seconds
         if generator is None and seed is None:
             seed = secrets.randbelow(2 ** 63)  # reported in the output; the PE is seeded with it too
         check_seed(seed if seed is not None else 0)
 
+        vocabulary_warnings = self.text_encoder.warnings(prompts, negatives) if self.kind == "demo" else []
+        for message in vocabulary_warnings:  # "top right" would silently draw something else
+            warnings.warn(message, UserWarning, stacklevel=2)
         revised = None
         if use_pe or (use_pe is None and self.release.pe is not None and self.kind != "demo"):
             revised = self._enhancer().enhance(prompts, width, height, seed=seed, max_new_tokens=max_new_tokens,
@@ -350,7 +356,8 @@ class ErnieImagePipeline:
             images = pixels if output_type == "np" else _to_pil(pixels)
         if not return_dict:
             return (images,)
-        stats = self.engine.last_run.to_dict()
+        stats = {**self.engine.last_run.to_dict(), "shift": float(shift)}
+        stats["warnings"] += vocabulary_warnings
         if revised is not None:
             stats["pe_seconds"] = round(self.pe.seconds, 4)
         return ErnieImagePipelineOutput(images, revised, seed if generator is None else None, stats)

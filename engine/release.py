@@ -28,6 +28,7 @@ from .errors import CheckpointError
 from .io.checkpoint import read_json_file
 from .io.safetensors import refuse_pickle, refuse_pickles_in
 from .models import demo as demo_model
+from .sampling import MAX_SHIFT
 
 COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler", "pe", "pe_tokenizer")
 WEIGHTS = ("transformer", "text_encoder", "vae", "pe")  # the components that hold weights (safetensors only)
@@ -69,6 +70,23 @@ class Release:
             return {}
         path = os.path.join(self.scheduler, "scheduler_config.json")
         return read_json_file(path) if os.path.isfile(path) else {}
+
+    def shift(self) -> Optional[float]:
+        """The sigma shift the release's scheduler_config.json says (None: it says none, the sampling default
+        applies). The one reading for ``sgld generate --model-path`` and ``ErnieImagePipeline``; CheckpointError
+        naming the file and field for a dynamic shift (ERNIE-Image uses the static one) or a shift out of range."""
+        config = self.scheduler_config()
+        where = os.path.join(self.scheduler or "", "scheduler_config.json")
+        if config.get("use_dynamic_shifting"):
+            raise CheckpointError(f"{where}: field 'use_dynamic_shifting' is true; ERNIE-Image's pipeline uses the "
+                                  "static shift only (set it to false)")
+        value = config.get("shift")
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SHIFT:
+            raise CheckpointError(f"{where}: field 'shift' is {value!r}; it must be a number above 0 and at most "
+                                  f"{MAX_SHIFT:g}")
+        return float(value)
 
     def components(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in COMPONENTS}

@@ -63,8 +63,9 @@ class SamplingOptions:
         widget="denoise", widget_step=0.01, widget_required=True,
         tooltip="How much of the latent to replace; below 1 keeps the input's structure.")
     shift: float = option(
-        DEFAULT_SHIFT, float, f"sigma shift, above 0 to {MAX_SHIFT:g} (default {DEFAULT_SHIFT:g}, ComfyUI's for "
-        "ERNIE-Image)", low=0.0, low_open=True, high=MAX_SHIFT, flag="--shift")
+        DEFAULT_SHIFT, float, f"sigma shift, above 0 to {MAX_SHIFT:g} (default: a --model-path release's "
+        f"scheduler_config.json's, else {DEFAULT_SHIFT:g}, ComfyUI's for ERNIE-Image)", low=0.0, low_open=True,
+        high=MAX_SHIFT, flag="--shift", flag_default=None)
 
 
 # The declaration's defaults for the Python entry points (Engine.sample / prepare, the batcher's Job,

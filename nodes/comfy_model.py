@@ -32,6 +32,7 @@ from ..engine.io.load import checkpoint_shapes
 from ..engine.loading import estimate_bytes
 from ..engine.models.demo import codec
 from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER, to_sigma
+from ..engine.threads import torch_threads
 from . import compat
 from .comfy_lora import SOURCES_ATTACHMENT, check_native_keys, comfy_loras, executing_node, source_label
 from .ksampler import ERROR_CHARS, GRAPH_KEY, graph_fingerprint, run_stats, send_run_event, workflow_id
@@ -187,6 +188,7 @@ class ComfyRun:
         if self.calls is None:
             self.branches = branches
             self.calls = engine.begin_run(self.sigmas, self.sampler, cfg_batched=branches == 2, cache=self.cache)
+            engine.last_run.threads = torch.get_num_threads()
         if branches != self.branches:  # ComfyUI split the CFG batch (low memory): this call bypasses the cache
             self.split_calls += 1
             return engine.velocity(x, sigma, text, lens)
@@ -252,7 +254,8 @@ def _sample(executor, noise, latent_image, sampler, sigmas, args, kwargs):
         _runs[run_id] = run
     options[RUN_OPTION] = run_id
     try:
-        out = executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
+        with torch_threads(run.engine.threads):  # the demo's 1 CPU thread, as in SGLDiffusion KSampler
+            out = executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
     finally:
         options.pop(RUN_OPTION, None)
         with _runs_lock:

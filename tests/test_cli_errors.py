@@ -46,7 +46,7 @@ REFUSED = {
     "cfg negative": (["--cfg", "-2"], "--cfg must be a finite number from 0 to 100 (got -2.0)"),
     "seed 2**64": (["--seed", str(2 ** 64)], f"--seed must be an integer from 0 to {2 ** 64 - 1} (got {2 ** 64})"),
     "seed negative": (["--seed", "-1"], f"--seed must be an integer from 0 to {2 ** 64 - 1} (got -1)"),
-    "threads": (["--threads", "-1"], "--threads must be 0 (torch's choice) or a count from 1 to 1024 (got -1)"),
+    "threads": (["--threads", "-1"], "--threads must be 0 (the model's default) or a count from 1 to 1024 (got -1)"),
     "demo width": (["--width", "128"], "--width 128: the demo model makes 64x64 pictures only"),
     "demo height": (["--height", "32"], "--height 32: the demo model makes 64x64 pictures only"),
     "ernie width": ([*MISSING, "--width", "100000"], "--width must be from 1 to 4096 pixels (got 100000"),
@@ -96,7 +96,7 @@ def test_good_options_pass_and_defaults_are_the_models(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--steps", "0"], "sgld generate: error: --steps must be an integer from 1 to 10000 (got 0)"),  # ran 30 steps before
     (["--cfg", "nan"], "sgld generate: error: --cfg must be a finite number from 0 to 100 (got nan)"),
-    (["--threads", "-1", "--out", "{tmp}"], "sgld generate: error: --threads must be 0 (torch's choice) or a count from 1 "
+    (["--threads", "-1", "--out", "{tmp}"], "sgld generate: error: --threads must be 0 (the model's default) or a count from 1 "
                                             "to 1024 (got -1)"),
     (["--out", "{tmp}"], "sgld generate: error: --out '{tmp}' is a folder; give a file name ending in .png"),
 ])

@@ -216,6 +216,8 @@ def test_demo_with_comfyuis_ksampler_makes_a_picture_the_judge_passes(comfy):
     }
     image = codec.decode(cs.saved_latent(comfy, run_ok(comfy, g), "8"))[0]
     assert judge.passes(image, prompt), judge.judge(image, prompt)
+    last = comfy.get("/sgldiffusion/last_runs", params={"workflow": ""}).json()["runs"]["7"]
+    assert last["threads"] == 1  # the demo's CPU thread count (engine/threads.py) under ComfyUI's own sampler too
 
 
 def test_the_sglang_cache_dit_environment_applies_to_comfyuis_ksampler(tmp_path, monkeypatch):

@@ -366,6 +366,7 @@ def test_demo_workflow_runs_on_cpu_and_the_judge_accepts_it(comfy, object_info):
     stats = entry["outputs"][by_type["SGLDiffusionKSampler"]]["sgld_stats"][0]
     steps = api[by_type["SGLDiffusionKSampler"]]["inputs"]["steps"]
     assert stats["model_calls"] == steps and 0 < stats["calls_computed"] < steps  # the quality preset caches some
+    assert stats["threads"] == 1  # the demo's CPU thread count (engine/threads.py), inside ComfyUI too
     for path in WORKFLOWS:
         r = comfy.get(template_url(os.path.splitext(os.path.basename(path))[0], "json"))
         assert r.status_code == 200
@@ -394,6 +395,19 @@ def test_tiny_graph_bit_equal_to_engine(comfy, kw):
     assert torch.equal(got, want), f"max abs diff {(got - want).abs().max().item()}"
     stats = entry["outputs"]["5"]["sgld_stats"][0]
     assert stats["model_calls"] >= 1
+    assert stats["threads"] == comfy_threads()  # an ERNIE-Image model keeps ComfyUI's (torch's) CPU thread count
+
+
+def comfy_threads() -> int:
+    """The CPU threads torch takes in a process started as the ComfyUI server is (tests/comfy_server.py: no
+    PYTHONPATH): torch's own choice."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
+                         text=True, check=True, env=env)
+    return int(out.stdout.strip())
 
 
 @pytest.mark.parametrize("options", [dict(quant="fp8", attention="math"), dict(quant="int4")],
@@ -656,11 +670,12 @@ def test_unknown_attention_is_named_as_attention(comfy):
 
 
 def test_unknown_demo_words_are_run_warnings(comfy, object_info):
-    entry = comfy.run(demo_graph(object_info, prompt="a purple elephant on the left, on a blue background", negative="blurry"),
-                      timeout=120)
+    prompt = "a purple elephant at the top right, on a blue background"  # "top right": two positions, never trained
+    entry = comfy.run(demo_graph(object_info, prompt=prompt, negative="blurry"), timeout=120)
     assert entry["status"]["status_str"] == "success", cs.error_message(entry)
     warnings = entry["outputs"]["5"]["sgld_stats"][0]["warnings"]
-    assert any(w.startswith("positive prompt: the demo model does not know 'purple', 'elephant'") for w in warnings), warnings
+    assert any(w.startswith("positive prompt: the demo model does not know 'purple', 'elephant', 'top right'")
+               for w in warnings), warnings
     assert any(w.startswith("negative prompt: the demo model does not know 'blurry'") for w in warnings), warnings
 
 

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import pickle
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -33,18 +30,11 @@ DEMO_CHOICE = "sgld-demo (embedded, 64x64)"
 LONG = 10000  # steps: minutes of work, always interrupted
 
 
-def default_threads() -> int:
-    """The CPU threads a fresh torch process takes (ComfyUI's): the server runs with as many, since MKL splits a
-    batch's larger GEMMs by thread and rounds them differently at another count (`sgld serve` takes 1 by default)."""
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
-                         text=True, check=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    return int(out.stdout.strip())
-
-
 @pytest.fixture(scope="module")
 def sgld(tmp_path_factory):
-    server = Server(tmp_path_factory.mktemp("sgld") / "serve.log", "--api-key", KEY, "--threads",
-                    str(default_threads())).wait_ready()
+    """The demo's server: its runs take the demo's CPU thread count (engine/threads.py), as ComfyUI's local Model
+    Loader's do, so a batch's larger GEMMs (which MKL splits by thread) round alike on both sides."""
+    server = Server(tmp_path_factory.mktemp("sgld") / "serve.log", "--api-key", KEY).wait_ready()
     yield server
     server.stop()
 
@@ -307,20 +297,15 @@ def test_sample_endpoint_takes_everything_engine_sample_takes(sgld):
                        dict(latent=start, cond=cond, uncond=uncond, noise_mask=mask),
                        dict(denoise=0.7, batch_index=[4, 2], noise_mask=mask)),
     }
-    threads = torch.get_num_threads()
-    torch.set_num_threads(default_threads())  # the server's count: a batch's GEMMs round alike
-    try:
-        for name, (settings, tensors, kw) in runs.items():
-            events = sample_events(sgld, settings, **tensors)
-            assert [e["step"] for e in events[:-1]] == list(range(1, settings["steps"] + 1)), name
-            got = load(base64.b64decode(events[-1]["latent"]))["latent"]
-            latent = tensors["latent"]
-            batched = latent.dim() == 4
-            want = eng.sample(latent if batched else latent[None], [cond], [uncond] if "uncond" in tensors else None,
-                              seed=settings["seed"], steps=settings["steps"], cfg=settings["cfg"], **kw)
-            assert torch.equal(got, want if batched else want[0]), name
-    finally:
-        torch.set_num_threads(threads)
+    for name, (settings, tensors, kw) in runs.items():  # both sides on the demo's thread count (engine/threads.py)
+        events = sample_events(sgld, settings, **tensors)
+        assert [e["step"] for e in events[:-1]] == list(range(1, settings["steps"] + 1)), name
+        got = load(base64.b64decode(events[-1]["latent"]))["latent"]
+        latent = tensors["latent"]
+        batched = latent.dim() == 4
+        want = eng.sample(latent if batched else latent[None], [cond], [uncond] if "uncond" in tensors else None,
+                          seed=settings["seed"], steps=settings["steps"], cfg=settings["cfg"], **kw)
+        assert torch.equal(got, want if batched else want[0]), name
     bad = {"seed": 1, "steps": 3, "cfg": 1.0, "batch_index": [0]}
     r = requests.post(sgld.base + "/sample", data=body({"sgld": json.dumps(bad)}, latent=start, cond=cond),
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)

@@ -51,12 +51,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"sgld {args.command}: error: {e}", file=sys.stderr)
         return 2
-    if getattr(args, "threads", 0):
+    if getattr(args, "threads", 0):  # from the start (loading too); without it the model decides (common.use_threads)
         torch.set_num_threads(args.threads)
-    elif args.command in ("generate", "serve") and args.device == "cpu":
-        # the demo model's matrices are tiny: a second thread costs more in synchronisation than it
-        # computes, and on a busy machine it waits for a core (measured 10-20x slower)
-        torch.set_num_threads(1)
     try:
         return _run_command(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT; --out keeps its old content

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
+from typing import Optional
 
 import torch
 
 from ..features import offload
+from ..features.quant.gguf_convert import GGUF_FORMATS
+from ..features.quant.registry import format_of
 from ..loading import estimate_bytes
 from ..models.random_weights import SIZES, random_checkpoint, random_model_on_device
 from ..router import open_engine
 from ..sampling import cfg_on
 from ..sampling_options import from_flags
-from .common import add_engine_arguments, add_sampling_arguments, engine_config
+from .common import add_engine_arguments, add_sampling_arguments, engine_config, use_threads
 
 SAMPLING = ("steps", "cfg")  # the sampling options of the whole-run timing
 
@@ -53,6 +57,20 @@ def _random_engine(size: str, dtype, device, config=None):
     return open_engine(model, config, label=f"random:{size}", offload_decision=decision)
 
 
+def weight_format(eng, config) -> Optional[str]:
+    """What "quant" says: --quant's format, else the file's own (its quantized layers' formats: "gguf q4_k" for a
+    GGUF file, "gguf q5_0 + q4_k" where rows too short for q4_k's blocks fell back), None for plain weights."""
+    if config.quant:
+        return config.quant
+    if eng.model is None:  # on worker ranks: what they report
+        return eng.describe()["quant"]
+    counts = Counter(f.name for f in map(format_of, eng.model.modules()) if f is not None)
+    if not counts:
+        return None
+    names = [name for name, _ in counts.most_common()]  # most layers first (a GGUF writer's fallback type may lead)
+    return ("gguf " if all(name in GGUF_FORMATS for name in names) else "") + " + ".join(names)
+
+
 def _reset_peak_memory(dev: torch.device) -> None:
     """Start the peak-memory window of the timed part (the build's peak is not the run's)."""
     if dev.type == "cuda":
@@ -73,6 +91,7 @@ def cmd_bench(args) -> dict:
     config = engine_config(args)
     if args.model:
         eng = open_engine(args.model, config)
+        use_threads(eng, args)
     elif config.world_size > 1:  # workers load from a file: write the random model to a temporary one
         eng = open_engine(random_checkpoint(args.size, config.dtype), config)
     else:
@@ -103,7 +122,7 @@ def cmd_bench(args) -> dict:
     described = eng.describe()
     result = {"model": eng.source, "params": described["params"], "dtype": described["dtype"], "device": str(dev),
               "latent": [cfg.in_channels, h, w], "attention": eng.attention_backend, "compile": config.compile,
-              "quant": config.quant,
+              "quant": weight_format(eng, config),
               "image_tokens": h * w // cfg.patch_size ** 2, "text_tokens": args.text_tokens, "load_seconds": round(load_s, 3),
               "forward_ms_median": round(1000 * sorted(times)[len(times) // 2], 2), "forward_ms_min": round(1000 * min(times), 2)}
     if run["steps"] > 0:

@@ -23,8 +23,19 @@ AT_LEAST_HINTS = {"num_gpus": "; leave it out for the product of the degrees"}
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Every EngineConfig flag, and --threads."""
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for torch (default 0: the model's: 1 for the demo model, whose matrices are too "
+                        "small to share; torch's choice, one per core, for any other model)")
     options.add_arguments(p, EngineConfig, TITLES)
+
+
+def use_threads(engine, args) -> None:
+    """The CPU threads the command runs on, set for the whole process (the server's batcher takes them from it):
+    --threads, else the engine's rule (engine/threads.py: 1 for the demo's shapes, torch's choice otherwise)."""
+    if getattr(args, "threads", 0):
+        engine.threads = args.threads
+    if engine.threads:
+        torch.set_num_threads(engine.threads)
 
 
 def engine_config(args, **kw) -> EngineConfig:
@@ -71,7 +82,7 @@ def check_output_path(option: str, path: str, extensions: tuple) -> None:
 
 def check_common_args(args) -> None:
     """The options every command shares, checked before anything loads: --device names a device this machine
-    has, --threads is 0 (torch's choice) or a count, the engine's counts (degrees, --resident-layers) are
+    has, --threads is 0 (the model's choice) or a count, the engine's counts (degrees, --resident-layers) are
     at least their declared minimum."""
     for name, opt in options.declared(EngineConfig).items():
         value = getattr(args, options.flag_dest(opt), None) if opt.flag else None
@@ -79,7 +90,7 @@ def check_common_args(args) -> None:
             raise ValueError(f"{opt.flag} must be at least {opt.low} (got {value}{AT_LEAST_HINTS.get(name, '')})")
     threads = getattr(args, "threads", 0)
     if threads < 0 or threads > MAX_THREADS:
-        raise ValueError(f"--threads must be 0 (torch's choice) or a count from 1 to {MAX_THREADS} (got {threads})")
+        raise ValueError(f"--threads must be 0 (the model's default) or a count from 1 to {MAX_THREADS} (got {threads})")
     device = getattr(args, "device", "cpu")
     try:
         dev = torch.device(device)

@@ -17,8 +17,10 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from tqdm import tqdm
 
+from ..errors import CheckpointError
 from ..features.lora import parse_spec
 from ..io.atomic import atomic_write
+from ..io.checkpoint import check_architecture, open_checkpoint
 from ..models import demo as demo_pkg
 from ..models.external import Flux2VAE, TextEncoder
 from ..release import DEMO, resolve_release
@@ -36,6 +38,7 @@ from .common import (
     check_pe_args,
     engine_config,
     load_prompt_enhancer,
+    use_threads,
 )
 
 SAMPLING = ("seed", "steps", "cfg", "sampler", "scheduler", "shift")  # the sampling options it has flags for
@@ -102,10 +105,36 @@ def release_of(args):
     return args._release
 
 
+def demo_dit(args):
+    """The DiT file that runs with the demo's own text encoder and codec, or None for ERNIE-Image files: the demo's
+    (no model flags, or --model-path demo), or a --model of the demo's shapes given without --text-encoder / --vae
+    (a GGUF or quantized copy of the demo: `sgld quantize demo demo-q4k.gguf --format q4_k`). Decided once."""
+    if not hasattr(args, "_demo_dit"):
+        args._demo_dit = _find_demo_dit(args)
+    return args._demo_dit
+
+
+def _find_demo_dit(args):
+    release = release_of(args)
+    if release is not None:
+        return release.transformer if release.kind == DEMO else None
+    if not args.model:
+        return None if args.text_encoder or args.vae else demo_pkg.DEMO_WEIGHTS
+    if args.text_encoder or args.vae or not os.path.exists(args.model):
+        return None  # a missing or unusable file is named when the model loads (_ernie_parts)
+    try:
+        config = check_architecture(open_checkpoint(args.model))  # the header only
+    except CheckpointError:
+        return None
+    return args.model if demo_pkg.has_demo_shapes(config) else None
+
+
 def make_parts(args) -> GenerateParts:
     """The parts of the model the flags name: ERNIE-Image files (--model-path, or --model --text-encoder --vae)
-    or the demo."""
-    return (_ernie_parts if uses_ernie_files(args) else _demo_parts)(args)
+    or the demo (its own DiT, or a copy of it in another format). The engine runs on ``use_threads``' count."""
+    parts = (_ernie_parts if uses_ernie_files(args) else _demo_parts)(args)
+    use_threads(parts.engine, args)
+    return parts
 
 
 def _demo_parts(args) -> GenerateParts:
@@ -117,9 +146,10 @@ def _demo_parts(args) -> GenerateParts:
     # the DiT through the same router as ERNIE-Image files: several ranks (--num-gpus, --tp, ...) run it
     # in worker processes; the demo is stored in fp16 and runs in fp32 unless --dtype says otherwise
     config = dataclasses.replace(engine_config(args, cache=cache_config(args)), dtype=args.dtype or "fp32")
-    eng = open_engine(demo.path, config)
+    dit = demo_dit(args)
+    eng = open_engine(dit, config)
     return GenerateParts(eng, lambda p: demo.encode([p]), lambda w, h: demo.empty_latent(1), lambda z: demo.decode(z)[0],
-                         demo.path, demo_pkg.IMAGE_SIZE)
+                         dit, demo_pkg.IMAGE_SIZE)
 
 
 def _ernie_parts(args) -> GenerateParts:
@@ -127,18 +157,24 @@ def _ernie_parts(args) -> GenerateParts:
     release = release_of(args)
     if release is not None:
         release.require("transformer", "text_encoder", "vae", why="the DiT, its text encoder and the VAE")
-        model, text_encoder, vae_folder = release.transformer, release.text_encoder, release.vae
+        files = release
     else:
-        missing = [f"--{n.replace('_', '-')}" for n in ("model", "text_encoder", "vae") if not getattr(args, n)]
+        if not args.model:
+            raise ValueError("--model, --text-encoder and --vae go together; missing --model (or give --model-path: a "
+                             "release folder holding all three)")
+        # the DiT first, then the text encoder and the VAE: the order a user fixes them (each named if missing)
+        files = resolve_release(args.model, text_encoder=args.text_encoder, vae=args.vae)
+        check_architecture(open_checkpoint(files.transformer))  # an unusable DiT is named before the other two
+        missing = [f"--{n.replace('_', '-')}" for n in ("text_encoder", "vae") if getattr(files, n) is None]
         if missing:
             raise ValueError(f"--model, --text-encoder and --vae go together; missing {', '.join(missing)} (or give "
-                             "--model-path: a release folder holding all three)")
-        model, text_encoder, vae_folder = args.model, args.text_encoder, args.vae
-    vae = Flux2VAE.load(vae_folder, device=args.device)
-    te = TextEncoder.load(text_encoder, device=args.device, tokenizer=release.tokenizer if release else None)
-    eng = open_engine(model, engine_config(args, cache=cache_config(args)))
-    return GenerateParts(eng, lambda p: [te.encode(p)], vae.empty_latent, lambda z: vae.decode(z)[0].numpy(), model,
-                         ERNIE_SIZE)
+                             "--model-path: a release folder holding all three; a DiT of the demo's shapes alone "
+                             "runs with the demo's own)")
+    vae = Flux2VAE.load(files.vae, device=args.device)
+    te = TextEncoder.load(files.text_encoder, device=args.device, tokenizer=files.tokenizer)
+    eng = open_engine(files.transformer, engine_config(args, cache=cache_config(args)))
+    return GenerateParts(eng, lambda p: [te.encode(p)], vae.empty_latent, lambda z: vae.decode(z)[0].numpy(),
+                         files.transformer, ERNIE_SIZE)
 
 
 def cmd_generate(args) -> dict:
@@ -172,7 +208,8 @@ def cmd_generate(args) -> dict:
         raise ValueError(f"--out '{args.out}': could not write it: {e.strerror or e}") from None
     result = {**settings, "out": args.out, "load_seconds": round(load_s, 3),
               "sampling_seconds": stats["sampling_seconds"], "model_calls": stats["model_calls"],
-              "calls_computed": stats["calls_computed"], "step_mask": stats["step_mask"], **pe_stats}
+              "calls_computed": stats["calls_computed"], "step_mask": stats["step_mask"], "threads": stats.get("threads"),
+              **pe_stats}
     if "speedup" in stats:
         result["speedup"] = stats["speedup"]
     parallel = eng.describe()["parallel"]
@@ -184,8 +221,11 @@ def cmd_generate(args) -> dict:
     else:
         if revised is not None:
             print(f"revised prompt ({pe_stats['pe_seconds']:.2f} s): {revised}")
+        count = stats.get("threads", 0)
+        threads = f" on {count} CPU thread{'s' if count > 1 else ''}" if count and eng.device.type == "cpu" else ""
         print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]}): load {load_s:.2f} s, sampling "
-              f"{stats['sampling_seconds']:.2f} s, {stats['calls_computed']}/{stats['model_calls']} steps computed")
+              f"{stats['sampling_seconds']:.2f} s{threads}, {stats['calls_computed']}/{stats['model_calls']} steps "
+              f"computed, shift {run['shift']:g}")
     return result
 
 
@@ -232,18 +272,24 @@ def _save_png(image, path: str, settings: dict, stats: dict) -> None:
 
 
 def uses_ernie_files(args) -> bool:
-    release = release_of(args)
-    if release is not None:
-        return release.kind != DEMO
-    return any(getattr(args, n, None) for n in ("model", "text_encoder", "vae"))
+    return demo_dit(args) is None
 
 
 def model_source(args) -> str:
-    """The DiT file or folder the flags name (the demo's file without --model): what decides the defaults."""
+    """What decides the defaults: the DiT file or folder the flags name (the demo's file for a DiT of its shapes)."""
+    if not uses_ernie_files(args):
+        return demo_pkg.DEMO_WEIGHTS
     release = release_of(args)
-    if release is not None:
-        return release.transformer
-    return args.model if uses_ernie_files(args) and args.model else demo_pkg.DEMO_WEIGHTS
+    return release.transformer if release is not None else args.model or ""
+
+
+def release_shift(args):
+    """The sigma shift of the release the DiT comes from (--model-path, or a --model transformer/ folder inside a
+    release folder: Release.shift, the pipeline's reading), None when there is none."""
+    release = release_of(args)
+    if release is None and args.model and uses_ernie_files(args) and os.path.exists(args.model):
+        release = resolve_release(args.model)  # its transformer/ folder finds the release around it
+    return release.shift() if release is not None else None
 
 
 def check_generate_args(args) -> tuple:
@@ -263,6 +309,9 @@ def check_generate_args(args) -> tuple:
                 raise ValueError(f"--{name} {value}: the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} "
                                  "pictures only (other sizes need ERNIE-Image files: --model --text-encoder --vae)")
     run = from_flags(args, model_source(args), SAMPLING)
+    shift = release_shift(args)
+    if args.shift is None and shift is not None:
+        run["shift"] = shift  # the release's scheduler config, as ErnieImagePipeline reads it
     check_pe_args(args)
     if args.out is None:
         args.out = output_name(args, run) if args.save_output else DEFAULT_OUT

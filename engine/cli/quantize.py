@@ -8,6 +8,8 @@ import time
 
 from ..features.quant import FORMATS, quantize_file
 from ..features.quant.gguf_convert import GGUF_FORMATS, gguf_type, quantize_gguf_file
+from ..models import demo as demo_model
+from ..router import DEMO
 from .common import check_output_path
 
 
@@ -20,7 +22,8 @@ def add_parser(sub) -> None:
                        description="Quantize the DiT blocks' linear layers of an ERNIE-Image checkpoint (bf16/fp16/fp32, "
                                    "or already quantized) and write a .safetensors file that the loader (and the "
                                    "SGLDiffusion Model Loader node) reads back quantized. One tensor in memory at a time.")
-    q.add_argument("input", help="ERNIE-Image .safetensors file or diffusers folder")
+    q.add_argument("input", help="ERNIE-Image .safetensors file or diffusers folder, or 'demo' (the embedded demo "
+                                 "model's DiT: `sgld generate --model` runs the copy with the demo's text encoder)")
     q.add_argument("output", help="the .safetensors file to write (.gguf for a GGUF type)")
     q.add_argument("--format", required=True, choices=_choices(), type=str.lower,
                    help="fp8: e4m3, one scale per output channel; int4: groups of 128 (int4-g64: groups of 64); "
@@ -41,7 +44,8 @@ def cmd_quantize(args) -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # as check_output_path promises
     t0 = time.perf_counter()
     write = quantize_gguf_file if to_gguf else quantize_file
-    summary = write(args.input, args.output, args.format, dtype=args.dtype)
+    source = demo_model.DEMO_WEIGHTS if args.input == DEMO else args.input  # "demo": the embedded model, as elsewhere
+    summary = write(source, args.output, args.format, dtype=args.dtype)
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     if args.json:
         print(json.dumps(summary))

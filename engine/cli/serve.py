@@ -9,9 +9,11 @@ import signal
 import socket
 import sys
 
+import torch
+
 from .. import inputs
 from ..models import demo as demo_pkg
-from ..sampling import MAX_IMAGE_SIDE
+from ..sampling import DEFAULT_SHIFT, MAX_IMAGE_SIDE
 from ..sampling_options import from_flags
 from .common import (
     add_cache_arguments,
@@ -24,7 +26,7 @@ from .common import (
     engine_config,
     load_prompt_enhancer,
 )
-from .generate import make_parts, model_source, release_of, uses_ernie_files
+from .generate import make_parts, model_source, release_of, release_shift, uses_ernie_files
 
 try:  # the HTTP server's packages are an extra (pip install '.[serve]'): without them the other commands still run
     import uvicorn
@@ -129,7 +131,8 @@ def served_model(args) -> ServedModel:
     return ServedModel(name, parts.engine, lambda p: parts.encode(p)[0], lambda w, h: parts.empty_latent(w, h)[0],
                        lambda z: parts.decode(z[None]), _check_size(external, parts.empty_latent), parts.default_size,
                        defaults["steps"], defaults["cfg"],
-                       parts.model_path, enhance=None if pe is None else _enhancer(pe, args.pe_max_new_tokens))
+                       parts.model_path, shift=release_shift(args) or DEFAULT_SHIFT,
+                       enhance=None if pe is None else _enhancer(pe, args.pe_max_new_tokens))
 
 
 def _enhancer(pe, max_new_tokens):
@@ -177,6 +180,8 @@ def cmd_serve(args) -> None:
     # re-raises the signal to the handler found before it: for SIGTERM that is this one, so the exit is 0
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     host, port = sock.getsockname()[:2]
-    print(f"sgld serve: {served.id} on http://{host}:{port}/v1 (max batch {args.max_batch}, queue {args.max_queue})",
-          file=sys.stderr, flush=True)
+    count = torch.get_num_threads()
+    threads = f", {count} CPU thread{'s' if count > 1 else ''}" if served.engine.device.type == "cpu" else ""
+    print(f"sgld serve: {served.id} on http://{host}:{port}/v1 (max batch {args.max_batch}, queue {args.max_queue}"
+          f"{threads})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])

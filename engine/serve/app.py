@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import USER_ERRORS, CheckpointError, InputError
 from ..io.safetensors import load_json_object
-from ..sampling import MAX_SEED
+from ..sampling import DEFAULT_SHIFT, MAX_SEED
 from .batcher import BatcherClosed, Job
 from .guard import Guard
 from .loras import Loras
@@ -61,6 +61,7 @@ class ServedModel:
     default_steps: int
     default_cfg: float
     root: str = ""  # the model's file
+    shift: float = DEFAULT_SHIFT  # its images' sigma shift (a --model-path release's scheduler config, Release.shift)
     # the prompt enhancer (sgld serve --pe): (prompt, width, height, seed, stop event) -> (revised prompt, seconds),
     # ending early (Cancelled) once the event is set; None: none
     enhance: Optional[Callable[[str, int, int, int, threading.Event], Tuple[str, float]]] = None
@@ -284,7 +285,8 @@ class ImageServer:
         uncond = await self.encode(gen.negative_prompt)
         seeds = [(seed + i) % (MAX_SEED + 1) for i in range(gen.n)]  # image i: the request's seed + i
         latent = served.empty_latent(gen.width, gen.height)
-        results = await self.sample([Job(latent, cond, uncond, s, gen.steps, gen.cfg, cache=gen.cache) for s in seeds])
+        results = await self.sample([Job(latent, cond, uncond, s, gen.steps, gen.cfg, shift=served.shift, cache=gen.cache)
+                                     for s in seeds])
         images = await asyncio.to_thread(lambda: [_png_b64(served.decode(z)) for z, _ in results])
         self.metrics.images.inc(gen.n)
         stats = [s for _, s in results if s]

@@ -151,7 +151,7 @@ class Batcher:
         self._slots: Dict[concurrent.futures.Future, _Slot] = {}
         self._closed = False
         self._counts = dict(forwards=0, samples=0, steps_done=0, calls_computed=0, calls_total=0)
-        self._threads = torch.get_num_threads()
+        self._threads = engine.threads or torch.get_num_threads()  # engine/threads.py: the demo 1, else the caller's
         self._loop = threading.Thread(target=self._serve, name="sgld-batcher", daemon=True)
         self._loop.start()
 

@@ -15,12 +15,14 @@ Retrained with ``python -m tools.demo.train`` from the repository (under an hour
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import List, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
+from ...io.checkpoint import check_architecture, open_checkpoint
 from ...io.load import read_model
 from ...io.readers import open_file
 from . import codec
@@ -36,9 +38,12 @@ IMAGE_SIZE = 64
 LATENT_CHANNELS = codec.LATENT_CHANNELS  # 48
 LATENT_SIZE = IMAGE_SIZE // codec.FACTOR  # 16
 EXAMPLE_PROMPT = "a large red circle on the left, on a blue background"
+# CPU threads for the demo's DiT: its matrices are tiny, so a second thread costs more in synchronisation than it
+# computes, and on a busy machine it waits for a core (measured 10-20x slower); engine/threads.py applies it
+THREADS = 1
 
 __all__ = ["DEMO_WEIGHTS", "DEFAULT_STEPS", "DEFAULT_CFG", "DEFAULT_SAMPLER", "DEFAULT_SCHEDULER", "EXAMPLE_PROMPT",
-           "DemoModel", "load_demo", "is_demo_file"]
+           "THREADS", "DemoModel", "load_demo", "is_demo_file", "has_demo_shapes"]
 
 
 class DemoModel:
@@ -105,6 +110,18 @@ def is_demo_file(path: str) -> bool:
         return DEMO_METADATA_KEY in open_file(path).metadata
     except Exception:
         return False
+
+
+def has_demo_shapes(config) -> bool:
+    """True when an ERNIE-Image DiT configuration is the demo's (a GGUF / quantized copy of the demo, say): the demo's
+    text encoder and pixel codec fit it, and it runs on the demo's CPU threads."""
+    return config == _demo_config()
+
+
+@functools.lru_cache(maxsize=1)
+def _demo_config():
+    """The shipped file's DiT configuration, from its header (read once)."""
+    return check_architecture(open_checkpoint(DEMO_WEIGHTS))
 
 
 _CACHE = {}

@@ -16,6 +16,8 @@ from torch import nn
 
 PAD, BOS, UNK = "<pad>", "<bos>", "<unk>"
 FILLER = frozenset({"a", "an", "the", "on", "at", "in", "of"})
+# where a shape goes: one of these per shape ("top right" is two, which the grammar never says)
+POSITIONS = ("left", "right", "top", "bottom", "center")
 
 
 class WordTokenizer:
@@ -33,17 +35,31 @@ class WordTokenizer:
         return [w for w in re.findall(r"[a-z]+|,", prompt.lower()) if w not in FILLER]
 
     def unknown_words(self, prompt: str) -> List[str]:
-        """Words of ``prompt`` outside the vocabulary (each once, in order): they become <unk>."""
-        return list(dict.fromkeys(w for w in self.split(prompt) if w not in self.index))
+        """What the demo model does not know in ``prompt`` (each once, in order): words outside the vocabulary
+        (they become <unk>) and positions joined into one ("top right": the grammar gives a shape one position,
+        so the model draws one of the two, or neither)."""
+        words = self.split(prompt)
+        unknown, run = [], []
+        for w in words + [","]:  # "," ends the last run of positions
+            if w in POSITIONS:
+                run.append(w)
+                continue
+            if len(run) > 1:
+                unknown.append(" ".join(run))
+            run = []
+            if w not in self.index:
+                unknown.append(w)
+        return list(dict.fromkeys(unknown))
 
     def unknown_words_warning(self, prompt: str, where: str = "") -> str:
-        """A warning naming the words the demo model does not know (``where``: e.g. " in --prompt"),
-        or "" when it knows them all."""
+        """A warning naming what the demo model does not know (``where``: e.g. " in --prompt"), or "" when it knows
+        it all. Lists the words it knows (docs/demo.md)."""
         unknown = self.unknown_words(prompt)
         if not unknown:
             return ""
-        return (f"the demo model does not know {', '.join(repr(w) for w in unknown)}{where} "
-                f"(it draws shapes, colours, sizes and positions; see the README's demo section)")
+        known = [w for w in self.vocab if w not in (PAD, BOS, UNK, ",")]
+        return (f"the demo model does not know {', '.join(repr(w) for w in unknown)}{where}; it draws one or two "
+                f"shapes from these words: {' '.join(known)} (one position per shape; docs/demo.md)")
 
     def __call__(self, prompt: str) -> List[int]:
         unk = self.index[UNK]
