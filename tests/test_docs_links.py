@@ -114,3 +114,15 @@ def test_readmes_offline_accelerate_example_runs(capsys):
         os.chdir(cwd)
     diff = float(capsys.readouterr().out.split("largest difference:")[1])
     assert diff < 1e-4
+
+
+def test_readme_lists_the_demos_vocabulary():
+    """Issue 33 item 12: the README names exactly the words the demo knows, and its example caption is all known."""
+    from engine.models.demo import load_demo
+
+    tok = load_demo().tokenizer
+    section = readme_section("## The demo model")
+    listed = set(re.findall(r"`([a-z]+)`", section.split("Its vocabulary")[0]))
+    assert listed == {w for w in tok.vocab if re.fullmatch(r"[a-z]+", w)}
+    example = re.search(r'\("(a small [^"]+)"\)', section).group(1)
+    assert tok.unknown_words(example) == [] and tok.unknown_words("a small red circle at the top right") != []
