@@ -108,7 +108,7 @@ def plan(ctx):
     rows += offload_rows(ctx)
     rows += [("lora", lambda: 4 + load() / 2 + 2 * c * f(), row_lora),
              ("serve", lambda: serve_estimate(ctx), row_serve), ("comfy", lambda: 0.1, row_comfy),
-             ("all-on", lambda: compile_estimate(ctx), None), ("flash", lambda: 30 if A._package_version("flash_attn")[0] else 0.0, None)]
+             ("all-on", lambda: compile_estimate(ctx), None), ("flash", lambda: 30 if A.package_version("flash_attn")[0] else 0.0, None)]
     return rows
 
 
@@ -265,7 +265,7 @@ def main(argv=None):
         if name not in ("build", "eager") and ((args.only and name not in args.only) or name in args.skip):
             report.row(name, "skipped", notes="--skip" if name in args.skip else "not in --only")
             continue
-        if name == "flash" and not A._package_version("flash_attn")[0]:
+        if name == "flash" and not A.package_version("flash_attn")[0]:
             report.row("flash", "n/a", "flash attention", notes="flash-attn is not installed: PyPI has only its sdist, "
                        "whose CUDA build takes far longer than the GPU window, so it is not carried")
             continue

@@ -1,5 +1,6 @@
 """Attention backends: parity with SDPA for every backend that runs on this machine, the unpadded
 per-sample path used by mask-less kernels, selection (auto order, one log line) and fallbacks."""
+import importlib.metadata
 import json
 import logging
 import sys
@@ -62,16 +63,16 @@ def _maskless(q, k, v):
 def test_unpadded_per_sample_equals_masked_sdpa():
     q, k, v = qkv(b=3, s=20)
     mask = prefix_mask(3, 20, [20, 13, 6])
-    out = A._per_sample(_maskless, q, k, v, mask)
+    out = A.per_sample(_maskless, q, k, v, mask)
     assert rel(out, A.sdpa(q, k, v, mask)) < 1e-5
     # all rows full: one call, no mask needed
     full = torch.ones(3, 20, dtype=torch.bool)
-    assert rel(A._per_sample(_maskless, q, k, v, full), A.sdpa(q, k, v)) < 1e-6
+    assert rel(A.per_sample(_maskless, q, k, v, full), A.sdpa(q, k, v)) < 1e-6
     # a mask that is not a prefix cannot be unpadded: it must go to sdpa, not be mis-handled
     holes = full.clone()
     holes[1, 3] = False
     assert A.prefix_lengths(holes) is None
-    assert rel(A._per_sample(_maskless, q, k, v, holes), A.sdpa(q, k, v, holes)) < 1e-6
+    assert rel(A.per_sample(_maskless, q, k, v, holes), A.sdpa(q, k, v, holes)) < 1e-6
 
 
 def _fake_sage_1_0_6(calls):
@@ -159,13 +160,13 @@ def test_sage_route_follows_the_installed_versions_limits(version, cap, head_dim
 def _block_kernel_with_lse(block=64):
     """A CPU stand-in for a sage kernel (sage needs CUDA, absent here) with sage's block constraint: it refuses
     key counts that are not a multiple of ``block`` (what sage 1.x and 2.x's Triton path cannot mask) and, like
-    sage 2.x's ``return_lse=True``, returns the natural-log log-sum-exp [B, H, S] beside the output."""
+    sage 2.x's ``return_lse=True``, returns the natural-log log-sum-exp beside the output (the engine's [B, S, H])."""
     seen = []
 
     def kernel(q, k, v):
         assert k.shape[1] % block == 0, f"{k.shape[1]} keys is not a multiple of {block}"
         seen.append(k.shape[1])
-        return A.attention_lse(q, k, v)
+        return A.attention_with_lse(q, k, v)
     return kernel, seen
 
 
@@ -177,7 +178,7 @@ def test_split_tail_equals_sdpa_at_any_key_count(keys):
     q, k, v = qkv(b=2, s=keys, h=3, d=64)
     main = A.sage_split(A.sage_limits("2.2.0", (8, 6)), keys)
     assert main == keys - keys % 64
-    out = A.split_tail(kernel, q, k, v, main)
+    out = A.split_tail(kernel, q, k, v, main)[0]
     assert seen == [main]
     assert rel(out, A.sdpa(q, k, v)) < 1e-5
     assert A.sage_split(A.sage_limits("1.0.6", (9, 0)), keys) == 0  # 1.0.6 returns no LSE: not split
@@ -185,14 +186,14 @@ def test_split_tail_equals_sdpa_at_any_key_count(keys):
 
 def _fake_sage_2(calls, block=64):
     """sageattention 2.x's ``sageattn`` as its Triton path behaves (no tail mask: only multiples of ``block``),
-    with ``return_lse``; math on CPU stands in for the CUDA kernel."""
+    with ``return_lse`` (its log-sum-exp [B, H, S]); math on CPU stands in for the CUDA kernel."""
     kernel, _ = _block_kernel_with_lse(block)
 
     def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, **kw):
         assert tensor_layout == "NHD" and not is_causal
         calls.append(k.shape[1])
         out, lse = kernel(q, k, v)
-        return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
+        return (out.to(q.dtype), lse.transpose(1, 2)) if return_lse else out.to(q.dtype)
     return types.SimpleNamespace(sageattn=sageattn, __version__="2.2.0")
 
 
@@ -224,7 +225,7 @@ def test_sage_selection_reports_the_version_and_its_limits(monkeypatch):
     ch = A.select_backend("sage", "cuda", torch.bfloat16, 80)
     assert ch.name == "sdpa" and "head_dim 64/96/128, not 80" in ch.warnings[0]
     del fake.__version__
-    monkeypatch.setattr(A.importlib.metadata, "version", lambda name: "1.0.6" if name == "sageattention" else "0")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.0.6" if name == "sageattention" else "0")
     assert A.installed_version("sageattention") == "1.0.6"
 
 
@@ -269,7 +270,7 @@ def test_auto_prefers_sage_then_flash(monkeypatch):
 def test_guarded_kernel_falls_back_at_call_time(caplog):
     """A selected GPU kernel that gets inputs it cannot take (CPU / fp32 here) computes sdpa, logging once."""
     caplog.set_level(logging.WARNING, logger="sgld.attention")
-    A._warned.clear()
+    A.forget_warnings()
     q, k, v = qkv()
     mask = prefix_mask(2, 24, [24, 9])
     for _ in range(3):

@@ -330,8 +330,7 @@ def test_plan_layout_and_degrees():
 
 def test_attention_primitives_in_process():
     """LSE merge of key blocks equals full masked attention (no process group needed)."""
-    from engine.features.attention import sdpa
-    from engine.parallel.comm import attention_with_lse, merge_lse
+    from engine.features.attention import attention_with_lse, merge_lse, sdpa
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 9, 4, 16, generator=g) for _ in range(3))
@@ -346,7 +345,7 @@ def test_attention_primitives_in_process():
     assert torch.isfinite(out).all()
     assert (out - ref).abs().max() < 1e-5
     # the fast path: torch's flash kernel (checked against the reference once), prefix lengths per block
-    from engine.parallel.comm import block_attention, block_lens, lse_kernel
+    from engine.features.attention import block_attention, block_lens, lse_kernel
 
     kernel = lse_kernel(q.device, q.dtype, q.shape[-1])
     out = lse = None

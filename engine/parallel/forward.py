@@ -11,8 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..features import patching
+from ..features.attention import block_lens
 from ..features.cache import DBCacheRunner
-from .comm import Groups, block_lens, ring_attention, ulysses_gather_heads, ulysses_scatter_heads
+from .comm import Groups, ring_attention, ulysses_gather_heads, ulysses_scatter_heads
 
 TP = "tensor_parallel"
 

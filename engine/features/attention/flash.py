@@ -1,0 +1,41 @@
+"""The ``flash`` backend: FlashAttention 2 (the flash_attn package), CUDA sm80+, fp16/bf16, head_dim <= 256, as a
+custom op (compiled graphs keep it) run per sample on its valid keys."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .kernels import cuda_half_problem, guarded, package_version, per_sample
+
+
+def _flash_kernel(q, k, v):
+    from flash_attn import flash_attn_func
+
+    return flash_attn_func(q.contiguous(), k.contiguous(), v.contiguous(), causal=False)
+
+
+@torch.library.custom_op("sgld::flash_attention", mutates_args=())
+def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    return per_sample(_flash_kernel, q, k, v, key_mask).contiguous()
+
+
+@_flash_op.register_fake
+def _(q, k, v, key_mask):
+    return q.new_empty(q.shape)
+
+
+flash = guarded("flash", _flash_op, 256)
+
+
+def check_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> Tuple[bool, str]:
+    why = cuda_half_problem(device, dtype)
+    if why is not None:
+        return False, why
+    cap = torch.cuda.get_device_capability(device)
+    if head_dim > 256:
+        return False, f"head_dim {head_dim} > 256"
+    if cap < (8, 0):
+        return False, f"flash-attn 2 needs sm80+ (GPU is sm{cap[0]}{cap[1]})"
+    ok, ver = package_version("flash_attn")
+    return (True, f"flash-attn {ver} on sm{cap[0]}{cap[1]}") if ok else (False, ver)
