@@ -184,6 +184,38 @@ def test_split_tail_equals_sdpa_at_any_key_count(keys):
     assert A.sage_split(A.sage_limits("1.0.6", (9, 0)), keys) == 0  # 1.0.6 returns no LSE: not split
 
 
+def test_ring_attention_blocks_run_the_chosen_backends_lse_kernel():
+    """Issue 34 item 4: ring attention's blocks take their kernel from the backend table. A registered backend
+    whose attention-with-LSE is the sage stand-in (block-constrained, the tail split off exact) is what the blocks
+    run, per sample on a padded block's valid keys, and the result equals masked sdpa; the model's chosen backend
+    is what the parallel forward passes; without one (or one with no LSE kernel) blocks run sdpa's."""
+    from engine.parallel.comm import ring_attention
+
+    kernel, seen = _block_kernel_with_lse()
+
+    def standin_lse(q, k, v):
+        return A.split_tail(kernel, q, k, v, k.shape[1] - k.shape[1] % 64)
+
+    A.register_backend(A.Backend("sage_standin", A.math_attention, lambda device, dtype, head_dim: (True, "test kernel"),
+                                 lse=lambda device, dtype, head_dim: ("sage stand-in", standin_lse)))
+    try:
+        assert A.lse_kernel(torch.device("cpu"), torch.float32, 64, "sage_standin") is standin_lse
+        assert seen == []  # the probe's 37 keys are below one block: all exact, the kernel not called
+        q, k, v = qkv(s=160, d=64)
+        mask = prefix_mask(2, 160, [160, 100])
+        out = ring_attention(q, k, v, [A.block_lens(mask)], None, [0], 0, backend="sage_standin")  # one ring position
+        assert seen == [128, 64]  # 160 keys: 128 by the kernel + 32 exact; 100 keys: 64 + 36
+        assert rel(out, A.sdpa(q, k, v, mask)) < 1e-5
+        m = random_model(SIZES["tiny"], seed=0)
+        assert A.AttentionBackend.chosen(m) is None
+        A.apply_attention(m, A.select_backend("sage_standin", "cpu", torch.float32, 64, log_choice=False))
+        assert A.AttentionBackend.chosen(m) == "sage_standin"
+    finally:
+        A.unregister_backend("sage_standin")
+    assert A.lse_kernel(torch.device("cpu"), torch.float32, 64, "flash") is A.lse_kernel(torch.device("cpu"), torch.float32, 64)
+    assert A.lse_kernel(torch.device("cpu"), torch.float32, 64, "math") is A.attention_with_lse
+
+
 def _fake_sage_2(calls, block=64):
     """sageattention 2.x's ``sageattn`` as its Triton path behaves (no tail mask: only multiples of ``block``),
     with ``return_lse`` (its log-sum-exp [B, H, S]); math on CPU stands in for the CUDA kernel."""

@@ -6,7 +6,7 @@ Layouts follow the engine's attention contract: q, k, v are [B, S, heads, head_d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,16 +81,17 @@ def ulysses_gather_heads(x: torch.Tensor, group, degree: int) -> torch.Tensor:
     return out.permute(1, 2, 0, 3, 4).reshape(b, s, degree * h, d)
 
 
-def ring_attention(q, k, v, blocks: list, group, ranks: List[int], my_index: int, kernel: Optional[Callable] = None):
+def ring_attention(q, k, v, blocks: list, group, ranks: List[int], my_index: int, backend: Optional[str] = None):
     """Ring attention: this rank's queries against every rank's K/V block.
 
     K/V (and nothing else) travel around the ring: at step i this rank holds the block of ring
     position (my_index - i) mod R and sends it on to the next position while it computes. Every
     block's partial output is merged by log-sum-exp. ``blocks[j]``: ring position j's key validity
     (``block_lens``: None = all valid, per-sample prefix lengths, or a bool mask [B, Sk]); it is
-    known on every rank, so it is not sent.
+    known on every rank, so it is not sent. Each block runs the attention backend ``backend``'s kernel with
+    log-sum-exp where the table has one, else sdpa's (``lse_kernel``).
     """
-    kernel = kernel or lse_kernel(q.device, q.dtype, q.shape[-1])
+    kernel = lse_kernel(q.device, q.dtype, q.shape[-1], backend)
     R = len(ranks)
     nxt, prv = ranks[(my_index + 1) % R], ranks[(my_index - 1) % R]
     kv = torch.stack([k, v]).contiguous()

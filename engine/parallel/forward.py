@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..features import patching
-from ..features.attention import block_lens
+from ..features.attention import AttentionBackend, block_lens
 from ..features.cache import DBCacheRunner
 from .comm import Groups, ring_attention, ulysses_gather_heads, ulysses_scatter_heads
 
@@ -110,7 +110,8 @@ class ParallelModel:
         plan, g = self.plan, self.groups
         ulysses, ring = plan.ulysses, plan.ring
         ring_index = g.coords[1]
-        base = self.model.attention
+        base = self.model.attention  # the backend chosen at load (Ulysses runs it on its heads' whole sequence)
+        backend = AttentionBackend.chosen(self.model)  # ring's blocks: its kernel with log-sum-exp, where it has one
         span = ulysses * chunk  # tokens of one ring position (a ulysses group's sequence)
         masks = [None if full_mask is None else full_mask[:, j * span:(j + 1) * span] for j in range(ring)]
         blocks = [block_lens(m) for m in masks] if ring > 1 else None
@@ -120,7 +121,7 @@ class ParallelModel:
             if ulysses > 1:
                 q, k, v = ulysses_scatter_heads(torch.stack([q, k, v]), g.ulysses, ulysses).unbind(0)
             if ring > 1:
-                out = ring_attention(q, k, v, blocks, g.ring, g.ranks["ring"], ring_index)
+                out = ring_attention(q, k, v, blocks, g.ring, g.ranks["ring"], ring_index, backend)
             else:
                 out = base(q, k, v, masks[0])
             if ulysses > 1:

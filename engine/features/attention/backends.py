@@ -17,7 +17,7 @@ from ..tables import LiveNames
 from .flash import check_flash, flash
 from .kernels import installed_version, math_attention
 from .lse import reference_lse, torch_flash_lse
-from .sage import check_sage, sage
+from .sage import check_sage, sage, sage_lse
 
 log = logging.getLogger("sgld.attention")
 
@@ -31,13 +31,17 @@ def _pytorch(device: torch.device, dtype: torch.dtype, head_dim: int) -> Tuple[b
 class Backend:
     """One attention backend: ``fn(q, k, v, key_mask=None)`` ([B, S, heads, head_dim], mask [B, S] True =
     attend); ``check(device, dtype, head_dim)`` -> (runs here, why); ``package``: the module whose version
-    describes it (None: torch); ``auto``: its rank when "auto" chooses (higher first; 0: never chosen)."""
+    describes it (None: torch); ``auto``: its rank when "auto" chooses (higher first; 0: never chosen);
+    ``lse(device, dtype, head_dim)`` -> (name, kernel) or None: where it has one here, its attention with the
+    log-sum-exp, ``kernel(q, k, v)`` -> (out [B, S, H, D], lse [B, S, H]) float32 on unmasked keys of any count,
+    which ring attention's blocks run when this backend is chosen (``lse_kernel``)."""
 
     name: str
     fn: Callable
     check: Callable[[torch.device, torch.dtype, int], Tuple[bool, str]]
     package: Optional[str] = None
     auto: int = 0
+    lse: Optional[Callable[[torch.device, torch.dtype, int], Optional[Tuple[str, Callable]]]] = None
 
 
 BACKEND_TABLE: Dict[str, Backend] = {}  # in registration order: the order of lists and messages
@@ -54,6 +58,8 @@ def unregister_backend(name: str) -> None:
     """Take a backend out of the table (tests that register one of their own); sdpa, the fallback, stays."""
     if name != "sdpa":
         BACKEND_TABLE.pop(name, None)
+        for key in [key for key in _LSE_KERNELS if key[0] == name]:
+            del _LSE_KERNELS[key]
 
 
 def backend_names() -> Tuple[str, ...]:
@@ -61,8 +67,8 @@ def backend_names() -> Tuple[str, ...]:
     return ("auto", *BACKEND_TABLE)
 
 
-for _b in (Backend("sdpa", sdpa, _pytorch), Backend("sage", sage, check_sage, "sageattention", auto=2),
-           Backend("flash", flash, check_flash, "flash_attn", auto=1), Backend("math", math_attention, _pytorch)):
+for _b in (Backend("sdpa", sdpa, _pytorch, lse=torch_flash_lse), Backend("sage", sage, check_sage, "sageattention", 2, sage_lse),
+           Backend("flash", flash, check_flash, "flash_attn", auto=1), Backend("math", math_attention, _pytorch, lse=reference_lse)):
     register_backend(_b)
 BACKENDS = LiveNames(backend_names)  # EngineConfig.attention's choices: the table's, read when asked
 FUNCTIONS: Dict[str, Callable] = {n: b.fn for n, b in BACKEND_TABLE.items()}  # the built-ins' functions (benchmarks)
@@ -148,6 +154,12 @@ class AttentionBackend(patching.Patch):
         if model is not None:
             patching.set_slot(model, "attention", self.previous)
 
+    @staticmethod
+    def chosen(model: nn.Module) -> Optional[str]:
+        """The backend ``apply_attention`` set on ``model`` (None: none was)."""
+        patch = patching.get(model, AttentionBackend.name)
+        return patch.choice.name if patch is not None else None
+
     def describe(self) -> dict:
         c = self.choice
         return {"backend": c.name, "requested": c.requested, "reason": c.reason, "version": c.version}
@@ -168,14 +180,16 @@ def remove_attention(model: nn.Module) -> bool:
 _LSE_KERNELS: Dict[tuple, Callable] = {}
 
 
-def lse_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> Callable:
-    """The fastest unmasked attention-with-LSE that agrees with the float32 reference here: torch's
-    flash kernel (CUDA fp16/bf16, or CPU), checked once per (device, dtype) on a small input
-    against ``attention_with_lse``; anything that fails or disagrees falls back to it (logged)."""
-    key = (device.type, dtype, head_dim)
+def lse_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, backend: Optional[str] = None) -> Callable:
+    """Ring attention's block kernel from the table: the chosen ``backend``'s attention-with-LSE where it has one
+    here, else sdpa's (torch's flash kernel: CUDA fp16/bf16, or CPU), each checked once per (backend, device,
+    dtype, head size) on a small input against the float32 reference ``attention_with_lse``; one that fails or
+    disagrees is skipped (logged), and the reference is the last resort."""
+    key = (backend or "sdpa", device.type, dtype, head_dim)
     if key in _LSE_KERNELS:
         return _LSE_KERNELS[key]
-    candidates = [c for c in (torch_flash_lse(device, dtype, head_dim),) if c is not None]
+    offered = [BACKEND_TABLE[n] for n in dict.fromkeys((key[0], "sdpa")) if n in BACKEND_TABLE]
+    candidates = [c for c in (b.lse(device, dtype, head_dim) for b in offered if b.lse is not None) if c is not None]
     name, chosen = reference_lse(device, dtype, head_dim)
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(2, 37, 2, head_dim, generator=g).to(device, dtype) for _ in range(3))
@@ -191,6 +205,7 @@ def lse_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> Calla
             log.warning("ring attention kernel %s disagrees with the reference; not used", cand_name)
         except Exception as e:  # noqa: BLE001 - any failure means: do not use it
             log.warning("ring attention kernel %s unavailable (%s); using the next", cand_name, e)
-    log.info("ring attention blocks on %s/%s: %s", device.type, str(dtype).replace("torch.", ""), name)
+    log.info("ring attention blocks on %s/%s (attention %s): %s", device.type, str(dtype).replace("torch.", ""),
+             key[0], name)
     _LSE_KERNELS[key] = chosen
     return chosen
