@@ -29,12 +29,10 @@ flash = guarded("flash", _flash_op, 256)
 
 
 def check_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> Tuple[bool, str]:
-    why = cuda_half_problem(device, dtype)
+    why = cuda_half_problem(device, dtype, head_dim, 256)
     if why is not None:
         return False, why
     cap = torch.cuda.get_device_capability(device)
-    if head_dim > 256:
-        return False, f"head_dim {head_dim} > 256"
     if cap < (8, 0):
         return False, f"flash-attn 2 needs sm80+ (GPU is sm{cap[0]}{cap[1]})"
     ok, ver = package_version("flash_attn")

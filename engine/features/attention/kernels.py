@@ -92,12 +92,14 @@ def package_version(module: str) -> Tuple[bool, str]:
     return True, installed_version(module)
 
 
-def cuda_half_problem(device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    """Why a CUDA fp16/bf16 kernel cannot run here, or None."""
+def cuda_half_problem(device: torch.device, dtype: torch.dtype, head_dim: int, max_head_dim: int) -> Optional[str]:
+    """Why a CUDA fp16/bf16 kernel that takes head sizes up to ``max_head_dim`` cannot run here, or None."""
     if device.type != "cuda":
         return f"it needs a CUDA GPU (device is {device.type})"
     if not torch.cuda.is_available():
         return "CUDA is not available"
     if dtype not in HALF_DTYPES:
         return f"it needs fp16/bf16 weights (model is {str(dtype).replace('torch.', '')})"
+    if head_dim > max_head_dim:
+        return f"head_dim {head_dim} > {max_head_dim}"
     return None

@@ -81,6 +81,23 @@ def sage_split(limits: SageLimits, key_len: int) -> int:
     return key_len - key_len % limits.key_block
 
 
+def check_sage(device: torch.device, dtype: torch.dtype, head_dim: int) -> Tuple[bool, str]:
+    why = cuda_half_problem(device, dtype, head_dim, 128)
+    if why is not None:
+        return False, why
+    cap = torch.cuda.get_device_capability(device)
+    ok, ver = package_version("sageattention")
+    if not ok:
+        return False, ver
+    limits = sage_limits(ver, cap)
+    if cap not in limits.capabilities:
+        return False, f"sageattention {ver} has no kernel for compute capability sm{cap[0]}{cap[1]}"
+    why = sage_route(limits, head_dim)
+    if why is not None:
+        return False, why
+    return True, f"{limits.describe()}, on sm{cap[0]}{cap[1]}"
+
+
 # Calls of the sage op by where they ran (``sage`` kernel or exact ``sdpa`` fallback); the GPU check
 # reports these so that a sage timing says how much of it was sage.
 sage_calls: Dict[str, int] = {"sage": 0, "split": 0, "sdpa": 0}
@@ -141,25 +158,6 @@ def _(q, k, v, key_mask):
 
 
 sage = guarded("sage", _sage_op, 128)
-
-
-def check_sage(device: torch.device, dtype: torch.dtype, head_dim: int) -> Tuple[bool, str]:
-    why = cuda_half_problem(device, dtype)
-    if why is not None:
-        return False, why
-    cap = torch.cuda.get_device_capability(device)
-    if head_dim > 128:
-        return False, f"head_dim {head_dim} > 128"
-    ok, ver = package_version("sageattention")
-    if not ok:
-        return False, ver
-    limits = sage_limits(ver, cap)
-    if cap not in limits.capabilities:
-        return False, f"sageattention {ver} has no kernel for compute capability sm{cap[0]}{cap[1]}"
-    why = sage_route(limits, head_dim)
-    if why is not None:
-        return False, why
-    return True, f"{limits.describe()}, on sm{cap[0]}{cap[1]}"
 
 
 # -- ring attention's blocks --------------------------------------------------------------------------------------
