@@ -29,7 +29,8 @@ class EngineConfig:
         any_case=True, flag="--dtype", widget="weight_dtype", widget_required=True,
         tooltip="Weight dtype in memory; 'default' keeps the file's dtype.")
     device: str = option("cpu", str, "torch device (default: cpu)", flag="--device")  # nodes: ComfyUI's device
-    # Cache-DiT (engine.features.cache.CacheConfig); None = the SGLANG_CACHE_DIT_* environment decides per run.
+    # Cache-DiT (engine.features.cache.CacheConfig) of runs given none; None = off. The SGLANG_CACHE_DIT_*
+    # environment is read by the entry points (CLI, server start, nodes, pipeline), never by the engine.
     cache: Optional["CacheConfig"] = None
     attention: str = option(
         "auto", str, "attention backend (default auto: sage, then flash, then sdpa; unavailable ones fall back to "

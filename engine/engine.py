@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import EngineConfig
 from .errors import InputError, ModelOutputError
-from .features.cache import measured_speedup, resolve_config
+from .features.cache import CacheConfig, measured_speedup, run_config
 from .features.offload import get_offload
 from .inputs import (
     check_batch_index,
@@ -227,15 +227,21 @@ class Engine:
             calls += 1  # heun's second call on the last step too when the schedule does not end at 0
         self.last_run = RunStats(steps=n, model_calls=calls, sampler=sampler)
         plan = self._cache_plan(cache, calls) if calls else None
-        if not calls and resolve_config(cache if cache is not None else self.config.cache).enabled:
+        if not calls and self._cache_config(cache).enabled:
             self.last_run.warnings.append(f"Cache-DiT is off for this run: it counts model calls for the samplers "
                                           f"{', '.join(SAMPLERS)}, not '{sampler}'")
         return ModelCalls(self.last_run, self.runner.run(plan, cfg_batched=cfg_batched))
 
     def _cache_plan(self, cache, calls: int):
         """The resolved Cache-DiT settings of a run of ``calls`` model calls, or None when the cache is off."""
-        cc = resolve_config(cache if cache is not None else self.config.cache)
+        cc = self._cache_config(cache)
         return cc.resolve(calls, self.model_config.num_layers) if cc.enabled else None
+
+    def _cache_config(self, cache) -> CacheConfig:
+        """The run's Cache-DiT: ``cache``, else the engine config's, else off. The environment is read by the
+        entry points (``features.cache.resolve_config``), never here: a run does not depend on when it starts."""
+        cc = run_config(cache if cache is not None else self.config.cache)
+        return CacheConfig(enabled=False) if cc is None else cc
 
     def prepare(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
                 sampler: str = DEFAULT_SAMPLER, scheduler: str = DEFAULT_SCHEDULER, denoise: float = DEFAULT_DENOISE, shift: float = DEFAULT_SHIFT,
@@ -301,7 +307,7 @@ class Engine:
         ``cond``/``uncond`` are lists of per-sample text features [T_i, C] of any lengths (one entry
         is broadcast over the batch). ``callback(step, total, x, denoised)`` runs after every step's
         model call and may raise to interrupt. ``cache``: an ``engine.features.cache.CacheConfig``; None =
-        the engine config's, else the environment's (SGLANG_CACHE_DIT_*); ``CacheConfig(enabled=False)`` = off.
+        the engine config's, else off (the SGLANG_CACHE_DIT_* environment is read by the entry points, not here).
         ``sigmas``: the caller's own schedule (``steps`` + 1 values) instead of scheduler, denoise and shift.
         ``noise``: the caller's own starting noise (the latent's shape) instead of the seed's (ErnieImagePipeline
         with a ``generator``).

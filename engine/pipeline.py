@@ -27,7 +27,7 @@ from tqdm import tqdm
 from . import options
 from .config import EngineConfig
 from .errors import InputError
-from .features.cache import CacheConfig
+from .features.cache import CacheConfig, resolve_config
 from .features.compile import compile_blocks
 from .features.lora import parse_spec
 from .inputs import check_sampling_settings, check_seed
@@ -96,18 +96,17 @@ def _engine_config(torch_dtype, device, given: dict) -> EngineConfig:
     return EngineConfig(dtype=dtype, device=str(device or "cpu"), **given)
 
 
-def cache_option(cache) -> Optional[CacheConfig]:
-    """None (the SGLANG_CACHE_DIT_* environment decides), False / "off", a preset name, or a CacheConfig."""
-    if cache is None:
-        return None
-    if isinstance(cache, CacheConfig):
-        return cache.validate()
+def cache_option(cache) -> CacheConfig:
+    """None (the SGLANG_CACHE_DIT_* environment, read here: the pipeline is where a run starts from the outside),
+    False / "off", a preset name, or a CacheConfig."""
+    if cache is None or isinstance(cache, CacheConfig):
+        return resolve_config(cache)
     if cache is False or (isinstance(cache, str) and cache.lower() in ("off", "none")):
         return CacheConfig(enabled=False)
     if cache is True:
         return CacheConfig(enabled=True, preset="balanced")
     if isinstance(cache, str):
-        return CacheConfig(enabled=True, preset=cache).validate()
+        return CacheConfig(enabled=True, preset=cache)
     raise TypeError(f"cache={cache!r}: give a preset name (quality, balanced, fast, ...), 'off', or a CacheConfig")
 
 
@@ -209,7 +208,7 @@ class ErnieImagePipeline:
     # -- engine features ---------------------------------------------------------------------------------------
     def enable_cache(self, preset: str = "balanced", **fields) -> None:
         """Cache-DiT for the following runs: a preset (quality, balanced, fast, ...) and CacheConfig's fields."""
-        self.cache = CacheConfig(enabled=True, preset=preset, **fields).validate()
+        self.cache = CacheConfig(enabled=True, preset=preset, **fields)
 
     def disable_cache(self) -> None:
         """No Cache-DiT, whatever the SGLANG_CACHE_DIT_* environment says."""

@@ -17,6 +17,7 @@ from torch import nn
 from .config import EngineConfig
 from .engine import Engine
 from .errors import ParallelConfigError
+from .features.cache import from_env
 from .local import LocalRunner, open_local
 from .models import demo as demo_model
 from .parallel import open_ranked_runner
@@ -44,9 +45,10 @@ def open_engine(source, config: Optional[EngineConfig] = None, *, label: Optiona
 
 def open_demo(path: Optional[str] = None, cached: bool = True) -> demo_model.DemoModel:
     """The demo model's parts (text encoder, codec, DiT; the shipped weights unless ``path``; cached per process
-    unless ``cached=False``) with ``demo.engine``, an Engine on its DiT with the default options. For other
-    options open ``open_engine(DEMO, config)``."""
+    unless ``cached=False``) with ``demo.engine``, an Engine on its DiT with the default options and the
+    SGLANG_CACHE_DIT_* environment's cache (read here, when the engine is opened: the demo's Python entry). For
+    other options open ``open_engine(DEMO, config)``."""
     demo = demo_model.load_demo(path, cached=cached)
     if demo.engine is None:
-        demo.engine = open_engine(demo.dit, EngineConfig(), label=demo.path)
+        demo.engine = open_engine(demo.dit, EngineConfig(cache=from_env()), label=demo.path)
     return demo

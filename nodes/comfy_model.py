@@ -27,6 +27,7 @@ import comfy.supported_models_base
 import torch
 
 from ..engine import InputError
+from ..engine.features.cache import CacheConfigError, resolve_config
 from ..engine.inputs import check_latent, check_model_call, check_run_sigmas, check_values
 from ..engine.io.load import checkpoint_shapes
 from ..engine.loading import estimate_bytes
@@ -117,11 +118,12 @@ def _model_class(base):
     return SGLDiffusionErnieImage
 
 
-def checked(check, *args) -> None:
-    """An engine input check on the MODEL path: its InputError as a plain ValueError (ComfyUI shows the class)."""
+def checked(check, *args):
+    """An engine input check on the MODEL path: its InputError / CacheConfigError as a plain ValueError (ComfyUI
+    shows the class); else what the check returns."""
     try:
-        check(*args)
-    except InputError as e:
+        return check(*args)
+    except (InputError, CacheConfigError) as e:
         raise ValueError(f"SGLDiffusion comfy_model: {e}") from None
 
 
@@ -248,7 +250,7 @@ def _sample(executor, noise, latent_image, sampler, sigmas, args, kwargs):
     options = guider.model_options.setdefault("transformer_options", {})
     name = getattr(getattr(sampler, "sampler_function", None), "__name__", "")
     run = ComfyRun(guider.model_patcher.sgld_engine(), sigmas, name[len("sample_"):] if name.startswith("sample_") else name,
-                   options.get(CACHE_OPTION))
+                   checked(resolve_config, options.get(CACHE_OPTION)))  # Apply Cache-DiT's, else SGLANG_CACHE_DIT_*
     with _runs_lock:
         run_id = next(_run_ids)
         _runs[run_id] = run

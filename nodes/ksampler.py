@@ -21,7 +21,7 @@ import comfy.model_management
 import comfy.utils
 
 from ..engine import CheckpointError, InputError
-from ..engine.features.cache import CacheConfigError
+from ..engine.features.cache import CacheConfigError, resolve_config
 from ..engine.inputs import latent_hint
 from ..engine.options import node_inputs
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
@@ -322,12 +322,12 @@ class SGLDiffusionKSampler:
         cond = conditioning_features("positive", positive)
         uncond = conditioning_features("negative", negative)
         warnings = conditioning_warnings("positive", positive) + conditioning_warnings("negative", negative)
-        kwargs = {"cache": cache} if cache is not None else {}
         channels = samples.shape[1] if getattr(samples, "dim", lambda: 0)() >= 2 else 0
         reporter = StepReporter(int(steps), channels, engine.device)
         try:
             out = engine.sample(samples, cond, uncond, seed=seed, steps=steps, cfg=cfg, sampler=sampler_name,
-                                scheduler=scheduler, denoise=denoise, callback=reporter, **kwargs,
+                                scheduler=scheduler, denoise=denoise, callback=reporter,
+                                cache=resolve_config(cache),  # the Cache-DiT node's, else SGLANG_CACHE_DIT_*
                                 noise_mask=latent_image.get("noise_mask"), batch_index=latent_image.get("batch_index"))
         except (InputError, CacheConfigError, ParallelWorkerError) as e:  # ComfyUI shows the class: keep it plain
             raise ValueError(f"{NODE}: {e}") from None

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from engine.engine import Engine
-from engine.features.cache import CacheConfig, DBCacheRunner, TaylorSeer, mask_str, preset_mask
+from engine.features.cache import CacheConfig, DBCacheRunner, TaylorSeer, mask_str, preset_mask, resolve_config
 from engine.models.ernie_image import run_all_blocks
 from engine.models.random_weights import SIZES, random_model
 
@@ -56,11 +56,15 @@ def test_all_ones_mask_is_bit_equal(engine):
     assert torch.equal(base, on) and engine.last_run.cache["computed"] == 10
 
 
-def test_env_switches_the_cache_on(engine, monkeypatch):
+def test_the_env_switches_the_cache_on_where_a_run_starts_not_inside_the_engine(engine, monkeypatch):
     base = run(engine, steps=20)
     monkeypatch.setenv("SGLANG_CACHE_DIT_ENABLED", "true")
     monkeypatch.setenv("SGLANG_CACHE_DIT_SCM_PRESET", "balanced")
-    out = run(engine, steps=20)
+    assert torch.equal(base, run(engine, steps=20)) and engine.last_run.cache == {}  # Engine.sample reads no env
+    monkeypatch.setenv("SGLANG_CACHE_DIT_FN", "0")
+    run(engine, steps=2)  # not even a bad value: the entry points refuse it (resolve_config)
+    monkeypatch.delenv("SGLANG_CACHE_DIT_FN")
+    out = run(engine, resolve_config(None), steps=20)  # what the CLI, the server's start, the nodes, the pipeline do
     st = engine.last_run
     assert st.cache["preset"] == "balanced"
     assert "".join("1" if m else "0" for m in st.step_mask) == mask_str(preset_mask("balanced", 20))

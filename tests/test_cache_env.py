@@ -64,7 +64,7 @@ def test_errors_name_the_variable_and_the_allowed_values(var, value, allowed):
 ])
 def test_field_errors_name_the_field(field, value, allowed):
     with pytest.raises(CacheConfigError) as err:
-        CacheConfig(**{field: value}).validate()
+        CacheConfig(**{field: value})  # refused when built, as EngineConfig is
     assert repr(field) in str(err.value) and allowed in str(err.value)
 
 
@@ -96,3 +96,33 @@ def test_from_dict_and_hashable():
         config_from_dict({"presets": "fast"})
     assert "presets" in str(err.value) and "preset" in str(err.value)
     assert "preset=fast" in c.describe() and CacheConfig(enabled=False).describe() == "off"
+
+
+def test_a_config_is_checked_once_when_built(monkeypatch):
+    """Refused at construction (the field and what is allowed), as EngineConfig; a run does not check it again."""
+    with pytest.raises(CacheConfigError, match=r"^cache option 'ts_order' = 3 is not supported; choose one of .*1, 2$"):
+        CacheConfig(ts_order=3)
+    c = CacheConfig(preset="Fast", steps_mask="")  # normalized when built: equal settings compare equal
+    assert c == CacheConfig(preset="fast") and c.preset == "fast" and c.steps_mask is None
+    import engine.features.cache.config as config_module
+
+    calls = []
+    real = config_module.checked
+    monkeypatch.setattr(config_module, "checked", lambda obj: calls.append(obj) or real(obj))
+    c = CacheConfig(preset="balanced")
+    c.resolve(50, 36), resolve_config(c), config_from_dict({"preset": "fast"})
+    assert len(calls) == 2  # the two constructions; resolve / resolve_config do not check again
+
+
+def test_the_pipeline_reads_the_env_once_when_built(monkeypatch):
+    """The pipeline is where a run starts from the outside: it reads SGLANG_CACHE_DIT_* when it is built; the
+    engine's run does not read it again (here: the variables are gone by then, the cache still runs)."""
+    from engine import ErnieImagePipeline
+
+    monkeypatch.setenv("SGLANG_CACHE_DIT_ENABLED", "true")
+    monkeypatch.setenv("SGLANG_CACHE_DIT_SCM_PRESET", "fast")
+    pipe = ErnieImagePipeline.from_pretrained("demo")
+    monkeypatch.delenv("SGLANG_CACHE_DIT_ENABLED")
+    monkeypatch.delenv("SGLANG_CACHE_DIT_SCM_PRESET")
+    pipe("a large red circle on the left, on a blue background", num_inference_steps=6, seed=0)
+    assert pipe.engine.last_run.cache["preset"] == "fast"

@@ -202,7 +202,7 @@ def test_the_cache_node_knows_exactly_the_declared_cache_options():
 
 def test_refusals_name_the_spelling_the_caller_used():
     with pytest.raises(CacheConfigError, match=r"^cache option 'fn' = 0 is not supported; choose an integer >= 1$"):
-        CacheConfig(fn=0).validate()
+        CacheConfig(fn=0)
     with pytest.raises(CacheConfigError, match=r"^--cache-fn='0' is not supported; choose an integer >= 1$"):
         parser = argparse.ArgumentParser()
         add_cache_arguments(parser)
@@ -228,8 +228,9 @@ def test_values_are_normalized_once_for_every_spelling():
         with pytest.raises(ValueError):
             EngineConfig(**bad)
     with pytest.raises(CacheConfigError, match="rdt"):
-        CacheConfig(rdt=float("nan")).validate()
-    assert CacheConfig(rdt=float("inf")).validate().rdt == float("inf")  # >= 1: always cache
+        CacheConfig(rdt=float("nan"))
+    assert CacheConfig(rdt=float("inf")).rdt == float("inf")  # >= 1: always cache
+    assert CacheConfig(preset="Fast", steps_mask="", taylorseer="from preset") == CacheConfig(preset="fast")
 
 
 def test_a_declared_dataclass_gets_its_flags_widgets_and_variables():

@@ -49,8 +49,8 @@ or the **SGLDiffusion Cache-DiT** node (preset, or `advanced` fields) connected 
 **SGLDiffusion KSampler**, or to **SGLDiffusion Apply Cache-DiT** for any sampler on the loader's
 `comfy_model`; the node wins over the environment (`enabled` off there = no cache). CLI: `--cache-preset`
 and the other `--cache-*` flags (`sgld generate --help`); `sgld serve`: a request's `"cache"` field (a
-preset or `off`). From Python: `Engine.sample(..., cache=CacheConfig(preset="balanced"))` or
-`EngineConfig(cache=...)`; the engine's `last_run` then holds the step mask that happened,
+preset or `off`; none: the server's flags, else the environment as it was at its start). From Python:
+`Engine.sample(..., cache=CacheConfig(preset="balanced"))` or `EngineConfig(cache=...)`; the engine's `last_run` then holds the step mask that happened,
 `calls_computed` and the measured speedup.
 
 | variable | values | default | meaning |
@@ -68,7 +68,13 @@ preset or `off`). From Python: `Engine.sample(..., cache=CacheConfig(preset="bal
 | `SGLANG_CACHE_DIT_SCM_POLICY` | static, dynamic | presets: static | static: the mask alone decides (fixed speed, no GPU sync); dynamic: a masked step is reused only if the threshold and limits allow |
 | `SGLANG_CACHE_DIT_SCM_MASK` | 0/1 string | - | custom mask, one digit per model call (1 = compute) |
 
-An invalid value stops the run with an error naming the variable and the allowed values.
+The variables are read once where a run starts from the outside: when `sgld generate`, `sgld bench` or
+`sgld serve` starts (an invalid value stops it before anything loads, with an error naming the variable and the
+allowed values), when a ComfyUI KSampler runs without a Cache-DiT node, and when an `ErnieImagePipeline` is built
+(or `engine.accelerate` / `engine.open_demo` is called). The engine itself never reads them: from Python,
+`Engine.sample(cache=None)` runs with the `EngineConfig`'s cache, else none (`features.cache.resolve_config(None)`
+gives the environment's). A `CacheConfig` is checked when it is built (an error naming the field and the allowed
+values), once.
 Explicitly set knobs override the preset's. Without a preset the threshold decides (SGLang's
 defaults: F1B0, warm-up 4, rdt 0.24, MC 3); the threshold's scale depends on the model, so the
 presets use static masks by default.

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from ..features import offload
+from ..features.cache import from_env
 from ..features.quant.gguf_convert import GGUF_FORMATS
 from ..features.quant.registry import format_of
 from ..loading import estimate_bytes
@@ -88,7 +89,7 @@ def run_settings(args) -> dict:
 def cmd_bench(args) -> dict:
     t0 = time.perf_counter()
     run = run_settings(args)
-    config = engine_config(args)
+    config = engine_config(args, cache=from_env())  # SGLANG_CACHE_DIT_*, read once here (bench has no --cache flags)
     if args.model:
         eng = open_engine(args.model, config)
         use_threads(eng, args)

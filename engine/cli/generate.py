@@ -18,6 +18,7 @@ from PIL.PngImagePlugin import PngInfo
 from tqdm import tqdm
 
 from ..errors import CheckpointError
+from ..features.cache import resolve_config
 from ..features.lora import parse_spec
 from ..io.atomic import atomic_write
 from ..io.checkpoint import check_architecture, open_checkpoint
@@ -145,7 +146,7 @@ def _demo_parts(args) -> GenerateParts:
             print(f"sgld: warning: {warning}", file=sys.stderr)
     # the DiT through the same router as ERNIE-Image files: several ranks (--num-gpus, --tp, ...) run it
     # in worker processes; the demo is stored in fp16 and runs in fp32 unless --dtype says otherwise
-    config = dataclasses.replace(engine_config(args, cache=cache_config(args)), dtype=args.dtype or "fp32")
+    config = dataclasses.replace(engine_config(args, cache=resolve_config(cache_config(args))), dtype=args.dtype or "fp32")
     dit = demo_dit(args)
     eng = open_engine(dit, config)
     return GenerateParts(eng, lambda p: demo.encode([p]), lambda w, h: demo.empty_latent(1), lambda z: demo.decode(z)[0],
@@ -172,7 +173,7 @@ def _ernie_parts(args) -> GenerateParts:
                              "runs with the demo's own)")
     vae = Flux2VAE.load(files.vae, device=args.device)
     te = TextEncoder.load(files.text_encoder, device=args.device, tokenizer=files.tokenizer)
-    eng = open_engine(files.transformer, engine_config(args, cache=cache_config(args)))
+    eng = open_engine(files.transformer, engine_config(args, cache=resolve_config(cache_config(args))))
     return GenerateParts(eng, lambda p: [te.encode(p)], vae.empty_latent, lambda z: vae.decode(z)[0].numpy(),
                          files.transformer, ERNIE_SIZE)
 
@@ -317,5 +318,5 @@ def check_generate_args(args) -> tuple:
         args.out = output_name(args, run) if args.save_output else DEFAULT_OUT
     check_output_path("--out", args.out, (".png",))
     engine_config(args)  # the engine's flags and the parallel degrees against each other
-    cache_config(args)
+    resolve_config(cache_config(args))  # the --cache* flags, else SGLANG_CACHE_DIT_*: a bad value stops the run early
     return run

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from .. import inputs
+from ..features.cache import resolve_config
 from ..models import demo as demo_pkg
 from ..sampling import DEFAULT_SHIFT, MAX_IMAGE_SIDE
 from ..sampling_options import from_flags
@@ -113,7 +114,7 @@ def _check_size(external: bool, empty_latent):
 def served_model(args) -> ServedModel:
     """The model the flags name, with its defaults and the --lora files active."""
     engine_config(args)  # the engine's flags and the parallel degrees against each other, before loading
-    cache_config(args)
+    resolve_config(cache_config(args))  # the --cache* flags, else SGLANG_CACHE_DIT_*: a bad value stops the start
     check_pe_args(args)
     defaults = from_flags(args, model_source(args), SAMPLING)  # the flags', else the model's
     release = release_of(args)

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from .. import options
 from ..config import PARALLEL, EngineConfig
 from ..errors import ParallelConfigError
-from ..features.cache import CacheConfig
+from ..features.cache import CacheConfig, resolve_config
 from ..io.checkpoint import check_architecture, open_checkpoint
 from ..models.random_weights import random_checkpoint
 from ..router import open_engine
@@ -71,6 +71,7 @@ def main(argv=None) -> int:
         engine_options = options.from_args(EngineConfig, args)
         plan = plan_from_config(EngineConfig(**engine_options))
         run = from_flags(args, args.model or f"random:{args.size}", SAMPLING)  # a random model: Base's defaults
+        cache = resolve_config(CacheConfig(preset=args.cache) if args.cache else None)  # the environment's: read here
     except ValueError as e:  # InputError, ParallelConfigError are ValueErrors
         parser.error(str(e))
     path = args.model or random_checkpoint(args.size, engine_options.get("dtype"))
@@ -99,7 +100,6 @@ def main(argv=None) -> int:
         uncond = [torch.randn(max(1, args.random_text // 2), mcfg.text_in_dim, generator=g)]
     if not cfg_on(run["cfg"], uncond):
         uncond = None
-    cache = CacheConfig(preset=args.cache) if args.cache else None
     latent = torch.zeros(1, mcfg.in_channels, args.height // 16, args.width // 16)
     t0 = time.perf_counter()
     out = eng.sample(latent, cond, uncond, cache=cache, **run)

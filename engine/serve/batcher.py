@@ -15,10 +15,10 @@ each sample with the shapes it has alone) and hands every job its velocity. So a
 ``Engine.sample`` of the same job alone, bit for bit on this CPU, also while batched (tests/test_batcher.py
 measures it; on a GPU the batched GEMMs may round differently: fp32 tolerance, stated there).
 
-Per-request Cache-DiT: a job whose cache is on (its ``cache``, else the engine's, else the environment's)
-gets its own ``DBCacheRunner`` (its preset's step mask over its own model calls, its residuals, its
-TaylorSeer table). In the joined forward each runner decides for its job's rows after its first ``fn``
-blocks; the rows of a job whose step is cached get its saved residual and skip the middle blocks, which
+Per-request Cache-DiT: a job whose cache is on (its ``cache``, else the engine's: the server's flags', else
+the SGLANG_CACHE_DIT_* environment as it was at the start) gets its own ``DBCacheRunner`` (its preset's step
+mask over its own model calls, its residuals, its TaylorSeer table). In the joined forward each runner decides
+for its job's rows after its first ``fn`` blocks; the rows of a job whose step is cached get its saved residual and skip the middle blocks, which
 run on the other rows only (the arithmetic of ``DBCacheRunner.__call__``, phase by phase, on the job's own
 rows): the same latent and step mask as its run alone. ``max_batch`` bounds the samples (CFG branches
 count) of all running jobs together, so no forward holds more.
@@ -58,7 +58,7 @@ class Job:
     None or ``cfg`` 1: no CFG). ``denoise`` below 1: the last steps of a longer schedule (img2img); 0: the latent
     back unchanged. ``sigmas``: the job's own schedule (``steps`` + 1 values). ``noise_mask`` (inpainting) and
     ``batch_index`` (LatentFromBatch) as a LATENT holds them. ``cache``: this job's Cache-DiT (None: the
-    engine's, else the environment's). ``on_step(step, total)`` runs after each step's model call (``step``
+    engine's; no environment is read per job). ``on_step(step, total)`` runs after each step's model call (``step``
     counts from 1) in the job's thread; it may raise to cancel the job (its future gets the error). It must
     return quickly: the next step of every job waits for it."""
 

@@ -90,7 +90,7 @@ def _cache(value) -> Optional[CacheConfig]:
     if value is None or isinstance(value, str):
         return parse_cache(value)
     try:
-        return config_from_dict(value).validate()
+        return config_from_dict(value)
     except (CacheConfigError, TypeError, ValueError) as e:
         raise bad_field("cache", f"cache: {e}") from None
 

@@ -1,7 +1,8 @@
 """Cache-DiT for the engine: DBCache block runner, TaylorSeer, step computation masks, presets.
 
 Switch on with ``Engine.sample(..., cache=CacheConfig(preset="balanced"))``, ``EngineConfig(cache=...)``
-or the environment (``SGLANG_CACHE_DIT_ENABLED=true SGLANG_CACHE_DIT_SCM_PRESET=balanced``).
+or the environment (``SGLANG_CACHE_DIT_ENABLED=true SGLANG_CACHE_DIT_SCM_PRESET=balanced``), which the
+entry points (CLI, server start, nodes, pipeline) read once through ``resolve_config``; the engine never reads it.
 ``Engine.sample`` attaches a ``DBCacheRunner`` as the "cache" patch (``apply_cache``: the model's
 ``block_runner`` slot) for the run and removes it afterwards (``remove_cache``, also on an exception), so
 with the cache off nothing changes.
@@ -22,6 +23,7 @@ from .config import (
     config_from_dict,
     from_env,
     resolve_config,
+    run_config,
 )
 from .dbcache import DBCacheRunner
 from .masks import ALIASES, ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask, preset_mask
@@ -29,14 +31,6 @@ from .taylorseer import TaylorSeer
 
 # The presets' measured speedup and quality (bench/cache_bench.py writes it; the Cache-DiT node's tooltip reads it).
 MEASURED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
-
-
-def make_runner(cache: Optional[CacheConfig], model, calls: int, branches: int = 1) -> Optional[DBCacheRunner]:
-    """A fresh runner for one run, or None when the cache is off (``cache=None``: the environment)."""
-    cfg = resolve_config(cache)
-    if not cfg.enabled:
-        return None
-    return DBCacheRunner(cfg.resolve(calls, len(model.layers)), branches=branches)
 
 
 def measured_speedup(call_seconds: List[float], computed: List[bool]) -> Optional[float]:
@@ -63,7 +57,7 @@ def estimated_speedup(mask: List[bool], fn: int, bn: int, num_layers: int) -> fl
 
 
 __all__ = ["run_line", "CachePatch", "apply_cache", "remove_cache", "CacheConfig", "CacheConfigError", "ResolvedCache", "DBCacheRunner", "TaylorSeer", "from_env",
-           "resolve_config", "config_from_dict", "make_runner", "measured_speedup", "estimated_speedup",
+           "resolve_config", "run_config", "config_from_dict", "measured_speedup", "estimated_speedup",
            "preset_mask", "mask_note", "mask_str", "parse_mask", "longest_cached_run", "PRESETS", "ALIASES",
            "ALL_PRESETS", "USER_PRESETS", "DEFAULTS", "FROM_PRESET", "MEASURED_PATH", "PRESET_KNOBS"]
 

@@ -2,8 +2,9 @@
 options), presets, and the ``SGLANG_CACHE_DIT_*`` environment switches.
 
 Precedence: an explicit ``CacheConfig`` (node / ``Engine.sample(cache=...)`` / ``EngineConfig.cache``)
-wins over the environment; inside one config an explicitly set knob wins over the preset's value,
-which wins over the DBCache defaults (SGLang's: F1B0, warm-up 4, rdt 0.24, MC 3, TaylorSeer off).
+wins over the environment, which the entry points (CLI, server start, nodes, pipeline) read once through
+``resolve_config``: the engine never reads it. Inside one config an explicitly set knob wins over the preset's
+value, which wins over the DBCache defaults (SGLang's: F1B0, warm-up 4, rdt 0.24, MC 3, TaylorSeer off).
 """
 from __future__ import annotations
 
@@ -114,10 +115,11 @@ class CacheConfig:
                                        tooltip="Custom mask, one 0/1 per model call (1 = compute), e.g. 1111010101; "
                                                "replaces the preset's.")
 
-    def validate(self) -> "CacheConfig":
-        """Raise CacheConfigError naming the field on a bad value."""
-        checked(self)
-        return self
+    def __post_init__(self):
+        """Checked when built, as EngineConfig is (CacheConfigError naming the field and what is allowed);
+        the values normalized (preset case, aliases), so equal settings compare and hash equal."""
+        for name, value in checked(self).items():
+            object.__setattr__(self, name, value)
 
     @property
     def preset_name(self) -> Optional[str]:
@@ -137,7 +139,6 @@ class CacheConfig:
 
     def resolve(self, calls: int, num_layers: int) -> "ResolvedCache":
         """Concrete settings for a run of ``calls`` model calls on a model with ``num_layers`` blocks."""
-        self.validate()
         fn, bn = self.knob("fn"), self.knob("bn")
         if fn + bn >= num_layers:
             raise CacheConfigError(
@@ -223,13 +224,18 @@ def from_env(env: Optional[Mapping[str, str]] = None) -> CacheConfig:
     return CacheConfig(**given)
 
 
-def resolve_config(cache: Optional[CacheConfig], env: Optional[Mapping[str, str]] = None) -> CacheConfig:
-    """``cache`` if given (validated), else the environment's."""
-    if cache is None:
-        return from_env(env)
-    if not isinstance(cache, CacheConfig):
+def run_config(cache) -> Optional[CacheConfig]:
+    """``cache`` (a CacheConfig, checked when it was built, or None), refusing anything else. Reads no environment:
+    the engine takes what its caller gives."""
+    if cache is not None and not isinstance(cache, CacheConfig):
         raise CacheConfigError(f"cache must be a CacheConfig or None, got {type(cache).__name__}")
-    return cache.validate() if cache.enabled else cache
+    return cache
+
+
+def resolve_config(cache, env: Optional[Mapping[str, str]] = None) -> CacheConfig:
+    """``cache`` if given, else the environment's: called once where a run starts from the outside (the CLI, the
+    server's start, the ComfyUI nodes, the pipeline), never inside the engine."""
+    return from_env(env) if cache is None else run_config(cache)
 
 
 def config_from_dict(d: Mapping) -> CacheConfig:
@@ -238,9 +244,9 @@ def config_from_dict(d: Mapping) -> CacheConfig:
     unknown = sorted(set(d) - known)
     if unknown:
         raise CacheConfigError(f"unknown cache option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
-    return CacheConfig(**dict(d)).validate()
+    return CacheConfig(**dict(d))
 
 
-__all__ = ["CacheConfig", "CacheConfigError", "ResolvedCache", "from_env", "resolve_config", "config_from_dict",
-           "DEFAULTS", "FROM_PRESET", "PRESET_KNOBS"]
+__all__ = ["CacheConfig", "CacheConfigError", "ResolvedCache", "from_env", "resolve_config", "run_config",
+           "config_from_dict", "DEFAULTS", "FROM_PRESET", "PRESET_KNOBS"]
 
