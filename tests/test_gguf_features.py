@@ -130,6 +130,7 @@ def test_tensor_parallel_ranks_run_gguf_row_splits(files):
         load_model(files["q4k"], shard=(4, 0))
 
 
+@pytest.mark.server
 def test_sgld_bench_and_serve_take_a_gguf_model(files, capsys):
     from engine.cli import main
 

@@ -216,6 +216,7 @@ def test_close_stops_the_workers_of_the_last_engine(setup):
     assert pids_gone(new)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("ending", ["exit", "sigkill"])
 def test_workers_end_with_the_parent_process(setup, ending):
     """The workers do not outlive the process that started them: a normal exit (engine not closed)
@@ -263,6 +264,7 @@ def test_bad_timeout_variable_is_refused_before_any_worker(setup, monkeypatch, v
     assert pool_mod.setting("CALL_TIMEOUT_S") == 1800.0
 
 
+@pytest.mark.subprocess
 def test_bad_timeout_variable_does_not_break_the_import():
     """The variables are read when a pool starts: importing the engine (ComfyUI loading the pack) works."""
     env = dict(os.environ, PYTHONPATH=ROOT, SGLD_PARALLEL_CALL_TIMEOUT="abc", SGLD_PARALLEL_HEARTBEAT_TIMEOUT="x")

@@ -74,6 +74,7 @@ def test_demo_pipeline_is_the_engine_run_sgld_generate_makes(capsys):
         pipe("a red circle", height=128, width=128)
 
 
+@pytest.mark.subprocess
 def test_readme_demo_snippet_runs_as_shown(tmp_path):
     """The README's pipeline example, copied out of the README and run from a clean folder."""
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
