@@ -115,6 +115,8 @@ def test_cache_dit_and_compile_on_a_gguf_model(files):
     C.uncompile_blocks(model)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_tensor_parallel_ranks_run_gguf_row_splits(files):
     with torch.inference_mode():
         one = _sample(open_engine(files["q8"], _config()))

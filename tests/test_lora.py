@@ -541,6 +541,7 @@ def train_demo_lora(demo, steps=200, batch=2, rank=4, lr=3e-3, seed=0):
     return {n: (a.detach(), b.detach()) for n, (a, b) in params.items()}
 
 
+@pytest.mark.slow
 def test_lora_trained_on_the_demo_model_changes_what_the_judge_sees(tmp_path):
     import numpy as np
 

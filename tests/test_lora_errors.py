@@ -327,6 +327,7 @@ def test_a_lora_read_against_another_model_is_refused_before_anything_changes(tm
     assert differing(eng.model, before) == [] and eng.loras == [(a, 1.0)]
 
 
+@pytest.mark.subprocess
 def test_parallel_engine_is_the_base_after_a_refused_set(tmp_path):
     """A parallel engine's set_loras: a worker's refusal leaves every rank at the base and the parent says so, so a
     later set of the same LoRAs is sent again (not skipped as "already active")."""

@@ -93,6 +93,8 @@ def test_article_generate_command(release, tmp_path):
     assert (png_pixels(tmp_path / "a.png")[0] == png_pixels(tmp_path / "b.png")[0]).all()
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_generate_with_pe_prints_and_stores_the_revised_prompt(release, tmp_path):
     out = tmp_path / "pe.png"
     done = sgld("generate", "--model-path", release, "--pe", "--prompt", "a red cat", *SMALL, "--steps", "2",

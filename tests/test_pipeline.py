@@ -330,6 +330,7 @@ def test_the_callers_noise_must_have_the_latents_shape():
                            noise=torch.zeros(1, 48, 8, 8))
 
 
+@pytest.mark.subprocess
 def test_parallel_degrees_run_the_dit_on_worker_ranks():
     """ulysses_degree=2: two gloo worker processes on this CPU machine (one per GPU elsewhere), same picture."""
     single = ErnieImagePipeline.from_pretrained("demo", cache="off")
