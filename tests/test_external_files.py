@@ -183,7 +183,7 @@ def test_a_damaged_model_stops_the_run_with_a_clear_error_and_writes_nothing(ern
     assert "Traceback" not in r.stderr and not out.exists()
 
 
-@pytest.mark.subprocess
+@pytest.mark.server
 def test_serve_from_ernie_files(ernie_files, tmp_path):
     """`sgld serve` with ERNIE-Image files: the file's name is the model's id, a *turbo* file defaults to Turbo's
     8 steps and cfg 1, other sizes than the demo's are made, and a size the VAE cannot make is a 400."""

@@ -62,6 +62,8 @@ def _direct_needs(fn, server_classes: set[str]) -> tuple[set[str], set[str]]:
             needs.add("browser")
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and (f.value.id, f.attr) in PROCESS_CALLS:
             needs.add("subprocess")
+            if f.attr == "Popen" and any(isinstance(c, ast.Constant) and c.value == "serve" for c in ast.walk(node)):
+                needs.add("server")  # a `sgld serve` process
     return needs, refs
 
 
@@ -178,6 +180,9 @@ class ArticleServer(Server):
 def helper():
     return subprocess.run(["sgld"])
 
+def test_serve_process():
+    subprocess.Popen(["sgld", "serve", "--port", "0"])
+
 @pytest.fixture
 def served():
     return ArticleServer("log")
@@ -200,6 +205,6 @@ def test_plain():
     pass
 '''
     assert missing_marks(source) == {"test_cli": {"subprocess"}, "test_served": {"server"},
-                                     "test_page": {"browser"}}
+                                     "test_page": {"browser"}, "test_serve_process": {"server", "subprocess"}}
     module_marked = source.replace("import subprocess, pytest", "import subprocess, pytest\npytestmark = [pytest.mark.server]")
     assert missing_marks(module_marked) == {"test_page": {"browser"}}
