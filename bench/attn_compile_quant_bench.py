@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.metrics import rel_err  # noqa: E402
 from engine.features import attention as A  # noqa: E402
 from engine.features import quant as Q  # noqa: E402
 from engine.features.compile import compile_blocks, graph_count, reset_counters  # noqa: E402
@@ -43,10 +44,6 @@ def make(size, attention, compiled, quant):
     if compiled:
         compile_blocks(m, "static")
     return m
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def bytes_rows(size):
@@ -106,7 +103,7 @@ def main():
         ms = 1000 * min(times[v])
         first, graphs = compile_s[v]
         print(f"| {att} | {'inductor' if comp else 'off'} | {qt or 'bf16'} | {ms:.0f} | {min(times[v]) / tb:.2f}x | "
-              f"{Q.weight_bytes(models[v]) / ref_bytes:.3f} | {rel(outs[v], outs[base]):.1e} | "
+              f"{Q.weight_bytes(models[v]) / ref_bytes:.3f} | {rel_err(outs[v], outs[base]):.1e} | "
               f"{first:.1f}{f' ({graphs})' if comp else ''} |")
     for name in ("sage", "flash"):
         ok, why = A.check_backend(name, "cpu", torch.bfloat16, cfg.head_dim)

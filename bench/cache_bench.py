@@ -35,17 +35,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench.metrics import psnr  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.features.cache import ALL_PRESETS, MEASURED_PATH, CacheConfig, mask_str  # noqa: E402
 from engine.models.random_weights import SIZES, random_model  # noqa: E402
 from engine.router import open_engine  # noqa: E402
 
 # -- metrics ----------------------------------------------------------------------------------------
-
-def psnr(ref: np.ndarray, x: np.ndarray, data_range: float) -> float:
-    mse = float(np.mean((ref.astype(np.float64) - x.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * math.log10(data_range ** 2 / mse)
-
 
 def ssim(ref: np.ndarray, x: np.ndarray, data_range: float) -> float:
     """Mean SSIM (Gaussian window sigma 1.5, as Wang et al.) over [H, W, C] images, channels averaged."""
@@ -310,7 +306,7 @@ def run_bench(bench: Bench, steps: int, configs: List[Config], log=print, both_s
                 img, _ = bench.to_image(out[i:i + 1])
                 if rng is None:  # latents: the uncached latent's range
                     rng = float(ref_img.max() - ref_img.min())
-                r.psnr.append(psnr(ref_img, img, rng))
+                r.psnr.append(psnr(img, ref_img, rng))
                 r.ssim.append(ssim(ref_img, img, rng))
                 if bench.judge is not None:
                     r.passes.append(bool(bench.judge(img, p[3])))

@@ -47,6 +47,8 @@ import comfy_server as cs  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+from bench.metrics import max_rel_err  # noqa: E402
+
 MODEL = "bench-tiny-ernie.safetensors"
 KINDS = ("A", "B")
 LABELS = {"A": "SGLDiffusion KSampler on SGLD_MODEL", "B": "ComfyUI KSampler on comfy_model"}
@@ -163,7 +165,7 @@ def measure(server, args) -> list:
                     calls[kind] = calls_computed(server, kind)
             if r == 0:
                 a, b = latents["A"], latents["B"]
-                checks[config] = {"max_rel_diff": float((a - b).abs().max() / a.abs().max()), "calls": calls}
+                checks[config] = {"max_rel_diff": max_rel_err(b, a), "calls": calls}
         print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     rows = []
     for config in configs:

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from diffusers import ErnieImageTransformer2DModel  # noqa: E402
 
+from bench.metrics import max_rel_err  # noqa: E402
 from engine.features.fuse import fuse_projections  # noqa: E402
 from engine.models.random_weights import SIZES, random_model, random_state_dict  # noqa: E402
 
@@ -52,7 +53,7 @@ def run(size, dtype_name, tokens, text_tokens, repeat):
     timings = {k: [] for k in runs}
     with torch.no_grad():
         r = runs["diffusers"]().float()
-        err = ((runs["fused"]().float() - r).abs().max() / r.abs().max()).item()
+        err = max_rel_err(runs["fused"](), r)
         for _ in range(repeat):
             for name, fn in runs.items():
                 # CPU time of this (single-threaded) process: robust to other processes on a shared machine

@@ -2,7 +2,6 @@
 the context (options, device, model, state between rows), FLOP counts and the timing and error helpers."""
 import gc
 import json
-import math
 import os
 import shutil
 import sys
@@ -16,6 +15,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from bench.metrics import rel_err  # noqa: E402
 from engine.features import attention as A  # noqa: E402
 from engine.features import offload as O  # noqa: E402
 from engine.features import quant as Q  # noqa: E402
@@ -280,18 +280,6 @@ def time_forward(ctx, model, inp, repeat=None):
 
 
 time_forward.last = None
-
-
-def rel_err(out, ref) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def psnr(out, ref) -> float:
-    """PSNR in dB of ``out`` against ``ref``, the peak being ``ref``'s range (latents have no fixed one)."""
-    ref = ref.float()
-    mse = (out.float() - ref).pow(2).mean().item()
-    peak = (ref.max() - ref.min()).item()
-    return float("inf") if mse == 0 else 10 * math.log10(peak * peak / mse)
 
 
 def interleaved(ctx, calls: dict, repeat=None):

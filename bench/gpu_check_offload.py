@@ -21,9 +21,10 @@ import gc
 import time
 
 import torch
-from gpu_check_core import _cell, build_model_meta, finite_note, inputs, rel_err, time_forward
+from gpu_check_core import _cell, build_model_meta, finite_note, inputs, time_forward
 from gpu_check_rows import sample
 
+from bench.metrics import rel_err
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.features import offload as O

@@ -13,13 +13,12 @@ from gpu_check_core import (
     inputs,
     interleaved,
     limit_note,
-    psnr,
-    rel_err,
     speed_note,
     time_forward,
 )
 from safetensors.torch import save_file
 
+from bench.metrics import max_rel_err, psnr, rel_err
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.features import quant as Q
@@ -115,7 +114,7 @@ def row_diffusers(ctx):
     times, outs = interleaved(ctx, {"ours": lambda: ours(*inp), "diffusers": masked, "diffusers-nomask": unmasked})
     set_diffusers_mask(ref, keep=True)
     a = outs["ours"].float()
-    par = {k: ((a - outs[k].float()).abs().max() / outs[k].float().abs().max()).item() for k in ("diffusers", "diffusers-nomask")}
+    par = {k: max_rel_err(a, outs[k]) for k in ("diffusers", "diffusers-nomask")}
     so, sd, sn = times["ours"], times["diffusers"], times["diffusers-nomask"]
     ref = outs = None
     peak = ctx.peak()

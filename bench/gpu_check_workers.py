@@ -10,10 +10,11 @@ import time
 from collections import deque
 
 import torch
-from gpu_check_core import Ctx, Report, err_note, finite_note, guarded, inputs, interleaved, rel_err, time_forward
+from gpu_check_core import Ctx, Report, err_note, finite_note, guarded, inputs, interleaved, time_forward
 from gpu_check_rows import quality_note, sample
 from safetensors import safe_open
 
+from bench.metrics import rel_err
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.features import attention as A

@@ -12,6 +12,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from test_model_parity import CONFIGS, diffusers_model, inputs  # noqa: E402
 
+from bench.metrics import max_rel_err  # noqa: E402
 from engine.models.random_weights import random_model, random_state_dict  # noqa: E402
 
 
@@ -27,7 +28,7 @@ def main():
             with torch.no_grad():
                 a = ours(x, t, text, text_lens).float()
                 b = ref(x, t, text, text_lens, return_dict=False)[0].float()
-            errs.append((a - b).abs().max().item() / b.abs().max().item())
+            errs.append(max_rel_err(a, b))
         print(f"| {name} (hidden {cfg.hidden_size}, {cfg.num_layers} layers, patch {cfg.patch_size}) | "
               f"{len(lens)}×{cfg.in_channels}×{h}×{w} | {lens} | {errs[0]:.1e} | {errs[1]:.1e} |")
 

@@ -15,16 +15,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.metrics import psnr  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.features import quant as Q  # noqa: E402
 from engine.models.demo import DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_STEPS, load_demo  # noqa: E402
 from tools.demo import data, judge  # noqa: E402
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
 
 
 def run(demo, engine, pairs, steps, cfg, batch):
@@ -67,7 +63,7 @@ def main():
         if ref_imgs is None:
             ref_imgs = imgs
             ref_bytes = Q.weight_bytes(demo.dit)
-        ps = [psnr(a, b) for a, b in zip(imgs, ref_imgs)]
+        ps = [psnr(a, b, 255) for a, b in zip(imgs, ref_imgs)]
         finite = [p for p in ps if np.isfinite(p)]
         rows.append(f"| {fmt or 'float32 (reference)'} | {Q.weight_bytes(demo.dit) / ref_bytes:.3f} | "
                     f"{'–' if fmt is None else (f'{np.mean(finite):.1f}' if finite else 'inf')} | "

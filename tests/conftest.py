@@ -10,6 +10,14 @@ if ROOT not in sys.path:
 import comfy_server  # noqa: E402  (tests/ is on sys.path: pytest puts a conftest's folder there)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every test that uses the `comfy` server, itself or through another fixture, is a `server` test
+    (docs/testing.md's tiers); tests/test_markers.py checks the marks the rest carry by hand."""
+    for item in items:
+        if "comfy" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.server)
+
+
 @pytest.fixture(scope="module")
 def comfy(request, tmp_path_factory):
     """A real ComfyUI 0.3.75 server with this pack for the whole test module, stopped (its process group) at

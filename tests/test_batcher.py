@@ -59,6 +59,7 @@ def rel_err(got, ref) -> float:
     return float((got - ref).abs().max() / ref.abs().max())
 
 
+@pytest.mark.slow
 def test_joint_forward_equals_each_call_alone(eng, text):
     """The joined forward (texts of lengths 2..9, CFG pairs and single rows) against the model alone per call."""
     feats, uncond = text
@@ -283,6 +284,8 @@ def test_bad_max_batch_is_refused(eng):
         Batcher(eng, max_batch=0)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_several_ranks_run_one_job_at_a_time_equal_to_engine_sample(tiny_checkpoint):
     """An engine on 2 gloo ranks (RankedRunner: the ranks keep one run at a time): the batcher admits one job
     at a time, each job (one with Cache-DiT on the ranks) equal to the same engine's Engine.sample."""

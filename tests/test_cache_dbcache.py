@@ -56,6 +56,7 @@ def test_all_ones_mask_is_bit_equal(engine):
     assert torch.equal(base, on) and engine.last_run.cache["computed"] == 10
 
 
+@pytest.mark.slow
 def test_the_env_switches_the_cache_on_where_a_run_starts_not_inside_the_engine(engine, monkeypatch):
     base = run(engine, steps=20)
     monkeypatch.setenv("SGLANG_CACHE_DIT_ENABLED", "true")
@@ -77,6 +78,7 @@ def test_the_env_switches_the_cache_on_where_a_run_starts_not_inside_the_engine(
     assert engine.model.block_runner is run_all_blocks
 
 
+@pytest.mark.slow
 def test_static_mask_needs_no_host_sync(engine):
     run(engine, CacheConfig(preset="fast"), steps=20)
     assert all(d is None for d in engine.last_run.cache["diffs"])
@@ -112,6 +114,7 @@ def test_dynamic_mask_respects_threshold(engine):
     assert engine.last_run.cache["mask"] == mask_str(preset_mask("fast", 20))
 
 
+@pytest.mark.slow
 def test_state_resets_between_runs_and_resolutions(engine):
     cache = CacheConfig(rdt=0.5, warmup=1, mc=2, taylorseer=True)
     a1 = run(engine, cache, hw=4)

@@ -48,6 +48,7 @@ def write_raw(path, header, data=b"", raw_header=None):
 
 
 # -- item 5: the key set is checked before anything is built ----------------------------------------------------
+@pytest.mark.subprocess
 def test_stray_layer_key_and_num_layers_metadata_are_refused_before_any_build(tmp_path):
     """One stray key `layers.20000.x`, or metadata num_layers=20000, used to build a 20001-layer model
     (about 1 GB and a minute) before the refusal. Measured in a fresh process: peak RSS must not grow."""

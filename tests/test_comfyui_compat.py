@@ -132,6 +132,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("where", ["comfyui", "no-comfyui"])
 def test_probe_on_real_modules(where, tmp_path):
     """In ComfyUI 0.3.75's own modules: EmptyFlux2LatentImage is not found until ComfyUI registers its extra
@@ -293,6 +294,7 @@ def page(comfy):
 LOAD = "async ([wf, name]) => { await window.app.loadGraphData(wf, true, true, name); }"
 
 
+@pytest.mark.browser
 def test_frontend_offers_the_downloads_and_the_panel_shows_the_notice(page, object_info):
     """The Turbo workflow in frontend 1.32.9 (it validates workflows against its schema on load): the missing-
     models dialog lists the three files in their folders, each with a download whose target is its URL; the
@@ -316,6 +318,7 @@ def test_frontend_offers_the_downloads_and_the_panel_shows_the_notice(page, obje
     assert panel.locator(".sgld-compat").inner_text() == f"⚠ {expected_notice(object_info)}"
 
 
+@pytest.mark.browser
 def test_demo_workflow_shows_no_notice(page, object_info, comfy):
     """Issue 33 item 10a: the demo workflow uses none of what 0.3.75 lacks (its text encoder is the demo's own):
     its KSampler's panel, not run yet, shows no update notice, though the Turbo workflow's did on the same page;

@@ -220,6 +220,7 @@ def test_demo_with_comfyuis_ksampler_makes_a_picture_the_judge_passes(comfy):
     assert last["threads"] == 1  # the demo's CPU thread count (engine/threads.py) under ComfyUI's own sampler too
 
 
+@pytest.mark.server
 def test_the_sglang_cache_dit_environment_applies_to_comfyuis_ksampler(tmp_path, monkeypatch):
     """SGLANG_CACHE_DIT_ENABLED + SCM preset in ComfyUI's environment: ComfyUI's KSampler on our MODEL caches
     without any Apply Cache-DiT node (its own server: the environment is read in the server process)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 try:  # tests/ may or may not be a package
     from . import comfy_server as cs
     from .test_comfyui_model import LORA, MODEL, close, ours_and_comfys, write_lora
@@ -115,6 +117,7 @@ def test_multigpu_cloning_is_refused_by_name(comfy):
     assert "num_gpus" in failure(comfy, g, "50")
 
 
+@pytest.mark.server
 def test_under_a_pin_budget_the_patcher_asks_comfyui_to_pin_nothing(tmp_path):
     server = make_server(str(tmp_path / "comfy-pins"), SGLD_TEST_PIN_BUDGET="1")
     try:

@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LOAD_LIKE_COMFYUI = r"""
@@ -21,11 +23,13 @@ print("ok")
 """
 
 
+@pytest.mark.subprocess
 def test_pack_entry_without_comfyui(tmp_path):
     r = subprocess.run([sys.executable, "-c", LOAD_LIKE_COMFYUI, ROOT], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+@pytest.mark.subprocess
 def test_engine_importable_from_repo_root():
     r = subprocess.run([sys.executable, "-c", "import engine; print(engine.Engine.__name__)"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
@@ -36,6 +40,7 @@ def test_web_directory_exists():
     assert os.path.isdir(os.path.join(ROOT, "web"))
 
 
+@pytest.mark.subprocess
 def test_registry_metadata_as_comfyui_reads_it():
     """pyproject.toml through ComfyUI's own parser (comfy_config, the same rules as comfy-cli)."""
     try:  # tests/ may or may not be a package
@@ -63,6 +68,7 @@ def test_registry_metadata_as_comfyui_reads_it():
     assert not any(r.lower().startswith(("torch", "-r", "-e", "-c", "--")) for r in reqs), reqs
 
 
+@pytest.mark.subprocess
 def test_comfy_cli_node_validate():
     """`comfy node validate` (comfy-cli) if it is installed (.cache/venv-cli or PATH)."""
     import shutil

@@ -220,6 +220,7 @@ def body(metadata=None, **tensors) -> bytes:
     return save(tensors, metadata=metadata)
 
 
+@pytest.mark.server
 def test_sample_endpoint_refuses_bad_bodies(sgld):
     def post(data, key=KEY):
         return requests.post(sgld.base + "/sample", data=data, headers={"Authorization": f"Bearer {key}"}, timeout=30)
@@ -248,6 +249,7 @@ def test_sample_endpoint_refuses_bad_bodies(sgld):
     assert sgld.healthy()
 
 
+@pytest.mark.server
 def test_sample_endpoint_denoise_equals_engine_sample(sgld):
     """img2img through /v1/sample (denoise 0.5 from a non-zero latent) is Engine.sample's run; denoise 0 answers the
     latent unchanged with Engine.sample's warning (it was refused before)."""
@@ -277,6 +279,7 @@ def sample_events(sgld, settings: dict, **tensors) -> list:
     return [json.loads(line) for line in r.text.splitlines() if line.strip()]
 
 
+@pytest.mark.server
 def test_sample_endpoint_takes_everything_engine_sample_takes(sgld):
     """Custom sigmas, shift, a batch latent [B, C, h, w] with per-sample batch_index and a noise mask, over the wire:
     Engine.sample's latent bit for bit (a batch answers [B, C, h, w])."""

@@ -37,6 +37,8 @@ def skip_middle(model, h, ctx):
     return model.layers[0](h, ctx)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @needs_cc
 def test_inductor_equals_eager_one_graph_no_recompile_when_blocks_are_skipped():
     torch._dynamo.reset()

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.subprocess]
+
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 

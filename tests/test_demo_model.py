@@ -77,6 +77,7 @@ def assert_the_judge_passes_close_to_fp16(make_engine) -> float:
     return psnr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant", ["int8", "int8-weight"])
 def test_the_demo_picture_through_int8_passes_the_judge(quant):
     """The demo DiT's block linears in int8 (W8A8: the int8 matmul; or weight-only): the judge still accepts

@@ -74,6 +74,7 @@ def restore_threads():
     torch.set_num_threads(n)
 
 
+@pytest.mark.slow
 def test_training_is_reproducible_by_seed(tmp_path, restore_threads):
     outs = []
     for name in ("a", "b"):

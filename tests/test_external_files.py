@@ -73,6 +73,7 @@ def run(args):
     return subprocess.run([SGLD, "generate", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.subprocess
 def test_generate_from_ernie_files_writes_png_and_json(ernie_files, tmp_path):
     from PIL import Image
 
@@ -128,6 +129,7 @@ def test_vae_decode_inverts_the_patchify_and_normalisation(ernie_files):
     assert vae.empty_latent(64, 32).shape == (1, 16, 8, 16)
 
 
+@pytest.mark.subprocess
 def test_bad_external_inputs_get_clear_errors(ernie_files, tmp_path):
     base = ["--prompt", "a cat", "--out", str(tmp_path / "x.png"), "--model", ernie_files["model"]]
     te, vae = ["--text-encoder", ernie_files["te"]], ["--vae", ernie_files["vae"]]
@@ -151,6 +153,7 @@ def test_bad_external_inputs_get_clear_errors(ernie_files, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.subprocess
 def test_a_size_over_the_limit_is_refused_before_anything_loads(ernie_files, tmp_path):
     """--width 100000 used to allocate about 40 GB at the first step; now one line before loading."""
     r = run(["--prompt", "a cat", "--model", ernie_files["model"], "--text-encoder", ernie_files["te"],
@@ -160,6 +163,7 @@ def test_a_size_over_the_limit_is_refused_before_anything_loads(ernie_files, tmp
                                 "largest documented size is 2048x2048)")
 
 
+@pytest.mark.subprocess
 def test_a_damaged_model_stops_the_run_with_a_clear_error_and_writes_nothing(ernie_files, tmp_path):
     """A DiT with one NaN weight used to write a blank picture (exit 0) whose metadata held NaN."""
     from safetensors import safe_open
@@ -179,6 +183,7 @@ def test_a_damaged_model_stops_the_run_with_a_clear_error_and_writes_nothing(ern
     assert "Traceback" not in r.stderr and not out.exists()
 
 
+@pytest.mark.server
 def test_serve_from_ernie_files(ernie_files, tmp_path):
     """`sgld serve` with ERNIE-Image files: the file's name is the model's id, a *turbo* file defaults to Turbo's
     8 steps and cfg 1, other sizes than the demo's are made, and a size the VAE cannot make is a 400."""

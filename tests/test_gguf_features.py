@@ -115,6 +115,8 @@ def test_cache_dit_and_compile_on_a_gguf_model(files):
     C.uncompile_blocks(model)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_tensor_parallel_ranks_run_gguf_row_splits(files):
     with torch.inference_mode():
         one = _sample(open_engine(files["q8"], _config()))
@@ -130,6 +132,7 @@ def test_tensor_parallel_ranks_run_gguf_row_splits(files):
         load_model(files["q4k"], shard=(4, 0))
 
 
+@pytest.mark.server
 def test_sgld_bench_and_serve_take_a_gguf_model(files, capsys):
     from engine.cli import main
 

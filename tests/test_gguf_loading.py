@@ -139,6 +139,7 @@ def test_tensor_parallel_splits_rows_and_refuses_blocks_it_cannot_split(tmp_path
         split_rows(layer, 0, 32, 1)
 
 
+@pytest.mark.subprocess
 def test_cli_generate_serves_every_type_in_both_layouts(tmp_path):
     """``sgld generate --model x.gguf`` (every listed type in one file, as Q4_K_M-style files mix types) draws
     the picture that the dequantized safetensors draws, pixel for pixel (exact: see the module docstring)."""

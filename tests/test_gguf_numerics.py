@@ -187,6 +187,7 @@ def test_quantize_bad_input():
         gn.quantize(w, Q.Q8_0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: Q(t).name)
 def test_k_quants_on_cuda_equal_cpu_decode(qtype):

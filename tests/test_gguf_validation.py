@@ -224,6 +224,7 @@ for path in sys.argv[1:]:
 """
 
 
+@pytest.mark.subprocess
 def test_a_header_costs_what_the_file_is_worth(tmp_path):
     """Issue 33 point 2: 300,000 one-value tensors at offset 0 in 11.7 MB took the reference reader 49 s of CPU and
     +1.5 GB (measured here) before the overlap check refused them; now the count is bounded (MAX_TENSORS) and

@@ -274,6 +274,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not os.path.isfile(os.path.join(os.environ.get("SGLD_COMFYUI_GGUF_DIR", "-"), "loader.py")),
                     reason="set SGLD_COMFYUI_GGUF_DIR to a checkout of city96/ComfyUI-GGUF (not a dependency)")
 def test_comfyui_gguf_loader_reads_our_files(bf16_file, tmp_path):

@@ -73,6 +73,7 @@ def assert_every_row_accounted_for(md, recs):
     assert len(table) == len(rows)  # md and jsonl carry the same rows
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rehearsal; a GPU machine runs the real check")
 def test_cpu_rehearsal_runs_every_row_of_the_gpu_check(tmp_path):
     wheels = tmp_path / "whl"
@@ -151,6 +152,7 @@ def test_cpu_rehearsal_runs_every_row_of_the_gpu_check(tmp_path):
     assert (tmp_path / "out" / "rerun.txt").read_text().startswith("rerun: nothing left")
 
 
+@pytest.mark.subprocess
 def test_a_gpu_run_without_cuda_fails_loudly(tmp_path):
     """Without --size tiny the check is a GPU run: no CUDA means a clear failure, not a CPU run."""
     if torch.cuda.is_available():
@@ -166,6 +168,7 @@ def test_a_gpu_run_without_cuda_fails_loudly(tmp_path):
     assert direct.returncode == 2 and "torch.cuda.is_available() is False" in direct.stderr
 
 
+@pytest.mark.subprocess
 def test_a_dying_worker_is_reported_and_the_rows_after_it_still_run(tmp_path):
     """A device-side fault cannot be made on a CPU: ``--crash-row`` makes the sage worker abort instead.
     The parent reports the death and the compiled row, in a fresh process, still runs."""
@@ -183,6 +186,7 @@ def test_a_dying_worker_is_reported_and_the_rows_after_it_still_run(tmp_path):
     assert "turbo" in skipped and "not in --only" in [r for r in rows if r["row"] == "turbo"][0]["notes"]
 
 
+@pytest.mark.subprocess
 def test_a_run_cut_short_keeps_every_finished_row(tmp_path):
     """Kill the whole check (bash, timeout, python, tee) once a few rows are in: they are all on disk."""
     jsonl = tmp_path / "out" / "gpu_check.jsonl"
@@ -246,6 +250,7 @@ def test_forward_flops_count_every_gemm_and_the_attention():
     assert 76e12 < gpu_check.forward_flops(SIZES["8b"], 4096, 128) < 78e12
 
 
+@pytest.mark.subprocess
 def test_the_wheels_folder_is_ignored_by_git():
     """.whl/ (about 6 MiB of carried wheels) travels with `carry`, never in a commit."""
     r = subprocess.run(["git", "check-ignore", "-q", ".whl/diffusers-0.42.1-py3-none-any.whl"], cwd=ROOT)

@@ -77,6 +77,7 @@ def test_check_model_call_names_the_branch(demo):
         check_model_call(mc, torch.zeros(1, 4, 16, 16), text[:1], ["negative"])
 
 
+@pytest.mark.server
 def test_sample_endpoint_refuses_huge_conditioning_with_a_plain_400(tmp_path):
     server = Server(tmp_path / "serve.log").wait_ready()
     try:

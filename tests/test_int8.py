@@ -321,6 +321,7 @@ def sgld(*args):
     return r
 
 
+@pytest.mark.subprocess
 def test_cli_quantize_bench_and_generate_with_int8(tiny_checkpoint, tmp_path):
     out = tmp_path / "tiny-int8.safetensors"
     r = sgld("quantize", str(tiny_checkpoint), str(out), "--format", "int8", "--json")

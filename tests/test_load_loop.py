@@ -165,6 +165,7 @@ print(json.dumps({"above": (status_kb("VmHWM") - base) * 1024,
 """
 
 
+@pytest.mark.subprocess
 def test_peak_memory_of_a_load_is_about_the_file_size(tmp_path):
     """A 114 MiB fp32 file, loaded in a fresh process: the peak above the baseline stays under 1.3x the file
     (bench/load_memory.py measures a 1.3 GB one), and quantizing on read never holds the dense model.

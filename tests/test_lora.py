@@ -541,6 +541,7 @@ def train_demo_lora(demo, steps=200, batch=2, rank=4, lr=3e-3, seed=0):
     return {n: (a.detach(), b.detach()) for n, (a, b) in params.items()}
 
 
+@pytest.mark.slow
 def test_lora_trained_on_the_demo_model_changes_what_the_judge_sees(tmp_path):
     import numpy as np
 
@@ -590,6 +591,7 @@ def test_lora_trained_on_the_demo_model_changes_what_the_judge_sees(tmp_path):
 
 
 # -- in a real ComfyUI server ---------------------------------------------------------------------------------
+@pytest.mark.server
 def test_lora_loader_node_in_comfyui(tmp_path):
     """ComfyUI 0.3.75 with the pack: a chained LoRA graph gives what Engine.set_loras gives, a graph without
     the LoRA on the same base gives the plain model's result bit-exactly, and one engine is loaded."""

@@ -327,6 +327,7 @@ def test_a_lora_read_against_another_model_is_refused_before_anything_changes(tm
     assert differing(eng.model, before) == [] and eng.loras == [(a, 1.0)]
 
 
+@pytest.mark.subprocess
 def test_parallel_engine_is_the_base_after_a_refused_set(tmp_path):
     """A parallel engine's set_loras: a worker's refusal leaves every rank at the base and the parent says so, so a
     later set of the same LoRAs is sent again (not skipped as "already active")."""
@@ -387,6 +388,7 @@ def _demo_modules():
             if n.startswith("layers.")}
 
 
+@pytest.mark.subprocess
 def test_redos_alpha_pattern_is_refused_by_sgld_generate(tmp_path):
     """The issue's reproduction: ``sgld generate --lora`` with the pattern (.*.*)*z in the file's PEFT metadata
     hung (exponential backtracking in re.fullmatch, holding the GIL). Now: exit 2 with a one-line error naming
@@ -406,6 +408,7 @@ def test_redos_alpha_pattern_is_refused_by_sgld_generate(tmp_path):
     assert not os.path.exists(tmp_path / "x.png")
 
 
+@pytest.mark.subprocess
 def test_redos_alpha_pattern_in_adapter_config_is_refused(tmp_path):
     """The same pattern in an adapter_config.json beside the file (PEFT save_pretrained), read in a
     subprocess with a timeout."""
@@ -499,6 +502,7 @@ def test_non_finite_strengths_are_refused(tmp_path, bad):
         parse_spec(f"{a}:{bad}")
 
 
+@pytest.mark.subprocess
 def test_non_finite_strength_on_the_cli(tmp_path):
     from engine import cli
     from engine.cli.generate import lora_specs
@@ -579,6 +583,7 @@ def test_lora_loader_node_refuses_a_non_finite_strength(pack):
 
 
 # -- item 11: the LoRA Loader on a multi-GPU (here 2 gloo ranks) model, in a real ComfyUI server ----------------
+@pytest.mark.server
 def test_lora_loader_node_on_two_ranks_in_comfyui(tmp_path):
     """ComfyUI 0.3.75, SGLDiffusion Model Loader with num_gpus=2 (Ulysses over 2 gloo worker processes on this
     CPU machine) -> LoRA Loader -> KSampler. The node used to fail (the module check_lora refused a

@@ -597,6 +597,7 @@ print([r() is None for r in refs])
 """
 
 
+@pytest.mark.subprocess
 def test_first_offload_in_a_process_is_freed_without_gc():
     """The first offload of a process imports torch._dynamo (for torch.compiler.disable); torch's import
     code leaves frames in reference cycles, which would hold the caller's frame (and the model) until the

@@ -69,6 +69,7 @@ def _close(out, ref):
     return (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("mode", list(MODES))
 def test_mode_equals_single_process(setup, mode):
     path, inputs, refs = setup
@@ -102,6 +103,8 @@ def _write_lora(path, cfg, seed=0, rank=4):
     return str(path)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_lora_on_the_workers(setup, tmp_path):
     """LoRAs merge on every rank (sequence/CFG parallel) like on one process; TP refuses them clearly."""
     from engine.features.lora import LoRAError
@@ -129,6 +132,8 @@ def test_lora_on_the_workers(setup, tmp_path):
     tp.release()
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_worker_killed_mid_run_fails_fast_and_next_run_works(setup):
     path, inputs, refs = setup
     eng = open_engine(path, EngineConfig(ulysses_degree=2))
@@ -151,6 +156,8 @@ def test_worker_killed_mid_run_fails_fast_and_next_run_works(setup):
     eng.release()
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_stopped_worker_is_named_within_30_s_and_next_run_works(setup):
     """A worker that stops answering (SIGSTOP) is found by its missing heartbeat, with the default
     limit and a call timeout (60 s here) far away: the error names rank 1 and its pid in < 30 s."""
@@ -180,6 +187,8 @@ def test_stopped_worker_is_named_within_30_s_and_next_run_works(setup):
     eng.release()
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_slow_but_healthy_worker_is_not_taken_for_hung(setup, monkeypatch):
     """Every rank busy in one request for 3x the heartbeat limit (a long kernel, a compile): its
     heartbeat thread keeps beating, so the request completes and the pool stays up."""
@@ -197,6 +206,8 @@ def test_slow_but_healthy_worker_is_not_taken_for_hung(setup, monkeypatch):
         eng.release()
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_close_stops_the_workers_of_the_last_engine(setup):
     """Workers hold memory (a GPU context, ~1 GB each): they stop when the last engine using them is
     closed or released, and the next run starts them again."""
@@ -216,6 +227,7 @@ def test_close_stops_the_workers_of_the_last_engine(setup):
     assert pids_gone(new)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("ending", ["exit", "sigkill"])
 def test_workers_end_with_the_parent_process(setup, ending):
     """The workers do not outlive the process that started them: a normal exit (engine not closed)
@@ -263,6 +275,7 @@ def test_bad_timeout_variable_is_refused_before_any_worker(setup, monkeypatch, v
     assert pool_mod.setting("CALL_TIMEOUT_S") == 1800.0
 
 
+@pytest.mark.subprocess
 def test_bad_timeout_variable_does_not_break_the_import():
     """The variables are read when a pool starts: importing the engine (ComfyUI loading the pack) works."""
     env = dict(os.environ, PYTHONPATH=ROOT, SGLD_PARALLEL_CALL_TIMEOUT="abc", SGLD_PARALLEL_HEARTBEAT_TIMEOUT="x")

@@ -65,6 +65,7 @@ def expected_revision(release, prompt, width, height, seed):
     return pe.enhance([prompt], width, height, seed=seed)[0]
 
 
+@pytest.mark.subprocess
 def test_article_generate_command(release, tmp_path):
     """SGLANG_CACHE_DIT_ENABLED=true SGLANG_CACHE_DIT_SCM_PRESET=fast sglang generate --model-path=... --prompt=...
     --save-output, with sgld for sglang: the transformer, text encoder and VAE come from the release folder."""
@@ -92,6 +93,8 @@ def test_article_generate_command(release, tmp_path):
     assert (png_pixels(tmp_path / "a.png")[0] == png_pixels(tmp_path / "b.png")[0]).all()
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_generate_with_pe_prints_and_stores_the_revised_prompt(release, tmp_path):
     out = tmp_path / "pe.png"
     done = sgld("generate", "--model-path", release, "--pe", "--prompt", "a red cat", *SMALL, "--steps", "2",
@@ -194,6 +197,7 @@ class ArticleServer(Server):
                  "--max-running-steps", "64", *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.server
 def test_article_serve_command_with_enhance_prompt(release, hub_cache, tmp_path):
     """The article's repo id, found in the (test's) local Hugging Face cache; plus --pe and --enable-mix-parallel."""
     server = ArticleServer(tmp_path / "serve.log", "baidu/ERNIE-Image-Turbo", "--pe", "--enable-mix-parallel",
@@ -233,6 +237,7 @@ def test_article_serve_command_with_enhance_prompt(release, hub_cache, tmp_path)
         assert server.stop() == 0, server.log()
 
 
+@pytest.mark.server
 def test_enhance_prompt_without_pe_is_400(release, tmp_path):
     """`sgld serve --model-path <release folder> --tp 1 --sp 1 --port N --max-running-steps 64`, exactly as typed
     (no --pe): pictures as usual, enhance_prompt refused with the flag named."""
@@ -257,6 +262,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.server
 def test_request_timeout_stops_the_prompt_enhancer(tmp_path):
     """`sgld serve --pe <a PE that never ends> --request-timeout 2`: the request is a 503 after 2 s, and the PE
     stops writing then (it wrote on for minutes, holding the PE lock, for nobody): the server goes idle."""

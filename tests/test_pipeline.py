@@ -74,6 +74,7 @@ def test_demo_pipeline_is_the_engine_run_sgld_generate_makes(capsys):
         pipe("a red circle", height=128, width=128)
 
 
+@pytest.mark.subprocess
 def test_readme_demo_snippet_runs_as_shown(tmp_path):
     """The README's pipeline example, copied out of the README and run from a clean folder."""
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
@@ -329,6 +330,7 @@ def test_the_callers_noise_must_have_the_latents_shape():
                            noise=torch.zeros(1, 48, 8, 8))
 
 
+@pytest.mark.subprocess
 def test_parallel_degrees_run_the_dit_on_worker_ranks():
     """ulysses_degree=2: two gloo worker processes on this CPU machine (one per GPU elsewhere), same picture."""
     single = ErnieImagePipeline.from_pretrained("demo", cache="off")

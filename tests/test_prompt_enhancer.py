@@ -236,6 +236,7 @@ for folder in sys.argv[2:]:
 """
 
 
+@pytest.mark.subprocess
 def test_config_sizes_checked_against_the_weights_before_allocation(tmp_path, release):
     """config.json against the safetensors header, on the meta device: absurd sizes are refused in about a second
     naming the file and the field, before transformers allocates (or builds a million layers). In a child

@@ -39,6 +39,7 @@ def test_parallel_degrees_on_a_model_in_memory_are_refused():
         open_engine(random_model(SIZES["tiny"], seed=0), EngineConfig(ulysses_degree=2, device="cpu"))
 
 
+@pytest.mark.subprocess
 def test_the_torchrun_launch_runs_two_ranks(tmp_path):
     out = tmp_path / "latent.safetensors"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}

@@ -167,6 +167,7 @@ def test_the_launch_has_every_engine_flag():
                                                      "quant": "int4", "offload": "layerwise", "compile": "static"}
 
 
+@pytest.mark.subprocess
 def test_the_launch_refuses_a_bad_flag_in_one_line():
     for argv, message in ((["--quant", "int9"], "--quant='int9' is not supported; choose one of fp8, int4"),
                           (["--steps", "0"], "--steps must be an integer from 1 to 10000 (got 0)")):
@@ -176,6 +177,7 @@ def test_the_launch_refuses_a_bad_flag_in_one_line():
         assert r.returncode == 2 and message in r.stderr.splitlines()[-1] and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.subprocess
 def test_the_launch_runs_the_engine_flags_and_the_models_defaults_on_two_ranks(files):
     """torchrun, two gloo ranks: --sp 2 --quant int4 --offload layerwise reach the ranks, and the Turbo file runs
     its 8 steps without CFG (one model call a step)."""
@@ -233,6 +235,7 @@ def ernie_parts(tmp_path_factory):
             "vae": str(write_vae(d / "vae", SIZES["tiny"].in_channels))}
 
 
+@pytest.mark.server
 def test_the_server_and_the_server_generate_node_use_the_same_defaults(files, ernie_parts, tmp_path):
     """A real `sgld serve` of the file whose config says Turbo (no 'turbo' in its name): its card says 8 / 1
     (before: Base's 50 / 4), a request without steps runs 8 steps, and the Server Generate node left at 0 takes

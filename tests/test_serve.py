@@ -30,6 +30,8 @@ from safetensors.torch import save, save_file
 from engine.models.demo import EXAMPLE_PROMPT, load_demo
 from tools.demo import judge
 
+pytestmark = [pytest.mark.server]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key"
 BODY_LIMIT = 64 * 1024

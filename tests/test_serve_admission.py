@@ -61,6 +61,7 @@ def refusal(r: requests.Response, status: int = 400) -> dict:
 
 
 # -- item 3 ------------------------------------------------------------------------------------------------------
+@pytest.mark.server
 def test_a_batch_larger_than_max_batch_is_400_naming_it(server):
     error = refusal(post(server, body(torch.zeros(5, 48, 8, 8))))
     assert error["code"] == "batch_too_large" and error["param"] == "latent", error
@@ -71,6 +72,7 @@ def test_a_batch_larger_than_max_batch_is_400_naming_it(server):
     assert server.healthy() and server.metric("sgld_images_in_flight") == 0
 
 
+@pytest.mark.server
 def test_every_sample_counts_against_admission(server):
     """A running 4-sample job holds 4 of the 6 places: 3 more samples, or 3 images, are 429 (the old server
     counted it as 1)."""
@@ -87,6 +89,7 @@ def test_every_sample_counts_against_admission(server):
     server.wait_metric("sgld_running_batch_size", 0, timeout=30)
 
 
+@pytest.mark.server
 def test_batch_index_is_bounded_and_its_draws_counted_while_prepared(server):
     most = MAX_BATCH + MAX_QUEUE
     error = refusal(post(server, body(torch.zeros(1, 48, 8, 8), {"batch_index": [most]})))
@@ -105,6 +108,7 @@ def test_batch_index_is_bounded_and_its_draws_counted_while_prepared(server):
 
 
 # -- item 4 ------------------------------------------------------------------------------------------------------
+@pytest.mark.server
 def test_health_answers_while_the_attack_bodies_are_sent(server):
     """The issue's attacks, three rounds each, while /health is asked every 50 ms: 4096 noise draws for a 64x64
     latent (old: drawn in the handler, /health waits seconds; now a 400 naming the limit), 200,000 one-pixel

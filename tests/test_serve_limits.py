@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import save
 from test_serve import LONG, Server, demo_lora
 
+pytestmark = [pytest.mark.server]
+
 BOUND_S = 1.0  # --header-timeout, --body-timeout, --keep-alive-timeout of the module's server
 MAX_CONNECTIONS = 4
 WAIT_S = 6.0  # how long a test waits for the server to close a connection (old code: never)

@@ -26,6 +26,8 @@ pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_release  # noqa: E402
 
+pytestmark = [pytest.mark.subprocess]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMFY = os.path.join(ROOT, ".cache", "ComfyUI")
 SGLD = os.path.join(os.path.dirname(sys.executable), "sgld")

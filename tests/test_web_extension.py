@@ -317,6 +317,7 @@ def screenshot(page, name):
     return path
 
 
+@pytest.mark.browser
 def test_timeline_after_a_cached_run(comfy, page):
     t0 = time.monotonic()
     name, wf = workflow()
@@ -358,6 +359,7 @@ def test_timeline_after_a_cached_run(comfy, page):
     print(f"\nweb: {name}, mask {stats['step_mask']}, speedup {stats['speedup']}, {time.monotonic() - t0:.1f} s")
 
 
+@pytest.mark.browser
 def test_unchanged_graph_shows_the_reused_run(comfy, page):
     """Queued again unchanged, ComfyUI reuses the KSampler's output: the panel keeps that run's timeline,
     labelled as reused, and no new run event comes from the node."""
@@ -381,6 +383,7 @@ def open_page(page, comfy):
     close_banner(page)
 
 
+@pytest.mark.browser
 def test_reloaded_page_and_cached_rerun_show_the_last_run(comfy, page):
     """A fresh page knows nothing of earlier runs, and ComfyUI neither runs nor reports a KSampler whose
     output it reuses: the panel shows the last run as the pack recorded it (GET /sgldiffusion/last_runs)
@@ -416,6 +419,7 @@ def test_reloaded_page_and_cached_rerun_show_the_last_run(comfy, page):
     assert not SHARED["errors"], SHARED["errors"]
 
 
+@pytest.mark.browser
 def test_preset_tooltip_on_hover(page):
     cd = cache_node_module()
     bench = cd.preset_benchmarks()
@@ -444,6 +448,7 @@ def test_preset_tooltip_on_hover(page):
     page.mouse.move(900, 760)  # an empty part of the canvas
 
 
+@pytest.mark.browser
 def test_failed_prompt_before_the_node_marks_the_timeline_as_earlier(comfy, page):
     ks, cache = ids_from_first_test()
     before = page.evaluate(PANEL, ks)
@@ -456,6 +461,7 @@ def test_failed_prompt_before_the_node_marks_the_timeline_as_earlier(comfy, page
     screenshot(page, "web_extension_stale.png")
 
 
+@pytest.mark.browser
 def test_failed_run_clears_the_timeline(comfy, page):
     ks, cache = ids_from_first_test()
     # Fn + Bn leave no middle blocks to cache: the KSampler itself raises
@@ -475,6 +481,7 @@ LONG_ERROR = "\n".join(
      for i in range(1, 12)] + ["the end of the message, line 12"])
 
 
+@pytest.mark.browser
 def test_long_multiline_error_is_shown_whole(comfy, page):
     """A run that fails with a long multi-line message (a stand-in for a failure deep inside a run: the
     test pack's SGLDTestFaultyLatent makes the KSampler raise it): the panel grows and shows every line."""
@@ -495,6 +502,7 @@ def test_long_multiline_error_is_shown_whole(comfy, page):
     screenshot(page, "web_extension_long_error.png")
 
 
+@pytest.mark.browser
 def test_run_warnings_on_the_panel(comfy, page):
     """The run's warnings (here: a custom steps_mask shorter than the run, padded) are in sgld_stats and
     each one is on the panel."""
@@ -511,6 +519,7 @@ def test_run_warnings_on_the_panel(comfy, page):
     assert panel["scroll"][0] <= panel["scroll"][1] + 1, panel
 
 
+@pytest.mark.browser
 def test_interrupted_run_clears_the_timeline(comfy, page):
     ks, cache = ids_from_first_test()
     pid = page.evaluate(QUEUE_VARIANT, [ks, cache, {"ksampler": {"steps": 10000}}])
@@ -529,6 +538,7 @@ def test_interrupted_run_clears_the_timeline(comfy, page):
     assert not SHARED["errors"], SHARED["errors"]
 
 
+@pytest.mark.browser
 def test_timeline_in_vue_nodes_mode(comfy, page):
     """Frontend 1.32's 'Nodes 2.0' (Vue nodes, the default direction of later frontends) renders the same panel."""
     ks, cache = ids_from_first_test()
@@ -581,6 +591,7 @@ ADD_COMFY_KSAMPLER = """([ksId, cacheId]) => {
 REMOVE_NODES = "(ids) => { const g = window.app.graph; for (const id of ids) g.remove(g.getNodeById(id)); }"
 
 
+@pytest.mark.browser
 def test_comfyuis_own_ksampler_on_comfy_model_gets_the_panel(comfy, page):
     """Issue 25 item 14: a run of ComfyUI's KSampler on comfy_model (with Apply Cache-DiT) sends the same run events
     as SGLDiffusion KSampler, and the page shows them on that KSampler: its timeline is the run's step mask."""

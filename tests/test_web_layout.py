@@ -85,6 +85,7 @@ LAYOUT = """async ([wf, name, error]) => {
 }"""
 
 
+@pytest.mark.browser
 @pytest.mark.parametrize("name", ["ERNIE-Image Base.json",
                                   "ERNIE-Image Turbo.json"])
 def test_panel_at_its_largest_covers_no_other_node(comfy, page, name):
@@ -136,6 +137,7 @@ SAVED_VIEW = """async ([wf, name]) => {
 WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
 
 
+@pytest.mark.browser
 @pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
 def test_saved_view_shows_every_node_clear_of_the_header_and_sidebar(comfy, page, path):
     """Issue 33 item 10b: a shipped workflow opened at 1600x1000 with the view it saves (extra.ds) shows every node
@@ -199,6 +201,7 @@ PANEL_TEXT = """async ([type, record]) => {
 }"""
 
 
+@pytest.mark.browser
 @pytest.mark.parametrize("node_type", ["KSampler", KSAMPLER])
 def test_run_panel_cuts_no_text_on_a_narrow_sampler(comfy, page, node_type):
     """Issue 33 item 10c: on ComfyUI's own KSampler (narrower than ours) the panel cut its text mid-number ("wall
@@ -251,6 +254,7 @@ def close_template_browser(page):
         dialog.wait_for(state="hidden", timeout=5_000)
 
 
+@pytest.mark.browser
 def test_template_cards_show_whole_titles_and_their_own_descriptions(comfy, page):
     """Issue 33 item 10d: the pack's template cards in the real template browser: every title whole on its one line
     (the long file names were cut), and a description of the workflow's own, whole, that is not the title again (the
@@ -274,6 +278,7 @@ def test_template_cards_show_whole_titles_and_their_own_descriptions(comfy, page
         assert squeeze(card["name"]) not in squeeze(card["description"]), card
 
 
+@pytest.mark.browser
 def test_a_changed_graph_under_the_same_id_shows_no_old_run(comfy, page):
     """A template loaded again under the same workflow id but changed (another prompt here) is another graph:
     its KSampler shows none of the recorded run; the graph that ran shows it, labelled "last run", also with
@@ -321,6 +326,7 @@ SET_ADVANCED = """([id, on]) => {
 }"""
 
 
+@pytest.mark.browser
 def test_cache_node_shows_its_advanced_fields_only_when_advanced_is_on(comfy, page):
     """The Cache-DiT node of the demo workflow (advanced off): only enabled / preset / advanced; switched
     on, every field, and the node grows to hold them; off again, it shrinks back."""
