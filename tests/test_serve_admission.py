@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import threading
 import time
@@ -55,6 +56,19 @@ def latent_of(last: dict) -> torch.Tensor:
     return load(base64.b64decode(last["latent"]))["latent"]
 
 
+@contextlib.contextmanager
+def running(server, data: bytes):
+    """A long /v1/sample job in flight for the block; closed after it, and the server idle again."""
+    stream = post(server, data, stream=True)
+    try:
+        assert stream.status_code == 200
+        yield stream
+    finally:
+        stream.close()
+    server.wait_metric("sgld_images_in_flight", 0, timeout=30)
+    server.wait_metric("sgld_running_batch_size", 0, timeout=30)
+
+
 def refusal(r: requests.Response, status: int = 400) -> dict:
     assert r.status_code == status, r.text
     return r.json()["error"]
@@ -76,17 +90,11 @@ def test_a_batch_larger_than_max_batch_is_400_naming_it(server):
 def test_every_sample_counts_against_admission(server):
     """A running 4-sample job holds 4 of the 6 places: 3 more samples, or 3 images, are 429 (the old server
     counted it as 1)."""
-    stream = post(server, body(torch.zeros(MAX_BATCH, 48, 8, 8), {"steps": LONG}), stream=True)
-    try:
-        assert stream.status_code == 200
+    with running(server, body(torch.zeros(MAX_BATCH, 48, 8, 8), {"steps": LONG})):
         server.wait_metric("sgld_images_in_flight", MAX_BATCH, timeout=10)
         assert refusal(post(server, body(torch.zeros(3, 48, 8, 8))), 429)["code"] == "queue_full"
         r = server.post("/v1/images/generations", {"prompt": "x", "n": 3, "num_inference_steps": 1})
         assert refusal(r, 429)["code"] == "queue_full"
-    finally:
-        stream.close()
-    server.wait_metric("sgld_images_in_flight", 0, timeout=30)
-    server.wait_metric("sgld_running_batch_size", 0, timeout=30)
 
 
 @pytest.mark.server
@@ -96,15 +104,9 @@ def test_batch_index_is_bounded_and_its_draws_counted_while_prepared(server):
     assert error["code"] == "batch_index_too_large" and error["param"] == "batch_index", error
     assert "--max-batch + --max-queue" in error["message"] and f"from 0 to {most - 1}" in error["message"], error
     # within the bound: drawn, and once drawn the job holds its one sample only
-    stream = post(server, body(torch.zeros(1, 48, 8, 8), {"steps": LONG, "batch_index": [most - 1]}), stream=True)
-    try:
-        assert stream.status_code == 200
+    with running(server, body(torch.zeros(1, 48, 8, 8), {"steps": LONG, "batch_index": [most - 1]})):
         server.wait_metric("sgld_running_batch_size", 1, timeout=10)
         assert server.metric("sgld_images_in_flight") == 1
-    finally:
-        stream.close()
-    server.wait_metric("sgld_images_in_flight", 0, timeout=30)
-    server.wait_metric("sgld_running_batch_size", 0, timeout=30)
 
 
 # -- item 4 ------------------------------------------------------------------------------------------------------
