@@ -172,7 +172,8 @@ def sample_router(server) -> APIRouter:
             loop.call_soon_threadsafe(events.put_nowait, {"step": step, "total": total})
         job.on_step = on_step
         samples, draws = admitted_samples(job, server.settings)
-        server.admit(max(samples, draws))
+        held = max(samples, draws)  # while prepared: the noise draws batch_index implies, if more than the samples
+        server.admit(held)
         shared = server.gate.shared()
         try:
             await shared.__aenter__()
@@ -182,9 +183,9 @@ def sample_router(server) -> APIRouter:
                 await shared.__aexit__(None, None, None)
                 raise
         except BaseException:
-            server.release(max(samples, draws))
+            server.release(held)
             raise
-        server.release(max(samples, draws) - samples)  # the noise is drawn: the job holds its own samples
+        server.release(held - samples)  # the noise is drawn: the job holds its own samples
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
         return _Stream(_stream(server, job, future, events, shared, samples), media_type="application/x-ndjson")
 
