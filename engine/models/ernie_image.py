@@ -15,21 +15,14 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The model's default attention, [B, S, H, D] in and out; ``key_mask`` [B, S_k], True = attend.
-    Other backends (engine/features/attention.py) take the same arguments."""
-    mask = None if key_mask is None else key_mask[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return out.transpose(1, 2)
-
+from .family import Family, Latent, register, sdpa
 
 ARCHITECTURE = "ernie-image"
 # Keys that identify an ERNIE-Image DiT state dict (as ComfyUI and other tools detect it).
@@ -410,3 +403,49 @@ def run_all_blocks(model: ErnieImageTransformer, h: torch.Tensor, ctx: BlockCont
     for block in model.layers:
         h = block(h, ctx)
     return h
+
+
+# -- what the generic layers know of ERNIE-Image (engine/models/family.py) ------------------------------------
+def _pad_tokens(t: torch.Tensor, length: int) -> torch.Tensor:
+    """[rows, S, ...] zero-padded to [rows, length, ...]."""
+    if t.shape[1] == length:
+        return t
+    return torch.cat([t, t.new_zeros((t.shape[0], length - t.shape[1]) + tuple(t.shape[2:]))], dim=1)
+
+
+def join_contexts(contexts: Sequence[BlockContext], length: int, attention: Callable) -> BlockContext:
+    """One context for several jobs' rows, in order, each padded to ``length`` tokens; ``attention`` (the
+    served batch's grouped attention) holds each job's own key mask."""
+    first = contexts[0]
+    return BlockContext(
+        modulation=tuple(torch.cat([c.modulation[j] for c in contexts]) for j in range(6)),
+        rope=tuple(torch.cat([_pad_tokens(c.rope[j], length) for c in contexts]) for j in range(2)),
+        key_mask=None, attention=attention, num_image_tokens=first.num_image_tokens, grid=first.grid,
+        temb=torch.cat([c.temb for c in contexts]))
+
+
+def chunk_context(ctx: BlockContext, pad: int, chunk: slice, attention: Callable, valid_tokens: int) -> BlockContext:
+    """The context of one sequence-parallel rank: the RoPE of its ``chunk`` of the sequence padded by ``pad``
+    tokens, ``attention`` over the whole sequence (it holds the key mask)."""
+    cos, sin = (F.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t for t in ctx.rope)
+    return replace(ctx, rope=(cos[:, chunk], sin[:, chunk]), key_mask=None, attention=attention,
+                   valid_tokens=valid_tokens)
+
+
+FAMILY = register(Family(
+    name=ARCHITECTURE, title="ERNIE-Image",
+    config_class=ErnieImageConfig, model_class=ErnieImageTransformer, context_class=BlockContext,
+    signature_keys=SIGNATURE_KEYS, blocks="layers",
+    block_linears=("self_attention.to_q", "self_attention.to_k", "self_attention.to_v", "self_attention.to_out.0",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.linear_fc2",
+                   "self_attention.qkv", "mlp.gate_up"),  # the last two: fused by engine/features/fuse.py
+    shard_dims={"self_attention.to_q": 0, "self_attention.to_k": 0, "self_attention.to_v": 0, "mlp.gate_proj": 0,
+                "mlp.up_proj": 0, "self_attention.to_out.0": 1, "mlp.linear_fc2": 1},
+    partial_sum_modules=("self_attention", "mlp"), heads_module="self_attention",
+    fuse_groups={Attention: ("qkv", ("to_q", "to_k", "to_v")), GeGLU: ("gate_up", ("gate_proj", "up_proj"))},
+    latent=Latent(channels=128, stride=16, name="the Flux2 latent"),
+    join_contexts=join_contexts, chunk_context=chunk_context,
+    config_metadata_key="ernie_image_config",
+    checkpoint_prefixes=("model.diffusion_model.", "diffusion_model.", "transformer."),
+    diffusers_class="ErnieImageTransformer2DModel", comfy_model="ErnieImage", max_layers=MAX_LAYERS,
+))

@@ -10,7 +10,7 @@ The modules: ``backends`` (the table, selection, the Patch, ring attention's ker
 (attention with its log-sum-exp, the merge, key masks as lengths: sage's tail split and ring attention's
 blocks), ``kernels`` (the float32 reference and what the mask-less kernels share), ``sage``, ``flash``.
 """
-from ...models.ernie_image import sdpa
+from ...models.family import sdpa
 from .backends import (
     BACKEND_TABLE,
     BACKENDS,

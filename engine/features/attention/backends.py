@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ...models.ernie_image import sdpa  # the model's own attention: the default backend
+from ...models.family import sdpa  # the model's own attention: the default backend
 from .. import patching
 from ..tables import LiveNames
 from .flash import check_flash, flash

@@ -10,7 +10,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ...models.ernie_image import sdpa  # the model's own attention: the default backend
+from ...models.family import sdpa  # the model's own attention: the default backend
 from .lse import attention_with_lse, prefix_lengths
 
 log = logging.getLogger("sgld.attention")

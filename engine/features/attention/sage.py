@@ -10,7 +10,7 @@ from typing import Callable, Dict, FrozenSet, Optional, Tuple
 
 import torch
 
-from ...models.ernie_image import sdpa
+from ...models.family import sdpa
 from .kernels import cuda_half_problem, guarded, installed_version, package_version, per_sample, warn_once
 from .lse import attention_with_lse, split_tail
 

@@ -1,0 +1,156 @@
+"""A DiT family's description: everything the generic layers (loading, weight formats, LoRA, offload, Cache-DiT,
+parallel, serving, the nodes) need to know about an architecture, declared once next to its model and read
+through ``family_of(model)`` / ``detect(keys)``. The generic layers never name a family's modules, keys or
+constants themselves (tests/test_imports.py enforces it); docs/architecture.md draws the seam.
+
+A family's model follows one contract (ERNIE-Image's is the reference, engine/models/ernie_image.py):
+
+* ``model_class(config)`` builds it; ``config_class.from_shapes(shapes, overrides, source)`` reads the
+  configuration from a state dict's shapes (raising ValueError naming the tensor or field) and the config
+  has the fields of ``CONFIG_FIELDS``, ``head_dim`` and ``to_dict()``;
+* the forward is ``embed(x, timestep, text_bth, text_lens) -> (h, ctx)``, ``model.block_runner(model, h,
+  ctx)`` (replaceable from outside: cache, offload, parallel) and ``unembed(h, ctx)``; each block is called
+  as ``block(h, ctx)`` and its attention calls ``ctx.attention(q, k, v, ctx.key_mask)`` ([B, S, H, D]);
+  ``model.attention`` is the callable embed puts in the context, ``model.dtype`` the compute dtype;
+* ``ctx`` (``context_class``) has the fields the generic layers read: ``key_mask``, ``attention``,
+  ``valid_tokens``; ``join_contexts`` makes one context for several jobs' rows (served batching) and
+  ``chunk_context`` the context of one rank's chunk of the sequence (sequence parallel).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The configuration fields every family's config carries (the generic layers read only these).
+CONFIG_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "in_channels",
+                 "out_channels", "text_in_dim", "patch_size")
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The default attention of every family, [B, S, H, D] in and out; ``key_mask`` [B, S_k], True = attend.
+    The backends of engine/features/attention/ take the same arguments."""
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class Latent:
+    """The latent a family's DiT denoises: ``channels`` per cell, one cell per ``stride`` x ``stride`` pixels."""
+
+    channels: int
+    stride: int
+    name: str  # what users know it as, for messages ("the Flux2 latent")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One DiT architecture as the generic layers see it (the module docstring gives the model's contract)."""
+
+    name: str  # "ernie-image": the architecture name in files and messages
+    title: str  # "ERNIE-Image": for messages
+    config_class: type
+    model_class: type
+    context_class: type
+    signature_keys: Tuple[str, ...]  # tensors (no prefix) that identify the family's state dict
+    blocks: str  # the model attribute holding the nn.ModuleList of blocks, also the keys' prefix ("layers")
+    block_linears: Tuple[str, ...]  # nn.Linear paths inside a block that weight formats, LoRA and TP handle
+    shard_dims: Mapping[str, int]  # tensor parallel: block linear -> split dim (0 column, 1 row parallel)
+    partial_sum_modules: Tuple[str, ...]  # block submodules whose output is a partial sum under TP (all-reduced)
+    heads_module: str  # the block submodule whose ``heads`` is divided by the TP degree
+    fuse_groups: Mapping[type, Tuple[str, Tuple[str, ...]]]  # module class -> (fused name, its member linears)
+    latent: Latent
+    join_contexts: Callable  # (contexts, length, attention) -> one context over their rows, each padded to ``length``
+    chunk_context: Callable  # (ctx, pad, chunk slice, attention, valid_tokens) -> the context of one rank's chunk
+    config_metadata_key: str = ""  # a safetensors metadata entry that may carry the config as JSON
+    checkpoint_prefixes: Tuple[str, ...] = ()  # prefixes other tools put before the keys (stripped on load)
+    diffusers_class: str = ""  # the diffusers transformer class of this family, for engine.accelerate
+    comfy_model: str = ""  # ComfyUI's name for the family (comfy.supported_models / comfy.model_base)
+    max_layers: int = 512  # a bound on the blocks a file's header can ask for
+    defaults: Mapping[str, object] = field(default_factory=dict)  # sampling defaults (steps, cfg, shift ...)
+
+    # -- what the generic layers ask ---------------------------------------------------------------------
+    def blocks_of(self, model: nn.Module) -> nn.ModuleList:
+        return getattr(model, self.blocks)
+
+    def block_key(self, index: int, path: str = "") -> str:
+        """The state-dict / module name of block ``index`` (and ``path`` inside it)."""
+        return f"{self.blocks}.{index}.{path}" if path else f"{self.blocks}.{index}"
+
+    def split_block_key(self, key: str) -> Optional[Tuple[int, str]]:
+        """(block index, path inside the block) of a module or tensor name, or None outside the blocks."""
+        head, _, rest = key.partition(".")
+        index, _, path = rest.partition(".")
+        if head != self.blocks or not index.isdigit():
+            return None
+        return int(index), path
+
+    def block_linear_of(self, layer: str) -> Optional[str]:
+        """The block-linear path (``block_linears``) of module name ``layer``, or None if it is not one."""
+        parts = self.split_block_key(layer)
+        return parts[1] if parts is not None and parts[1] in self.block_linears else None
+
+    def shard_dim(self, key: str) -> Optional[int]:
+        """The dim tensor ``key`` is split along under tensor parallel, or None (kept whole on every rank)."""
+        if not key.endswith(".weight"):
+            return None
+        linear = self.block_linear_of(key[: -len(".weight")])
+        return None if linear is None else self.shard_dims.get(linear)
+
+    def has_signature(self, keys: Iterable[str], prefix: str = "") -> bool:
+        keys = keys if isinstance(keys, (set, frozenset, dict)) else set(keys)
+        return all(prefix + k in keys for k in self.signature_keys)
+
+    def config_from_shapes(self, shapes, overrides=None, source: str = "config"):
+        return self.config_class.from_shapes(shapes, overrides, source)
+
+    def build(self, config, device="meta") -> nn.Module:
+        with torch.device(device):
+            return self.model_class(config)
+
+
+_FAMILIES: Dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Make ``family`` known to detection and ``family_of``; registering the same name again replaces it."""
+    _FAMILIES[family.name] = family
+    return family
+
+
+def unregister(name: str) -> None:
+    _FAMILIES.pop(name, None)
+
+
+def families() -> List[Family]:
+    return list(_FAMILIES.values())
+
+
+def family_of(model) -> Family:
+    """The family of a model (an instance, its class or its config)."""
+    for fam in _FAMILIES.values():
+        if isinstance(model, (fam.model_class, fam.config_class)) or (
+                isinstance(model, type) and issubclass(model, (fam.model_class, fam.config_class))):
+            return fam
+    raise TypeError(f"{type(model).__name__} is not a model of a registered DiT family "
+                    f"({', '.join(_FAMILIES) or 'none registered'})")
+
+
+def detect(keys: Iterable[str]) -> Optional[Tuple[Family, str]]:
+    """The family whose signature keys a state dict holds, and the prefix its keys carry ('' for none)."""
+    keys = set(keys)
+    for fam in _FAMILIES.values():
+        for prefix in ("",) + fam.checkpoint_prefixes:
+            if fam.has_signature(keys, prefix):
+                return fam, prefix
+    return None
+
+
+def get(name: str) -> Family:
+    if name not in _FAMILIES:
+        raise KeyError(f"unknown DiT family '{name}' (known: {', '.join(_FAMILIES)})")
+    return _FAMILIES[name]
