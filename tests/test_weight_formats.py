@@ -18,7 +18,7 @@ from engine import CheckpointError, load_model
 from engine.config import EngineConfig
 from engine.features import quant as Q
 from engine.features.fuse import fuse_projections, fused_groups, remove_fused_projections
-from engine.features.quant.formats import QuantPlan
+from engine.features.quant.prequantized import QuantPlan
 from engine.io.checkpoint import open_checkpoint
 from engine.loading import estimate_bytes
 from engine.models.random_weights import SIZES, random_model, save_random_checkpoint

@@ -133,8 +133,8 @@ class QuantPlan:
         return {"weight": parts[layer + ".weight"],
                 "weight_scale": self._finite(scale, parts[scale], positive=True) if scale else None,
                 "weight_zero": self._finite(zero, parts[zero], positive=False) if zero else None,
-                # the layer's shapes as the header gives them (a GGUF layer's bytes do not say its shape)
-                "shape": info["shape"], "gguf_shape": info.get("gguf_shape")}
+                # the layer's shapes as the header gives them (a packed layer's bytes do not say its shape)
+                "shape": info["shape"], "stored_shape": info.get("stored_shape")}
 
     def _finite(self, key: str, t: torch.Tensor, positive: bool) -> torch.Tensor:
         values = t.float()
@@ -159,13 +159,20 @@ class QuantPlan:
         if recorded:
             return getattr(torch, recorded)
         skip = self.stored_keys()
-        if "gguf" in self.sources:  # GGUF converters keep 1-D tensors (norms, biases) F32 whatever the model's dtype
+        if any(get_format(v["kind"]).small_f32 for v in self.layers.values()):  # e.g. GGUF's converters
             skip |= {k for k in self.keys if len(self.ckpt.header(k)[1]) <= 1}
         return self.ckpt.stored_dtype(skip=skip, default=torch.bfloat16 if self.quantized else torch.float32)
 
     @property
     def quantized(self) -> bool:
         return bool(self.layers) or bool(self.sources)
+
+    def unshardable(self) -> List[str]:
+        """The file's quantized layers that tensor parallel cannot split (their format has no ``split``), or
+        ["(markers)"] for a file marked quantized without quantized layers; [] when a shard can be loaded."""
+        if self.sources and not self.layers:
+            return ["(markers)"]
+        return [layer for layer, info in self.layers.items() if get_format(info["kind"]).split is None]
 
     def describe(self) -> str:
         kinds = sorted({v["kind"] for v in self.layers.values()})
