@@ -147,6 +147,11 @@ def register_writer(writer: FileWriter) -> FileWriter:
     return writer
 
 
+def unregister_writer(name: str) -> None:
+    """Take a writer out of the table (tests that register one of their own)."""
+    FILE_WRITERS.pop(name, None)
+
+
 def writer_formats(writer: FileWriter) -> Tuple[str, ...]:
     """The --format names ``writer`` writes."""
     if writer.formats is not None:
