@@ -1,7 +1,8 @@
 """The one public load module: ``load_model`` (``engine.load_model``, the bare DiT), ``plan_load`` (what a load
-decides from the header), ``estimate_bytes``, and what the tables allow (``weight_file_suffixes``: the readers';
-``shardable_formats``: the weight formats a tensor-parallel load splits). It composes the one load loop (io/load.py) with the weight formats'
-transform (features/quant/transform.py), so it sits above both and not inside the quant feature."""
+decides from the header), ``estimate_bytes``, ``checkpoint_shapes`` (a configuration's tensors), and what the
+tables allow (``weight_file_suffixes``: the readers'; ``shardable_formats``: the weight formats a tensor-parallel
+load splits). It composes the one load loop (io/load.py) with the weight formats' transform
+(features/quant/transform.py), so it sits above both and not inside the quant feature."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -11,9 +12,11 @@ from torch import nn
 from .errors import CheckpointError
 from .features.quant import FORMAT_TABLE, QuantPlan, QuantTransform
 from .io.checkpoint import open_checkpoint
-from .io.load import LoadPlan, build_model
+from .io.load import LoadPlan, build_model, checkpoint_shapes
 from .io.readers import shard_suffixes
 from .models.ernie_image import ErnieImageConfig
+
+__all__ = ["checkpoint_shapes", "estimate_bytes", "load_model", "plan_load", "shardable_formats", "weight_file_suffixes"]
 
 
 def plan_load(checkpoint, dtype=None, quant: Optional[str] = None,

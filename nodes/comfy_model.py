@@ -29,8 +29,7 @@ import torch
 from ..engine import InputError
 from ..engine.features.cache import CacheConfigError, resolve_config
 from ..engine.inputs import check_latent, check_model_call, check_run_sigmas, check_values
-from ..engine.io.load import checkpoint_shapes
-from ..engine.loading import estimate_bytes
+from ..engine.loading import checkpoint_shapes, estimate_bytes
 from ..engine.models.demo import codec
 from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER, to_sigma
 from ..engine.threads import torch_threads
