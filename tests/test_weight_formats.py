@@ -5,6 +5,7 @@ by ``sgld quantize``, read back from the file and refused when a file holds an i
 with no other change to the engine. The option's choices are the table's."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -258,3 +259,24 @@ def bf16_src(tmp_path):
     path = tmp_path / "bf16.safetensors"
     save_random_checkpoint(str(path), CFG, seed=0, dtype=torch.bfloat16)
     return path
+
+
+def test_a_comfyui_tagged_layer_is_read_by_the_format_that_names_its_tag(tmp_path):
+    """ComfyUI's per-layer tag (``X.comfy_quant``) names a format; the entry whose ``comfy_formats`` holds it reads
+    the layer (the next ComfyUI layouts are one package each); a tag no entry names is refused, listing them."""
+    path = tmp_path / "tagged.safetensors"
+    save_random_checkpoint(str(path), CFG, seed=0)
+    sd = load_file(str(path))
+    layer = _quantize(sd["layers.0.mlp.gate_proj.weight"], None, 0)
+    sd["layers.0.mlp.gate_proj.weight"], sd["layers.0.mlp.gate_proj.weight_scale"] = layer.weight.data, layer.weight_scale.data
+    sd["layers.0.mlp.gate_proj.comfy_quant"] = torch.tensor(list(b'{"format": "toy_i16"}'), dtype=torch.uint8)
+    save_file(sd, str(path))
+    with pytest.raises(CheckpointError, match=r"layer 'layers.0.mlp.gate_proj' uses ComfyUI quantization format "
+                                              r"'toy_i16', which SGLDiffusion does not load \(supported: float8_e4m3fn"):
+        load_model(path)
+    fmt = Q.register_format(dataclasses.replace(TOY, comfy_formats=("toy_i16",)))
+    try:
+        gate = load_model(path).layers[0].mlp.gate_proj
+        assert isinstance(gate, ToyInt16Linear) and torch.equal(gate.dequantize(), layer.dequantize())
+    finally:
+        Q.unregister_format(fmt.name)

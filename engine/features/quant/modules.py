@@ -176,7 +176,7 @@ FP8 = register_format(WeightFormat(
     quantize=lambda weight, bias, group: FP8Linear.from_dense(weight, bias),
     weight_bytes=lambda shape, group, dense: shape[0] * shape[1] + 4 * shape[0],  # e4m3, a float32 scale a row
     from_stored=_fp8_from_stored, dequantize=_fp8_dequantize, read_layers=read_fp8_layers,
-    concat=_fp8_concat, rows=_fp8_rows, join=_fp8_join, help="e4m3, one scale per output channel, weight-only",
+    concat=_fp8_concat, rows=_fp8_rows, join=_fp8_join, comfy_formats=("float8_e4m3fn", "float8_e5m2"), help="e4m3, one scale per output channel, weight-only",
     storage="e4m3 + float32 scale per output channel",
     compute="CPU / older GPUs: cast + dense GEMM, scale on the output. CUDA sm89+: `torch._scaled_mm` with the "
             "activations quantized per token to e4m3 (W8A8 dynamic), enabled after a per-device probe; "

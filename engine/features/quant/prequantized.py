@@ -15,7 +15,6 @@ from .registry import FORMATS, get_format
 FP8_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2)
 SGLD_META_KEY = "sgld_quant"
 COMFY_META_KEY = "_quantization_metadata"
-COMFY_FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
 # Per-layer tensors of the ComfyUI formats that a weight-only engine does not need.
 IGNORED_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant")
 MAX_COMFY_QUANT_BYTES = 64 * 1024  # a ComfyUI per-layer format tag is a few dozen bytes of JSON
@@ -94,12 +93,13 @@ class QuantPlan:
         for k in keys:
             if k.endswith(".comfy_quant"):
                 declared[k[: -len(".comfy_quant")]] = _parse_comfy_quant(ckpt, k)
+        comfy_formats = {name: f for f in FORMATS.values() for name in f.comfy_formats}  # ComfyUI's name -> entry
         for layer, info in declared.items():
             fmt = info.get("format", "")
-            if not isinstance(fmt, str) or fmt not in COMFY_FP8_FORMATS:
+            if not isinstance(fmt, str) or fmt not in comfy_formats:
                 raise CheckpointError(
                     f"{ckpt.describe()}: layer '{layer}' uses ComfyUI quantization format '{fmt or '?'}', which "
-                    "SGLDiffusion does not load (supported: float8_e4m3fn, float8_e5m2); use a bf16 or fp8 file")
+                    f"SGLDiffusion does not load (supported: {', '.join(comfy_formats)}); use a bf16 or fp8 file")
             self.sources.add("comfy_quant")
         self.keys, self.legacy, self.declared = keys, legacy, declared
         for fmt in FORMATS.values():  # registration order: the first format that claims a layer has it
@@ -111,9 +111,10 @@ class QuantPlan:
                     and (layer + ".weight_scale" in keys or layer + ".weight_zero" in keys)):
                 raise CheckpointError(f"{ckpt.where(k)}: a quantized weight stored as {DTYPE_NAMES[ckpt.header(k)[0]]} "
                                       f"that no weight format reads (formats: {', '.join(FORMATS)})")
-        for layer in declared:
+        for layer, info in declared.items():
             if layer not in self.layers:
-                raise CheckpointError(f"{ckpt.describe()}: layer '{layer}' is marked quantized but its weight is not float8")
+                raise CheckpointError(f"{ckpt.describe()}: layer '{layer}' is marked quantized but its weight is not "
+                                      f"{comfy_formats[info['format']].name} (ComfyUI format '{info['format']}')")
         self.ignored += [k for k in keys if k.endswith(IGNORED_SUFFIXES)]
 
     def keys_of(self, layer: str) -> List[str]:

@@ -36,7 +36,8 @@ part's bias given); ``join(leaf, tensors, rows)``: one checkpoint
     rank ``index``'s share of a stored layer along its weight's ``dim`` (ValueError when it cannot be split
     there; None: a file holding this format is refused under tensor parallel); ``small_f32``: files of this
     format keep 1-D tensors (norms, biases) F32 whatever the model's dtype, so they do not vote for the "as
-    stored" dtype. What users read: ``help`` (a clause of the --quant / --format help; entries with the same
+    stored" dtype; ``comfy_formats``: the format names of ComfyUI's per-layer tags (``X.comfy_quant``,
+    ``_quantization_metadata``) whose layers this entry's ``read_layers`` takes (others are refused). What users read: ``help`` (a clause of the --quant / --format help; entries with the same
     text share one), ``storage`` and ``compute`` (the docs table, tools/format_docs.py)."""
 
     name: str
@@ -55,6 +56,7 @@ part's bias given); ``join(leaf, tensors, rows)``: one checkpoint
     dense_why: str = "cannot be stored in this format"  # why ``quantize`` left a layer dense (a warning)
     split: Optional[Callable[[nn.Module, int, int, int], nn.Module]] = None
     small_f32: bool = False
+    comfy_formats: Tuple[str, ...] = ()
     help: str = ""
     storage: str = ""
     compute: str = ""
