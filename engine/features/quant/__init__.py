@@ -65,7 +65,8 @@ FORMATS = LiveNames(choices)  # EngineConfig.quant's choices: the table's, read 
 from . import gguf  # noqa: E402, F401  (the GGUF block types q8_0 ... q6_k, registered after fp8 and int4)
 
 __all__ = ["BLOCK_LINEARS", "FILE_WRITERS", "FORMATS", "FORMAT_TABLE", "FileWriter", "describe_formats",
-           "register_writer", "unregister_writer", "writable_formats", "writer_for", "writer_formats", "FP8_DTYPE", "FP8_MAX", "QUANT_MODULES", "FP8Linear", "Int4Linear",
+           "register_writer", "unregister_writer", "writable_formats", "writer_for", "writer_formats",
+           "FP8_DTYPE", "FP8_MAX", "QUANT_MODULES", "FP8Linear", "Int4Linear",
            "Int8Linear", "Int8WeightLinear", "dequantize_int8", "int_mm_accepts", "quantize_int8", "quantize_tokens",
            "QuantPatch", "QuantPlan", "QuantTransform", "WeightFormat", "apply_quant", "choices", "dequantize_fp8",
            "dequantize_int4", "format_of", "fp8_scaled_mm_linear", "fp8_scaled_mm_supported",
