@@ -24,8 +24,8 @@ from engine.engine import Engine
 from engine.features import quant as Q
 from engine.features.cache import CacheConfig
 from engine.features.fuse import fuse_projections
-from engine.features.quant.gguf_linear import GGUFLinear
-from engine.features.quant.gguf_numerics import NAMES as GGUF_NAMES
+from engine.features.quant.gguf.linear import GGUFLinear
+from engine.features.quant.gguf.numerics import NAMES as GGUF_NAMES
 from engine.router import open_engine
 from engine.sampling import MULTIPLIER, sigma_schedule
 

@@ -10,7 +10,7 @@ from .errors import ParallelConfigError
 from .features.attention import BACKENDS
 from .features.compile import SHAPES
 from .features.offload import MODES
-from .features.quant import FORMATS
+from .features.quant import FORMATS, describe_formats
 from .options import checked, option
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,10 +50,8 @@ class EngineConfig:
         None, str, "quantization of the block linears at load (pre-quantized files load quantized anyway)",
         choices=FORMATS, optional=True, labels={None: "none"}, aliases={"off": None, "": None}, any_case=True,
         flag="--quant", widget="quant",
-        tooltip="Quantization of the transformer blocks' linear layers: fp8, int4 in groups of 128 / 64, "
-                "int8-weight and the GGUF block types (q8_0 ... q2_k) are weight-only; int8 also quantizes the "
-                "activations per token and multiplies in int8 (faster on CPUs with VNNI and on sm80+ GPUs). "
-                "Pre-quantized files (GGUF too) load quantized whatever this says.")
+        tooltip=f"Quantization of the transformer blocks' linear layers. {describe_formats()}. "
+                "Pre-quantized files load quantized whatever this says.")  # the format table's own words
     offload: str = option(
         "none", str, "layer-wise offload: block weights in pinned CPU memory, streamed through --resident-layers "
         "device buffers (auto: only when the GPU's free memory is below the model + working memory)",

@@ -1,6 +1,8 @@
-"""The public loader: ``load_model`` (``engine.load_model``, the bare DiT), ``plan_load`` (what a load decides
-from the header) and ``estimate_bytes``. It composes the one load loop (io/load.py) with the weight formats'
-transform (features/quant/loading.py), so it sits above both and not inside the quant feature."""
+"""The one public load module: ``load_model`` (``engine.load_model``, the bare DiT), ``plan_load`` (what a load
+decides from the header), ``estimate_bytes``, ``checkpoint_shapes`` (a configuration's tensors), and what the
+tables allow (``weight_file_suffixes``: the readers'; ``shardable_formats``: the weight formats a tensor-parallel
+load splits). It composes the one load loop (io/load.py) with the weight formats' transform
+(features/quant/transform.py), so it sits above both and not inside the quant feature."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -8,11 +10,13 @@ from typing import Optional, Tuple
 from torch import nn
 
 from .errors import CheckpointError
-from .features.quant import QuantPlan, QuantTransform
-from .features.quant.gguf_linear import GGUF_MODULES
+from .features.quant import FORMAT_TABLE, QuantPlan, QuantTransform
 from .io.checkpoint import open_checkpoint
-from .io.load import LoadPlan, build_model
+from .io.load import LoadPlan, build_model, checkpoint_shapes
+from .io.readers import shard_suffixes
 from .models.family import families, family_of
+
+__all__ = ["checkpoint_shapes", "estimate_bytes", "load_model", "plan_load", "shardable_formats", "weight_file_suffixes"]
 
 
 def plan_load(checkpoint, dtype=None, quant: Optional[str] = None,
@@ -21,11 +25,21 @@ def plan_load(checkpoint, dtype=None, quant: Optional[str] = None,
     quantization; ``.read(device)`` then loads. ``checkpoint``: a path or an opened Checkpoint."""
     ckpt = open_checkpoint(checkpoint)
     plan = QuantPlan(ckpt)
-    gguf_only = bool(plan.layers) and all(v["kind"] in GGUF_MODULES for v in plan.layers.values()) and plan.sources == {"gguf"}
-    if shard is not None and shard[0] > 1 and plan.quantized and not gguf_only:  # GGUF bytes split by rows (gguf_linear)
-        raise CheckpointError(f"{ckpt.describe()}: tensor parallel needs a dense (bf16/fp16/fp32) or GGUF checkpoint; this one is "
-                              "pre-quantized. Use ulysses_degree / ring_degree / cfg_parallel, or the dense file with quant=...")
+    if shard is not None and shard[0] > 1 and plan.unshardable():  # a format with a ``split`` (GGUF's rows) shards
+        raise CheckpointError(f"{ckpt.describe()}: tensor parallel needs a dense (bf16/fp16/fp32) checkpoint or one whose "
+                              f"formats split ({', '.join(shardable_formats()) or 'none'}); this one is pre-quantized. "
+                              "Use ulysses_degree / ring_degree / cfg_parallel, or the dense file with quant=...")
     return LoadPlan(ckpt, dtype, shard, QuantTransform(plan, quant))
+
+
+def weight_file_suffixes() -> tuple:
+    """The file names a model loads from (".safetensors", ".gguf": every registered checkpoint reader's)."""
+    return shard_suffixes()
+
+
+def shardable_formats() -> tuple:
+    """The weight formats whose pre-quantized files load under tensor parallel (their entry has a ``split``)."""
+    return tuple(f.name for f in FORMAT_TABLE.values() if f.split is not None)
 
 
 def load_model(checkpoint, dtype=None, device="cpu", quant: Optional[str] = None,

@@ -10,10 +10,11 @@ import os
 
 from . import cache_dit, compat, demo, latent, server_nodes
 from .comfy_model import SGLDiffusionApplyCacheDiT
-from .ksampler import SGLDiffusionKSampler, last_runs
+from .ksampler import SGLDiffusionKSampler
 from .loader import SGLDiffusionModelLoader
 from .lora import SGLDiffusionLoraLoader
 from .model_cache import install_memory_hooks, loaded
+from .run_events import last_runs
 
 NODE_CLASS_MAPPINGS = {
     "SGLDiffusionModelLoader": SGLDiffusionModelLoader,

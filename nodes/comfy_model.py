@@ -29,15 +29,14 @@ import torch
 from ..engine import InputError
 from ..engine.features.cache import CacheConfigError, resolve_config
 from ..engine.inputs import check_latent, check_model_call, check_run_sigmas, check_values
-from ..engine.io.load import checkpoint_shapes
-from ..engine.loading import estimate_bytes
+from ..engine.loading import checkpoint_shapes, estimate_bytes
 from ..engine.models.demo import codec
 from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER, to_sigma
 from ..engine.threads import torch_threads
 from . import compat
 from .comfy_lora import SOURCES_ATTACHMENT, check_native_keys, comfy_loras, executing_node, source_label
-from .ksampler import ERROR_CHARS, GRAPH_KEY, graph_fingerprint, run_stats, send_run_event, workflow_id
 from .model_cache import SGLDModel, drop_engine, find_engine
+from .run_events import ERROR_CHARS, GRAPH_KEY, graph_fingerprint, run_stats, send_run_event, workflow_id
 
 log = logging.getLogger("sgldiffusion")
 

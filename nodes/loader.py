@@ -8,6 +8,7 @@ import folder_paths
 
 from ..engine import CheckpointError, EngineConfig
 from ..engine.features.attention import BACKENDS, available_backends
+from ..engine.loading import weight_file_suffixes
 from ..engine.models.demo import DEMO_WEIGHTS
 from ..engine.options import from_widgets, node_inputs, widget_defaults
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
@@ -16,9 +17,10 @@ from .model_cache import SGLDModel, get_engine
 
 NODE = "SGLDiffusion Model Loader"
 FOLDER = "diffusion_models"  # ComfyUI maps the legacy "unet" folder into this one
-# ComfyUI lists only its own extensions (.safetensors, ...) under diffusion_models: the .gguf files of the same
-# folders (and of models/unet) are listed under a folder name of this pack's, as ComfyUI-GGUF does with its own
-GGUF_FOLDER = "sgldiffusion_gguf"
+# ComfyUI lists only its own extensions (.safetensors, ...) under diffusion_models: the files of the same folders
+# (and of models/unet) that only this pack's readers take (.gguf) are listed under a folder name of this pack's,
+# as ComfyUI-GGUF does with its own
+OWN_FOLDER = "sgldiffusion_weights"
 log = logging.getLogger("sgldiffusion")
 
 
@@ -32,18 +34,25 @@ def model_folders() -> list:
     return out
 
 
-def _gguf_folder() -> str:
-    """The pack's folder name for .gguf models: the model folders as they are now, .gguf files only."""
-    folder_paths.folder_names_and_paths[GGUF_FOLDER] = (model_folders(), {".gguf"})
-    return GGUF_FOLDER
+def own_suffixes() -> tuple:
+    """The weight files the engine's readers take that ComfyUI does not list under diffusion_models (.gguf)."""
+    listed = folder_paths.folder_names_and_paths.get(FOLDER, ((), set()))[1]
+    return tuple(s for s in weight_file_suffixes() if s not in listed)
+
+
+def _own_folder() -> str:
+    """The pack's folder name for those files: the model folders as they are now, those suffixes only."""
+    folder_paths.folder_names_and_paths[OWN_FOLDER] = (model_folders(), set(own_suffixes()))
+    return OWN_FOLDER
 
 
 def model_files() -> list:
-    """The embedded demo model first, then the files of models/diffusion_models and models/unet (.gguf too)."""
+    """The embedded demo model first, then the files of models/diffusion_models and models/unet (``own_suffixes``
+    too)."""
     files = list(folder_paths.get_filename_list(FOLDER))
     if "unet" in folder_paths.folder_names_and_paths:
         files += [f for f in folder_paths.get_filename_list("unet") if f not in files]
-    files += [f for f in folder_paths.get_filename_list(_gguf_folder()) if f not in files]
+    files += [f for f in folder_paths.get_filename_list(_own_folder()) if f not in files]
     return [DEMO_CHOICE] + sorted(files)
 
 
@@ -53,12 +62,13 @@ def resolve(name: str) -> str:
     path = folder_paths.get_full_path(FOLDER, name)
     if path is None and "unet" in folder_paths.folder_names_and_paths:
         path = folder_paths.get_full_path("unet", name)
-    if path is None and name.lower().endswith(".gguf"):
-        path = folder_paths.get_full_path(_gguf_folder(), name)
+    if path is None and name.lower().endswith(own_suffixes()):
+        path = folder_paths.get_full_path(_own_folder(), name)
     if path is None or not os.path.exists(path):
         raise ValueError(
             f"SGLDiffusion Model Loader: model file '{name}' was not found in {', '.join(model_folders())}. "
-            "Put the ERNIE-Image diffusion model (e.g. ernie-image-turbo.safetensors or a .gguf file) in ComfyUI/models/diffusion_models "
+            f"Put the ERNIE-Image diffusion model (e.g. ernie-image-turbo.safetensors; files ending in "
+            f"{' or '.join(weight_file_suffixes())}) in ComfyUI/models/diffusion_models "
             "and press R in the UI to refresh the list."
         )
     return path
@@ -94,8 +104,8 @@ def engine_config(unet_name: str, widgets: dict) -> EngineConfig:
 
 
 class SGLDiffusionModelLoader:
-    DESCRIPTION = ("Loads an ERNIE-Image diffusion model (.safetensors or .gguf from models/diffusion_models) into the "
-                   "SGLDiffusion engine. The model stays loaded between runs until the inputs change or ComfyUI frees memory.")
+    DESCRIPTION = (f"Loads an ERNIE-Image diffusion model ({' or '.join(weight_file_suffixes())} from models/diffusion_models) "
+                   "into the SGLDiffusion engine. The model stays loaded between runs until the inputs change or ComfyUI frees memory.")
     CATEGORY = "SGLDiffusion"
     RETURN_TYPES = ("SGLD_MODEL", "MODEL")
     RETURN_NAMES = ("model", "comfy_model")

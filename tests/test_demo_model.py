@@ -95,8 +95,8 @@ def test_the_demo_picture_through_a_gguf_file_passes_the_judge(tmp_path, fmt):
     """The demo DiT written as a GGUF file by `sgld quantize --format q8_0|q4_k` (Q4_K's 384-input rows take
     llama.cpp's fallback, Q5_0, as any converter would), loaded from that file with its block linears kept in
     their GGUF types and dequantized per layer: the judge accepts the picture, close to the fp16 model's."""
-    from engine.features.quant.gguf_convert import quantize_gguf_file
-    from engine.features.quant.gguf_linear import GGUFLinear
+    from engine.features.quant.gguf.convert import quantize_gguf_file
+    from engine.features.quant.gguf.linear import GGUFLinear
 
     path = str(tmp_path / f"demo-{fmt}.gguf")
     assert quantize_gguf_file(DEMO_WEIGHTS, path, fmt)["types"].get(fmt.upper(), 0) > 0  # the asked type is in it

@@ -19,7 +19,7 @@ from engine import CheckpointError, load_model
 from engine.config import EngineConfig
 from engine.features import patching
 from engine.features.cache import CacheConfig
-from engine.features.quant.gguf_linear import GGUFLinear
+from engine.features.quant.gguf.linear import GGUFLinear
 from engine.models.random_weights import random_state_dict
 from engine.router import open_engine
 

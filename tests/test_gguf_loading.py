@@ -1,4 +1,4 @@
-"""GGUF files (engine/io/gguf.py, engine/features/quant/gguf_linear.py), written by the real ``gguf`` package
+"""GGUF files (engine/io/gguf.py, engine/features/quant/gguf/linear.py), written by the real ``gguf`` package
 (GGUFWriter, tests/gguf_files.py) from a tiny random ERNIE-Image checkpoint in unsloth's layout (diffusers
 names, general.architecture "wan") and ComfyUI-GGUF's (prefixed keys, a reshaped tensor with its shape in
 the metadata): every listed type loads, keeps its bytes, and samples the latent of the same weights
@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from engine import CheckpointError, load_model
 from engine.config import EngineConfig
 from engine.features import quant as Q
-from engine.features.quant.gguf_linear import GGUFLinear
+from engine.features.quant.gguf.linear import GGUFLinear
 from engine.io.checkpoint import open_checkpoint
 from engine.loading import estimate_bytes
 from engine.models.ernie_image import FAMILY
@@ -130,7 +130,7 @@ def test_runs_under_inference_mode_and_fuses(tmp_path):
 
 
 def test_tensor_parallel_splits_rows_and_refuses_blocks_it_cannot_split(tmp_path):
-    from engine.features.quant.gguf_linear import split_rows
+    from engine.features.quant.gguf.linear import split_rows
     path = write_gguf(tmp_path / "m.gguf", SD, types_for(SD, GQ.Q8_0), "unsloth")
     layer = load_model(path).layers[0].mlp.linear_fc2  # [256, 512] in blocks of 32
     dense = layer.dequantize()

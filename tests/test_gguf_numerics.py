@@ -1,4 +1,4 @@
-"""GGUF numerics (engine/features/quant/gguf_numerics.py) against the `gguf` package's numpy code: the torch
+"""GGUF numerics (engine/features/quant/gguf/numerics.py) against the `gguf` package's numpy code: the torch
 dequantizers equal gguf.quants.dequantize bit for bit in float32; quantize writes bytes both decode alike."""
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from engine.features.quant import gguf_numerics as gn
+from engine.features.quant.gguf import numerics as gn
 
 Q = GGMLQuantizationType
 # byte offsets of each block's fp16 scales (d, dmin, ...), from the block layouts in gguf.quants

@@ -194,7 +194,7 @@ def test_fuzzed_files_only_ever_give_checkpoint_errors(tmp_path, base):
 
 
 def test_the_reader_reads_exactly_the_types_the_dequantizer_knows():
-    from engine.features.quant import gguf_numerics
+    from engine.features.quant.gguf import numerics as gguf_numerics
     from engine.io.gguf import READ_TYPES
     assert set(READ_TYPES) == {int(t) for t in gguf_numerics.SUPPORTED} and len(READ_TYPES) == 13
 

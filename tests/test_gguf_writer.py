@@ -1,4 +1,4 @@
-"""`sgld quantize --format <GGUF type>` (engine/features/quant/gguf_convert.py): a tiny random ERNIE-Image
+"""`sgld quantize --format <GGUF type>` (engine/features/quant/gguf/convert.py): a tiny random ERNIE-Image
 checkpoint written as GGUF and read back with the real `gguf` package's reader and numpy dequantizer, against
 the layout city96's ComfyUI-GGUF loads (its loader.py / tools/convert.py, see docs/quantization.md)."""
 import json
@@ -12,8 +12,8 @@ from gguf import quants as gq
 from safetensors.torch import load_file
 
 from engine.cli import main
-from engine.features.quant import gguf_numerics as gn
-from engine.features.quant.gguf_convert import FALLBACK
+from engine.features.quant.gguf import numerics as gn
+from engine.features.quant.gguf.convert import FALLBACK
 from engine.models.ernie_image import FAMILY, ErnieImageConfig
 from engine.models.random_weights import SIZES, save_random_checkpoint
 
@@ -186,7 +186,7 @@ def test_written_file_loads_in_our_loader_and_runs_the_dequantized_weights(tmp_p
 
     from engine import load_model
     from engine.features import quant as Q
-    from engine.features.quant.gguf_linear import GGUFLinear
+    from engine.features.quant.gguf.linear import GGUFLinear
 
     src = tmp_path / "m.safetensors"
     save_random_checkpoint(str(src), CFG, seed=0, dtype=torch.float32)

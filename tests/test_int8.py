@@ -23,7 +23,7 @@ from engine.features import quant as Q
 from engine.features.fuse import fuse_projections, remove_fused_projections
 from engine.features.lora import target_modules
 from engine.features.quant import int8 as I8
-from engine.features.quant.formats import QuantPlan
+from engine.features.quant.prequantized import QuantPlan
 from engine.io.checkpoint import open_checkpoint
 from engine.loading import estimate_bytes
 from engine.models.ernie_image import FAMILY

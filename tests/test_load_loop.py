@@ -1,4 +1,4 @@
-"""The one loading loop (engine/io/load.py) and its quantizing transform (engine/features/quant/loading.py):
+"""The one loading loop (engine/io/load.py) and its quantizing transform (engine/features/quant/transform.py):
 quantize-on-read equals quantize-after-load bit for bit, a tensor-parallel shard read through the loop is
 the slices of the full model, the checkpoint is opened once per load, the byte estimate is the loaded
 size, and a load's peak memory stays about the file size."""

@@ -5,7 +5,9 @@ by ``sgld quantize``, read back from the file and refused when a file holds an i
 with no other change to the engine. The option's choices are the table's."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 
 import pytest
@@ -15,12 +17,16 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine import CheckpointError, load_model
+from engine.cli import main
 from engine.config import EngineConfig
 from engine.features import quant as Q
 from engine.features.fuse import fuse_projections, fused_groups, remove_fused_projections
-from engine.features.quant.formats import QuantPlan
+from engine.features.quant.prequantized import QuantPlan
+from engine.io import readers
 from engine.io.checkpoint import open_checkpoint
+from engine.io.safetensors import SafetensorsFile
 from engine.loading import estimate_bytes
+from engine.models.ernie_image import FAMILY
 from engine.models.random_weights import SIZES, random_model, save_random_checkpoint
 from engine.options import declared
 
@@ -140,3 +146,138 @@ def test_an_integer_weight_no_format_reads_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"i16.safetensors: tensor 'layers.0.mlp.gate_proj.weight': a quantized "
                                               r"weight stored as I16 that no weight format reads \(formats: " + formats):
         load_model(path)
+
+
+# -- the seams of issue 34 item 5: a reader reports its tensors' kinds, a format says whether tensor parallel splits
+# it, ``sgld quantize`` writes through the writer table, and help texts and the docs table come from the tables.
+class KindFile(SafetensorsFile):
+    """A toy file kind whose int16 tensors are a format's own bytes (as a GGUF file's blocks are): ``kind``."""
+
+    def kind(self, key):
+        return "toy-raw" if self.dtype(key) == torch.int16 else None
+
+
+def _raw_format(split):
+    return Q.WeightFormat(
+        "toy-raw", ToyInt16Linear, parse=lambda t: 0 if t == "toy-raw" else None, choices=("toy-raw",),
+        quantize=lambda w, bias, group: None, weight_bytes=lambda shape, group, dense: 2 * shape[0] * shape[1],
+        from_stored=lambda p: ToyInt16Linear(p["weight"], torch.ones(p["weight"].shape[0])),
+        dequantize=lambda p: p["weight"].float(),
+        read_layers=lambda plan, keys: {k[: -len(".weight")]: {"shape": plan.ckpt.header(k)[1]}
+                                        for k in sorted(keys) if plan.ckpt.kind(k) == "toy-raw"},
+        concat=lambda parts, bias: None, rows=lambda m, a, b, bias: None, split=split)
+
+
+def _split(module, index, parts, dim):
+    return ToyInt16Linear(module.weight.chunk(parts, dim)[index].clone(), module.weight_scale.chunk(parts)[index].clone()
+                          if dim == 0 else module.weight_scale.clone())
+
+
+@pytest.fixture
+def kind_reader():
+    r = readers.register_reader(readers.Reader("toykind", (".toykind",), lambda head: False, KindFile))
+    yield r
+    readers.unregister_reader(r.name)
+
+
+@pytest.mark.parametrize("split", [_split, None], ids=["splits", "cannot-split"])
+def test_a_readers_kinds_are_claimed_by_a_format_and_tensor_parallel_asks_the_format(kind_reader, tmp_path, split):
+    """A weight stored as a format's own bytes (no scale, integer) passes the dtype check because its reader says
+    what it is, loads as the format's module, and shards under tensor parallel when the format has a ``split``."""
+    save_random_checkpoint(str(tmp_path / "m.safetensors"), CFG, seed=0)
+    sd = load_file(str(tmp_path / "m.safetensors"))
+    for k in list(sd):
+        if k.endswith(".weight") and FAMILY.is_block_linear(k[: -len(".weight")]):
+            sd[k] = (sd[k].float() * 1000).round().to(torch.int16)
+    path = tmp_path / "m.toykind"
+    save_file(sd, str(path))
+    fmt = Q.register_format(_raw_format(split))
+    try:
+        model = load_model(path)
+        gate = model.layers[0].mlp.gate_proj
+        assert isinstance(gate, ToyInt16Linear) and torch.equal(gate.dequantize(), sd["layers.0.mlp.gate_proj.weight"].float())
+        if split is None:
+            with pytest.raises(CheckpointError, match=r"m.toykind: tensor parallel needs a dense .* this one is pre-quantized"):
+                load_model(path, shard=(2, 1))
+        else:
+            shard = load_model(path, shard=(2, 1))
+            rows = CFG.ffn_hidden_size // 2
+            assert torch.equal(shard.layers[0].mlp.gate_proj.dequantize(), gate.dequantize()[rows:])  # column parallel
+            fc2 = model.layers[0].mlp.linear_fc2.dequantize()
+            assert torch.equal(shard.layers[0].mlp.linear_fc2.dequantize(), fc2[:, rows:])  # row parallel
+    finally:
+        Q.unregister_format(fmt.name)
+
+
+def test_the_docs_table_and_the_help_are_the_tables():
+    """docs/attention_compile_quant.md's format table, its `quant` option row and CLI line are what
+    ``python -m tools.format_docs`` writes from the table; the --quant tooltip and --format help say the same."""
+    from tools.format_docs import PAGE, render
+    with open(PAGE, encoding="utf-8") as f:
+        text = f.read()
+    assert text == render(text), "docs/attention_compile_quant.md is stale: run python -m tools.format_docs"
+    for name in Q.choices():
+        assert f"| `{name}`" in text or f" / `{name}` |" in text, name
+    assert Q.describe_formats() in declared(EngineConfig)["quant"].tooltip
+    assert "q4_k" in Q.describe_formats() and "int8-weight:" in Q.describe_formats()
+
+
+def test_a_registered_format_is_in_the_generated_table_and_help(toy, capsys):
+    from tools.format_docs import table
+    assert "| `toy-int16` |" in table() and "toy-int16" in Q.describe_formats()
+    with pytest.raises(SystemExit):
+        main(["quantize", "--help"])
+    assert "toy-int16" in capsys.readouterr().out  # the sgld writer takes every format no other writer claims
+
+
+@pytest.fixture
+def toy_writer():
+    written = []
+
+    def write(src, dst, fmt, dtype=None):
+        with open(dst, "wb") as f:
+            f.write(b"toy")
+        written.append((src, fmt))
+        return {"input": src, "output": dst, "format": fmt, "layers": 0, "output_bytes": 3}
+
+    w = Q.register_writer(Q.FileWriter("toyw", "TOYW", ".toyw", write, formats=lambda: ("toy-w",), help="a toy file"))
+    yield written
+    Q.unregister_writer(w.name)
+
+
+def test_sgld_quantize_writes_through_the_writer_table(toy_writer, bf16_src, tmp_path, capsys):
+    assert main(["quantize", str(bf16_src), str(tmp_path / "o.toyw"), "--format", "toy-w"]) == 0
+    assert toy_writer == [(str(bf16_src), "toy-w")] and (tmp_path / "o.toyw").read_bytes() == b"toy"
+    assert main(["quantize", str(bf16_src), str(tmp_path / "o.safetensors"), "--format", "toy-w"]) == 2
+    assert "--format toy-w writes a TOYW file: the output must end in .toyw" in capsys.readouterr().err
+    assert main(["quantize", str(bf16_src), str(tmp_path / "x.toyw"), "--format", "fp8"]) == 2
+    assert "output '" in (err := capsys.readouterr().err) and "is a TOYW file: --format must be a TOYW type (toy-w)" in err
+    assert sorted(os.listdir(tmp_path)) == ["bf16.safetensors", "o.toyw"]
+
+
+@pytest.fixture
+def bf16_src(tmp_path):
+    path = tmp_path / "bf16.safetensors"
+    save_random_checkpoint(str(path), CFG, seed=0, dtype=torch.bfloat16)
+    return path
+
+
+def test_a_comfyui_tagged_layer_is_read_by_the_format_that_names_its_tag(tmp_path):
+    """ComfyUI's per-layer tag (``X.comfy_quant``) names a format; the entry whose ``comfy_formats`` holds it reads
+    the layer (the next ComfyUI layouts are one package each); a tag no entry names is refused, listing them."""
+    path = tmp_path / "tagged.safetensors"
+    save_random_checkpoint(str(path), CFG, seed=0)
+    sd = load_file(str(path))
+    layer = _quantize(sd["layers.0.mlp.gate_proj.weight"], None, 0)
+    sd["layers.0.mlp.gate_proj.weight"], sd["layers.0.mlp.gate_proj.weight_scale"] = layer.weight.data, layer.weight_scale.data
+    sd["layers.0.mlp.gate_proj.comfy_quant"] = torch.tensor(list(b'{"format": "toy_i16"}'), dtype=torch.uint8)
+    save_file(sd, str(path))
+    with pytest.raises(CheckpointError, match=r"layer 'layers.0.mlp.gate_proj' uses ComfyUI quantization format "
+                                              r"'toy_i16', which SGLDiffusion does not load \(supported: float8_e4m3fn"):
+        load_model(path)
+    fmt = Q.register_format(dataclasses.replace(TOY, comfy_formats=("toy_i16",)))
+    try:
+        gate = load_model(path).layers[0].mlp.gate_proj
+        assert isinstance(gate, ToyInt16Linear) and torch.equal(gate.dequantize(), layer.dequantize())
+    finally:
+        Q.unregister_format(fmt.name)

@@ -11,8 +11,7 @@ import torch
 
 from ..features import offload
 from ..features.cache import from_env
-from ..features.quant.gguf_convert import GGUF_FORMATS
-from ..features.quant.registry import format_of
+from ..features.quant.registry import FILE_WRITERS, format_of
 from ..loading import estimate_bytes
 from ..models.random_weights import SIZES, random_checkpoint, random_model_on_device
 from ..router import open_engine
@@ -69,7 +68,8 @@ def weight_format(eng, config) -> Optional[str]:
     if not counts:
         return None
     names = [name for name, _ in counts.most_common()]  # most layers first (a GGUF writer's fallback type may lead)
-    return ("gguf " if all(name in GGUF_FORMATS for name in names) else "") + " + ".join(names)
+    own = [w.name for w in FILE_WRITERS.values() if w.formats is not None and set(names) <= set(w.formats())]
+    return "".join(f"{name} " for name in own[:1]) + " + ".join(names)  # a file kind of its own (GGUF) names itself
 
 
 def _reset_peak_memory(dev: torch.device) -> None:

@@ -1,51 +1,53 @@
-"""`sgld quantize`: write an FP8 / INT4 / INT8 copy of a model file that the loader reads back quantized, or a
-GGUF file (q8_0, q4_k, ...: engine/features/quant/gguf_convert.py)."""
+"""`sgld quantize`: write a quantized copy of a model file that the loader reads back quantized, by the writer
+of the format asked for (engine/features/quant/registry.py's writer table: sgld .safetensors, GGUF .gguf)."""
 from __future__ import annotations
 
 import json
 import os
 import time
 
-from ..features.quant import FORMATS, quantize_file
-from ..features.quant.gguf_convert import GGUF_FORMATS, gguf_type, quantize_gguf_file
+from ..features.quant import FILE_WRITERS, describe_formats, writable_formats, writer_for, writer_formats
 from ..models import demo as demo_model
 from ..router import DEMO
 from .common import check_output_path
 
 
-def _choices():
-    return tuple(FORMATS) + tuple(f for f in GGUF_FORMATS if f not in FORMATS)
+def _writes() -> str:
+    """Which file each --format name writes, from the writer table."""
+    return "; ".join(f"{w.suffix} for {', '.join(writer_formats(w))}{f' ({w.help})' if w.help else ''}"
+                     for w in FILE_WRITERS.values())
 
 
 def add_parser(sub) -> None:
-    q = sub.add_parser("quantize", help="write an FP8 / INT4 / INT8 copy of a model file",
+    suffixes = " or ".join(w.suffix for w in FILE_WRITERS.values())
+    q = sub.add_parser("quantize", help=f"write a quantized copy of a model file ({suffixes})",
                        description="Quantize the DiT blocks' linear layers of an ERNIE-Image checkpoint (bf16/fp16/fp32, "
-                                   "or already quantized) and write a .safetensors file that the loader (and the "
+                                   f"or already quantized) and write a file ({suffixes}) that the loader (and the "
                                    "SGLDiffusion Model Loader node) reads back quantized. One tensor in memory at a time.")
     q.add_argument("input", help="ERNIE-Image .safetensors file or diffusers folder, or 'demo' (the embedded demo "
                                  "model's DiT: `sgld generate --model` runs the copy with the demo's text encoder)")
-    q.add_argument("output", help="the .safetensors file to write (.gguf for a GGUF type)")
-    q.add_argument("--format", required=True, choices=_choices(), type=str.lower,
-                   help="fp8: e4m3, one scale per output channel; int4: groups of 128 (int4-g64: groups of 64); "
-                        "int8 / int8-weight: int8, one scale per output channel (loads as W8A8 / weight-only); "
-                        "a GGUF type (q8_0, q4_k, ...): a .gguf file that ComfyUI-GGUF also loads")
+    q.add_argument("output", help=f"the file to write: {suffixes}, as --format says")
+    q.add_argument("--format", required=True, choices=writable_formats(), type=str.lower,
+                   help=f"{describe_formats()}. Writes {_writes()}")
     q.add_argument("--dtype", default=None, help="dtype of the tensors left unquantized: bf16, fp16, fp32 (default: as stored)")
     q.add_argument("--json", action="store_true", help="print one line of JSON")
 
 
 def cmd_quantize(args) -> dict:
-    to_gguf = gguf_type(args.format) is not None  # a GGUF type (q4_k ..., also f16 / bf16 / f32) writes GGUF
-    if to_gguf and not args.output.lower().endswith(".gguf"):
-        raise ValueError(f"--format {args.format} writes a GGUF file: the output must end in .gguf, not '{args.output}'")
-    if not to_gguf and args.output.lower().endswith(".gguf"):
-        raise ValueError(f"output '{args.output}' is a GGUF file: --format must be a GGUF type "
-                         f"({', '.join(GGUF_FORMATS)}), not {args.format} (which writes .safetensors)")
-    check_output_path("output", args.output, (".gguf",) if to_gguf else (".safetensors",))
+    writer = writer_for(args.format)
+    out = args.output.lower()
+    if writer.formats is not None and not out.endswith(writer.suffix):  # a writer of its own (GGUF)
+        raise ValueError(f"--format {args.format} writes a {writer.label} file: the output must end in {writer.suffix}, "
+                         f"not '{args.output}'")
+    other = next((w for w in FILE_WRITERS.values() if w is not writer and w.formats is not None and out.endswith(w.suffix)), None)
+    if other is not None:
+        raise ValueError(f"output '{args.output}' is a {other.label} file: --format must be a {other.label} type "
+                         f"({', '.join(writer_formats(other))}), not {args.format} (which writes {writer.suffix})")
+    check_output_path("output", args.output, (writer.suffix,))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # as check_output_path promises
     t0 = time.perf_counter()
-    write = quantize_gguf_file if to_gguf else quantize_file
     source = demo_model.DEMO_WEIGHTS if args.input == DEMO else args.input  # "demo": the embedded model, as elsewhere
-    summary = write(source, args.output, args.format, dtype=args.dtype)
+    summary = writer.write(source, args.output, args.format, dtype=args.dtype)
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     if args.json:
         print(json.dumps(summary))

@@ -12,7 +12,6 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from ..models.family import Family, detect, families
-from . import gguf as _gguf  # noqa: F401  (registers the .gguf reader)
 from .readers import open_file, shard_suffixes
 from .safetensors import COMPUTE_DTYPES, DTYPE_NAMES, CheckpointError, load_json_object, refuse_pickle
 
@@ -166,6 +165,12 @@ class Checkpoint:
         f, fk = self.index[key]
         return f.dtype(fk), tuple(f.shape(fk))
 
+    def kind(self, key: str):
+        """The weight format a tensor is stored in when its reader reads a format's own bytes (a GGUF block
+        type: "q4_k"), else None (a plain tensor of its dtype; readers.py)."""
+        f, fk = self.index[key]
+        return getattr(f, "kind", lambda _: None)(fk)
+
     def where(self, key: str) -> str:
         """"<file>: tensor '<key in the file>'", for messages."""
         f, fk = self.index[key]
@@ -210,8 +215,9 @@ def _a(title: str) -> str:
 
 def check_float_dtypes(ckpt: "Checkpoint") -> None:
     """Model weights and biases must be floating point (an integer or bool tensor would fail deep inside torch
-    later); the one exception is a quantized weight, integer with its ``_scale`` / ``_zero``, which a weight
-    format of engine/features/quant/registry.py must then claim (QuantPlan refuses it otherwise)."""
+    later); the exceptions are a quantized weight, integer with its ``_scale`` / ``_zero``, which a weight
+    format of engine/features/quant/registry.py must then claim (QuantPlan refuses it otherwise), and a weight
+    its reader reports in a format's own bytes (``Checkpoint.kind``)."""
     for k, (f, fk) in ckpt.index.items():
         leaf = k.rpartition(".")[2]
         dt = f.dtype(fk)
@@ -219,7 +225,7 @@ def check_float_dtypes(ckpt: "Checkpoint") -> None:
             continue
         if leaf == "weight" and dt != torch.bool and (k + "_scale" in ckpt.index or k + "_zero" in ckpt.index):
             continue
-        if leaf == "weight" and getattr(f, "gguf_type", lambda _: None)(fk) is not None:  # GGUF blocks (quant/gguf_linear.py)
+        if leaf == "weight" and ckpt.kind(k) is not None:  # e.g. GGUF blocks (quant/gguf/linear.py)
             continue
         raise CheckpointError(f"{f.path}: tensor '{fk}' is stored as {DTYPE_NAMES[dt]}, but model weights must be floating point "
                               "(F32, F16, BF16, F64, or F8 with a scale)")

@@ -9,7 +9,7 @@ tensors sharing bytes (the reference reader would loop over, and build objects f
 ComfyUI-GGUF's convention is honoured: a tensor stored reshaped has its torch shape in the metadata key
 ``comfy.gguf.orig_shape.<name>`` (an INT32 array). Quantized tensors are reported as U8 in their torch
 (logical) shape and read as their raw bytes, [rows, bytes per row]; the weight formats of
-engine/features/quant/gguf_linear.py keep them so. Details: docs/quantization.md, "Loading GGUF files".
+engine/features/quant/gguf/linear.py keep them so. Details: docs/quantization.md, "Loading GGUF files".
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ STRING, ARRAY, INT32 = 8, 9, 5
 
 
 _T = GGMLQuantizationType
-# The block types read (engine/features/quant/gguf_numerics.py dequantizes exactly these: SUPPORTED there,
+# The block types read (engine/features/quant/gguf/numerics.py dequantizes exactly these: SUPPORTED there,
 # tests/test_gguf_validation.py checks the two agree). F32 / F16 / BF16 load as ordinary tensors.
 READ_TYPES: Dict[int, str] = {int(t): t.name for t in (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0,
                                                         _T.Q5_1, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K)}
@@ -279,10 +279,11 @@ class GGUFFile:
     def dtype(self, key: str) -> torch.dtype:
         return DENSE.get(self.entries[key][0], torch.uint8)
 
-    def gguf_type(self, key: str) -> Optional[int]:
-        """The GGUF block type of a quantized tensor; None for F32 / F16 / BF16 (read as ordinary tensors)."""
+    def kind(self, key: str) -> Optional[str]:
+        """The block type of a quantized tensor as the weight format's name ("q4_k"); None for F32 / F16 / BF16
+        (read as ordinary tensors)."""
         qtype = self.entries[key][0]
-        return None if qtype in DENSE else qtype
+        return None if qtype in DENSE else READ_TYPES[qtype].lower()
 
     def stored_shape(self, key: str) -> Tuple[int, ...]:
         """The torch shape the bytes are laid out in (differs from ``shape`` for a reshaped tensor)."""

@@ -4,7 +4,7 @@
 dtype, the names and shapes against the configuration's state dict, the bytes at rest. ``read``
 then builds the model on the meta device and takes each tensor through the per-tensor steps: this
 rank's slice under tensor parallel, the compute dtype, the device, and a ``Transform`` (the
-quantizing one is engine/features/quant/loading.py; ``engine.load_model`` uses it), so a load
+quantizing one is engine/features/quant/transform.py; ``engine.load_model`` uses it), so a load
 holds about one copy of the weights. Every problem is a ``CheckpointError`` naming the file.
 """
 from __future__ import annotations

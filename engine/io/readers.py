@@ -1,7 +1,8 @@
 """The checkpoint readers as one table: ``READERS`` (name -> ``Reader``), chosen for a file by its name, then
 by its first bytes. Every weight file is opened through ``open_file`` (engine/io/checkpoint.py's
 ``open_checkpoint`` for models), which refuses pickles first, whatever reader would take the file; a new
-file kind (GGUF) is one module that calls ``register_reader`` (docs/architecture.md)."""
+file kind (GGUF) is one module that calls ``register_reader``, imported by engine/io/__init__.py
+(docs/architecture.md)."""
 from __future__ import annotations
 
 import os
@@ -18,7 +19,9 @@ HEAD_BYTES = 16  # what ``matches`` sees of a file
 class Reader:
     """One kind of weight file. ``open(path)`` gives an object with ``path``, ``metadata`` (str -> str),
     ``keys()``, ``dtype(key)``, ``shape(key)`` and ``tensors(keys)`` (yielding (key, tensor) in file order,
-    each in its own buffer), raising CheckpointError naming the file for anything wrong in it;
+    each in its own buffer), raising CheckpointError naming the file for anything wrong in it, and may have
+    ``kind(key)``: the weight format (a name of engine/features/quant/registry.py's table) whose own bytes a
+    tensor is read as (GGUF blocks: "q4_k"), None (or no such method) for a plain tensor of its dtype;
     ``suffixes``: the file names it takes (also the shards a folder is searched for); ``matches(head)``: the
     file's first bytes say it is one (a file under another name)."""
 

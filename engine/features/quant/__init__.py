@@ -3,15 +3,14 @@
 registry: the format table (``WeightFormat``, ``FORMATS``, ``register_format``); numerics: quantize /
 dequantize; modules: FP8Linear, Int4Linear, their table entries and ``apply_quant`` (the "quant" patch);
 int8: Int8Linear (W8A8, ``torch._int_mm``) and Int8WeightLinear, their entries ("int8", "int8-weight");
-formats: pre-quantized files (``QuantPlan``); loading: quantize-on-read in the load loop (engine/loading.py's ``load_model`` uses it);
-convert: ``sgld quantize``. Formats and compute paths: docs/quantization.md; adding a format:
-docs/architecture.md.
+prequantized: pre-quantized files (``QuantPlan``); transform: quantize-on-read in the load loop (engine/loading.py,
+the public loader, uses it); convert: ``sgld quantize``'s sgld writer; gguf/: the GGUF format package (its block
+types and its .gguf writer). Formats and compute paths: docs/quantization.md (the table: docs/attention_compile_quant.md,
+``python -m tools.format_docs``); adding a format: docs/architecture.md.
 """
 from ..tables import LiveNames
 from .convert import quantize_file
-from .formats import QuantPlan
 from .int8 import Int8Linear, Int8WeightLinear, dequantize_int8, int_mm_accepts, quantize_int8, quantize_tokens
-from .loading import QuantTransform
 from .modules import (
                       QUANT_MODULES,
                       FP8Linear,
@@ -38,22 +37,34 @@ from .numerics import (
                       relative_error,
                       unpack_int4,
 )
-from .registry import FORMATS as FORMAT_TABLE
+from .prequantized import QuantPlan
 from .registry import (
+                      FILE_WRITERS,
+                      FileWriter,
                       WeightFormat,
                       choices,
+                      describe_formats,
                       format_of,
                       get_format,
                       parse_format,
                       quant_modules,
                       register_format,
+                      register_writer,
                       unregister_format,
+                      unregister_writer,
+                      writable_formats,
+                      writer_for,
+                      writer_formats,
 )
+from .registry import FORMATS as FORMAT_TABLE
+from .transform import QuantTransform
 
 FORMATS = LiveNames(choices)  # EngineConfig.quant's choices: the table's, read when asked (int4 = groups of 128)
-from . import gguf_linear  # noqa: E402, F401  (the GGUF block types q8_0 ... q6_k, registered after fp8 and int4)
+from . import gguf  # noqa: E402, F401  (the GGUF block types q8_0 ... q6_k, registered after fp8 and int4)
 
-__all__ = ["FORMATS", "FORMAT_TABLE", "FP8_DTYPE", "FP8_MAX", "QUANT_MODULES", "FP8Linear", "Int4Linear",
+__all__ = ["FILE_WRITERS", "FORMATS", "FORMAT_TABLE", "FileWriter", "describe_formats",
+           "register_writer", "unregister_writer", "writable_formats", "writer_for", "writer_formats",
+           "FP8_DTYPE", "FP8_MAX", "QUANT_MODULES", "FP8Linear", "Int4Linear",
            "Int8Linear", "Int8WeightLinear", "dequantize_int8", "int_mm_accepts", "quantize_int8", "quantize_tokens",
            "QuantPatch", "QuantPlan", "QuantTransform", "WeightFormat", "apply_quant", "choices", "dequantize_fp8",
            "dequantize_int4", "format_of", "fp8_scaled_mm_linear", "fp8_scaled_mm_supported",

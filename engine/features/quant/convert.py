@@ -12,9 +12,9 @@ import torch
 from ...io.checkpoint import check_architecture, open_checkpoint, parse_dtype
 from ...io.load import checkpoint_shapes
 from ...io.safetensors import write_safetensors_streaming
-from .formats import SGLD_META_KEY, QuantPlan
 from .modules import stored_tensors
-from .registry import choices, get_format, parse_format
+from .prequantized import SGLD_META_KEY, QuantPlan
+from .registry import FileWriter, choices, get_format, parse_format, register_writer
 
 
 def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dtype] = None) -> dict:
@@ -81,3 +81,7 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
     write_safetensors_streaming(dst, specs, produce, meta)
     return {"input": src, "output": dst, "format": fmt, "layers": sum(1 for _, p in jobs.values() if p == "weight"),
             "input_bytes": os.path.getsize(src) if os.path.isfile(src) else None, "output_bytes": os.path.getsize(dst)}
+
+
+SGLD_WRITER = register_writer(FileWriter("sgld", "safetensors", ".safetensors", quantize_file,
+                                         help="the sgld layout, read back quantized by this engine"))

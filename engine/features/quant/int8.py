@@ -180,7 +180,15 @@ def _entry(name: str, cls: type, weight_only: bool) -> WeightFormat:
         weight_bytes=lambda shape, group, dense: shape[0] * shape[1] + 4 * shape[0],  # a byte a weight, F32 a row
         from_stored=lambda p: cls(p["weight"], p["weight_scale"]),
         dequantize=lambda p: dequantize_int8(p["weight"], p["weight_scale"]),
-        read_layers=lambda plan, keys: _read_int8_layers(plan, keys, weight_only), concat=concat, rows=rows)
+        read_layers=lambda plan, keys: _read_int8_layers(plan, keys, weight_only), concat=concat, rows=rows,
+        help="int8, one scale per output channel, weight-only" if weight_only else
+             "int8, one scale per output channel; also quantizes the activations per token and multiplies in int8 "
+             "(faster on CPUs with VNNI and on sm80+ GPUs)",
+        storage="int8 symmetric + float32 scale per output channel",
+        compute="cast + dense GEMM in the activation dtype" if weight_only else
+                "activations quantized per token, `torch._int_mm` (int8 x int8 -> int32; VNNI / AMX CPUs, CUDA sm80+) "
+                "where its per-device shape probe says it runs, else the dequantized path; the sums scaled per "
+                "token and channel")
 
 
 INT8 = register_format(_entry("int8", Int8Linear, weight_only=False))

@@ -15,7 +15,6 @@ from torch import nn
 
 from ...models.family import family_of
 from .. import patching
-from .formats import read_fp8_layers, read_int4_layers
 from .numerics import (
     FP8_DTYPE,
     FP8_MAX,
@@ -27,6 +26,7 @@ from .numerics import (
     quantize_int4,
     scaled_linear,
 )
+from .prequantized import read_fp8_layers, read_int4_layers
 from .registry import WeightFormat, format_of, get_format, parse_format, quant_modules, register_format
 from .registry import choices as quant_choices  # noqa: I001
 
@@ -165,13 +165,21 @@ FP8 = register_format(WeightFormat(
     quantize=lambda weight, bias, group: FP8Linear.from_dense(weight, bias),
     weight_bytes=lambda shape, group, dense: shape[0] * shape[1] + 4 * shape[0],  # e4m3, a float32 scale a row
     from_stored=_fp8_from_stored, dequantize=_fp8_dequantize, read_layers=read_fp8_layers,
-    concat=_fp8_concat, rows=_fp8_rows, join=_fp8_join))
+    concat=_fp8_concat, rows=_fp8_rows, join=_fp8_join, comfy_formats=("float8_e4m3fn", "float8_e5m2"), help="e4m3, one scale per output channel, weight-only",
+    storage="e4m3 + float32 scale per output channel",
+    compute="CPU / older GPUs: cast + dense GEMM, scale on the output. CUDA sm89+: `torch._scaled_mm` with the "
+            "activations quantized per token to e4m3 (W8A8 dynamic), enabled after a per-device probe; "
+            "`SGLD_FP8_MATMUL=0` turns it off"))
 INT4 = register_format(WeightFormat(
     "int4", Int4Linear, parse=parse_int4, choices=("int4", "int4-g64"), quantize=_int4_quantize,
     weight_bytes=_int4_bytes, from_stored=lambda p: Int4Linear(p["weight"], p["weight_scale"], p["weight_zero"]),
     dequantize=lambda p: dequantize_int4(p["weight"], p["weight_scale"], p["weight_zero"]),
     read_layers=read_int4_layers, concat=_int4_concat, rows=_int4_rows, packed=True,
-    dense_why="have an input size that no group of 32/64/128 divides"))
+    dense_why="have an input size that no group of 32/64/128 divides",
+    help="4-bit, groups of 128 (int4-g64: 64), weight-only",
+    storage="4-bit asymmetric, bf16 scale + zero per group of 128 (int4-g64: 64)",
+    compute="unpack + dense GEMM everywhere (torch's int4 kernels are built for decode-size batches, not 4k-token "
+            "DiT GEMMs); fused by torch.compile"))
 QUANT_MODULES = quant_modules()  # the built-in classes; code that must see every registered one calls quant_modules()
 
 

@@ -1,4 +1,4 @@
-"""Loading with quantization: the quantizing transform of the one load loop (engine/io/load.py), which the
+"""The quantizing transform of the one load loop (engine/io/load.py), which the
 public loader (engine/loading.py, ``engine.load_model``) hands to every load.
 
 The transform quantizes the blocks' linear layers as they are read when a format is asked for, and
@@ -20,9 +20,8 @@ from ...io.load import Transform, shard_tensor
 from ...io.safetensors import nbytes
 from ...models.family import Family
 from .. import patching
-from .formats import QuantPlan
-from .gguf_linear import split_rows
 from .modules import record_quant
+from .prequantized import QuantPlan
 from .registry import get_format, parse_format
 
 log = logging.getLogger("sgld.quant")
@@ -79,7 +78,7 @@ class QuantTransform(Transform):
         layer, _, leaf = key.rpartition(".")
         if key in self.layer_of:
             layer = self.layer_of[key]
-            if self._keeps(layer):  # a GGUF layer's header shape is [out, in]: its bytes are in the plan
+            if self._keeps(layer):  # a packed layer's header shape is [out, in]: its bytes are in the plan
                 return self.plan.layers[layer].get("stored_bytes", nbytes(stored, shape))
             if key != layer + ".weight":
                 return 0  # a scale or zero of a layer that is dequantized or re-quantized
@@ -112,15 +111,15 @@ class QuantTransform(Transform):
         if self._keeps(layer):
             module = get_format(info["kind"]).from_stored(self.plan.stored(layer, parts))
             dim = self.family.shard_dim(wkey)
-            if self.shard is not None and dim is not None:  # only GGUF files get here (engine/loading.py's plan_load)
+            if self.shard is not None and dim is not None:  # a format with a split (engine/loading.py's plan_load)
                 try:
-                    module = split_rows(module, self.shard[1], self.shard[0], dim)
+                    module = get_format(info["kind"]).split(module, self.shard[1], self.shard[0], dim)
                 except ValueError as e:
                     raise CheckpointError(f"{self.plan.ckpt.where(wkey)}: {e}") from None
             patching.replace_module(model, layer, module)
             return {}
         dense = self.plan.dequantize(layer, parts)
-        if self.shard is not None:  # a GGUF layer (the only kind under tensor parallel): this rank's slice
+        if self.shard is not None:  # a layer of a format that splits, dequantized: this rank's slice
             dense = shard_tensor(self.family, wkey, dense, self.shard)
         if self.family.is_block_linear(layer):  # stored in another format than the one asked for: re-quantized
             module = self.format.quantize(dense, None, self.group)

@@ -1,9 +1,9 @@
-"""GGUF block types as weight formats (registry.py): "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k",
+"""GGUF block types as weight formats (../registry.py): "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k",
 "q4_k", "q5_k", "q6_k". A layer keeps its GGUF bytes (a uint8 parameter [out, bytes per row], so offload moves
 and LoRA side paths see it as any quantized layer) and dequantizes them per forward, on their device, to the
-input's dtype (gguf_numerics.dequantize). One class per type, so ``format_of`` tells them apart. A GGUF
+input's dtype (numerics.dequantize). One class per type, so ``format_of`` tells them apart. A GGUF
 file's quantized tensors are found by ``read_layers`` (the reader, engine/io/gguf.py, reports each one's
-type); ``quant=q4_k`` quantizes a dense model's block linears at load (gguf_numerics.quantize). Why and
+type); ``quant=q4_k`` quantizes a dense model's block linears at load (numerics.quantize). Why and
 how: docs/quantization.md, "Loading GGUF files"."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import CheckpointError
-from . import gguf_numerics as G
-from .registry import WeightFormat, register_format
+from ....errors import CheckpointError
+from ..registry import WeightFormat, register_format
+from . import numerics as G
 
 DENSE_TYPES = ("f32", "f16", "bf16")  # read as ordinary tensors, not a weight format
 
@@ -54,15 +54,15 @@ class GGUFLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, gguf {G.type_name(self.QTYPE)}"
 
 
-def _read_layers(qtype: int):
-    """The format's ``read_layers``: every weight of a GGUF file stored in block type ``qtype``."""
+def _read_layers(name: str, qtype: int):
+    """The format's ``read_layers``: every weight the reader reports stored in block type ``name``."""
 
     def read(plan, keys) -> Dict[str, dict]:
         ckpt, layers = plan.ckpt, {}
         for k in sorted(keys):
-            f, fk = ckpt.index[k]
-            if getattr(f, "gguf_type", None) is None or f.gguf_type(fk) != qtype:
+            if ckpt.kind(k) != name:
                 continue
+            f, fk = ckpt.index[k]
             if not k.endswith(".weight"):
                 raise CheckpointError(f"{ckpt.where(k)}: stored as {G.type_name(qtype)}; only weights may be "
                                       "block-quantized (biases and norms are F32 / F16 / BF16)")
@@ -71,7 +71,7 @@ def _read_layers(qtype: int):
                 raise CheckpointError(f"{ckpt.where(k)}: a {G.type_name(qtype)} block linear stored reshaped as "
                                       f"{list(f.stored_shape(fk))} (its shape is {list(f.shape(fk))}); block linears "
                                       "are read as rows of [out, in]: convert the file without reshaping them")
-            layers[layer] = {"shape": f.shape(fk), "gguf_shape": f.stored_shape(fk), "stored_bytes": f.stored_bytes(fk)}
+            layers[layer] = {"shape": f.shape(fk), "stored_shape": f.stored_shape(fk), "stored_bytes": f.stored_bytes(fk)}
             plan.sources.add("gguf")
         return layers
 
@@ -81,7 +81,7 @@ def _read_layers(qtype: int):
 def _dequantize(qtype: int):
     def dequantize(parts) -> torch.Tensor:
         shape = parts.get("shape")
-        stored = parts.get("gguf_shape") or shape
+        stored = parts.get("stored_shape") or shape
         return G.dequantize(parts["weight"], qtype, stored, torch.float32).reshape(shape)
 
     return dequantize
@@ -90,7 +90,7 @@ def _dequantize(qtype: int):
 def _from_stored(cls):
     def from_stored(parts) -> GGUFLinear:
         shape = tuple(parts["shape"])
-        if len(shape) != 2 or tuple(parts.get("gguf_shape") or shape) != shape:
+        if len(shape) != 2 or tuple(parts.get("stored_shape") or shape) != shape:
             raise ValueError(f"a {G.type_name(cls.QTYPE)} linear weight is [out, in], not {list(shape)}")
         return cls(parts["weight"], shape[1])
 
@@ -143,6 +143,15 @@ def split_rows(module: GGUFLinear, index: int, parts: int, dim: int) -> GGUFLine
     return type(module)(module.weight[:, index * per:(index + 1) * per].contiguous(), n // parts, module.bias)
 
 
+HELP = "GGUF block types, weight-only"
+COMPUTE = "dequantized per forward, on the weight's device, to the input's dtype, then a dense GEMM (gguf/numerics.py)"
+
+
+def _storage(qtype: int) -> str:
+    block, size = G.block_size(qtype)
+    return f"GGUF {G.type_name(qtype)}: blocks of {block} values in {size} bytes ({8 * size / block:.4g} bits a weight)"
+
+
 GGUF_MODULES: Dict[str, type] = {}
 for _name, _qtype in G.NAMES.items():
     if _name in DENSE_TYPES:
@@ -152,6 +161,7 @@ for _name, _qtype in G.NAMES.items():
     register_format(WeightFormat(
         _name, _cls, parse=(lambda n: lambda text: 0 if text == n else None)(_name), choices=(_name,),
         quantize=_quantize(_cls), weight_bytes=_bytes(_qtype), from_stored=_from_stored(_cls),
-        dequantize=_dequantize(_qtype), read_layers=_read_layers(_qtype), concat=_concat, rows=_rows,
+        dequantize=_dequantize(_qtype), read_layers=_read_layers(_name, _qtype), concat=_concat, rows=_rows,
         packed=True, dense_why=f"have an input size that is not a whole number of {_name.upper()} blocks "
-                               f"({G.block_size(_qtype)[0]} values)"))
+                               f"({G.block_size(_qtype)[0]} values)",
+        split=split_rows, small_f32=True, help=HELP, storage=_storage(_qtype), compute=COMPUTE))

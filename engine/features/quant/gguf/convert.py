@@ -12,11 +12,12 @@ import gguf
 import numpy as np
 import torch
 
-from ...io.atomic import atomic_path
-from ...io.checkpoint import check_architecture, open_checkpoint, parse_dtype
-from ...models.family import CONFIG_FIELDS
-from . import gguf_numerics as gn
-from .formats import QuantPlan
+from ....io.atomic import atomic_path
+from ....io.checkpoint import check_architecture, open_checkpoint, parse_dtype
+from ....models.family import CONFIG_FIELDS
+from ..prequantized import QuantPlan
+from ..registry import FileWriter, register_writer
+from . import numerics as gn
 
 Q = gguf.GGMLQuantizationType
 # general.architecture: ComfyUI-GGUF's loader.py refuses any value outside its IMG_ARCH_LIST for a diffusion
@@ -27,7 +28,7 @@ SMALL = 1024  # tensors of at most this many values stay F32 (ComfyUI-GGUF's con
 # A block weight whose rows are not whole blocks of the asked type gets llama.cpp's fallback type (its
 # llama_tensor_get_type rule for such tensors), else the dense dtype. Not reshaped into rows of 256 with
 # comfy.gguf.orig_shape: ComfyUI-GGUF's convert.py does that only for SD1/SDXL, and a linear's bytes are kept
-# as rows of whole blocks at load (quant/gguf_linear.py). The 8B model's linears (4096 / 12288 inputs) fit all.
+# as rows of whole blocks at load (quant/gguf/linear.py). The 8B model's linears (4096 / 12288 inputs) fit all.
 FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 DENSE_TYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 FILE_TYPES = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16,
@@ -135,3 +136,7 @@ def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, tor
     return {"input": src, "output": dst, "format": Q(qtype).name.lower(), "layers": sum(t == qtype for _, t in blocks),
             "fallback": {layer: Q(t).name.lower() for layer, t in blocks if t != qtype}, "types": counts,
             "input_bytes": os.path.getsize(src) if os.path.isfile(src) else None, "output_bytes": os.path.getsize(dst)}
+
+
+GGUF_WRITER = register_writer(FileWriter("gguf", "GGUF", ".gguf", quantize_gguf_file, formats=lambda: GGUF_FORMATS,
+                                         help="a file that ComfyUI-GGUF also loads"))

@@ -15,7 +15,6 @@ from .registry import FORMATS, get_format
 FP8_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2)
 SGLD_META_KEY = "sgld_quant"
 COMFY_META_KEY = "_quantization_metadata"
-COMFY_FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
 # Per-layer tensors of the ComfyUI formats that a weight-only engine does not need.
 IGNORED_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant")
 MAX_COMFY_QUANT_BYTES = 64 * 1024  # a ComfyUI per-layer format tag is a few dozen bytes of JSON
@@ -94,12 +93,13 @@ class QuantPlan:
         for k in keys:
             if k.endswith(".comfy_quant"):
                 declared[k[: -len(".comfy_quant")]] = _parse_comfy_quant(ckpt, k)
+        comfy_formats = {name: f for f in FORMATS.values() for name in f.comfy_formats}  # ComfyUI's name -> entry
         for layer, info in declared.items():
             fmt = info.get("format", "")
-            if not isinstance(fmt, str) or fmt not in COMFY_FP8_FORMATS:
+            if not isinstance(fmt, str) or fmt not in comfy_formats:
                 raise CheckpointError(
                     f"{ckpt.describe()}: layer '{layer}' uses ComfyUI quantization format '{fmt or '?'}', which "
-                    "SGLDiffusion does not load (supported: float8_e4m3fn, float8_e5m2); use a bf16 or fp8 file")
+                    f"SGLDiffusion does not load (supported: {', '.join(comfy_formats)}); use a bf16 or fp8 file")
             self.sources.add("comfy_quant")
         self.keys, self.legacy, self.declared = keys, legacy, declared
         for fmt in FORMATS.values():  # registration order: the first format that claims a layer has it
@@ -111,9 +111,10 @@ class QuantPlan:
                     and (layer + ".weight_scale" in keys or layer + ".weight_zero" in keys)):
                 raise CheckpointError(f"{ckpt.where(k)}: a quantized weight stored as {DTYPE_NAMES[ckpt.header(k)[0]]} "
                                       f"that no weight format reads (formats: {', '.join(FORMATS)})")
-        for layer in declared:
+        for layer, info in declared.items():
             if layer not in self.layers:
-                raise CheckpointError(f"{ckpt.describe()}: layer '{layer}' is marked quantized but its weight is not float8")
+                raise CheckpointError(f"{ckpt.describe()}: layer '{layer}' is marked quantized but its weight is not "
+                                      f"{comfy_formats[info['format']].name} (ComfyUI format '{info['format']}')")
         self.ignored += [k for k in keys if k.endswith(IGNORED_SUFFIXES)]
 
     def keys_of(self, layer: str) -> List[str]:
@@ -133,8 +134,8 @@ class QuantPlan:
         return {"weight": parts[layer + ".weight"],
                 "weight_scale": self._finite(scale, parts[scale], positive=True) if scale else None,
                 "weight_zero": self._finite(zero, parts[zero], positive=False) if zero else None,
-                # the layer's shapes as the header gives them (a GGUF layer's bytes do not say its shape)
-                "shape": info["shape"], "gguf_shape": info.get("gguf_shape")}
+                # the layer's shapes as the header gives them (a packed layer's bytes do not say its shape)
+                "shape": info["shape"], "stored_shape": info.get("stored_shape")}
 
     def _finite(self, key: str, t: torch.Tensor, positive: bool) -> torch.Tensor:
         values = t.float()
@@ -159,13 +160,20 @@ class QuantPlan:
         if recorded:
             return getattr(torch, recorded)
         skip = self.stored_keys()
-        if "gguf" in self.sources:  # GGUF converters keep 1-D tensors (norms, biases) F32 whatever the model's dtype
+        if any(get_format(v["kind"]).small_f32 for v in self.layers.values()):  # e.g. GGUF's converters
             skip |= {k for k in self.keys if len(self.ckpt.header(k)[1]) <= 1}
         return self.ckpt.stored_dtype(skip=skip, default=torch.bfloat16 if self.quantized else torch.float32)
 
     @property
     def quantized(self) -> bool:
         return bool(self.layers) or bool(self.sources)
+
+    def unshardable(self) -> List[str]:
+        """The file's quantized layers that tensor parallel cannot split (their format has no ``split``), or
+        ["(markers)"] for a file marked quantized without quantized layers; [] when a shard can be loaded."""
+        if self.sources and not self.layers:
+            return ["(markers)"]
+        return [layer for layer, info in self.layers.items() if get_format(info["kind"]).split is None]
 
     def describe(self) -> str:
         kinds = sorted({v["kind"] for v in self.layers.values()})
