@@ -157,7 +157,7 @@ def latent_bytes(latent: torch.Tensor) -> str:
 
 
 def sample_router(server) -> APIRouter:
-    """The route, built from the server (engine/serve/app.py's ``ImageServer``): the job admitted as its samples
+    """The route, built from the server (engine/serve/server.py's ``ImageServer``): the job admitted as its samples
     (``admitted_samples``) against the generations' bound, under their shared gate while it runs, on their
     batcher."""
     router = APIRouter()
