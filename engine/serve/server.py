@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import dataclasses
 import io
 import random
 import threading
@@ -24,6 +25,7 @@ from fastapi import Request
 from PIL import Image
 
 from ..errors import USER_ERRORS, InputError
+from ..image_parts import ImageParts
 from ..sampling import DEFAULT_SHIFT, MAX_SEED
 from .batcher import BatcherClosed, Job
 from .loras import Loras
@@ -35,14 +37,10 @@ PREPARE_THREADS = 2  # jobs prepared at once (seeded noise, the mask at the late
 
 @dataclass
 class ServedModel:
-    """What the server needs from a model: its name, its parts and its defaults."""
+    """What the server needs from a model: its name, its engine, its image parts and its defaults."""
     id: str
     engine: object
-    encode: Callable[[str], torch.Tensor]  # prompt -> text features [T, C]
-    empty_latent: Callable[[int, int], torch.Tensor]  # (width, height) -> zeros [C, h, w]
-    decode: Callable[[torch.Tensor], object]  # latent [C, h, w] -> uint8 image [H, W, 3]
-    check_size: Callable[[int, int], None]  # InputError for a size the model cannot make
-    default_size: int
+    parts: ImageParts  # encode a prompt, the latent of a size (the one size check), decode (engine/image_parts.py)
     default_steps: int
     default_cfg: float
     root: str = ""  # the model's file
@@ -50,6 +48,10 @@ class ServedModel:
     # the prompt enhancer (sgld serve --pe): (prompt, width, height, seed, stop event) -> (revised prompt, seconds),
     # ending early (Cancelled) once the event is set; None: none
     enhance: Optional[Callable[[str, int, int, int, threading.Event], Tuple[str, float]]] = None
+
+    @property
+    def default_size(self) -> int:
+        return self.parts.default_size
 
 
 @dataclass
@@ -196,7 +198,7 @@ class ImageServer:
     # -- the work --------------------------------------------------------------------------------------
     def _encode_alone(self, prompt: str) -> torch.Tensor:
         with self._encode_lock:
-            return self.served.encode(prompt)
+            return self.served.parts.encode(prompt)
 
     async def encode(self, prompt: str) -> torch.Tensor:
         return await asyncio.to_thread(self._encode_alone, prompt)
@@ -262,25 +264,26 @@ class ImageServer:
     async def generate(self, gen: Generation) -> dict:
         served = self.served
         started = time.perf_counter()
-        seed = random.randrange(MAX_SEED + 1) if gen.seed is None else gen.seed
+        seed = random.randrange(MAX_SEED + 1) if gen.options.seed is None else gen.options.seed
         revised, pe_s = None, 0.0
         if gen.enhance_prompt:  # once per request (diffusers: once per prompt): every image shows the same text
             revised, pe_s = await self.enhance(gen, seed)
         cond = await self.encode(gen.prompt if revised is None else revised)
         uncond = await self.encode(gen.negative_prompt)
         seeds = [(seed + i) % (MAX_SEED + 1) for i in range(gen.n)]  # image i: the request's seed + i
-        latent = served.empty_latent(gen.width, gen.height)
-        results = await self.sample([Job(latent, cond, uncond, s, gen.steps, gen.cfg, shift=served.shift, cache=gen.cache)
-                                     for s in seeds])
-        images = await asyncio.to_thread(lambda: [_png_b64(served.decode(z)) for z, _ in results])
+        latent = torch.zeros(gen.latent_shape)  # [1, C, h, w]: its size checked once, when the request was read
+        results = await self.sample([Job.from_options(latent, cond, uncond, dataclasses.replace(gen.options, seed=s),
+                                                      cache=gen.cache) for s in seeds])
+        images = await asyncio.to_thread(lambda: [_png_b64(served.parts.decode(z)[0]) for z, _ in results])
         self.metrics.images.inc(gen.n)
         stats = [s for _, s in results if s]
         data = [{"b64_json": b, "seed": s} for b, s in zip(images, seeds)]
         if revised is not None:  # OpenAI's field: the prompt the picture was made from
             for item in data:
                 item["revised_prompt"] = revised
-        out = {"created": int(time.time()), "data": data, "model": served.id, "size": f"{gen.width}x{gen.height}", "num_inference_steps": gen.steps,
-               "guidance_scale": gen.cfg, "inference_time_s": round(time.perf_counter() - started, 4)}
+        out = {"created": int(time.time()), "data": data, "model": served.id, "size": f"{gen.width}x{gen.height}",
+               "num_inference_steps": gen.options.steps, "guidance_scale": gen.options.cfg,
+               "inference_time_s": round(time.perf_counter() - started, 4)}
         if revised is not None:
             out["pe_time_s"] = round(pe_s, 4)
         if len(stats) == len(results):  # model calls (heun: two a step), not steps; computed: not Cache-DiT reuse
@@ -295,9 +298,10 @@ class ImageServer:
         """One image of one step at the default size, through the batcher: the whole path works."""
         started = time.perf_counter()
         cond = await self.encode("")
-        latent = self.served.empty_latent(self.served.default_size, self.served.default_size)
+        parts = self.served.parts
+        latent = parts.empty_latent(parts.default_size, parts.default_size)
         (z, _), = await self.sample([Job(latent, cond, None, 0, 1, 1.0)])
-        await asyncio.to_thread(self.served.decode, z)
+        await asyncio.to_thread(parts.decode, z)
         return {"status": "ok", "inference_time_s": round(time.perf_counter() - started, 4)}
 
     def card(self) -> dict:
