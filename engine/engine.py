@@ -1,6 +1,7 @@
 """Engine: the one sampling loop that nodes, the CLI, the server and benchmarks call.
 
-One preparation (``Engine.prepare`` -> ``Run``: checked inputs, sigmas, cache plan, noise, stats) and one loop
+One preparation (``Engine.prepare(request)``: a ``SampleRequest`` (engine/sampling_options.py), the one object every
+entry point hands over -> ``Run``: checked inputs, sigmas, cache plan, noise, stats) and one loop
 (``Engine.loop``) whose model calls are answered by whoever drives it: ``Engine.sample`` by its runner's own
 run, the server's batcher (engine/serve/batcher.py) by its shared batched forward.
 

@@ -125,11 +125,7 @@ SampleRequest = dataclasses.make_dataclass("SampleRequest", [
                                  "sampling options (SamplingOptions' fields), as every entry point hands it over."})
 
 
-# The declaration's defaults for the Python entry points (Engine.sample / prepare, the batcher's Job,
-# POST /v1/sample's settings), so none of them writes its own
-DEFAULT_SAMPLER = default_of(SamplingOptions, "sampler")
-DEFAULT_SCHEDULER = default_of(SamplingOptions, "scheduler")
-DEFAULT_DENOISE = default_of(SamplingOptions, "denoise")
+DEFAULT_SAMPLER = default_of(SamplingOptions, "sampler")  # RunStats' before a run (every request carries its own)
 
 
 def model_kind(source: str) -> str:
