@@ -186,6 +186,7 @@ def serve_main(args):
     """The server process: open the file, serve it on a free port of 127.0.0.1, print ``SERVING url``."""
     import uvicorn
 
+    from engine.image_parts import ImageParts
     from engine.router import open_engine
     from engine.serve import ServedModel, ServeSettings, create_app
     from engine.serve.batcher import Batcher
@@ -195,11 +196,19 @@ def serve_main(args):
     eng = open_engine(args.serve, EngineConfig(device=args.device, dtype="bf16", attention="sdpa"))
     cfg = eng.model_config
 
-    def no_text(prompt):
-        raise ValueError("this server has no text encoder: use POST /v1/sample")
+    class LatentsOnly(ImageParts):
+        """No text encoder, no VAE: clients send latents and text features (POST /v1/sample)."""
+        default_size = 1024
 
-    served = ServedModel("gpu-check-random", eng, no_text, lambda w, h: torch.zeros(cfg.in_channels, h // 16, w // 16),
-                         no_text, lambda w, h: None, 1024, 8, 1.0, args.serve)
+        def encode(self, prompt):
+            raise ValueError("this server has no text encoder: use POST /v1/sample")
+
+        def latent_shape(self, width, height, batch=1):
+            return (batch, cfg.in_channels, height // 16, width // 16)
+
+        decode = encode
+
+    served = ServedModel("gpu-check-random", eng, LatentsOnly(), 8, 1.0, args.serve)
     batcher = Batcher(eng, max_batch=args.max_batch)
     app = create_app(served, batcher, ServeSettings(max_batch=args.max_batch, max_body_bytes=256 << 20))
     sock = socket.socket()

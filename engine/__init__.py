@@ -21,8 +21,9 @@ from .errors import (
 from .loading import load_model
 from .pipeline import ErnieImagePipeline, ErnieImagePipelineOutput
 from .router import DEMO, open_demo, open_engine
+from .sampling_options import SampleRequest, SamplingOptions
 
 __all__ = ["CacheConfigError", "CheckpointError", "DEMO", "Engine", "EngineConfig", "ErnieImagePipeline",
            "ErnieImagePipelineOutput", "InputError", "LoRAError",
-           "ModelOutputError", "ParallelConfigError", "ParallelWorkerError", "RunStats", "load_model", "open_demo",
+           "ModelOutputError", "ParallelConfigError", "ParallelWorkerError", "RunStats", "SampleRequest", "SamplingOptions", "load_model", "open_demo",
            "open_engine", "accelerate", "restore"]

@@ -1,6 +1,7 @@
 """Engine: the one sampling loop that nodes, the CLI, the server and benchmarks call.
 
-One preparation (``Engine.prepare`` -> ``Run``: checked inputs, sigmas, cache plan, noise, stats) and one loop
+One preparation (``Engine.prepare(request)``: a ``SampleRequest`` (engine/sampling_options.py), the one object every
+entry point hands over -> ``Run``: checked inputs, sigmas, cache plan, noise, stats) and one loop
 (``Engine.loop``) whose model calls are answered by whoever drives it: ``Engine.sample`` by its runner's own
 run, the server's batcher (engine/serve/batcher.py) by its shared batched forward.
 
@@ -11,6 +12,7 @@ for a file, the demo or a model already in memory.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
@@ -22,19 +24,9 @@ from .config import EngineConfig
 from .errors import InputError, ModelOutputError
 from .features.cache import CacheConfig, measured_speedup, run_config
 from .features.offload import get_offload
-from .inputs import (
-    check_batch_index,
-    check_conditioning,
-    check_latent,
-    check_noise_mask,
-    check_sampler,
-    check_sampling_settings,
-    check_seed,
-    check_sigmas,
-)
+from .inputs import check_batch_index, check_conditioning, check_latent, check_noise_mask, check_sigmas
 from .local import LocalRunner
 from .sampling import (
-    DEFAULT_SHIFT,
     SAMPLERS,
     cfg_on,
     inpaint_denoiser,
@@ -46,7 +38,7 @@ from .sampling import (
     sigma_schedule,
     step_of_call,
 )
-from .sampling_options import DEFAULT_DENOISE, DEFAULT_SAMPLER, DEFAULT_SCHEDULER
+from .sampling_options import DEFAULT_SAMPLER, SampleRequest, SamplingOptions
 from .threads import default_threads, torch_threads
 
 
@@ -243,39 +235,40 @@ class Engine:
         cc = run_config(cache if cache is not None else self.config.cache)
         return CacheConfig(enabled=False) if cc is None else cc
 
-    def prepare(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
-                sampler: str = DEFAULT_SAMPLER, scheduler: str = DEFAULT_SCHEDULER, denoise: float = DEFAULT_DENOISE, shift: float = DEFAULT_SHIFT,
-                cache=None, noise_mask: Optional[torch.Tensor] = None, batch_index: Optional[Sequence[int]] = None,
-                sigmas=None, noise: Optional[torch.Tensor] = None) -> "Run":
+    def prepare(self, request: SampleRequest) -> "Run":
         """Everything a run needs before its first model call, for ``Engine.sample`` and the server's batcher alike:
-        every input checked (InputError naming what is wrong; CacheConfigError for the cache), the sigmas, the
-        cache plan, ComfyUI's seeded noise and the run's fresh ``RunStats``. Touches nothing of the engine's."""
-        check_sampler(sampler, scheduler)
-        check_sampling_settings(steps=steps, cfg=cfg, denoise=denoise, shift=shift)
-        check_seed(seed)
+        every input of ``request`` checked (InputError naming what is wrong; CacheConfigError for the cache), the
+        sigmas, the cache plan, ComfyUI's seeded noise and the run's fresh ``RunStats``. Touches nothing of the
+        engine's."""
+        options = request.options
+        options.check()
         mc = self.model_config
+        latent = request.latent
         check_latent(mc, latent)
         b = latent.shape[0]
-        cond = check_conditioning(mc, "positive", cond, b)
-        uncond = check_conditioning(mc, "negative", uncond, b) if cfg_on(cfg, uncond) else None
-        mask = check_noise_mask(noise_mask)
-        batch_index = check_batch_index(batch_index, b)
-        sigmas = sigma_schedule(int(steps), scheduler, denoise, shift) if sigmas is None else check_sigmas(sigmas, steps)
+        cond = check_conditioning(mc, "positive", request.cond, b)
+        uncond = check_conditioning(mc, "negative", request.uncond, b) if cfg_on(options.cfg, request.uncond) else None
+        mask = check_noise_mask(request.noise_mask)
+        batch_index = check_batch_index(request.batch_index, b)
+        options = dataclasses.replace(options, seed=int(options.seed), cfg=float(options.cfg))
+        sigmas = (sigma_schedule(int(options.steps), options.scheduler, options.denoise, options.shift)
+                  if request.sigmas is None else check_sigmas(request.sigmas, options.steps))
         n = max(len(sigmas) - 1, 0)  # denoise 0: no sigmas at all
-        stats = RunStats(steps=n, model_calls=model_calls(sampler, n) if n else 0, sampler=sampler)
+        stats = RunStats(steps=n, model_calls=model_calls(options.sampler, n) if n else 0, sampler=options.sampler)
         latent = latent.detach().to("cpu", torch.float32)
         if not n:
             stats.warnings.append("denoise is 0: nothing was denoised, the latent is returned unchanged")
-            return Run(latent, cond, uncond, float(cfg), sampler, int(seed), sigmas, None, None, None, stats)
-        plan = self._cache_plan(cache, stats.model_calls)
+            return Run(latent, cond, uncond, options, sigmas, None, None, None, stats)
+        plan = self._cache_plan(request.cache, stats.model_calls)
         mask = None if mask is None else prepare_mask(mask, latent.shape)
+        noise = request.noise
         if noise is None:
-            noise = seeded_noise(latent.shape, seed, batch_index)
+            noise = seeded_noise(latent.shape, options.seed, batch_index)
         elif tuple(noise.shape) != tuple(latent.shape):
             raise InputError(f"noise has shape {tuple(noise.shape)}; it must be the latent's, {tuple(latent.shape)}")
         else:  # the caller's own draw (a diffusers-style torch.Generator): float32 on the CPU, like seeded_noise
             noise = noise.detach().to("cpu", torch.float32)
-        return Run(latent, cond, uncond, float(cfg), sampler, int(seed), sigmas, mask, noise, plan, stats)
+        return Run(latent, cond, uncond, options, sigmas, mask, noise, plan, stats)
 
     @torch.no_grad()
     def loop(self, run: "Run", answer, callback: Optional[Callable] = None) -> torch.Tensor:
@@ -288,21 +281,26 @@ class Engine:
         total = run.steps
         step_cb = None if callback is None else (lambda i, x_i, denoised: callback(i, total, x_i, denoised))
         calls = ModelCalls(run.stats, answer)
+        options = run.options
         try:
-            denoiser = self.make_denoiser(run.cond, run.uncond, run.cfg, calls)
+            denoiser = self.make_denoiser(run.cond, run.uncond, options.cfg, calls)
             if run.mask is not None:
                 denoiser = inpaint_denoiser(denoiser, run.mask, run.noise, run.latent)
             x = noise_scaling(run.sigmas[0], run.noise, run.latent)
-            return run_sampler(run.sampler, denoiser, x, run.sigmas, callback=step_cb, seed=run.seed)
+            return run_sampler(options.sampler, denoiser, x, run.sigmas, callback=step_cb, seed=options.seed)
         finally:
             calls.finish()
 
-    def sample(self, latent: torch.Tensor, cond, uncond=None, *, seed: int, steps: int, cfg: float,
-               sampler: str = DEFAULT_SAMPLER, scheduler: str = DEFAULT_SCHEDULER, denoise: float = DEFAULT_DENOISE,
-               shift: float = DEFAULT_SHIFT, callback: Optional[Callable] = None, cache=None,
-               noise_mask: Optional[torch.Tensor] = None, batch_index: Optional[Sequence[int]] = None,
-               sigmas=None, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Sample from ``latent`` (zeros for text-to-image) and return the denoised latent (float32, CPU).
+    def sample(self, latent: torch.Tensor, cond, uncond=None, *, callback: Optional[Callable] = None,
+               **fields) -> torch.Tensor:
+        """Sample from ``latent`` (zeros for text-to-image) and return the denoised latent (float32, CPU):
+        ``sample_request`` of ``SampleRequest(latent, cond, uncond, **fields)``. ``fields``: the sampling
+        options (``SamplingOptions``' fields: seed, steps, cfg, sampler, scheduler, denoise, shift) and the request's
+        other inputs (sigmas, noise_mask, batch_index, noise, cache)."""
+        return self.sample_request(SampleRequest(latent, cond, uncond, **fields), callback)
+
+    def sample_request(self, request: SampleRequest, callback: Optional[Callable] = None) -> torch.Tensor:
+        """Run ``request`` and return the denoised latent (float32, CPU).
 
         ``cond``/``uncond`` are lists of per-sample text features [T_i, C] of any lengths (one entry
         is broadcast over the batch). ``callback(step, total, x, denoised)`` runs after every step's
@@ -320,9 +318,7 @@ class Engine:
         ``prepare`` then ``loop`` with this engine's forward answering the calls (the server's batcher runs the
         same two with its shared forward instead).
         """
-        prepared = self.prepare(latent, cond, uncond, seed=seed, steps=steps, cfg=cfg, sampler=sampler,
-                                scheduler=scheduler, denoise=denoise, shift=shift, cache=cache, noise_mask=noise_mask,
-                                batch_index=batch_index, sigmas=sigmas, noise=noise)
+        prepared = self.prepare(request)
         self.last_run = prepared.stats
         if not prepared.steps:
             return prepared.latent.clone()
@@ -338,9 +334,7 @@ class Run:
     latent: torch.Tensor  # [B, C, h, w] float32 CPU: the input (zeros for text-to-image)
     cond: List[torch.Tensor]  # per-sample text features [T_i, C]
     uncond: Optional[List[torch.Tensor]]  # None: no CFG (none given, or cfg 1)
-    cfg: float
-    sampler: str
-    seed: int
+    options: SamplingOptions  # the request's, seed an int and cfg a float
     sigmas: torch.Tensor
     mask: Optional[torch.Tensor]  # the denoise mask at the latent's shape (inpainting), or None
     noise: Optional[torch.Tensor]  # ComfyUI's seeded noise for the latent (None when there is no step)

@@ -30,6 +30,7 @@ from .errors import InputError
 from .features.cache import CacheConfig, resolve_config
 from .features.compile import compile_blocks
 from .features.lora import parse_spec
+from .image_parts import DemoParts, ErnieParts, ImageParts
 from .inputs import check_sampling_settings, check_seed
 from .io.checkpoint import parse_dtype
 from .models import demo as demo_pkg
@@ -37,13 +38,15 @@ from .models.external import Flux2VAE, TextEncoder
 from .prompt_enhancer import PromptEnhancer
 from .release import Release, resolve_release
 from .router import open_engine
-from .sampling import DEFAULT_SHIFT, MAX_IMAGE_SIDE, SAMPLERS, SCHEDULERS, time_snr_shift
-from .sampling_options import MODEL_DEFAULTS, model_kind
+from .sampling import DEFAULT_SHIFT, SAMPLERS, SCHEDULERS, time_snr_shift
+from .sampling_options import MODEL_DEFAULTS, SampleRequest, SamplingOptions, model_kind
 
-ERNIE_SIZE = 1024  # diffusers' default height / width
 OUTPUT_TYPES = ("pil", "np", "latent")
 ENGINE_OPTIONS = tuple(n for n in options.declared(EngineConfig) if n not in ("dtype", "device"))
 CALL_NAMES = {"steps": "num_inference_steps", "cfg": "guidance_scale"}  # errors name the call's keywords
+# the sampling options a call takes as keywords of their own names (the others it names itself, diffusers' way)
+OTHER_OPTIONS = tuple(n for n in options.declared(SamplingOptions) if n not in ("seed", "steps", "cfg", "sampler",
+                                                                                "scheduler", "shift"))
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -57,33 +60,6 @@ class ErnieImagePipelineOutput:
     revised_prompts: Optional[List[str]] = None
     seed: Optional[int] = None
     stats: Optional[dict] = None
-
-
-class _DemoParts:
-    """The demo model's text encoder and pixel codec, in the shape of the ERNIE-Image ones."""
-
-    stride = demo_pkg.IMAGE_SIZE // demo_pkg.LATENT_SIZE
-
-    def __init__(self, demo):
-        self.demo = demo
-
-    def encode(self, prompt: str) -> torch.Tensor:
-        return self.demo.encode([prompt])[0]
-
-    def empty_latent(self, width: int, height: int, batch: int = 1) -> torch.Tensor:
-        if (width, height) != (demo_pkg.IMAGE_SIZE, demo_pkg.IMAGE_SIZE):
-            raise InputError(f"height/width {height}x{width}: the demo model makes {demo_pkg.IMAGE_SIZE}x"
-                             f"{demo_pkg.IMAGE_SIZE} pictures only")
-        return self.demo.empty_latent(batch)
-
-    def decode_float(self, latent: torch.Tensor) -> torch.Tensor:
-        return self.demo.decode_float(latent)
-
-    def warnings(self, prompts: Sequence[str], negatives: Sequence[str]) -> List[str]:
-        """One per prompt that uses what the demo model does not know (WordTokenizer.unknown_words, "top right")."""
-        found = [self.demo.tokenizer.unknown_words_warning(p, where=f" in {name}")
-                 for name, texts in (("prompt", prompts), ("negative_prompt", negatives)) for p in dict.fromkeys(texts)]
-        return [w for w in found if w]
 
 
 def _engine_config(torch_dtype, device, given: dict) -> EngineConfig:
@@ -132,9 +108,12 @@ def diffusers_sigmas(steps: int, shift: float) -> torch.Tensor:
 class ErnieImagePipeline:
     """Text-to-image with ERNIE-Image (or the demo model) on this project's engine. Open with ``from_pretrained``."""
 
-    def __init__(self, engine, text_encoder, vae, release: Release, kind: str, cache=None, pe=None):
+    def __init__(self, engine, parts: ImageParts, release: Release, kind: str, cache=None, pe=None):
         self.engine = engine
-        self.text_encoder, self.vae, self.release, self.kind = text_encoder, vae, release, kind
+        self.parts, self.release, self.kind = parts, release, kind
+        # diffusers' names for the text encoder and the VAE (the demo's: its parts, which hold both)
+        self.text_encoder = getattr(parts, "text_encoder", parts)
+        self.vae = getattr(parts, "vae", parts)
         self.cache = cache
         self.pe = pe  # a loaded PromptEnhancer, or None (loaded at the first use_pe run when the release has one)
         self.shift = release.shift() or DEFAULT_SHIFT  # the release's scheduler config, as sgld generate reads it
@@ -157,18 +136,18 @@ class ErnieImagePipeline:
         release = resolve_release(path, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae, pe=pe,
                                   pe_tokenizer=pe_tokenizer)
         if release.kind == "demo":  # its one file: DiT, text encoder and vocabulary; run in float32 unless asked
-            te = vae = _DemoParts(demo_pkg.load_demo(release.transformer))
+            parts = DemoParts(demo_pkg.load_demo(release.transformer))
             engine = open_engine(release.transformer, dataclasses.replace(config, dtype=config.dtype or "fp32"))
             kind = "demo"
         else:
             release.require("text_encoder", "vae", why="a single DiT file needs text_encoder= and vae= (folders or files)")
             te = TextEncoder.load(release.text_encoder, dtype=parse_dtype(config.dtype) or torch.float32,
                                   device=config.device, tokenizer=release.tokenizer, config=text_encoder_config)
-            vae = Flux2VAE.load(release.vae, device=config.device, config=vae_config)
+            parts = ErnieParts(te, Flux2VAE.load(release.vae, device=config.device, config=vae_config))
             engine = open_engine(release.transformer, config)
             kinds = {model_kind(release.transformer)} | ({model_kind(release.source)} if release.kind == "hub" else set())
             kind = "turbo" if "turbo" in kinds else "base"  # a repo id's name says Turbo too (its snapshot's cannot)
-        pipe = cls(engine, te, vae, release, kind, cache=cache)
+        pipe = cls(engine, parts, release, kind, cache=cache)
         if lora is not None:
             pipe.set_loras(_loras(lora))
         return pipe
@@ -279,13 +258,18 @@ class ErnieImagePipeline:
                  generator: Optional[torch.Generator] = None, seed: Optional[int] = None, use_pe: Optional[bool] = None,
                  output_type: str = "pil", return_dict: bool = True, sampler: str = "euler",
                  scheduler: Optional[str] = None, shift: Optional[float] = None, cache=None,
-                 max_new_tokens: Optional[int] = None, pe_greedy: bool = False):
+                 max_new_tokens: Optional[int] = None, pe_greedy: bool = False, **sampling):
         """diffusers' call. ``height``/``width``: 1024 (the demo: 64); ``num_inference_steps``/``guidance_scale``:
         the model's defaults; ``generator`` (diffusers) or ``seed`` (ComfyUI's noise; random when neither);
         ``use_pe``: None = on when the release has a prompt enhancer (diffusers' default), as diffusers.
         ``scheduler=None``: diffusers' linspace schedule with the release's shift; a ComfyUI scheduler name
         (simple, normal, beta) runs that one (the demo's default: simple, shift 3). ``cache`` overrides the
-        pipeline's for this call; ``max_new_tokens`` / ``pe_greedy`` (argmax decoding) go to the prompt enhancer."""
+        pipeline's for this call; ``max_new_tokens`` / ``pe_greedy`` (argmax decoding) go to the prompt enhancer;
+        ``sampling``: the other sampling options (``SamplingOptions``' fields this call does not name: denoise ...)."""
+        unknown = sorted(set(sampling) - set(OTHER_OPTIONS))
+        if unknown:
+            raise TypeError(f"ErnieImagePipeline: unknown keyword(s) {', '.join(unknown)}; the sampling options besides "
+                            f"the named ones are {', '.join(OTHER_OPTIONS)}")
         prompts = [prompt] if isinstance(prompt, str) else list(prompt or [])
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise InputError("prompt must be a string or a non-empty list of strings")
@@ -304,11 +288,14 @@ class ErnieImagePipeline:
         if scheduler is not None and scheduler not in SCHEDULERS:
             raise InputError(f"scheduler '{scheduler}' is not supported; choose None (diffusers' schedule) or one of "
                              f"{', '.join(SCHEDULERS)}")
-        size = demo_pkg.IMAGE_SIZE if self.kind == "demo" else ERNIE_SIZE
-        height, width = height or size, width or size
+        height, width = height or self.parts.default_size, width or self.parts.default_size
         for name, value in (("height", height), ("width", width)):
-            if not isinstance(value, int) or not 1 <= value <= MAX_IMAGE_SIDE:
-                raise InputError(f"{name} must be a whole number of pixels from 1 to {MAX_IMAGE_SIDE} (got {value!r})")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InputError(f"{name} must be a whole number of pixels (got {value!r})")
+        try:  # the size's one check, before the PE's seconds
+            latent_shape = self.parts.latent_shape(width, height, len(prompts) * num_images_per_prompt)
+        except InputError as e:
+            raise InputError(f"height/width {height}x{width}: {e}") from None
         steps = self.defaults["steps"] if num_inference_steps is None else num_inference_steps
         cfg = self.defaults["cfg"] if guidance_scale is None else guidance_scale
         diffusers_schedule = scheduler is None and self.kind != "demo"
@@ -318,7 +305,7 @@ class ErnieImagePipeline:
             seed = secrets.randbelow(2 ** 63)  # reported in the output; the PE is seeded with it too
         check_seed(seed if seed is not None else 0)
 
-        vocabulary_warnings = self.text_encoder.warnings(prompts, negatives) if self.kind == "demo" else []
+        vocabulary_warnings = self.parts.warnings(prompts, negatives)
         for message in vocabulary_warnings:  # "top right" would silently draw something else
             warnings.warn(message, UserWarning, stacklevel=2)
         revised = None
@@ -327,31 +314,30 @@ class ErnieImagePipeline:
                                                greedy=pe_greedy)
             prompts = list(revised)
 
-        latent = self.vae.empty_latent(width, height, len(prompts) * num_images_per_prompt)
-        cond = [f for p in prompts for f in [self.text_encoder.encode(p)] * num_images_per_prompt]
+        latent = torch.zeros(latent_shape)
+        cond = [f for p in prompts for f in [self.parts.encode(p)] * num_images_per_prompt]
         uncond = None
         if cfg > 1.0:  # diffusers' rule (do_classifier_free_guidance); cfg 1 or below runs the prompt alone
-            uncond = [f for p in negatives for f in [self.text_encoder.encode(p)] * num_images_per_prompt]
+            uncond = [f for p in negatives for f in [self.parts.encode(p)] * num_images_per_prompt]
         noise = None
         if generator is not None:
             noise = torch.randn(latent.shape, generator=generator, device=generator.device, dtype=torch.float32)
-        run = {"sampler": sampler}
-        if diffusers_schedule:
-            run["sigmas"] = diffusers_sigmas(steps, float(shift))
-        else:
-            run.update(scheduler=scheduler or demo_pkg.DEFAULT_SCHEDULER, shift=shift)
+        options = {"seed": 0 if seed is None else seed, "steps": steps, "cfg": cfg, "sampler": sampler, **sampling}
+        sigmas = diffusers_sigmas(steps, float(shift)) if diffusers_schedule else None
+        if not diffusers_schedule:
+            options.update(scheduler=scheduler or demo_pkg.DEFAULT_SCHEDULER, shift=shift)
+        request = SampleRequest(latent, cond, uncond, **options, sigmas=sigmas, noise=noise,
+                                cache=cache_option(cache) if cache is not None else self.cache)
         bar = tqdm(total=steps, desc="sampling", unit="step", file=sys.stderr, leave=False,
                    **{"disable": False, **self._progress})
         try:
-            out = self.engine.sample(latent, cond, uncond, seed=0 if seed is None else seed, steps=steps, cfg=cfg,
-                                     cache=cache_option(cache) if cache is not None else self.cache, noise=noise,
-                                     callback=lambda i, n, x, d: bar.update(1), **run)
+            out = self.engine.sample_request(request, callback=lambda i, n, x, d: bar.update(1))
         finally:
             bar.close()
         if output_type == "latent":
             images = out
         else:
-            pixels = self.vae.decode_float(out).numpy()
+            pixels = self.parts.decode_float(out).numpy()
             images = pixels if output_type == "np" else _to_pil(pixels)
         if not return_dict:
             return (images,)

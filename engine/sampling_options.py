@@ -1,15 +1,22 @@
 """The sampling options (steps, cfg, sampler, scheduler, seed, shift, denoise), declared once like
 EngineConfig's (engine/options.py): the CLI's flags, the server's request fields and the nodes' widgets
 derive from ``SamplingOptions``. Steps and cfg left unset are the model's: ``model_defaults(source)``
-is the one rule, for every entry point, that says which model a file is (docs/sampling.md)."""
+is the one rule, for every entry point, that says which model a file is (docs/sampling.md).
+
+A run travels as one ``SampleRequest`` (its inputs and its SamplingOptions) from every entry point (the CLI, the
+nodes, the server's routes and batcher, the pipeline, the /v1/sample wire: engine/sample_wire.py) to
+``Engine.prepare``: a new option is declared here and reaches them all."""
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
 
 from .errors import CheckpointError
-from .inputs import check_sampling_settings, check_seed
+from .inputs import check_sampler, check_sampling_settings, check_seed
 from .io.checkpoint import Checkpoint
 from .models import demo
 from .options import declared, default_of, flag_dest, from_args, option
@@ -67,12 +74,58 @@ class SamplingOptions:
         f"scheduler_config.json's, else {DEFAULT_SHIFT:g}, ComfyUI's for ERNIE-Image)", low=0.0, low_open=True,
         high=MAX_SHIFT, flag="--shift", flag_default=None)
 
+    def check(self) -> None:
+        """Every value in range before any work: InputError naming the option and what is allowed (the limits of
+        engine/sampling.py). ``steps`` / ``cfg`` must be set by now (the model's defaults filled in)."""
+        check_sampler(self.sampler, self.scheduler)
+        check_sampling_settings(steps=self.steps, cfg=self.cfg, denoise=self.denoise, shift=self.shift)
+        check_seed(self.seed)
 
-# The declaration's defaults for the Python entry points (Engine.sample / prepare, the batcher's Job,
-# POST /v1/sample's settings), so none of them writes its own
-DEFAULT_SAMPLER = default_of(SamplingOptions, "sampler")
-DEFAULT_SCHEDULER = default_of(SamplingOptions, "scheduler")
-DEFAULT_DENOISE = default_of(SamplingOptions, "denoise")
+    @classmethod
+    def of_widgets(cls, values: dict) -> "SamplingOptions":
+        """The options of a node's widget values ({widget: value}), as given: ``check`` (the engine's, at prepare)
+        names a bad one. A value of no option's widget is a TypeError naming it."""
+        by_widget = {opt.widget: name for name, opt in declared(cls).items() if opt.widget}
+        unknown = sorted(set(values) - set(by_widget))
+        if unknown:
+            raise TypeError(f"unknown sampling input(s) {', '.join(unknown)}; allowed: {', '.join(by_widget)}")
+        return cls(**{by_widget[widget]: value for widget, value in values.items()})
+
+
+class _Request:
+    """SampleRequest's methods (its fields are made below from SamplingOptions')."""
+
+    @property
+    def options(self) -> SamplingOptions:
+        """The request's sampling options as their own object."""
+        return SamplingOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingOptions)})
+
+    @classmethod
+    def from_options(cls, latent, cond, uncond=None, options: Optional[SamplingOptions] = None, **inputs):
+        """A request of ``options`` (None: the declared defaults) and the inputs (sigmas=, noise_mask=, ...)."""
+        values = {f.name: getattr(options, f.name) for f in dataclasses.fields(SamplingOptions)} if options else {}
+        return cls(latent, cond, uncond, **values, **inputs)
+
+
+# One sampling run as every entry point hands it over (``Engine.sample_request``, a batcher ``Job``, the /v1/sample
+# wire): its inputs around SamplingOptions' fields, which are made from the declaration, so that a new option is a
+# field of every request with no change here. Positional order: latent, cond, uncond, seed, steps, cfg, ...
+SampleRequest = dataclasses.make_dataclass("SampleRequest", [
+    ("latent", Any),  # [B, C, h, w] float (zeros for text-to-image); a batcher Job may hold one sample [C, h, w]
+    ("cond", Any),  # per-sample text features [T_i, C] (one entry is used for every sample); a Job: one tensor too
+    ("uncond", Any, field(default=None)),  # the negative's, as ``cond`` (None, or cfg 1: no CFG)
+    *[(f.name, f.type, field(default=f.default, metadata=f.metadata)) for f in dataclasses.fields(SamplingOptions)],
+    # the caller's own schedule (steps + 1 values) instead of scheduler / denoise / shift
+    ("sigmas", Optional[torch.Tensor], field(default=None)),
+    ("noise_mask", Optional[torch.Tensor], field(default=None)),  # a LATENT's (inpainting): 1 repaint, 0 keep, any size
+    ("batch_index", Optional[List[int]], field(default=None)),  # a LATENT's (LatentFromBatch): the seed's draw of each
+    ("noise", Optional[torch.Tensor], field(default=None)),  # the caller's own starting noise instead of the seed's
+    ("cache", Any, field(default=None)),  # a CacheConfig for this run (None: the engine's)
+], bases=(_Request,), namespace={"__module__": __name__, "__doc__": "One sampling run: its inputs and its "
+                                 "sampling options (SamplingOptions' fields), as every entry point hands it over."})
+
+
+DEFAULT_SAMPLER = default_of(SamplingOptions, "sampler")  # RunStats' before a run (every request carries its own)
 
 
 def model_kind(source: str) -> str:

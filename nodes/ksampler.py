@@ -7,6 +7,7 @@ and the run events of nodes/run_events.py (which also keeps each node's last run
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import comfy.latent_formats
@@ -18,7 +19,7 @@ from ..engine.features.cache import CacheConfigError, resolve_config
 from ..engine.inputs import latent_hint
 from ..engine.options import node_inputs
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
-from ..engine.sampling_options import SamplingOptions
+from ..engine.sampling_options import SampleRequest, SamplingOptions
 from .demo import WARNINGS_KEY
 from .run_events import ERROR_CHARS, GRAPH_KEY, graph_fingerprint, run_stats, send_run_event, workflow_id
 from .server_nodes import RemoteModel, sample_remote
@@ -26,6 +27,7 @@ from .server_nodes import RemoteModel, sample_remote
 log = logging.getLogger("sgldiffusion")
 NODE = "SGLDiffusion KSampler"
 FLUX2_CHANNELS = 128  # ComfyUI's Flux2 latent format, the one ERNIE-Image uses
+KSAMPLER_WIDGETS = ("seed", "steps", "cfg", "sampler_name", "scheduler", "denoise")  # ComfyUI's KSampler's, its order
 
 
 def conditioning_features(name: str, conditioning) -> list:
@@ -128,31 +130,35 @@ class SGLDiffusionKSampler:
         return {
             "required": {
                 "model": ("SGLD_MODEL", {"tooltip": "From SGLDiffusion Model Loader (or SGLDiffusion Server: sampled there)."}),
-                **{name: w[name] for name in ("seed", "steps", "cfg", "sampler_name", "scheduler")},
+                **{name: w[name] for name in KSAMPLER_WIDGETS[:-1]},
                 "positive": ("CONDITIONING", {"tooltip": "What the image should show."}),
                 "negative": ("CONDITIONING", {"tooltip": "What the image should not show (unused at cfg 1)."}),
                 "latent_image": ("LATENT", {"tooltip": ("The latent to denoise (text-to-image: EmptyFlux2LatentImage for "
                                                         "ERNIE-Image, SGLDiffusion Demo Empty Latent for the demo model); "
                                                         "a noise mask (SetLatentNoiseMask) repaints only where it is 1.")}),
                 "denoise": w["denoise"],
+                **{name: spec for name, spec in w.items() if name not in KSAMPLER_WIDGETS},  # options it lacks
             },
             "optional": {
                 "cache": ("SGLD_CACHE", {"tooltip": "Cache-DiT step caching options (SGLDiffusion Cache-DiT node)."}),
+                **node_inputs(SamplingOptions)["optional"],
             },
             # the workflow's id and the graph key the node's last run for the web panel (/sgldiffusion/last_runs)
             "hidden": {"unique_id": "UNIQUE_ID", "extra_pnginfo": "EXTRA_PNGINFO", "prompt": "PROMPT"},
         }
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
-               denoise=1.0, cache=None, unique_id=None, extra_pnginfo=None, prompt=None):
+               denoise=1.0, cache=None, unique_id=None, extra_pnginfo=None, prompt=None, **widgets):
+        """``widgets``: the values of the sampling options' widgets KSampler has not (SamplingOptions')."""
         node = None if unique_id is None else str(unique_id)
         workflow = workflow_id(extra_pnginfo)
         graph = {GRAPH_KEY: graph_fingerprint(prompt, node)}
         # the browser clears this node's previous timeline now; a failure below never leaves it showing
         send_run_event({"node": node, "state": "running", "steps": int(steps)}, workflow)
         try:
-            result, stats = self._sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
-                                         latent_image, denoise, cache, node)
+            options = SamplingOptions.of_widgets({"seed": seed, "steps": steps, "cfg": cfg, "sampler_name": sampler_name,
+                                                  "scheduler": scheduler, "denoise": denoise, **widgets})
+            result, stats = self._sample(model, options, positive, negative, latent_image, cache, node)
         except comfy.model_management.InterruptProcessingException:
             send_run_event({"node": node, "state": "interrupted", **graph}, workflow)
             raise
@@ -164,33 +170,29 @@ class SGLDiffusionKSampler:
         send_run_event({**stats, **graph}, workflow)
         return {"ui": {"sgld_stats": [stats]}, "result": (result,)}
 
-    def _sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
-                denoise, cache, node):
-        if isinstance(model, RemoteModel):  # SGLDiffusion Server: the run happens on that sgld server
-            samples = latent_samples(latent_image, model.latent_channels)
-            out, stats = sample_remote(NODE, model, latent_image, samples, conditioning_features("positive", positive),
-                                       conditioning_features("negative", negative), seed=seed, steps=steps, cfg=cfg,
-                                       sampler=sampler_name, scheduler=scheduler, denoise=denoise, cache=cache)
-            stats.update(node=node, state="done")
-            stats["warnings"] += conditioning_warnings("positive", positive) + conditioning_warnings("negative", negative)
-            return dict(latent_image, samples=out.to(comfy.model_management.intermediate_device())), stats
-        if not hasattr(model, "engine"):
+    def _sample(self, model, options: SamplingOptions, positive, negative, latent_image, cache, node):
+        remote = isinstance(model, RemoteModel)  # SGLDiffusion Server: the run happens on that sgld server
+        if not remote and not hasattr(model, "engine"):
             raise ValueError(f"{NODE}: 'model' must come from SGLDiffusion Model Loader (got {type(model).__name__})")
         try:
-            engine = model.engine()
+            engine = None if remote else model.engine()
         except (CheckpointError, ParallelConfigError, ParallelWorkerError) as e:
             raise ValueError(f"{NODE}: {e}") from None
-        samples = latent_samples(latent_image, engine.model_config.in_channels)
-        cond = conditioning_features("positive", positive)
-        uncond = conditioning_features("negative", negative)
+        samples = latent_samples(latent_image, model.latent_channels if remote else engine.model_config.in_channels)
+        request = SampleRequest.from_options(samples, conditioning_features("positive", positive),
+                                             conditioning_features("negative", negative), options,
+                                             noise_mask=latent_image.get("noise_mask"),
+                                             batch_index=latent_image.get("batch_index"))
         warnings = conditioning_warnings("positive", positive) + conditioning_warnings("negative", negative)
+        if remote:
+            out, stats = sample_remote(NODE, model, dataclasses.replace(request, cache=cache))
+            stats.update(node=node, state="done")
+            stats["warnings"] += warnings
+            return dict(latent_image, samples=out.to(comfy.model_management.intermediate_device())), stats
         channels = samples.shape[1] if getattr(samples, "dim", lambda: 0)() >= 2 else 0
-        reporter = StepReporter(int(steps), channels, engine.device)
-        try:
-            out = engine.sample(samples, cond, uncond, seed=seed, steps=steps, cfg=cfg, sampler=sampler_name,
-                                scheduler=scheduler, denoise=denoise, callback=reporter,
-                                cache=resolve_config(cache),  # the Cache-DiT node's, else SGLANG_CACHE_DIT_*
-                                noise_mask=latent_image.get("noise_mask"), batch_index=latent_image.get("batch_index"))
+        reporter = StepReporter(int(options.steps), channels, engine.device)
+        try:  # the Cache-DiT node's, else SGLANG_CACHE_DIT_*
+            out = engine.sample_request(dataclasses.replace(request, cache=resolve_config(cache)), callback=reporter)
         except (InputError, CacheConfigError, ParallelWorkerError) as e:  # ComfyUI shows the class: keep it plain
             raise ValueError(f"{NODE}: {e}") from None
         result = dict(latent_image)

@@ -20,12 +20,11 @@ from typing import Optional
 import numpy as np
 import torch
 from PIL import Image
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
+from ..engine import sample_wire
 from ..engine.options import node_inputs
 from ..engine.sampling import cfg_on
-from ..engine.sampling_options import SamplingOptions
+from ..engine.sampling_options import SampleRequest, SamplingOptions
 
 SERVER_NODE = "SGLDiffusion Server"
 GENERATE_NODE = "SGLDiffusion Server Generate"
@@ -168,33 +167,26 @@ def _mask_tensor(node: str, mask) -> torch.Tensor:
     return mask.detach().to("cpu", torch.float32).contiguous()
 
 
-def sample_remote(node: str, model: RemoteModel, latent: dict, samples: torch.Tensor, cond: list, uncond: Optional[list],
-                  *, seed, steps, cfg, sampler, scheduler, denoise, cache, shift=None, sigmas=None) -> tuple:
-    """A KSampler's run on ``model``'s server, with what the local engine takes (the LATENT's batch, noise_mask and
-    batch_index; ``shift`` None: the server's default; ``sigmas``: the caller's own schedule): (the denoised
+def sample_remote(node: str, model: RemoteModel, request: SampleRequest) -> tuple:
+    """A KSampler's ``request`` run on ``model``'s server, with what the local engine takes (the LATENT's batch,
+    noise_mask and batch_index, the caller's own sigmas), over the wire of engine/sample_wire.py: (the denoised
     samples [B, C, h, w], the run's stats). The server checks every input, as the local engine does."""
     import comfy.model_management
     import comfy.utils
 
+    samples = request.latent
     if not isinstance(samples, torch.Tensor) or samples.dim() != 4 or samples.shape[1] != model.latent_channels:
         shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
         raise ValueError(f"{node}: a remote model takes latents [batch, {model.latent_channels}, height, width] "
                          f"(got {shape})")
-    tensors = {"latent": samples.detach().to("cpu", torch.float32).contiguous(), "cond": _one(node, "positive", cond)}
-    if cfg_on(cfg, uncond):
-        tensors["uncond"] = _one(node, "negative", uncond)
-    if latent.get("noise_mask") is not None:
-        tensors["noise_mask"] = _mask_tensor(node, latent["noise_mask"])
-    if sigmas is not None:
-        tensors["sigmas"] = torch.as_tensor(sigmas).detach().to("cpu", torch.float32).reshape(-1).contiguous()
-    settings = {"seed": int(seed), "steps": int(steps), "cfg": float(cfg), "sampler": sampler, "scheduler": scheduler,
-                "denoise": float(denoise), "cache": None if cache is None else dataclasses.asdict(cache)}
-    if shift is not None:
-        settings["shift"] = float(shift)
-    if latent.get("batch_index") is not None:
-        settings["batch_index"] = _plain_list(node, latent["batch_index"])
-    body = save_tensors(tensors, metadata={"sgld": json.dumps(settings)})
-    conn, response = _request(node, model.base_url, model.api_key, "POST", "/v1/sample", body,
+    options = request.options
+    body = sample_wire.encode(dataclasses.replace(
+        request, cond=_one(node, "positive", request.cond),
+        uncond=_one(node, "negative", request.uncond) if cfg_on(options.cfg, request.uncond) else None,
+        noise_mask=None if request.noise_mask is None else _mask_tensor(node, request.noise_mask),
+        batch_index=None if request.batch_index is None else _plain_list(node, request.batch_index)))
+    steps = options.steps
+    conn, response = _request(node, model.base_url, model.api_key, "POST", sample_wire.PATH, body,
                               "application/octet-stream", READ_TIMEOUT_S)
     pbar = comfy.utils.ProgressBar(int(steps))
     try:  # leaving this block closes the connection: the server cancels the job (ComfyUI's interrupt, an error)
@@ -214,7 +206,7 @@ def sample_remote(node: str, model: RemoteModel, latent: dict, samples: torch.Te
             elif "error" in event:
                 raise ValueError(f"{node}: the sgld server at {model.base_url}: {event['error']['message']}")
             else:
-                out = load_tensors(base64.b64decode(event["latent"]))["latent"]
+                out = sample_wire.decode_latent(event["latent"])
                 computed = event.get("calls_computed") or 0
                 return out, {"remote": model.base_url, "model": model.model_id, "steps": int(steps),
                              "model_calls": event.get("model_calls"), "calls_computed": computed,

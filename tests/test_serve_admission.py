@@ -155,7 +155,7 @@ def test_health_answers_while_the_attack_bodies_are_sent(server):
 def image_server():
     eng = open_engine("demo", EngineConfig(dtype="fp32"))
     batcher = Batcher(eng, max_batch=MAX_BATCH)
-    yield ImageServer(ServedModel("sgld-demo", eng, None, None, None, None, 64, 30, 3.0), batcher, ServeSettings())
+    yield ImageServer(ServedModel("sgld-demo", eng, None, 30, 3.0), batcher, ServeSettings())
     batcher.close()
 
 

@@ -10,7 +10,7 @@ import re
 import sys
 import time
 import unicodedata
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from PIL import Image
@@ -20,14 +20,16 @@ from tqdm import tqdm
 from ..errors import CheckpointError
 from ..features.cache import resolve_config
 from ..features.lora import parse_spec
+from ..image_parts import DemoParts, ErnieParts, ImageParts
 from ..io.atomic import atomic_write
 from ..io.checkpoint import check_architecture, open_checkpoint
 from ..models import demo as demo_pkg
 from ..models.external import Flux2VAE, TextEncoder
+from ..options import declared
 from ..release import DEMO, resolve_release
 from ..router import open_engine
 from ..sampling import MAX_IMAGE_SIDE
-from ..sampling_options import from_flags
+from ..sampling_options import SampleRequest, SamplingOptions, from_flags
 from .common import (
     add_cache_arguments,
     add_engine_arguments,
@@ -42,8 +44,7 @@ from .common import (
     use_threads,
 )
 
-SAMPLING = ("seed", "steps", "cfg", "sampler", "scheduler", "shift")  # the sampling options it has flags for
-ERNIE_SIZE = 1024  # default --width / --height for ERNIE-Image files
+SAMPLING = tuple(name for name, opt in declared(SamplingOptions).items() if opt.flag)  # the options it has flags for
 DEFAULT_OUT = "out.png"
 SAVE_OUTPUT_DIR = "outputs"  # SGLang's default --output-path
 
@@ -84,14 +85,11 @@ def lora_specs(args) -> list:
     return [parse_spec(s) for s in getattr(args, "lora", None) or []]
 
 
-class GenerateParts(NamedTuple):
-    """What ``sgld generate`` needs from a model: the demo's or ERNIE-Image files'."""
+class LoadedModel(NamedTuple):
+    """The model the flags name: its engine, its image parts (engine/image_parts.py) and the DiT's file."""
     engine: object
-    encode: Callable  # prompt -> conditioning (list of [tokens, features])
-    empty_latent: Callable  # (width, height) -> zeros [1, C, h, w]
-    decode: Callable  # latent -> uint8 image [H, W, 3]
+    parts: ImageParts
     model_path: str
-    default_size: int  # pixels on each side
 
 
 def release_of(args):
@@ -130,15 +128,15 @@ def _find_demo_dit(args):
     return args.model if demo_pkg.has_demo_shapes(config) else None
 
 
-def make_parts(args) -> GenerateParts:
-    """The parts of the model the flags name: ERNIE-Image files (--model-path, or --model --text-encoder --vae)
-    or the demo (its own DiT, or a copy of it in another format). The engine runs on ``use_threads``' count."""
-    parts = (_ernie_parts if uses_ernie_files(args) else _demo_parts)(args)
-    use_threads(parts.engine, args)
-    return parts
+def make_parts(args) -> LoadedModel:
+    """The model the flags name: ERNIE-Image files (--model-path, or --model --text-encoder --vae) or the demo (its
+    own DiT, or a copy of it in another format). The engine runs on ``use_threads``' count."""
+    loaded = (_ernie_parts if uses_ernie_files(args) else _demo_parts)(args)
+    use_threads(loaded.engine, args)
+    return loaded
 
 
-def _demo_parts(args) -> GenerateParts:
+def _demo_parts(args) -> LoadedModel:
     demo = demo_pkg.load_demo(dtype=args.dtype or torch.float32, cached=False)  # its text encoder and tokenizer
     for name in ("prompt", "negative"):  # the prompts given on the command line (sgld serve has none)
         warning = demo.tokenizer.unknown_words_warning(getattr(args, name, ""), where=f" in --{name}")
@@ -148,12 +146,10 @@ def _demo_parts(args) -> GenerateParts:
     # in worker processes; the demo is stored in fp16 and runs in fp32 unless --dtype says otherwise
     config = dataclasses.replace(engine_config(args, cache=resolve_config(cache_config(args))), dtype=args.dtype or "fp32")
     dit = demo_dit(args)
-    eng = open_engine(dit, config)
-    return GenerateParts(eng, lambda p: demo.encode([p]), lambda w, h: demo.empty_latent(1), lambda z: demo.decode(z)[0],
-                         dit, demo_pkg.IMAGE_SIZE)
+    return LoadedModel(open_engine(dit, config), DemoParts(demo), dit)
 
 
-def _ernie_parts(args) -> GenerateParts:
+def _ernie_parts(args) -> LoadedModel:
     """The same parts from ERNIE-Image files (engine/models/external.py)."""
     release = release_of(args)
     if release is not None:
@@ -174,34 +170,33 @@ def _ernie_parts(args) -> GenerateParts:
     vae = Flux2VAE.load(files.vae, device=args.device)
     te = TextEncoder.load(files.text_encoder, device=args.device, tokenizer=files.tokenizer)
     eng = open_engine(files.transformer, engine_config(args, cache=resolve_config(cache_config(args))))
-    return GenerateParts(eng, lambda p: [te.encode(p)], vae.empty_latent, lambda z: vae.decode(z)[0].numpy(),
-                         files.transformer, ERNIE_SIZE)
+    return LoadedModel(eng, ErnieParts(te, vae), files.transformer)
 
 
 def cmd_generate(args) -> dict:
     """A picture from a prompt (the embedded demo model, or ERNIE-Image files): PNG with ComfyUI-style text metadata."""
     t0 = time.perf_counter()
     run = check_generate_args(args)
-    size = ERNIE_SIZE if uses_ernie_files(args) else demo_pkg.IMAGE_SIZE
+    size = ErnieParts.default_size if uses_ernie_files(args) else DemoParts.default_size
     width, height = args.width or size, args.height or size
     revised, pe_stats = _enhance(args, width, height, run["seed"])  # first: its memory is free before the DiT loads
-    parts = make_parts(args)
-    eng = parts.engine
+    loaded = make_parts(args)
+    eng, parts = loaded.engine, loaded.parts
     if args.loras:
         eng.set_loras(args.loras)
-    cond, uncond = parts.encode(revised if revised is not None else args.prompt), parts.encode(args.negative)
+    cond, uncond = [parts.encode(revised if revised is not None else args.prompt)], [parts.encode(args.negative)]
     load_s = time.perf_counter() - t0 - pe_stats.get("pe_seconds", 0.0) - pe_stats.get("pe_load_seconds", 0.0)
-    settings = {"prompt": args.prompt, "negative": args.negative, **run, "model": os.path.basename(parts.model_path)}
+    settings = {"prompt": args.prompt, "negative": args.negative, **run, "model": os.path.basename(loaded.model_path)}
     if revised is not None:
         settings["revised_prompt"] = revised
     bar = None if args.json else _progress_bar(run["steps"])
     try:
-        empty = parts.empty_latent(width, height)
-        latent = eng.sample(empty, cond, uncond, **run, callback=(lambda i, n, x, d: bar.update(1)) if bar else None)
+        request = SampleRequest(parts.empty_latent(width, height), cond, uncond, **run)
+        latent = eng.sample_request(request, callback=(lambda i, n, x, d: bar.update(1)) if bar else None)
     finally:
         if bar:
             bar.close()
-    image = parts.decode(latent)
+    image = parts.decode(latent)[0]
     stats = eng.last_run.to_dict()
     try:
         _save_png(image, args.out, settings, stats)

@@ -11,10 +11,8 @@ import sys
 
 import torch
 
-from .. import inputs
 from ..features.cache import resolve_config
-from ..models import demo as demo_pkg
-from ..sampling import DEFAULT_SHIFT, MAX_IMAGE_SIDE
+from ..sampling import DEFAULT_SHIFT
 from ..sampling_options import from_flags
 from .common import (
     add_cache_arguments,
@@ -99,18 +97,6 @@ def add_parser(sub) -> None:
     add_cache_arguments(s)
 
 
-def _check_size(external: bool, empty_latent):
-    def check(width: int, height: int) -> None:
-        if not external:
-            if (width, height) != (demo_pkg.IMAGE_SIZE,) * 2:
-                raise inputs.InputError(f"the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} pictures only")
-            return
-        if not (1 <= width <= MAX_IMAGE_SIDE and 1 <= height <= MAX_IMAGE_SIDE):
-            raise inputs.InputError(f"each side must be from 1 to {MAX_IMAGE_SIDE} pixels")
-        empty_latent(width, height)  # the VAE's own rule (a multiple of its stride)
-    return check
-
-
 def served_model(args) -> ServedModel:
     """The model the flags name, with its defaults and the --lora files active."""
     engine_config(args)  # the engine's flags and the parallel degrees against each other, before loading
@@ -119,20 +105,17 @@ def served_model(args) -> ServedModel:
     defaults = from_flags(args, model_source(args), SAMPLING)  # the flags', else the model's
     release = release_of(args)
     pe = load_prompt_enhancer(args, release)  # resident: a request's enhance_prompt must not wait for a load
-    parts = make_parts(args)
+    loaded = make_parts(args)
     if args.loras:
-        parts.engine.set_loras(args.loras)
-    external = uses_ernie_files(args)
-    if args.served_model_name or not external:
+        loaded.engine.set_loras(args.loras)
+    if args.served_model_name or not uses_ernie_files(args):
         name = args.served_model_name or DEMO_ID
     elif release is not None and release.kind == "hub":
         name = release.source  # the repo id, as SGLang names it
     else:
         name = os.path.splitext(os.path.basename(os.path.normpath(release.source if release else args.model)))[0]
-    return ServedModel(name, parts.engine, lambda p: parts.encode(p)[0], lambda w, h: parts.empty_latent(w, h)[0],
-                       lambda z: parts.decode(z[None]), _check_size(external, parts.empty_latent), parts.default_size,
-                       defaults["steps"], defaults["cfg"],
-                       parts.model_path, shift=release_shift(args) or DEFAULT_SHIFT,
+    return ServedModel(name, loaded.engine, loaded.parts, defaults["steps"], defaults["cfg"], loaded.model_path,
+                       shift=release_shift(args) or DEFAULT_SHIFT,
                        enhance=None if pe is None else _enhancer(pe, args.pe_max_new_tokens))
 
 

@@ -236,10 +236,15 @@ class Flux2VAE:
     def channels(self) -> int:
         return self.vae.config.latent_channels * self.patch[0] * self.patch[1]
 
-    def empty_latent(self, width: int, height: int, batch: int = 1) -> torch.Tensor:
+    def latent_shape(self, width: int, height: int, batch: int = 1) -> tuple:
+        """[batch, channels, height / stride, width / stride]; InputError unless each side is a positive multiple
+        of the stride."""
         if width % self.stride or height % self.stride or width <= 0 or height <= 0:
             raise InputError(f"image size {width}x{height} is not a positive multiple of {self.stride}")
-        return torch.zeros(batch, self.channels, height // self.stride, width // self.stride)
+        return (batch, self.channels, height // self.stride, width // self.stride)
+
+    def empty_latent(self, width: int, height: int, batch: int = 1) -> torch.Tensor:
+        return torch.zeros(self.latent_shape(width, height, batch))
 
     def _pixels(self, latent: torch.Tensor) -> torch.Tensor:
         """DiT latent -> the VAE's output [B, 3, H, W] (about -1..1): de-normalised, un-patchified, decoded."""

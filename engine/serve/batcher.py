@@ -33,51 +33,38 @@ raises, or a forward that fails fails only the futures of those jobs; the loop k
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from ..engine import Engine, Run, RunStats
 from ..errors import CacheConfigError, InputError
-from ..features.cache import CacheConfig, DBCacheRunner
-from ..sampling import DEFAULT_SHIFT
-from ..sampling_options import DEFAULT_DENOISE, DEFAULT_SAMPLER, DEFAULT_SCHEDULER
+from ..features.cache import DBCacheRunner
+from ..sampling_options import SampleRequest
 from .forward import Call, joint_velocity
-
-Features = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
 @dataclass
-class Job:
-    """One sampling run, with what ``Engine.sample`` takes. ``latent`` [C, h, w] (one sample; the result is
-    [C, h, w]) or [B, C, h, w] (a batch; the result is [B, C, h, w]), float32, zeros for text-to-image;
-    ``cond`` / ``uncond`` text features [T, C_text] (for every sample) or a list of one per sample (``uncond``
-    None or ``cfg`` 1: no CFG). ``denoise`` below 1: the last steps of a longer schedule (img2img); 0: the latent
-    back unchanged. ``sigmas``: the job's own schedule (``steps`` + 1 values). ``noise_mask`` (inpainting) and
-    ``batch_index`` (LatentFromBatch) as a LATENT holds them. ``cache``: this job's Cache-DiT (None: the
-    engine's; no environment is read per job). ``on_step(step, total)`` runs after each step's model call (``step``
-    counts from 1) in the job's thread; it may raise to cancel the job (its future gets the error). It must
-    return quickly: the next step of every job waits for it."""
+class Job(SampleRequest):
+    """One sampling run for the batcher: a ``SampleRequest`` (what ``Engine.sample`` takes) and its progress.
+    ``latent`` [C, h, w] (one sample; the result is [C, h, w]) or [B, C, h, w] (a batch; the result is
+    [B, C, h, w]), float32, zeros for text-to-image; ``cond`` / ``uncond`` text features [T, C_text] (for every
+    sample) or a list of one per sample (``uncond`` None or ``cfg`` 1: no CFG). ``cache``: this job's Cache-DiT
+    (None: the engine's; no environment is read per job). ``on_step(step, total)`` runs after each step's model
+    call (``step`` counts from 1) in the job's thread; it may raise to cancel the job (its future gets the error).
+    It must return quickly: the next step of every job waits for it."""
 
-    latent: torch.Tensor
-    cond: Features
-    uncond: Optional[Features]
-    seed: int
-    steps: int
-    cfg: float
-    sampler: str = DEFAULT_SAMPLER
-    scheduler: str = DEFAULT_SCHEDULER
-    denoise: float = DEFAULT_DENOISE
-    shift: float = DEFAULT_SHIFT
-    sigmas: Optional[torch.Tensor] = None
-    noise_mask: Optional[torch.Tensor] = None
-    batch_index: Optional[List[int]] = None
-    cache: Optional[CacheConfig] = None
     on_step: Optional[Callable[[int, int], None]] = None
     stats: RunStats = field(default_factory=RunStats, init=False)  # this job's run: step mask, cache summary
+
+    @classmethod
+    def of(cls, request, on_step: Optional[Callable[[int, int], None]] = None) -> "Job":
+        """The job of a ``SampleRequest``."""
+        return cls(**{f.name: getattr(request, f.name) for f in dataclasses.fields(SampleRequest)}, on_step=on_step)
 
 
 class BatcherClosed(RuntimeError):
@@ -218,20 +205,17 @@ class Batcher:
         sigmas, the cache plan and the noise."""
         if not isinstance(job, Job):
             raise InputError(f"submit takes a Job, not {type(job).__name__}")
-        mc = self.engine.model_config
-        if not isinstance(job.latent, torch.Tensor) or job.latent.dim() not in (3, 4):
-            shape = tuple(job.latent.shape) if isinstance(job.latent, torch.Tensor) else type(job.latent).__name__
+        mc, latent = self.engine.model_config, job.latent
+        if not isinstance(latent, torch.Tensor) or latent.dim() not in (3, 4):
+            shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
             raise InputError(f"a job's latent has shape {shape}; expected [{mc.in_channels}, height, width] or "
                              f"[batch, {mc.in_channels}, height, width]")
         if job.on_step is not None and not callable(job.on_step):
             raise InputError(f"a job's on_step must be callable, not {type(job.on_step).__name__}")
-        batched = job.latent.dim() == 4
+        batched = latent.dim() == 4
         try:
-            run = self.engine.prepare(
-                job.latent if batched else job.latent[None], _features(job.cond), _features(job.uncond), seed=job.seed,
-                steps=job.steps, cfg=job.cfg, sampler=job.sampler, scheduler=job.scheduler, denoise=job.denoise,
-                shift=job.shift, cache=job.cache, noise_mask=job.noise_mask, batch_index=job.batch_index,
-                sigmas=job.sigmas)
+            run = self.engine.prepare(dataclasses.replace(job, latent=latent if batched else latent[None],
+                                                          cond=_features(job.cond), uncond=_features(job.uncond)))
         except CacheConfigError as e:
             raise InputError(str(e)) from e
         job.stats = run.stats

@@ -10,14 +10,13 @@ from typing import List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from ..errors import InputError
-from ..features.cache import ALL_PRESETS, CacheConfig
-from ..features.cache.masks import canonical_preset
+from ..features.cache import CacheConfig
 from ..inputs import check_sampling_settings, check_seed
 from ..options import declared
+from ..sample_wire import WireError, cache_setting
 from ..sampling_options import SamplingOptions
 
 MAX_IMAGES = 8  # n: OpenAI's dall-e-2 allows 1 to 10; SGLang clips; we refuse past 8
-CACHE_OFF = ("off", "none")
 
 
 class ApiError(Exception):
@@ -93,9 +92,8 @@ class Generation:
     n: int
     width: int
     height: int
-    seed: Optional[int]  # None: a random one per request
-    steps: int
-    cfg: float
+    latent_shape: Tuple[int, ...]  # [1, C, h, w] of one image (the served model's parts: its size checked once)
+    options: SamplingOptions  # the served model's defaults filled in; seed None: a random one per request
     cache: Optional[CacheConfig]  # None: the server's (its flags, else SGLANG_CACHE_DIT_*)
     enhance_prompt: bool = False
 
@@ -125,13 +123,11 @@ def parse_size(text: str) -> Tuple[int, int]:
 
 
 def parse_cache(name: Optional[str]) -> Optional[CacheConfig]:
-    if name is None:
-        return None
-    if name.strip().lower() in CACHE_OFF:
-        return CacheConfig(enabled=False)
-    if canonical_preset(name) not in ALL_PRESETS:
-        raise bad_field("cache", f"cache must be a preset ({', '.join(ALL_PRESETS)}) or 'off' (got {name!r:.40})")
-    return CacheConfig(enabled=True, preset=canonical_preset(name))
+    """A request's cache (engine/sample_wire.py's rule, the same for /v1/sample); a 400 naming the field."""
+    try:
+        return cache_setting(name)
+    except WireError as e:
+        raise bad_field("cache", str(e)) from None
 
 
 def parse_generation(body, served) -> Generation:
@@ -150,7 +146,7 @@ def parse_generation(body, served) -> Generation:
                                           "(the PE folder), or --pe with a --model-path release that has pe/")
     width, height = parse_size(req.size) if req.size is not None else (served.default_size,) * 2
     try:
-        served.check_size(width, height)
+        latent_shape = served.parts.latent_shape(width, height)
     except InputError as e:
         raise bad_field("size", f"size {width}x{height}: {e}") from None
     given = {name: getattr(req, field) for name, field in SAMPLING_FIELDS.items()}
@@ -164,7 +160,9 @@ def parse_generation(body, served) -> Generation:
             check()
         except InputError as e:
             raise bad_field(param, str(e)) from None
-    return Generation(req.prompt, req.negative_prompt, req.n, width, height, seed, steps, float(cfg),
+    options = SamplingOptions(**{"shift": served.shift, **{k: v for k, v in given.items() if v is not None},
+                                 "seed": seed, "steps": steps, "cfg": float(cfg)})
+    return Generation(req.prompt, req.negative_prompt, req.n, width, height, latent_shape, options,
                       parse_cache(req.cache), req.enhance_prompt)
 
 

@@ -2,15 +2,12 @@
 remote KSampler), as a Job on the server's batcher, its progress streamed back. The run takes everything
 ``Engine.sample`` takes (docs/serve.md has the table).
 
-Request: the body is safetensors bytes (never a pickle: anything else is a 400) with the tensors ``latent``
-[C, h, w] or [B, C, h, w], ``cond`` [T, C_text], optionally ``uncond`` [T', C_text], ``noise_mask`` (a LATENT's
-mask, any size) and ``sigmas`` [steps + 1], all float32, and in the safetensors metadata the key ``sgld``: a
-JSON object {seed, steps, cfg, sampler, scheduler, denoise, shift, batch_index, cache} (cache: a preset name,
-"off", an object of CacheConfig fields, or null for the server's).
+Request: the wire format of engine/sample_wire.py (safetensors bytes: the tensors, and the settings in the
+metadata key ``sgld``), decoded there; anything else is a 400.
 
 Answer: 200 with newline-delimited JSON (application/x-ndjson), one event a line: ``{"step": i, "total": n}``
 after each step; an empty line every second without one (a keepalive: clients skip it); then the last line,
-``{"latent": <base64 safetensors with the tensor "latent" of the request's latent shape, float32>,
+``{"latent": <the request's latent shape, float32, as sample_wire.encode_latent writes it>,
 "model_calls", "calls_computed", "timeline", "warnings"}`` or ``{"error": {OpenAI error}, "status": code}`` when
 the run failed after the answer began. Everything checkable before the run (body, fields, shapes, a batch
 past --max-batch, batch_index past the draws the server makes, a full server) is refused with its status and
@@ -19,111 +16,28 @@ cancels the job (its batcher slot is freed)."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
-from typing import List, Optional, Tuple, Union
+from typing import Tuple
 
-import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict
-from safetensors import SafetensorError
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
-from ..errors import USER_ERRORS, CheckpointError
-from ..features.cache import CacheConfig, CacheConfigError
-from ..features.cache.config import config_from_dict
-from ..io.safetensors import load_json_object
-from ..sampling import DEFAULT_SHIFT, cfg_on
-from ..sampling_options import DEFAULT_DENOISE, DEFAULT_SAMPLER, DEFAULT_SCHEDULER
+from ..errors import USER_ERRORS
+from ..sample_wire import PATH, WireError, decode, encode_latent
+from ..sampling import cfg_on
 from .batcher import Job
-from .protocol import ApiError, bad_field, parse, parse_cache
+from .protocol import ApiError
 
-PATH = "/v1/sample"
-METADATA_KEY = "sgld"
-TENSORS = ("latent", "cond", "uncond", "noise_mask", "sigmas")
 KEEPALIVE_S = 1.0
-MAX_HEADER = 100_000  # bytes of safetensors header: five tensors and a few settings need far less
-
-
-class SampleSettings(BaseModel):
-    """The run's settings (the safetensors metadata's ``sgld`` object); the names and defaults of
-    ``Engine.sample``'s. Unknown fields are refused with their name; no coercion of "5" into 5."""
-    model_config = ConfigDict(extra="forbid", strict=True)
-    seed: int
-    steps: int
-    cfg: float
-    sampler: str = DEFAULT_SAMPLER
-    scheduler: str = DEFAULT_SCHEDULER
-    denoise: float = DEFAULT_DENOISE
-    shift: float = DEFAULT_SHIFT
-    batch_index: Optional[List[int]] = None
-    cache: Union[str, dict, None] = None
-
-
-def _bad_body(message: str) -> ApiError:
-    return ApiError(400, f"the body of {PATH} must be safetensors bytes (latent, cond, optional uncond, noise_mask, "
-                         f"sigmas; settings in the metadata key '{METADATA_KEY}'): {message}", code="invalid_body")
-
-
-def _header(body: bytes) -> dict:
-    """The safetensors header, read strictly (its length, JSON without repeated keys) before any tensor is."""
-    if len(body) < 8:
-        raise _bad_body(f"{len(body)} bytes is too short")
-    size = int.from_bytes(body[:8], "little")
-    if size < 2 or body[8:9] != b"{":
-        raise _bad_body("no safetensors header at the start (a pickle or another format?)")
-    if size > MAX_HEADER:
-        raise _bad_body(f"its header is {size} bytes, more than the {MAX_HEADER} this endpoint reads (three tensors "
-                        "and the settings need a few hundred)")
-    if size > len(body) - 8:
-        raise _bad_body(f"its header length {size} does not fit the {len(body)}-byte body (a truncated body?)")
-    try:
-        return load_json_object(body[8:8 + size], "the safetensors header")
-    except CheckpointError as e:
-        raise _bad_body(str(e)) from None
-
-
-def _cache(value) -> Optional[CacheConfig]:
-    if value is None or isinstance(value, str):
-        return parse_cache(value)
-    try:
-        return config_from_dict(value)
-    except (CacheConfigError, TypeError, ValueError) as e:
-        raise bad_field("cache", f"cache: {e}") from None
 
 
 def parse_sample(body: bytes) -> Job:
-    """The body as a Job (its on_step set later); a 400 naming what is wrong."""
-    header = _header(body)
-    metadata = header.pop("__metadata__", {})
-    if not isinstance(metadata, dict):
-        raise _bad_body(f"'__metadata__' must be a JSON object of strings (got {json.dumps(metadata)[:40]})")
-    unknown = sorted(set(header) - set(TENSORS))
-    if unknown:
-        raise _bad_body(f"unknown tensor(s) {', '.join(unknown)[:200]}")
-    for name in ("latent", "cond"):
-        if name not in header:
-            raise _bad_body(f"the tensor '{name}' is missing")
-    for name, info in header.items():
-        if not isinstance(info, dict) or info.get("dtype") != "F32":
-            raise _bad_body(f"the tensor '{name}' must be float32 (F32), not {info.get('dtype') if isinstance(info, dict) else info!r:.20}")
-    if METADATA_KEY not in metadata:
-        raise _bad_body(f"the metadata key '{METADATA_KEY}' (the run's settings as JSON) is missing")
+    """The body as a Job (its on_step set later; engine/sample_wire.py decodes it); a 400 naming what is wrong."""
     try:
-        settings = parse(SampleSettings, load_json_object(metadata[METADATA_KEY], f"metadata '{METADATA_KEY}'"))
-    except CheckpointError as e:
-        raise _bad_body(str(e)) from None
-    try:
-        tensors = load_tensors(body)
-    except (SafetensorError, ValueError, RuntimeError) as e:
-        raise _bad_body(str(e)[:200]) from None
-    return Job(tensors["latent"], tensors["cond"], tensors.get("uncond"), settings.seed, settings.steps, settings.cfg,
-               sampler=settings.sampler, scheduler=settings.scheduler, denoise=settings.denoise, shift=settings.shift,
-               sigmas=tensors.get("sigmas"), noise_mask=tensors.get("noise_mask"), batch_index=settings.batch_index,
-               cache=_cache(settings.cache))
+        return Job.of(decode(body))
+    except WireError as e:
+        raise ApiError(400, str(e), param=e.param, code=e.code) from None
 
 
 def admitted_samples(job: Job, settings) -> Tuple[int, int]:
@@ -152,12 +66,8 @@ def _line(event: dict) -> bytes:
     return (json.dumps(event) + "\n").encode()
 
 
-def latent_bytes(latent: torch.Tensor) -> str:
-    return base64.b64encode(save_tensors({"latent": latent.contiguous()})).decode("ascii")
-
-
 def sample_router(server) -> APIRouter:
-    """The route, built from the server (engine/serve/app.py's ``ImageServer``): the job admitted as its samples
+    """The route, built from the server (engine/serve/server.py's ``ImageServer``): the job admitted as its samples
     (``admitted_samples``) against the generations' bound, under their shared gate while it runs, on their
     batcher."""
     router = APIRouter()
@@ -258,6 +168,6 @@ def _outcome(job, future, metrics) -> dict:
                                              str(error), kind, code="run_failed").body()}
     metrics.images.inc()
     stats = getattr(future, "run_stats", None) or {}
-    return {"latent": latent_bytes(future.result()), "model_calls": stats.get("model_calls"),
+    return {"latent": encode_latent(future.result()), "model_calls": stats.get("model_calls"),
             "calls_computed": stats.get("calls_computed"), "timeline": [bool(c) for c in job.stats.step_mask],
             "warnings": list(job.stats.warnings) + list(job.stats.cache.get("warnings", []))}

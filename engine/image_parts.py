@@ -1,0 +1,99 @@
+"""What a prompt-to-picture entry point needs of a model besides its DiT, as one protocol: encode a prompt, the
+latent of a picture size (the one check of a size), decode a latent, the default size. ``sgld generate``,
+``sgld serve`` and ``ErnieImagePipeline`` run on it; the demo model's parts and ERNIE-Image files' (text encoder
+and Flux2 VAE, engine/models/external.py) are here. Latents are [batch, C, h, w] everywhere, pictures
+[batch, H, W, 3]: no entry point adds or removes a batch axis of its own."""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .errors import InputError
+from .models import demo as demo_pkg
+from .sampling import MAX_IMAGE_SIDE
+
+ERNIE_SIZE = 1024  # ERNIE-Image's default picture side (diffusers' pipeline's, sgld generate's --width)
+
+
+class ImageParts:
+    """The protocol; ``default_size``: the picture's side in pixels when a caller gives none."""
+
+    default_size: int
+
+    def encode(self, prompt: str) -> torch.Tensor:
+        """A prompt -> its text features [tokens, C] (float32, CPU)."""
+        raise NotImplementedError
+
+    def latent_shape(self, width: int, height: int, batch: int = 1) -> Tuple[int, ...]:
+        """[batch, C, h, w] of a picture of width x height pixels: InputError for a size the model cannot make."""
+        raise NotImplementedError
+
+    def empty_latent(self, width: int, height: int, batch: int = 1) -> torch.Tensor:
+        """Zeros [batch, C, h, w] (text-to-image's start), the size checked by ``latent_shape``."""
+        return torch.zeros(self.latent_shape(width, height, batch))
+
+    def decode_float(self, latent: torch.Tensor) -> torch.Tensor:
+        """Latent [B, C, h, w] -> float pictures [B, H, W, 3] in 0..1."""
+        raise NotImplementedError
+
+    def decode(self, latent: torch.Tensor) -> np.ndarray:
+        """Latent [B, C, h, w] -> uint8 pictures [B, H, W, 3]."""
+        raise NotImplementedError
+
+    def warnings(self, prompts: Sequence[str], negatives: Sequence[str]) -> List[str]:
+        """What the prompts ask that the model cannot draw (none by default)."""
+        return []
+
+
+class DemoParts(ImageParts):
+    """The demo model's text encoder and pixel codec (one file with its DiT: engine/models/demo)."""
+
+    default_size = demo_pkg.IMAGE_SIZE
+
+    def __init__(self, demo):
+        self.demo = demo
+
+    def encode(self, prompt: str) -> torch.Tensor:
+        return self.demo.encode([prompt])[0]
+
+    def latent_shape(self, width: int, height: int, batch: int = 1) -> Tuple[int, ...]:
+        if (width, height) != (demo_pkg.IMAGE_SIZE, demo_pkg.IMAGE_SIZE):
+            raise InputError(f"the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} pictures only")
+        return (batch, demo_pkg.LATENT_CHANNELS, demo_pkg.LATENT_SIZE, demo_pkg.LATENT_SIZE)
+
+    def decode_float(self, latent: torch.Tensor) -> torch.Tensor:
+        return self.demo.decode_float(latent)
+
+    def decode(self, latent: torch.Tensor) -> np.ndarray:
+        return self.demo.decode(latent)
+
+    def warnings(self, prompts: Sequence[str], negatives: Sequence[str]) -> List[str]:
+        """One per prompt that uses what the demo model does not know (WordTokenizer.unknown_words, "top right")."""
+        found = [self.demo.tokenizer.unknown_words_warning(p, where=f" in {name}")
+                 for name, texts in (("prompt", prompts), ("negative_prompt", negatives)) for p in dict.fromkeys(texts)]
+        return [w for w in found if w]
+
+
+class ErnieParts(ImageParts):
+    """ERNIE-Image's text encoder and Flux2 VAE (engine/models/external.py: ``TextEncoder``, ``Flux2VAE``)."""
+
+    default_size = ERNIE_SIZE
+
+    def __init__(self, text_encoder, vae):
+        self.text_encoder, self.vae = text_encoder, vae
+
+    def encode(self, prompt: str) -> torch.Tensor:
+        return self.text_encoder.encode(prompt)
+
+    def latent_shape(self, width: int, height: int, batch: int = 1) -> Tuple[int, ...]:
+        if not (1 <= width <= MAX_IMAGE_SIDE and 1 <= height <= MAX_IMAGE_SIDE):
+            raise InputError(f"each side must be from 1 to {MAX_IMAGE_SIDE} pixels")
+        return self.vae.latent_shape(width, height, batch)  # the VAE's own rule (a multiple of its stride)
+
+    def decode_float(self, latent: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode_float(latent)
+
+    def decode(self, latent: torch.Tensor) -> np.ndarray:
+        return self.vae.decode(latent).numpy()
