@@ -23,6 +23,7 @@ import comfy.utils
 from ..engine import CheckpointError, InputError
 from ..engine.features.cache import CacheConfigError, resolve_config
 from ..engine.inputs import latent_hint
+from ..engine.models import families
 from ..engine.options import node_inputs
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
 from ..engine.sampling_options import SamplingOptions
@@ -32,7 +33,6 @@ from .server_nodes import RemoteModel, sample_remote
 log = logging.getLogger("sgldiffusion")
 RUN_EVENT = "sgldiffusion.run"  # PromptServer message the web extension listens to
 NODE = "SGLDiffusion KSampler"
-FLUX2_CHANNELS = 128  # ComfyUI's Flux2 latent format, the one ERNIE-Image uses
 ERROR_CHARS = 4000  # an error message longer than this is cut in the run event (the panel shows all of it)
 MAX_LAST_RUNS = 256  # (workflow, node, graph) runs remembered; the oldest are forgotten first
 GRAPH_KEY = "graph"  # in a run record: graph_fingerprint() of the prompt that ran it
@@ -154,11 +154,12 @@ class StepReporter:
     def __init__(self, steps: int, channels: int, device):
         self.pbar = comfy.utils.ProgressBar(steps)
         self.previewer = None
-        if channels == FLUX2_CHANNELS:
+        formats = [f.latent.comfy_format for f in families() if f.latent.channels == channels and f.latent.comfy_format]
+        if formats:  # a family's latent (ERNIE-Image: ComfyUI's Flux2 format); the demo's has no previewer
             try:
                 import latent_preview
 
-                self.previewer = latent_preview.get_previewer(device, comfy.latent_formats.Flux2())
+                self.previewer = latent_preview.get_previewer(device, getattr(comfy.latent_formats, formats[0])())
             except Exception as e:  # no preview is better than no image
                 log.warning("SGLDiffusion: step previews disabled (%s)", e)
 
