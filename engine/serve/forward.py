@@ -6,9 +6,9 @@ calls and padding every text to the longest would change a sample's bits: small-
 and its modulation, the final projection, the text projection), the patch embedding and attention over a
 longer, masked key sequence all round differently at other shapes. So only the row-invariant part is shared:
 
-* per job: ``model.embed`` on its own inputs (patch embed, text projection, time embedding, modulation,
-  RoPE, its own key mask) and ``model.unembed`` on its own rows;
-* joined: the blocks (the big linears over every token row, the norms, the elementwise modulation), on
+* per job: ``model.embed`` on its own inputs (patch embed, text projection, time embedding, positions, its
+  own key mask: whatever the family's embed computes per sample) and ``model.unembed`` on its own rows;
+* joined: the blocks (the big linears over every token row, the norms, the elementwise time conditioning), on
   the jobs' hidden states zero-padded to the longest sequence, with one context the family's
   ``join_contexts`` makes from the jobs' own (engine/models/family.py);
 * attention grouped by each job's own sequence length (and whether it has a key mask), so a group attends
