@@ -26,8 +26,8 @@ def _all_reduce(out: torch.Tensor, group) -> torch.Tensor:
 
 
 def _tp_class(base: type) -> type:
-    """``base`` (a block submodule of the family's ``partial_sum_modules``) whose output is all-reduced over the tensor-parallel group. A class swap:
-    a compiled block sees it (docs/architecture.md)."""
+    """``base`` (a block submodule the family names in ``partial_sum_modules``) whose output is all-reduced over
+    the tensor-parallel group. A class swap: a compiled block sees it (docs/architecture.md)."""
     def forward(self, *args, **kwargs):
         return _all_reduce(base.forward(self, *args, **kwargs), patching.state(self)[TP])
 
