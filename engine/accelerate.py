@@ -19,16 +19,20 @@ from torch import nn
 from .config import EngineConfig
 from .errors import InputError
 from .io.load import build_model
-from .models.ernie_image import ErnieImageConfig
+from .models.family import Family, families
 from .pipeline import cache_option
 from .router import open_engine
 from .sampling import to_sigma
 
-DIFFUSERS_CLASS = "ErnieImageTransformer2DModel"
+
+def _family_of_transformer(original) -> Optional[Family]:
+    """The family whose ``diffusers_class`` ``pipe.transformer`` is (by class name: diffusers is never imported)."""
+    name = type(original).__name__
+    return next((f for f in families() if f.diffusers_class and f.diffusers_class == name), None)
 
 
 class EngineTransformer(nn.Module):
-    """Stands in for diffusers' ErnieImageTransformer2DModel in its pipeline: same call, same ``config``, the
+    """Stands in for diffusers' transformer (the family's ``diffusers_class``) in its pipeline: same call, same ``config``, the
     engine computing. ``original`` (not a submodule, so ``pipe.to`` leaves it alone) is what ``restore`` gives back."""
 
     def __init__(self, engine, original: nn.Module, original_device: torch.device, pipe, cache=None):
@@ -96,14 +100,14 @@ class EngineTransformer(nn.Module):
         return Transformer2DModelOutput(sample=out)
 
 
-def _engine_model(original: nn.Module, device, dtype):
-    """Our ERNIE-Image DiT with a copy of the diffusers transformer's tensors, on ``device`` in ``dtype``."""
+def _engine_model(original: nn.Module, family: Family, device, dtype):
+    """Our DiT of ``family`` with a copy of the diffusers transformer's tensors, on ``device`` in ``dtype``."""
     state = original.state_dict()
     try:
-        cfg = ErnieImageConfig.from_shapes({k: tuple(v.shape) for k, v in state.items()}, dict(original.config),
-                                           source="pipe.transformer.config")
+        cfg = family.config_from_shapes({k: tuple(v.shape) for k, v in state.items()}, dict(original.config),
+                                        source="pipe.transformer.config")
     except ValueError as e:
-        raise InputError(f"pipe.transformer: not an ERNIE-Image transformer this engine can run: {e}") from None
+        raise InputError(f"pipe.transformer: not an {family.title} transformer this engine can run: {e}") from None
     model = build_model(cfg)
     model.load_state_dict({k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
                            for k, v in state.items()}, strict=True, assign=True)
@@ -112,15 +116,17 @@ def _engine_model(original: nn.Module, device, dtype):
 
 def accelerate(pipe, cache=None, quant: Optional[str] = None, offload: str = "none", compile=False,
                attention: str = "auto", device=None, **engine_options):
-    """Swap ``pipe.transformer`` (diffusers' ErnieImageTransformer2DModel) for the engine's DiT with these features
+    """Swap ``pipe.transformer`` (diffusers' transformer of a family of engine/models/) for the engine's DiT with these features
     (EngineConfig's options: quant, offload, compile, attention, ...; ``cache``: a Cache-DiT preset name, "off" or
     a CacheConfig, None = the SGLANG_CACHE_DIT_* environment). Returns ``pipe``; ``restore(pipe)`` undoes it."""
     original = getattr(pipe, "transformer", None)
     if isinstance(original, EngineTransformer):
         raise InputError("this pipeline is already accelerated; engine.restore(pipe) first to change its options")
-    if type(original).__name__ != DIFFUSERS_CLASS:
+    family = _family_of_transformer(original)
+    if family is None:
+        known = " or ".join(f.diffusers_class for f in families() if f.diffusers_class)
         raise InputError(f"engine.accelerate takes diffusers' ErnieImagePipeline: pipe.transformer is "
-                         f"{type(original).__name__}, not {DIFFUSERS_CLASS}")
+                         f"{type(original).__name__}, not {known}")
     original_device = next(original.parameters()).device
     dtype = original.dtype
     target = torch.device(device) if device is not None else original_device
@@ -133,8 +139,8 @@ def accelerate(pipe, cache=None, quant: Optional[str] = None, offload: str = "no
     if original_device.type != "cpu":
         original.to("cpu")  # wait in CPU memory, not beside the engine's copy
     try:
-        model = _engine_model(original, target, dtype)
-        engine = open_engine(model, config, label=f"{DIFFUSERS_CLASS} (accelerated)")
+        model = _engine_model(original, family, target, dtype)
+        engine = open_engine(model, config, label=f"{family.diffusers_class} (accelerated)")
     except BaseException:
         original.to(original_device)
         raise

@@ -12,7 +12,7 @@ from .features.quant import QuantPlan, QuantTransform
 from .features.quant.gguf_linear import GGUF_MODULES
 from .io.checkpoint import open_checkpoint
 from .io.load import LoadPlan, build_model
-from .models.ernie_image import ErnieImageConfig
+from .models.family import families, family_of
 
 
 def plan_load(checkpoint, dtype=None, quant: Optional[str] = None,
@@ -30,7 +30,7 @@ def plan_load(checkpoint, dtype=None, quant: Optional[str] = None,
 
 def load_model(checkpoint, dtype=None, device="cpu", quant: Optional[str] = None,
                shard: Optional[Tuple[int, int]] = None) -> nn.Module:
-    """Load an ERNIE-Image DiT from a .safetensors file or a diffusers folder (or an opened Checkpoint), in eval mode.
+    """Load a DiT (of a family of engine/models/, ERNIE-Image's for the release) from a .safetensors file or a diffusers folder (or an opened Checkpoint), in eval mode.
 
     ``dtype``: bf16 | fp16 | fp32 | None (as stored). ``quant`` (a name of the format table: "fp8", "int4",
     "int4-g64", ...): quantize the
@@ -41,10 +41,10 @@ def load_model(checkpoint, dtype=None, device="cpu", quant: Optional[str] = None
 
 def estimate_bytes(source, dtype=None, quant: Optional[str] = None) -> int:
     """Bytes of the model at rest once loaded, nothing read: ``source`` a checkpoint (a path or an opened
-    Checkpoint; ``dtype`` None = as stored), or an ErnieImageConfig (a model built in ``dtype``, as
+    Checkpoint; ``dtype`` None = as stored), or a family's config (a model built in ``dtype``, as
     ``sgld bench`` builds one)."""
-    if not isinstance(source, ErnieImageConfig):
+    if not any(isinstance(source, f.config_class) for f in families()):
         return plan_load(source, dtype, quant).bytes_at_rest()
-    transform = QuantTransform(None, quant)
+    transform = QuantTransform(None, quant, family_of(source))
     return sum(transform.bytes_at_rest(name, p.dtype, tuple(p.shape), dtype)
                for name, p in build_model(source).named_parameters())

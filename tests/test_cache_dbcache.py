@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.engine import Engine
 from engine.features.cache import CacheConfig, DBCacheRunner, TaylorSeer, mask_str, preset_mask, resolve_config
+from engine.models import family
 from engine.models.ernie_image import run_all_blocks
 from engine.models.random_weights import SIZES, random_model
 
@@ -175,6 +176,22 @@ class Toy(nn.Module):
     def __init__(self):
         super().__init__()
         self.layers = nn.ModuleList([Add(1.0), Add(2.0), Add(3.0)])
+
+
+class ToyConfig:
+    pass
+
+
+@pytest.fixture(autouse=True)
+def toy_family():
+    """The toy is a DiT family of its own (the runner finds the blocks through engine/models/family.py)."""
+    family.register(family.Family(
+        name="toy-dbcache", title="Toy", config_class=ToyConfig, model_class=Toy, context_class=torch.Tensor,
+        signature_keys=("layers.0.k",), blocks="layers", block_linears=(), shard_dims={}, partial_sum_modules=(),
+        heads_module="", fuse_groups={}, latent=family.Latent(channels=4, stride=1, name="the toy latent"),
+        join_contexts=None, chunk_context=None))
+    yield
+    family.unregister("toy-dbcache")
 
 
 def toy_runner(calls=10, branches=2, **kw):

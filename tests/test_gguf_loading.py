@@ -28,6 +28,7 @@ from engine.features import quant as Q
 from engine.features.quant.gguf_linear import GGUFLinear
 from engine.io.checkpoint import open_checkpoint
 from engine.loading import estimate_bytes
+from engine.models.ernie_image import FAMILY
 from engine.models.random_weights import random_state_dict
 from engine.router import open_engine
 
@@ -101,7 +102,7 @@ def test_bytes_at_rest_are_the_files_bytes(tmp_path):
     model = load_model(path, dtype="fp32")
     assert estimate_bytes(path, dtype="fp32") == Q.weight_bytes(model)
     block_bytes = Q.weight_bytes(model, only_block_linears=True)
-    dense = sum(SD[f"{n}.weight"].numel() * 4 for n in [f"layers.{i}.{p}" for i in range(CFG.num_layers) for p in Q.BLOCK_LINEARS[:7]])
+    dense = sum(SD[f"{n}.weight"].numel() * 4 for n in [f"layers.{i}.{p}" for i in range(CFG.num_layers) for p in FAMILY.block_linears[:7]])
     assert block_bytes * 7 < dense  # Q4_K: 4.5 bits a weight against 32
 
 

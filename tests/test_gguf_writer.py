@@ -14,8 +14,7 @@ from safetensors.torch import load_file
 from engine.cli import main
 from engine.features.quant import gguf_numerics as gn
 from engine.features.quant.gguf_convert import FALLBACK
-from engine.features.quant.modules import is_block_linear
-from engine.models.ernie_image import ErnieImageConfig
+from engine.models.ernie_image import FAMILY, ErnieImageConfig
 from engine.models.random_weights import SIZES, save_random_checkpoint
 
 Q = GGMLQuantizationType
@@ -54,7 +53,7 @@ def _torch_shape(reader, tensor):
 
 
 def _expected_type(key, shape, qtype):
-    if key.endswith(".weight") and is_block_linear(key.rpartition(".")[0]):
+    if key.endswith(".weight") and FAMILY.is_block_linear(key.rpartition(".")[0]):
         return qtype
     return Q.F32 if len(shape) == 1 or int(np.prod(shape)) <= 1024 else Q.BF16  # ComfyUI-GGUF convert.py rules
 
@@ -112,7 +111,7 @@ def test_rows_of_partial_blocks_get_llama_cpp_fallback(tmp_path, fmt, capsys):
     said = capsys.readouterr().out
     assert (f"14 as {Q(want).name.lower()} (rows not whole blocks)" in said) == (want != qtype), said  # Q5_0 for Q4_K, Q8_0 for Q6_K; Q8_0 (blocks of 32) fits as it is
     types = {t.name: t.tensor_type for t in GGUFReader(str(out)).tensors}
-    blocks = {k: v for k, v in types.items() if is_block_linear(k.rpartition(".")[0]) and k.endswith(".weight")}
+    blocks = {k: v for k, v in types.items() if FAMILY.is_block_linear(k.rpartition(".")[0]) and k.endswith(".weight")}
     assert len(blocks) == 7 * TINY.num_layers and set(blocks.values()) == {want}
     assert types["text_proj.weight"] == Q.F32  # fp32 source: dense tensors as stored
 

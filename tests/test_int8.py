@@ -25,8 +25,8 @@ from engine.features.lora import target_modules
 from engine.features.quant import int8 as I8
 from engine.features.quant.formats import QuantPlan
 from engine.io.checkpoint import open_checkpoint
-from engine.io.load import SHARD_DIMS
 from engine.loading import estimate_bytes
+from engine.models.ernie_image import FAMILY
 from engine.models.random_weights import SIZES, random_model, save_random_checkpoint
 from tools.demo import judge
 
@@ -295,7 +295,7 @@ def test_tensor_parallel_shards_quantize_their_slices(tiny_checkpoint):
     full_dense = load_model(tiny_checkpoint)
     full = load_model(tiny_checkpoint, quant="int8")
     shards = [load_model(tiny_checkpoint, shard=(2, i), quant="int8") for i in range(2)]
-    for name, dim in SHARD_DIMS.items():
+    for name, dim in FAMILY.shard_dims.items():
         layer = f"layers.1.{name}"
         whole = full.get_submodule(layer)
         parts = [s.get_submodule(layer) for s in shards]

@@ -15,9 +15,9 @@ from engine.errors import ParallelConfigError
 from engine.features import patching
 from engine.features import quant as Q
 from engine.io.checkpoint import Checkpoint
-from engine.io.load import shard_dim
 from engine.io.safetensors import SafetensorsFile
 from engine.loading import estimate_bytes, plan_load
+from engine.models.ernie_image import FAMILY
 from engine.models.random_weights import SIZES, random_model, save_random_checkpoint
 
 CFG = SIZES["tiny"]
@@ -66,7 +66,7 @@ def test_tensor_parallel_shard_is_the_slices_of_the_full_model(tiny_checkpoint, 
         shard = load_model(tiny_checkpoint, shard=(2, index))
         sliced = 0
         for k, v in shard.state_dict().items():
-            dim = shard_dim(k)
+            dim = FAMILY.shard_dim(k)
             want = full[k] if dim is None else full[k].chunk(2, dim=dim)[index]
             assert v.shape == want.shape and torch.equal(v, want), k
             sliced += dim is not None

@@ -1,6 +1,6 @@
-"""Regional torch.compile: the repeated ERNIE-Image block is compiled once and reused by every layer,
-attached as the "compile" Patch. The blocks share one code object and their parameters are graph
-inputs, so the 36 layers use ONE graph; the block loop stays eager, so Cache-DiT skipping blocks, offload
+"""Regional torch.compile: the repeated DiT block (its family's ``blocks``) is compiled once and reused by every
+layer, attached as the "compile" Patch. The blocks share one code object and their parameters are graph
+inputs, so ERNIE-Image's 36 layers use ONE graph; the block loop stays eager, so Cache-DiT skipping blocks, offload
 and LoRA never recompile. Modes and shapes: docs/attention_compile_quant.md.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import List, Optional, Union
 import torch
 from torch import nn
 
+from ..models.family import family_of
 from . import patching
 
 SHAPES = ("static", "dynamic")  # EngineConfig.compile: one graph per resolution, or one dynamic-shape graph
@@ -28,6 +29,10 @@ def default_mode(device) -> Optional[str]:
     if env:
         return None if env.lower() == "default" else env
     return GPU_MODE if torch.device(device).type == "cuda" else None
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    return family_of(model).blocks_of(model)
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -47,18 +52,18 @@ class CompiledBlocks(patching.Patch):
 
     def remove(self) -> None:
         model = self.model
-        for block in [] if model is None else model.layers:
+        for block in [] if model is None else _blocks(model):
             block._compiled_call_impl = None
 
     def describe(self) -> dict:
         model = self.model
         return {"mode": self.mode, "shapes": self.shapes, "backend": self.backend,
-                "blocks": 0 if model is None else len(model.layers)}
+                "blocks": 0 if model is None else len(_blocks(model))}
 
 
 def compile_blocks(model: nn.Module, shapes: Union[bool, str] = "static", mode: Optional[str] = "auto",
                    backend: str = "inductor", fullgraph: bool = False) -> List[str]:
-    """Compile every block of ``model.layers`` in place (one shared graph). Returns warnings.
+    """Compile every block of ``model`` in place (one shared graph). Returns warnings.
 
     ``shapes``: True / "static" (dynamic=False) or "dynamic" (automatic dynamic shapes).
     ``mode``: "auto" = ``default_mode(device)``; any torch.compile mode, or None for the default."""
@@ -83,10 +88,10 @@ def compile_blocks(model: nn.Module, shapes: Union[bool, str] = "static", mode: 
     if getattr(cfg, limit_name) < RECOMPILE_LIMIT:
         setattr(cfg, limit_name, RECOMPILE_LIMIT)
     patching.detach(model, FEATURE)  # compiled again with these settings
-    for block in model.layers:
+    for block in _blocks(model):
         block.compile(backend=backend, mode=mode, dynamic=dyn, fullgraph=fullgraph)
     patching.attach(model, CompiledBlocks(model, shapes, mode or "default", backend))
-    log.info("compile: %d blocks share one %s graph (mode %s, %s shapes)", len(model.layers), backend, mode or "default", shapes)
+    log.info("compile: %d blocks share one %s graph (mode %s, %s shapes)", len(_blocks(model)), backend, mode or "default", shapes)
     return warnings
 
 
@@ -97,7 +102,7 @@ def uncompile_blocks(model: nn.Module) -> bool:
 
 def is_compiled(model: nn.Module) -> bool:
     return patching.get(model, FEATURE) is not None and any(
-        getattr(b, "_compiled_call_impl", None) is not None for b in model.layers)
+        getattr(b, "_compiled_call_impl", None) is not None for b in _blocks(model))
 
 
 def graph_count() -> int:

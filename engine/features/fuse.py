@@ -1,7 +1,7 @@
 """Fused projections: q/k/v as one GEMM and gate/up as one, attached when an engine is built.
 
-``fuse_projections(model)`` registers the "fuse" Patch: each group (``self_attention.to_q/to_k/to_v``
--> ``self_attention.qkv``, ``mlp.gate_proj/up_proj`` -> ``mlp.gate_up``) becomes one module of the
+``fuse_projections(model)`` registers the "fuse" Patch: each group of the model's family (``fuse_groups``,
+engine/models/family.py: for ERNIE-Image q/k/v -> one linear and gate/up -> one) becomes one module of the
 same kind (``nn.Linear``, or a quantized layer: its format's ``concat`` / ``rows`` in the format table,
 engine/features/quant/registry.py) whose output rows are the parts back to back: exact, each row keeps
 its own weights, fp8 scale and int4 groups. The checkpoint's names stay
@@ -15,13 +15,19 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..models.ernie_image import Attention, GeGLU
+from ..models.family import families
 from . import patching
 from .quant import FORMAT_TABLE, format_of
 from .quant.modules import FUSE_RECORD
 
-# module class -> (fused child name, the parts it replaces, in output-row order)
-GROUPS = {Attention: ("qkv", ("to_q", "to_k", "to_v")), GeGLU: ("gate_up", ("gate_proj", "up_proj"))}
+
+def _group(module: nn.Module) -> Optional[Tuple[str, Tuple[str, ...]]]:
+    """(fused child name, the parts it replaces, in output-row order) when ``module``'s class is a fuse group of
+    a registered family (its ``fuse_groups``), else None."""
+    cls = patching.base_class(module)
+    return next((f.fuse_groups[cls] for f in families() if cls in f.fuse_groups), None)
+
+
 FEATURE = FUSE_RECORD  # "fuse": quantization carries this per-module record to a fused linear's replacement
 
 
@@ -101,7 +107,7 @@ def _keeps_checkpoint_names(base: type) -> type:
 
 
 def _split_state(module, state_dict, prefix):
-    fused_name = GROUPS[patching.base_class(module)][0]
+    fused_name = _group(module)[0]
     fused = module._modules.get(fused_name)
     if fused is None:
         return state_dict
@@ -120,7 +126,7 @@ def _split_state(module, state_dict, prefix):
 
 
 def _join_state(module, state_dict, prefix) -> None:
-    fused_name, part_names = GROUPS[patching.base_class(module)]
+    fused_name, part_names = _group(module)
     fused = module._modules.get(fused_name)
     if fused is None:
         return
@@ -144,7 +150,7 @@ class FusedProjections(patching.Patch):
         self.groups: List[Tuple[nn.Module, Tuple[str, ...]]] = []
 
     def fuse(self, module: nn.Module) -> bool:
-        fused_name, part_names = GROUPS[patching.base_class(module)]
+        fused_name, part_names = _group(module)
         if fused_name in module._modules:
             return False
         parts = [module._modules[n] for n in part_names]
@@ -174,7 +180,7 @@ class FusedProjections(patching.Patch):
         with torch.inference_mode(False):
             while self.groups:
                 module, order = self.groups.pop()
-                fused_name = GROUPS[patching.base_class(module)][0]
+                fused_name = _group(module)[0]
                 fused = module._modules[fused_name]
                 parts = {n: _rows(fused, start, stop) for n, start, stop in _part_ranges(fused_parts(fused))}
                 patching.set_children(module, {n: parts[n] if n in parts else module._modules[n] for n in order})
@@ -188,12 +194,12 @@ class FusedProjections(patching.Patch):
 
 @torch.no_grad()
 def fuse_projections(model: nn.Module) -> int:
-    """Fuse every q/k/v and gate/up group of ``model`` in place (idempotent). Returns the groups fused now."""
+    """Fuse every group (q/k/v, gate/up ...) of ``model`` in place (idempotent). Returns the groups fused now."""
     patch = patching.get(model, FEATURE) or FusedProjections(model)
     count = 0
     with torch.inference_mode(False):  # normal tensors, whatever mode the engine is built in (ComfyUI)
         for module in model.modules():
-            if patching.base_class(module) in GROUPS:
+            if _group(module) is not None:
                 count += patch.fuse(module)
     if count and patching.get(model, FEATURE) is None:
         patching.attach(model, patch)
@@ -223,7 +229,7 @@ def fused_groups(model: nn.Module) -> Tuple[int, int]:
     """(groups fused, groups in the model)."""
     total = fused = 0
     for module in model.modules():
-        group = GROUPS.get(patching.base_class(module))
+        group = _group(module)
         if group is not None:
             total += 1
             fused += group[0] in module._modules

@@ -1,6 +1,6 @@
 """The checkpoint opener, ``open_checkpoint``: one weight file or a diffusers folder (shards, config.json),
 each file opened by its reader (engine/io/readers.py), its tensors without their prefix, and the
-architecture read from the header alone (engine/io/load.py reads the tensors). Every problem with the
+architecture read from the header alone (the DiT family whose signature keys it holds, engine/models/family.py) (engine/io/load.py reads the tensors). Every problem with the
 input is a ``CheckpointError`` whose message names the file and what is wrong.
 """
 from __future__ import annotations
@@ -11,13 +11,11 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from ..models.ernie_image import SIGNATURE_KEYS, ErnieImageConfig
+from ..models.family import Family, detect, families
 from . import gguf as _gguf  # noqa: F401  (registers the .gguf reader)
 from .readers import open_file, shard_suffixes
 from .safetensors import COMPUTE_DTYPES, DTYPE_NAMES, CheckpointError, load_json_object, refuse_pickle
 
-PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")
-CONFIG_METADATA_KEY = "ernie_image_config"  # optional JSON config stored in a file's metadata
 # "bf16" and "bfloat16" alike
 DTYPE_CHOICES = {**COMPUTE_DTYPES, **{str(d).replace("torch.", ""): d for d in COMPUTE_DTYPES.values()}}
 
@@ -69,7 +67,8 @@ def shards_of_index(index_path: str) -> List[str]:
 
 class Checkpoint:
     """The tensors of one model, possibly spread over shards, with their prefix removed (open one with
-    ``open_checkpoint``). ``files``: the opened files (readers.py), in shard order."""
+    ``open_checkpoint``). ``files``: the opened files (readers.py), in shard order; ``family``: the DiT family
+    the keys belong to (None: none; ``check_architecture`` says what is missing)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -82,14 +81,15 @@ class Checkpoint:
             if not os.path.exists(path):
                 raise CheckpointError(f"{path}: file not found")
             self.files = [open_file(path)]
-            meta = self.files[0].metadata.get(CONFIG_METADATA_KEY)
-            if meta:
-                self.config_source = f"metadata '{CONFIG_METADATA_KEY}'"
-                self.config_overrides = load_json_object(meta, f"{path}: {self.config_source}")
+        all_keys = [(f, k) for f in self.files for k in f.keys()]
+        self.family, prefix = self._detect([k for _, k in all_keys])
+        meta_key = self.family.config_metadata_key if self.family is not None and not os.path.isdir(path) else ""
+        meta = self.files[0].metadata.get(meta_key) if meta_key else None  # optional JSON config in the metadata
+        if meta:
+            self.config_source = f"metadata '{meta_key}'"
+            self.config_overrides = load_json_object(meta, f"{path}: {self.config_source}")
         # key (without prefix) -> (file, key in file)
         self.index: Dict[str, Tuple[object, str]] = {}
-        all_keys = [(f, k) for f in self.files for k in f.keys()]
-        prefix = self._detect_prefix([k for _, k in all_keys])
         for f, k in all_keys:
             if k.startswith(prefix):
                 name = k[len(prefix):]
@@ -122,11 +122,17 @@ class Checkpoint:
         self.files = [open_file(os.path.join(folder, s)) for s in shards]
 
     @staticmethod
-    def _detect_prefix(keys: List[str]) -> str:
-        for prefix in PREFIXES:
-            if any(k.startswith(prefix + SIGNATURE_KEYS[0]) for k in keys):
-                return prefix
-        return ""
+    def _detect(keys: List[str]) -> Tuple[Optional[Family], str]:
+        """The family whose signature keys the file holds and their prefix; else a family whose first signature
+        key is there under one of its prefixes (stripped, so that the message names the key that is missing)."""
+        found = detect(keys)
+        if found is not None:
+            return found
+        for family in families():
+            for prefix in family.checkpoint_prefixes:
+                if any(k.startswith(prefix + family.signature_keys[0]) for k in keys):
+                    return family, prefix
+        return None, ""
 
     def keys(self):
         return self.index.keys()
@@ -175,24 +181,31 @@ def open_checkpoint(source: Union[str, os.PathLike, Checkpoint]) -> Checkpoint:
     return source if isinstance(source, Checkpoint) else Checkpoint(os.fspath(source))
 
 
-def check_architecture(ckpt: Checkpoint) -> ErnieImageConfig:
-    """The configuration, from the header alone (nothing is built or read yet): the key set, the layer
-    numbering, the shapes and any config the file carries must agree (ErnieImageConfig.from_shapes)."""
+def check_architecture(ckpt: Checkpoint):
+    """The configuration of the checkpoint's family, from the header alone (nothing is built or read yet): the
+    key set, the layer numbering, the shapes and any config the file carries must agree (the family's
+    ``config_from_shapes``)."""
     keys = set(ckpt.keys())
-    missing_sig = [k for k in SIGNATURE_KEYS if k not in keys]
+    # no family: the message names the one whose signature the file comes closest to (the first on a tie)
+    family = ckpt.family or max(families(), key=lambda f: sum(k in keys for k in f.signature_keys))
+    missing_sig = [k for k in family.signature_keys if k not in keys]
     if missing_sig:
         sample = ", ".join(sorted(keys)[:3]) or "(no tensors)"
         arch = getattr(ckpt.files[0], "architecture", "") if ckpt.files else ""  # GGUF: a hint, never the test
         raise CheckpointError(
-            f"{ckpt.describe()}: not an ERNIE-Image diffusion model: key '{missing_sig[0]}' is missing "
+            f"{ckpt.describe()}: not {_a(family.title)} diffusion model: key '{missing_sig[0]}' is missing "
             f"(the file has {len(keys)} tensors, e.g. {sample}{f'; general.architecture {arch!r}' if arch else ''})"
         )
     try:
-        cfg = ErnieImageConfig.from_shapes(ckpt.shapes(), ckpt.config_overrides, ckpt.config_source or "config")
+        cfg = family.config_from_shapes(ckpt.shapes(), ckpt.config_overrides, ckpt.config_source or "config")
     except ValueError as e:
-        raise CheckpointError(f"{ckpt.describe()}: not a usable ERNIE-Image diffusion model: {e}") from None
+        raise CheckpointError(f"{ckpt.describe()}: not a usable {family.title} diffusion model: {e}") from None
     check_float_dtypes(ckpt)
     return cfg
+
+
+def _a(title: str) -> str:
+    return f"{'an' if title[:1].lower() in 'aeiou' else 'a'} {title}"
 
 
 def check_float_dtypes(ckpt: "Checkpoint") -> None:

@@ -1,4 +1,4 @@
-"""The one loading loop: checkpoint -> ERNIE-Image model, one tensor at a time.
+"""The one loading loop: checkpoint -> its DiT family's model (engine/models/family.py), one tensor at a time.
 
 ``LoadPlan`` does everything the header allows before a byte is read: the configuration, the compute
 dtype, the names and shapes against the configuration's state dict, the bytes at rest. ``read``
@@ -16,27 +16,22 @@ import torch
 from torch import nn
 
 from ..errors import ParallelConfigError
-from ..models.ernie_image import ErnieImageConfig, ErnieImageTransformer
+from ..models.family import Family, family_of
 from .checkpoint import Checkpoint, CheckpointError, check_architecture, open_checkpoint, parse_dtype
 from .safetensors import nbytes
 
-# Tensor parallel: the block linears split across ranks, and the dim of their weight that is split
-# (0: output features, column parallel, the heads; 1: input features, row parallel, outputs all-reduced).
-SHARD_DIMS = {"self_attention.to_q": 0, "self_attention.to_k": 0, "self_attention.to_v": 0, "mlp.gate_proj": 0,
-              "mlp.up_proj": 0, "self_attention.to_out.0": 1, "mlp.linear_fc2": 1}
+
+def build_model(cfg, device: Union[str, torch.device] = "meta") -> nn.Module:
+    """The model of config ``cfg``'s family, on ``device`` (meta: nothing allocated)."""
+    return family_of(cfg).build(cfg, device)
 
 
-def build_model(cfg: ErnieImageConfig, device: Union[str, torch.device] = "meta") -> ErnieImageTransformer:
-    with torch.device(device):
-        return ErnieImageTransformer(cfg)
-
-
-def checkpoint_shapes(cfg: ErnieImageConfig) -> Dict[str, Tuple[int, ...]]:
+def checkpoint_shapes(cfg) -> Dict[str, Tuple[int, ...]]:
     """Every tensor of a model of ``cfg`` by its checkpoint name, with its shape (nothing is allocated)."""
     return {k: tuple(v.shape) for k, v in build_model(cfg, "meta").state_dict().items()}
 
 
-def check_keys(ckpt: Checkpoint, missing: List[str], unexpected: List[str]) -> None:
+def check_keys(ckpt: Checkpoint, family: Family, missing: List[str], unexpected: List[str]) -> None:
     """Refuse a checkpoint whose tensor names do not match the model, naming the first few of each."""
     if not missing and not unexpected:
         return
@@ -45,25 +40,18 @@ def check_keys(ckpt: Checkpoint, missing: List[str], unexpected: List[str]) -> N
         parts.append(f"{len(missing)} missing (first: {', '.join(missing[:3])})")
     if unexpected:
         parts.append(f"{len(unexpected)} unexpected (first: {', '.join(unexpected[:3])})")
-    raise CheckpointError(f"{ckpt.describe()}: tensors do not match the ERNIE-Image architecture: " + "; ".join(parts))
+    raise CheckpointError(f"{ckpt.describe()}: tensors do not match the {family.title} architecture: " + "; ".join(parts))
 
 
-# -- tensor parallel -------------------------------------------------------------------------------------
-def shard_dim(key: str) -> Optional[int]:
-    """The dim a tensor is split along under tensor parallel, or None (kept whole on every rank)."""
-    if not key.startswith("layers.") or not key.endswith(".weight"):
-        return None
-    return SHARD_DIMS.get(key.split(".", 2)[-1][: -len(".weight")])
-
-
-def shard_tensor(key: str, t: torch.Tensor, shard: Tuple[int, int]) -> torch.Tensor:
-    """Rank ``shard[1]``'s slice of ``t`` out of ``shard[0]``."""
-    dim = shard_dim(key)
+# -- tensor parallel (the family's ``shard_dims``: 0 column parallel, the heads; 1 row parallel, all-reduced) --
+def shard_tensor(family: Family, key: str, t: torch.Tensor, shard: Tuple[int, int]) -> torch.Tensor:
+    """Rank ``shard[1]``'s slice of ``t`` out of ``shard[0]`` (``t`` itself when ``family`` keeps it whole)."""
+    dim = family.shard_dim(key)
     tp, index = shard
     return t if dim is None else t.chunk(tp, dim=dim)[index].contiguous()
 
 
-def check_shard(shard: Optional[Tuple[int, int]], cfg: ErnieImageConfig) -> Optional[Tuple[int, int]]:
+def check_shard(shard: Optional[Tuple[int, int]], cfg) -> Optional[Tuple[int, int]]:
     """``(tp_degree, tp_index)`` checked against the model (None, or a degree of 1: no sharding)."""
     if shard is None or shard[0] == 1:
         return None
@@ -119,13 +107,14 @@ class LoadPlan:
                  shard: Optional[Tuple[int, int]] = None, transform: Optional[Transform] = None):
         self.checkpoint = ckpt = open_checkpoint(checkpoint)
         self.config = check_architecture(ckpt)
+        self.family = family_of(self.config)
         self.transform = transform or Transform()
         self.dtype = parse_dtype(dtype) or self.transform.compute_dtype(ckpt)
         self.shard = check_shard(shard, self.config)
         expected = {k: tuple(v.shape) for k, v in build_model(self.config).state_dict().items()}
         self.stored = self.transform.check(ckpt, expected)
         plain = [k for k in ckpt.keys() if k not in self.stored]
-        check_keys(ckpt, [k for k in expected if k not in self.stored and k not in ckpt.index],
+        check_keys(ckpt, self.family, [k for k in expected if k not in self.stored and k not in ckpt.index],
                    sorted(k for k in plain if k not in expected))
         for k in plain:
             shape = ckpt.header(k)[1]
@@ -137,7 +126,7 @@ class LoadPlan:
         """Bytes the whole model takes once loaded (what the offload decision weighs); nothing is read."""
         return sum(self.transform.bytes_at_rest(k, *self.checkpoint.header(k), self.dtype) for k in self.checkpoint.keys())
 
-    def read(self, device: Union[str, torch.device] = "cpu") -> ErnieImageTransformer:
+    def read(self, device: Union[str, torch.device] = "cpu") -> nn.Module:
         """Build the model on the meta device and assign each tensor as it is read, in file order."""
         ckpt, transform = self.checkpoint, self.transform
         model = build_model(self.config)
@@ -146,7 +135,7 @@ class LoadPlan:
         for key, t in ckpt.tensors():
             if key not in self.stored:
                 if self.shard is not None:
-                    t = shard_tensor(key, t, self.shard)
+                    t = shard_tensor(self.family, key, t, self.shard)
                 t = self._cast(t)
             for name, value in transform.take(model, key, t.to(device)).items():
                 state[name] = self._cast(value)
@@ -154,7 +143,7 @@ class LoadPlan:
         transform.finish(model)
         missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
         if missing:
-            raise CheckpointError(f"{ckpt.describe()}: tensors do not match the ERNIE-Image architecture: "
+            raise CheckpointError(f"{ckpt.describe()}: tensors do not match the {self.family.title} architecture: "
                                   f"{len(missing)} missing (first: {', '.join(missing[:3])})")
         return model.eval().requires_grad_(False)
 
@@ -163,6 +152,6 @@ class LoadPlan:
 
 
 def read_model(checkpoint, dtype=None, device: Union[str, torch.device] = "cpu",
-               shard: Optional[Tuple[int, int]] = None, transform: Optional[Transform] = None) -> ErnieImageTransformer:
+               shard: Optional[Tuple[int, int]] = None, transform: Optional[Transform] = None) -> nn.Module:
     """Load a plain checkpoint (no quantization: ``engine.load_model`` adds it) in one pass."""
     return LoadPlan(checkpoint, dtype, shard, transform).read(device)

@@ -104,6 +104,10 @@ class Family:
         parts = self.split_block_key(layer)
         return parts[1] if parts is not None and parts[1] in self.block_linears else None
 
+    def is_block_linear(self, name: str) -> bool:
+        """Is module ``name`` one of the block linears (what weight formats replace and LoRA / TP handle)?"""
+        return self.block_linear_of(name) is not None
+
     def shard_dim(self, key: str) -> Optional[int]:
         """The dim tensor ``key`` is split along under tensor parallel, or None (kept whole on every rank)."""
         if not key.endswith(".weight"):

@@ -13,7 +13,7 @@ The threshold test is the relative L1 change of ``fn_res`` against the reference
 each half against its own reference); the call is cached only if every branch is below ``rdt``:
 one decision for the batch, one host sync (``bool(...)``) at most per call, none at all with a
 static mask. All state lives in the runner, so a new run (new resolution, batch, step count)
-starts clean. Blocks are called one by one from ``model.layers``, so per-layer hooks (offload) and
+starts clean. Blocks are called one by one from the model's blocks, so per-layer hooks (offload) and
 per-block torch.compile keep working; the skipped calls change no shapes, so nothing recompiles.
 
 Differences from cache-dit, on purpose: the max-consecutive counter resets on every computed step
@@ -26,6 +26,7 @@ from typing import List, Optional
 
 import torch
 
+from ...models.family import family_of
 from .config import ResolvedCache
 from .masks import mask_str
 from .taylorseer import TaylorSeer
@@ -110,7 +111,7 @@ class DBCacheRunner:
 
     # -- the block runner ---------------------------------------------------------------------------
     def __call__(self, model, h: torch.Tensor, ctx) -> torch.Tensor:
-        layers = model.layers
+        layers = family_of(model).blocks_of(model)
         n = len(layers)
         fn, bn = self.rc.fn, self.rc.bn
         i = self.start(h, ctx)

@@ -148,7 +148,7 @@ class LoRATensors:
 
 def target_modules(model: nn.Module) -> Dict[str, nn.Module]:
     """What a LoRA can adapt, by checkpoint name: linears, convs, quantized linears, and the parts of fused
-    projections (``engine.features.fuse.RowView``: ``to_q`` is rows of ``qkv``)."""
+    projections (``engine.features.fuse.RowView``: a q projection is rows of the fused q/k/v linear)."""
     kinds = (nn.Linear, nn.Conv2d, RowView) + quant_modules()
     return {name: m for name, m in linear_parts(model).items() if name and isinstance(m, kinds)}
 

@@ -25,8 +25,8 @@ MAX_PATTERN_CHARS = 256
 # letters, digits, '_', '-', '.' (any one character, as in PEFT's regex) and '\.' (a literal dot): no
 # quantifier, group or alternation, so matching is one comparison per character (no backtracking)
 PLAIN_PATTERN = re.compile(r"(?:[A-Za-z0-9_\-.]|\\\.)+")
-ALLOWED_PATTERN = ("letters, digits, '_', '-', '.' and '\\.' (a module-name suffix such as 'to_q' or "
-                   "'layers.3.mlp.gate_proj'); regular expressions from a file are not evaluated")
+ALLOWED_PATTERN = ("letters, digits, '_', '-', '.' and '\\.' (a module name as the LoRA's keys give it, or its "
+                   "last dotted parts); regular expressions from a file are not evaluated")
 
 
 def finite_number(value, where: str) -> float:

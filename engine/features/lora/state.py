@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import LoRAError
+from ...models.family import family_of
 from .. import patching
 from ..fuse import RowView
 from ..offload import get_offload
@@ -121,7 +122,8 @@ class LoRAState(patching.Patch):
         off = get_offload(self.model)
         if off is not None:
             return torch.device(off.device)
-        return self.model.final_linear.weight.device
+        family = family_of(self.model)  # else where its weights outside the blocks are
+        return next(p.device for n, p in self.model.named_parameters() if family.split_block_key(n) is None)
 
     def _plan(self, loras, modules) -> Dict[str, List[Tuple[LoRAEntry, float]]]:
         """module name -> [(entry, strength)], checked against the model (nothing is changed here)."""

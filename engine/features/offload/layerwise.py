@@ -1,7 +1,7 @@
 """Layer-wise offload, attached as the "offload" Patch: the DiT blocks' weights live in (pinned) CPU
 memory and stream through a few device buffers, one block ahead of compute, so the 8B model runs on
 an 8 GB GPU. Each block's class gets acquire -> call -> release (a class swap, outside compiled graphs),
-and ``model.layers`` announces the blocks a loop is about to run, so prefetch follows only those
+and the blocks' ModuleList announces the blocks a loop is about to run, so prefetch follows only those
 (a Cache-DiT-skipped middle is never transferred). Layout, ordering and lifetime: docs/offload.md.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ...models.family import family_of
 from .. import patching
 from .auto import GiB
 from .buffers import BlockStore, Slot, Streams, nbytes, renew_parameters
@@ -48,7 +49,7 @@ def _offloaded_block(base: type) -> type:
 
 
 def _planned_layers(base: type) -> type:
-    """``base`` (the ModuleList ``model.layers``) whose iteration, also of a slice, announces the blocks."""
+    """``base`` (the model's ModuleList of blocks) whose iteration, also of a slice, announces the blocks."""
 
     def __iter__(self):
         blocks = list(self._modules.values())
@@ -80,7 +81,7 @@ def _keep_transfers_out_of_graphs() -> None:
 
 
 class LayerwiseOffload(patching.Patch):
-    """Offload of ``model.layers`` (see the module docstring). Made by ``apply_layerwise_offload``."""
+    """Offload of the model's blocks (see the module docstring). Made by ``apply_layerwise_offload``."""
 
     name = FEATURE
 
@@ -96,7 +97,8 @@ class LayerwiseOffload(patching.Patch):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        n = len(model.layers)
+        family = family_of(model)
+        n = len(family.blocks_of(model))
         self.num_slots = min(resident_layers, n)
         # With more than 2 buffers, all but two hold blocks 0..fixed-1 for good (loaded once: cyclic access
         # would make any eviction policy reload every block), the other two stream the rest. All fit: no streaming.
@@ -113,7 +115,7 @@ class LayerwiseOffload(patching.Patch):
         self._tick = 0
 
         # non-block weights to the device, for good, as normal tensors (see buffers.renew_parameters)
-        nonblock = [model] + [m for name, child in model.named_children() if name != "layers" for m in child.modules()]
+        nonblock = [model] + [m for name, child in model.named_children() if name != family.blocks for m in child.modules()]
         dev = self.device
 
         def moved(t):
@@ -128,7 +130,7 @@ class LayerwiseOffload(patching.Patch):
                         m._buffers[name] = nb
         # blocks to (pinned) CPU masters, one block at a time (peak: the model + one block)
         self.stores: List[BlockStore] = []
-        for i, block in enumerate(model.layers):
+        for i, block in enumerate(family.blocks_of(model)):
             if list(block.buffers()):
                 raise ValueError(f"block {i} has buffers; layer-wise offload handles parameters only")
             self.stores.append(BlockStore(i, block, self.pin))
@@ -137,10 +139,10 @@ class LayerwiseOffload(patching.Patch):
         self.slot_bytes = max(s.nbytes for s in self.stores)
         self.slots = [Slot(k) for k in range(self.num_slots)]
         self._slot_views: Dict[Tuple[int, tuple], List[torch.Tensor]] = {}
-        for i, block in enumerate(model.layers):
+        for i, block in enumerate(family.blocks_of(model)):
             patching.state(block)[FEATURE] = OffloadedBlock(self, i)
             patching.swap_class(block, FEATURE, _offloaded_block)
-        patching.swap_class(model.layers, FEATURE, _planned_layers)
+        patching.swap_class(family.blocks_of(model), FEATURE, _planned_layers)
         patching.attach(model, self)
         log.info("offload: layer-wise, %d blocks of %.1f MiB in %s CPU memory, %d resident on %s (%.1f MiB), "
                  "non-block weights %.1f MiB on the device", len(self.stores), self.slot_bytes / 2 ** 20,
@@ -359,12 +361,13 @@ class LayerwiseOffload(patching.Patch):
         self.release_buffers()
         model = self.model
         if model is not None and get_offload(model) is self:
-            for store, block in zip(self.stores, model.layers._modules.values()):
+            blocks = family_of(model).blocks_of(model)
+            for store, block in zip(self.stores, blocks._modules.values()):
                 store.bind_master()
                 store.unpack()  # one block at a time: peak = the masters + one block
                 patching.restore_class(block, FEATURE)
                 patching.clear_state(block, FEATURE)
-            patching.restore_class(model.layers, FEATURE)
+            patching.restore_class(blocks, FEATURE)
             patching.patches(model).pop(FEATURE)
         self.stores, self.slots, self._slot_views = [], [], {}
         self._plan, self._cursor = [], 0
@@ -372,7 +375,7 @@ class LayerwiseOffload(patching.Patch):
 
 def apply_layerwise_offload(model: nn.Module, device, resident_layers: int = 2, pin: Optional[bool] = None,
                             prefetch_first: bool = True) -> LayerwiseOffload:
-    """Offload ``model.layers`` to CPU memory with ``resident_layers`` device buffers (see module doc)."""
+    """Offload the model's blocks to CPU memory with ``resident_layers`` device buffers (see module doc)."""
     return LayerwiseOffload(model, device, resident_layers, pin=pin, prefetch_first=prefetch_first)
 
 
@@ -394,8 +397,8 @@ def remove_offload(model: nn.Module) -> bool:
 
 
 def plan_blocks(model: nn.Module, indices: Iterable[int]) -> None:
-    """For block runners that call ``model.layers[i]`` one by one: announce the blocks about to run
-    (no-op without offload). Iterating ``model.layers`` or a slice of it announces by itself."""
+    """For block runners that call block ``i`` one by one: announce the blocks about to run (no-op without
+    offload). Iterating the blocks' ModuleList or a slice of it announces by itself."""
     off = get_offload(model)
     if off is not None:
         off.plan(indices)

@@ -13,7 +13,6 @@ from .formats import QuantPlan
 from .int8 import Int8Linear, Int8WeightLinear, dequantize_int8, int_mm_accepts, quantize_int8, quantize_tokens
 from .loading import QuantTransform
 from .modules import (
-                      BLOCK_LINEARS,
                       QUANT_MODULES,
                       FP8Linear,
                       Int4Linear,
@@ -21,7 +20,6 @@ from .modules import (
                       apply_quant,
                       fp8_scaled_mm_linear,
                       fp8_scaled_mm_supported,
-                      is_block_linear,
                       make_quant_linear,
                       model_quant_format,
                       prepare_fast_paths,
@@ -55,11 +53,11 @@ from .registry import (
 FORMATS = LiveNames(choices)  # EngineConfig.quant's choices: the table's, read when asked (int4 = groups of 128)
 from . import gguf_linear  # noqa: E402, F401  (the GGUF block types q8_0 ... q6_k, registered after fp8 and int4)
 
-__all__ = ["BLOCK_LINEARS", "FORMATS", "FORMAT_TABLE", "FP8_DTYPE", "FP8_MAX", "QUANT_MODULES", "FP8Linear", "Int4Linear",
+__all__ = ["FORMATS", "FORMAT_TABLE", "FP8_DTYPE", "FP8_MAX", "QUANT_MODULES", "FP8Linear", "Int4Linear",
            "Int8Linear", "Int8WeightLinear", "dequantize_int8", "int_mm_accepts", "quantize_int8", "quantize_tokens",
            "QuantPatch", "QuantPlan", "QuantTransform", "WeightFormat", "apply_quant", "choices", "dequantize_fp8",
            "dequantize_int4", "format_of", "fp8_scaled_mm_linear", "fp8_scaled_mm_supported",
-           "get_format", "int4_group", "is_block_linear", "make_quant_linear", "model_quant_format",
+           "get_format", "int4_group", "make_quant_linear", "model_quant_format",
            "parse_format", "prepare_fast_paths", "quant_modules", "quantize_file", "quantize_fp8",
            "quantize_int4", "register_format", "relative_error", "remove_quant", "stored_tensors", "unpack_int4",
            "unregister_format", "weight_bytes"]

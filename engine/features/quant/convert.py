@@ -1,4 +1,4 @@
-"""``sgld quantize``: write an ERNIE-Image checkpoint's block linears in a format of the table (registry.py)
+"""``sgld quantize``: write a DiT checkpoint's block linears in a format of the table (registry.py)
 in the sgld layout (each layer's module's own tensors), one layer in memory at a time (streaming writer,
 atomic: engine/io/safetensors.py)."""
 from __future__ import annotations
@@ -9,15 +9,16 @@ from typing import Dict, List, Tuple, Union
 
 import torch
 
-from ...io.checkpoint import CONFIG_METADATA_KEY, check_architecture, open_checkpoint, parse_dtype
+from ...io.checkpoint import check_architecture, open_checkpoint, parse_dtype
+from ...io.load import checkpoint_shapes
 from ...io.safetensors import write_safetensors_streaming
 from .formats import SGLD_META_KEY, QuantPlan
-from .modules import is_block_linear, stored_tensors
+from .modules import stored_tensors
 from .registry import choices, get_format, parse_format
 
 
 def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dtype] = None) -> dict:
-    """Read an ERNIE-Image checkpoint (bf16/fp16/fp32, or already quantized) and write its block linears in
+    """Read a DiT checkpoint (bf16/fp16/fp32, or already quantized) and write its block linears in
     format ``fmt`` in the sgld layout; everything else in the compute dtype. Returns a summary."""
     kind, group = parse_format(fmt)
     if kind is None:
@@ -27,6 +28,7 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
         raise ValueError("the output file must differ from the input")
     ckpt = open_checkpoint(src)
     cfg = check_architecture(ckpt)
+    family, expected = ckpt.family, checkpoint_shapes(cfg)  # the model's shapes: a block linear's [out, in]
     plan = QuantPlan(ckpt)
     compute = parse_dtype(dtype) or plan.compute_dtype()
     skip = plan.stored_keys() - {layer + ".weight" for layer in plan.layers}
@@ -37,9 +39,8 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
             continue
         stored, shape = ckpt.header(k)
         layer, _, leaf = k.rpartition(".")
-        if leaf == "weight" and is_block_linear(layer):
-            n = shape[0]
-            k_in = cfg.hidden_size if not layer.endswith("linear_fc2") else cfg.ffn_hidden_size
+        if leaf == "weight" and family.is_block_linear(layer):
+            n, k_in = shape[0], expected.get(k, plan.layers.get(layer, {}).get("shape", shape))[1]
             shaped = target.quantize(torch.empty(n, k_in, device="meta"), None, group)  # its tensors' shapes only
             if shaped is None:  # the format leaves this layer dense
                 specs.append((k, compute, (n, k_in)))
@@ -73,9 +74,10 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
 
     meta = {SGLD_META_KEY: json.dumps({"format": kind, "group_size": group or None, "version": 1,
                                        "compute_dtype": str(compute).replace("torch.", "")})}
-    ernie_meta = next((f.metadata[CONFIG_METADATA_KEY] for f in ckpt.files if CONFIG_METADATA_KEY in f.metadata), None)
-    if ernie_meta:
-        meta[CONFIG_METADATA_KEY] = ernie_meta
+    config_key = family.config_metadata_key
+    config_meta = next((f.metadata[config_key] for f in ckpt.files if config_key and config_key in f.metadata), None)
+    if config_meta:
+        meta[config_key] = config_meta
     write_safetensors_streaming(dst, specs, produce, meta)
     return {"input": src, "output": dst, "format": fmt, "layers": sum(1 for _, p in jobs.values() if p == "weight"),
             "input_bytes": os.path.getsize(src) if os.path.isfile(src) else None, "output_bytes": os.path.getsize(dst)}

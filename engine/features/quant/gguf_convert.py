@@ -1,4 +1,4 @@
-"""``sgld quantize --format q8_0|q4_k|...``: write an ERNIE-Image checkpoint as a GGUF file through
+"""``sgld quantize --format q8_0|q4_k|...``: write a DiT checkpoint as a GGUF file through
 ``gguf.GGUFWriter``, in the layout city96's ComfyUI-GGUF loads (docs/quantization.md, "GGUF"): diffusers' key
 names without a prefix, the blocks' linear weights in the asked type, 1-D and small tensors F32, the rest in the
 dense dtype; one tensor in memory at a time, the file written atomically."""
@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from ...io.atomic import atomic_path
-from ...io.checkpoint import CONFIG_METADATA_KEY, check_architecture, open_checkpoint, parse_dtype
+from ...io.checkpoint import check_architecture, open_checkpoint, parse_dtype
+from ...models.family import CONFIG_FIELDS
 from . import gguf_numerics as gn
 from .formats import QuantPlan
-from .modules import is_block_linear
 
 Q = gguf.GGMLQuantizationType
 # general.architecture: ComfyUI-GGUF's loader.py refuses any value outside its IMG_ARCH_LIST for a diffusion
@@ -45,13 +45,13 @@ def gguf_type(fmt: str) -> Optional[int]:
     return gn.NAMES.get(str(fmt).lower())
 
 
-def _tensor_type(key: str, shape: Tuple[int, ...], qtype: int, dense: int) -> int:
+def _tensor_type(family, key: str, shape: Tuple[int, ...], qtype: int, dense: int) -> int:
     """The GGUF type of one tensor (ComfyUI-GGUF's convert.py rules, the asked type for the block linears)."""
     count = 1
     for s in shape:
         count *= s
     layer, _, leaf = key.rpartition(".")
-    if leaf == "weight" and is_block_linear(layer) and len(shape) == 2:
+    if leaf == "weight" and family.is_block_linear(layer) and len(shape) == 2:
         for t in (qtype, FALLBACK.get(qtype)):
             if t is not None and shape[-1] % gn.block_size(t)[0] == 0:
                 return t
@@ -67,13 +67,13 @@ def _as_stored(ckpt, plan, shapes: Dict[str, Tuple[int, ...]], qtype: int) -> to
     counts: Dict[torch.dtype, int] = {}
     for k, shape in shapes.items():
         dt = ckpt.header(k)[0]
-        if _tensor_type(k, shape, qtype, -1) == -1 and dt in DENSE_TYPES:
+        if _tensor_type(ckpt.family, k, shape, qtype, -1) == -1 and dt in DENSE_TYPES:
             counts[dt] = counts.get(dt, 0) + 1
     return max(counts, key=counts.get) if counts else plan.compute_dtype()
 
 
 def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dtype] = None) -> dict:
-    """Read an ERNIE-Image checkpoint (bf16/fp16/fp32, or already quantized) and write ``dst`` (.gguf) with the
+    """Read a DiT checkpoint (bf16/fp16/fp32, or already quantized) and write ``dst`` (.gguf) with the
     blocks' linear weights in GGUF type ``fmt``; everything else F32 (1-D, small) or the dense dtype (``dtype``,
     else as stored). Returns a summary."""
     qtype = gguf_type(fmt)
@@ -93,14 +93,18 @@ def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, tor
     compute = parse_dtype(dtype) or _as_stored(ckpt, plan, shapes, qtype)
     if compute not in DENSE_TYPES:
         raise ValueError(f"--dtype {dtype}: a GGUF file stores dense tensors as bf16, fp16 or fp32")
-    entries = [(k, _tensor_type(k, shape, qtype, DENSE_TYPES[compute]), shape) for k, shape in shapes.items()]
+    family = ckpt.family
+    entries = [(k, _tensor_type(family, k, shape, qtype, DENSE_TYPES[compute]), shape) for k, shape in shapes.items()]
 
     writer = gguf.GGUFWriter(path=None, arch=ARCHITECTURE)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_file_type(FILE_TYPES[qtype])
-    writer.add_name("ERNIE-Image")
-    ernie_meta = next((f.metadata[CONFIG_METADATA_KEY] for f in ckpt.files if CONFIG_METADATA_KEY in f.metadata), None)
-    writer.add_string(CONFIG_METADATA_KEY, ernie_meta or json.dumps({"rope_axes_dim": list(cfg.rope_axes_dim)}))
+    writer.add_name(family.title)
+    config_key = family.config_metadata_key
+    if config_key:  # the file's config, else what the shapes do not say (rope axes, theta, eps ...)
+        config_meta = next((f.metadata[config_key] for f in ckpt.files if config_key in f.metadata), None)
+        writer.add_string(config_key, config_meta or json.dumps(
+            {k: v for k, v in cfg.to_dict().items() if k not in CONFIG_FIELDS}))
     for k, t, shape in entries:
         # the bytes' shape, as gn.quantize gives them; the writer records the values' shape (GGUF order)
         byte_shape = (*shape[:-1], gn.row_bytes(t, shape[-1]))
@@ -127,7 +131,7 @@ def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, tor
                 counts[Q(t).name] = counts.get(Q(t).name, 0) + 1
         finally:
             writer.close()
-    blocks = [(k.rpartition(".")[0], t) for k, t, _ in entries if k.endswith(".weight") and is_block_linear(k.rpartition(".")[0])]
+    blocks = [(k.rpartition(".")[0], t) for k, t, _ in entries if k.endswith(".weight") and family.is_block_linear(k.rpartition(".")[0])]
     return {"input": src, "output": dst, "format": Q(qtype).name.lower(), "layers": sum(t == qtype for _, t in blocks),
             "fallback": {layer: Q(t).name.lower() for layer, t in blocks if t != qtype}, "types": counts,
             "input_bytes": os.path.getsize(src) if os.path.isfile(src) else None, "output_bytes": os.path.getsize(dst)}

@@ -15,7 +15,6 @@ from torch import nn
 
 from ...errors import CheckpointError
 from . import gguf_numerics as G
-from .modules import is_block_linear
 from .registry import WeightFormat, register_format
 
 DENSE_TYPES = ("f32", "f16", "bf16")  # read as ordinary tensors, not a weight format
@@ -68,7 +67,7 @@ def _read_layers(qtype: int):
                 raise CheckpointError(f"{ckpt.where(k)}: stored as {G.type_name(qtype)}; only weights may be "
                                       "block-quantized (biases and norms are F32 / F16 / BF16)")
             layer = k[: -len(".weight")]
-            if is_block_linear(layer) and f.stored_shape(fk) != f.shape(fk):
+            if ckpt.family is not None and ckpt.family.is_block_linear(layer) and f.stored_shape(fk) != f.shape(fk):
                 raise CheckpointError(f"{ckpt.where(k)}: a {G.type_name(qtype)} block linear stored reshaped as "
                                       f"{list(f.stored_shape(fk))} (its shape is {list(f.shape(fk))}); block linears "
                                       "are read as rows of [out, in]: convert the file without reshaping them")

@@ -16,22 +16,25 @@ from torch import nn
 
 from ...errors import CheckpointError
 from ...io.checkpoint import Checkpoint
-from ...io.load import SHARD_DIMS, Transform, shard_dim, shard_tensor
+from ...io.load import Transform, shard_tensor
 from ...io.safetensors import nbytes
+from ...models.family import Family
 from .. import patching
 from .formats import QuantPlan
 from .gguf_linear import split_rows
-from .modules import is_block_linear, record_quant
+from .modules import record_quant
 from .registry import get_format, parse_format
 
 log = logging.getLogger("sgld.quant")
 
 
 class QuantTransform(Transform):
-    """Quantize-on-read (``quant``) and pre-quantized layers (``plan``, the file's QuantPlan) in the load loop."""
+    """Quantize-on-read (``quant``) and pre-quantized layers (``plan``, the file's QuantPlan) in the load loop.
+    ``family``: whose block linears are quantized (default: the plan's checkpoint's)."""
 
-    def __init__(self, plan: Optional[QuantPlan], quant: Optional[str]):
+    def __init__(self, plan: Optional[QuantPlan], quant: Optional[str], family: Optional[Family] = None):
         self.plan = plan
+        self.family = family or (plan.ckpt.family if plan is not None else None)
         self.kind, self.group = parse_format(quant)
         self.format = get_format(self.kind) if self.kind else None  # the format asked for
         self.quant = quant
@@ -47,7 +50,7 @@ class QuantTransform(Transform):
     def prepare(self, model: nn.Module, shard: Optional[Tuple[int, int]]) -> None:
         self.shard = shard
         if shard is not None:
-            shard_skeleton(model, shard[0])
+            shard_skeleton(model, self.family, shard[0])
 
     def check(self, ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]]) -> Set[str]:
         """Pre-quantized layers: their weights must be the model's, in its shapes (as stored, unpacked)."""
@@ -62,13 +65,13 @@ class QuantTransform(Transform):
                 raise CheckpointError(f"{ckpt.describe()}: {info['kind']} tensor '{wkey}' has shape {tuple(info['shape'])}"
                                       f"{stored}, but a model of this configuration needs {expected[wkey]}")
         if unexpected:
-            raise CheckpointError(f"{ckpt.describe()}: quantized tensors do not match the ERNIE-Image architecture "
+            raise CheckpointError(f"{ckpt.describe()}: quantized tensors do not match the {self.family.title} architecture "
                                   f"({len(unexpected)} unexpected, first: {unexpected[0]})")
         return set(self.layer_of) | self.ignored
 
     def _keeps(self, layer: str) -> bool:
         """Does a pre-quantized layer stay in its stored format (a block linear, no other format asked)?"""
-        return is_block_linear(layer) and self.kind in (None, self.plan.layers[layer]["kind"])
+        return self.family.is_block_linear(layer) and self.kind in (None, self.plan.layers[layer]["kind"])
 
     def bytes_at_rest(self, key: str, stored: torch.dtype, shape: Tuple[int, ...], dtype: torch.dtype) -> int:
         if key in self.ignored:
@@ -81,7 +84,7 @@ class QuantTransform(Transform):
             if key != layer + ".weight":
                 return 0  # a scale or zero of a layer that is dequantized or re-quantized
             stored, shape = dtype, self.plan.layers[layer]["shape"]  # dequantized
-        if self.kind and leaf == "weight" and is_block_linear(layer):
+        if self.kind and leaf == "weight" and self.family.is_block_linear(layer):
             return self.format.weight_bytes(shape, self.group, dtype)
         return super().bytes_at_rest(key, stored, shape, dtype)
 
@@ -96,7 +99,7 @@ class QuantTransform(Transform):
                 return {}
             return self._stored_layer(model, layer, self.parts.pop(layer))
         layer, _, leaf = key.rpartition(".")
-        if self.kind and leaf == "weight" and is_block_linear(layer):
+        if self.kind and leaf == "weight" and self.family.is_block_linear(layer):
             module = self.format.quantize(tensor, None, self.group)
             if module is not None:
                 patching.replace_module(model, layer, module)
@@ -108,7 +111,7 @@ class QuantTransform(Transform):
         info, wkey = self.plan.layers[layer], layer + ".weight"
         if self._keeps(layer):
             module = get_format(info["kind"]).from_stored(self.plan.stored(layer, parts))
-            dim = shard_dim(wkey)
+            dim = self.family.shard_dim(wkey)
             if self.shard is not None and dim is not None:  # only GGUF files get here (engine/loading.py's plan_load)
                 try:
                     module = split_rows(module, self.shard[1], self.shard[0], dim)
@@ -118,8 +121,8 @@ class QuantTransform(Transform):
             return {}
         dense = self.plan.dequantize(layer, parts)
         if self.shard is not None:  # a GGUF layer (the only kind under tensor parallel): this rank's slice
-            dense = shard_tensor(wkey, dense, self.shard)
-        if is_block_linear(layer):  # stored in another format than the one asked for: re-quantized
+            dense = shard_tensor(self.family, wkey, dense, self.shard)
+        if self.family.is_block_linear(layer):  # stored in another format than the one asked for: re-quantized
             module = self.format.quantize(dense, None, self.group)
             if module is not None:
                 patching.replace_module(model, layer, module)
@@ -133,13 +136,13 @@ class QuantTransform(Transform):
                      f", quantized to {self.quant} at load" if self.kind else "")
 
 
-def shard_skeleton(model: nn.Module, tp: int) -> None:
+def shard_skeleton(model: nn.Module, family: Family, tp: int) -> None:
     """Give a meta model's block linears their tensor-parallel shard shapes (through ``replace_module``) and
-    its attention its share of the heads."""
+    its attention (the family's ``heads_module``) its share of the heads."""
     with torch.device("meta"):
-        for i, block in enumerate(model.layers):
-            block.self_attention.heads //= tp
-            for name, dim in SHARD_DIMS.items():
+        for i, block in enumerate(family.blocks_of(model)):
+            block.get_submodule(family.heads_module).heads //= tp
+            for name, dim in family.shard_dims.items():
                 old = block.get_submodule(name)
                 shape = (old.in_features, old.out_features // tp) if dim == 0 else (old.in_features // tp, old.out_features)
-                patching.replace_module(model, f"layers.{i}.{name}", nn.Linear(*shape, bias=False))
+                patching.replace_module(model, family.block_key(i, name), nn.Linear(*shape, bias=False))

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...models.family import family_of
 from .. import patching
 from .formats import read_fp8_layers, read_int4_layers
 from .numerics import (
@@ -32,12 +32,6 @@ from .registry import choices as quant_choices  # noqa: I001
 
 log = logging.getLogger("sgld.quant")
 
-BLOCK_LINEARS = ("self_attention.to_q", "self_attention.to_k", "self_attention.to_v", "self_attention.to_out.0",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.linear_fc2",
-                 "self_attention.qkv", "mlp.gate_up")  # the last two: fused by engine/features/fuse.py
-BLOCK_LINEAR_RE = re.compile(r"^layers\.\d+\.(" + "|".join(re.escape(n) for n in BLOCK_LINEARS) + r")$")
-
-
 # engine/features/fuse.py's per-module record (each part's rows) of a fused linear: it belongs to the module's
 # place, so a quantized (or, on removal, dequantized) replacement of a fused linear carries it over. Without
 # it the replacement would be a plain module at ``qkv`` / ``gate_up`` and state_dict() could not split it.
@@ -50,11 +44,6 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     patching.replace_module(model, name, new)
     if rows is not None:
         patching.state(new)[FUSE_RECORD] = rows
-
-
-def is_block_linear(name: str) -> bool:
-    """Is ``name`` (a module path) one of the linear layers that quantization replaces?"""
-    return bool(BLOCK_LINEAR_RE.match(name))
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -312,8 +301,9 @@ def apply_quant(model: nn.Module, fmt: str) -> QuantPatch:
     target = get_format(kind)
     warnings = []
     skipped = []
+    family = family_of(model)
     for name, mod in list(model.named_modules()):
-        if not is_block_linear(name):
+        if not family.is_block_linear(name):
             continue
         now = format_of(mod)
         if now is target:
@@ -357,8 +347,9 @@ def weight_bytes(model: nn.Module, only_block_linears: bool = False) -> int:
     """Bytes of the weights at rest (parameters and buffers; quantized storage as stored)."""
     total = 0
     if only_block_linears:
+        family = family_of(model)
         for name, mod in model.named_modules():
-            if is_block_linear(name):
+            if family.is_block_linear(name):
                 total += sum(t.numel() * t.element_size() for t in list(mod.parameters()) + list(mod.buffers()))
         return total
     seen = set()
