@@ -321,6 +321,18 @@ def test_served_batch_joins_the_toys_contexts(toy):
         torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-6)
 
 
+def test_a_rank_learns_the_family_from_its_model_classs_module(toy):
+    """What a worker rank does with the family of the load it is sent (engine/parallel/worker.py)."""
+    from engine.models import get
+    from engine.parallel.worker import know_family
+
+    unregister(NAME)
+    know_family(NAME, ToyDiT.__module__)
+    assert get(NAME) is TOY
+    with pytest.raises(ValueError, match="module 'math' .* declares no module-level Family"):
+        know_family("no-such-family", "math")
+
+
 @pytest.mark.subprocess
 def test_two_gloo_ranks(toy):
     """Sequence parallel (Ulysses: the family's chunk_context) and tensor parallel (its shard_dims, heads_module and
