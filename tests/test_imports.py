@@ -239,14 +239,15 @@ def _internal_string(text: str) -> str:
     m = INTERNAL_WORDS.search(text) or INTERNAL_CLASSES.search(text)
     if m:
         return m.group(0)
-    if text.startswith("layers.") and len(text) > len("layers."):
+    # "ErnieImage": ComfyUI's name of the model (comfy.supported_models), the family's ``comfy_model``
+    if text == "ErnieImage" or (text.startswith("layers.") and len(text) > len("layers.")):
         return text[:20]
     return ""
 
 
-def family_internals(path: str) -> List[str]:
-    """'line: what' for every place the module at ``path`` names a family's internals."""
-    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+def family_internals(path: str, root: str = ROOT) -> List[str]:
+    """'line: what' for every place the module at ``path`` (under ``root``) names a family's internals."""
+    name = os.path.relpath(path, root)[:-3].replace(os.sep, ".").removesuffix(".__init__")
     found = [f"{node.lineno}: imports {names[0]}" for node, names, _ in imports(name, path)
              if any(n == f or n.startswith(f + ".") for n in names for f in FAMILY_MODULES)]
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
@@ -290,6 +291,7 @@ def test_the_pending_list_only_names_violators():
     ("def f(block):\n    return block.self_attention.heads\n", True),
     ("k = f'layers.{i}.{name}'\n", True),
     ("SIG = ('layers.0.adaLN_sa_ln.weight',)\n", True),
+    ("native = getattr(comfy.supported_models, 'ErnieImage', None)\n", True),
     ("'''Swap diffusers' ErnieImageTransformer2DModel.'''\n", True),
     ("from ..models.family import family_of\nblocks = family_of(model).blocks_of(model)\n", False),
     ("'''Runs ERNIE-Image; see ErnieImagePipeline.'''\nFRAG = ('layers.', 'Lumina2')\nn = {'layers': len(plan.layers)}\n", False),
@@ -298,9 +300,4 @@ def test_the_family_scan_catches_internals(tmp_path, source, caught):
     path = tmp_path / "engine" / "features" / "x.py"
     path.parent.mkdir(parents=True)
     path.write_text(source)
-    global ROOT
-    old, ROOT = ROOT, str(tmp_path)
-    try:
-        assert bool(family_internals(str(path))) is caught
-    finally:
-        ROOT = old
+    assert bool(family_internals(str(path), str(tmp_path))) is caught
