@@ -321,6 +321,30 @@ def test_served_batch_joins_the_toys_contexts(toy):
         torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-6)
 
 
+def test_served_jobs_with_their_own_caches_equal_their_solo_runs(toy):
+    """The server's batcher: two jobs of different text lengths joined in every step (the family's blocks and
+    join_contexts), one with its own Cache-DiT (its rows skip the middle stages when it reuses), each equal to
+    its run alone."""
+    from engine.serve.batcher import Batcher, Job
+
+    eng = toy["engine"]
+    g = torch.Generator().manual_seed(9)
+    jobs = [Job(torch.zeros(4, 5, 6), torch.randn(tokens, CFG.text_in_dim, generator=g), toy["inputs"]["uncond"][0],
+                seed=10 + i, steps=6, cfg=3.0, cache=cache)
+            for i, (tokens, cache) in enumerate(((3, CacheConfig(warmup=1, rdt=0.3)), (9, CacheConfig(enabled=False))))]
+    batcher = Batcher(eng, max_batch=4)
+    try:
+        with torch.inference_mode():
+            got = [f.result(60) for f in batcher.submit_many(jobs)]
+            refs = [eng.sample(j.latent[None], [j.cond], [j.uncond], seed=j.seed, steps=j.steps, cfg=j.cfg,
+                               cache=j.cache)[0] for j in jobs]
+    finally:
+        batcher.close()
+    assert False in jobs[0].stats.step_mask and all(jobs[1].stats.step_mask)
+    for out, ref in zip(got, refs):
+        assert _close(out, ref, 1e-5), (out - ref).abs().max()
+
+
 def test_a_rank_learns_the_family_from_its_model_classs_module(toy):
     """What a worker rank does with the family of the load it is sent (engine/parallel/worker.py)."""
     from engine.models import get
