@@ -9,16 +9,14 @@ from typing import List, Optional
 import torch
 
 from .errors import InputError
+from .models import Family, families, family_of
 from .models.demo import codec
-from .models.ernie_image import ErnieImageConfig
 from .sampling import (
     DEFAULT_SHIFT,
-    LATENT_FACTOR,
     MAX_BATCH,
     MAX_BATCH_INDEX,
     MAX_CFG,
     MAX_IMAGE_SIDE,
-    MAX_IMAGE_TOKENS,
     MAX_INPUT_VALUE,
     MAX_SCHEDULE,
     MAX_SEED,
@@ -115,29 +113,40 @@ def check_sampling_settings(*, steps, cfg, denoise=1.0, shift=DEFAULT_SHIFT, nam
 
 def latent_hint(channels: int) -> str:
     """Which latent a model of ``channels`` latent channels takes (and the ComfyUI node that makes it),
-    for the wrong-latent error: the demo model's 48-channel pixel latent, or ERNIE-Image's Flux2 one."""
+    for the wrong-latent error: the demo model's 48-channel pixel latent, or a registered family's own."""
     if channels == codec.LATENT_CHANNELS:
         return (f" (the demo model's latent: the image as {codec.LATENT_CHANNELS} channels at 1/{codec.FACTOR} of its "
                 "size; use SGLDiffusion Demo Empty Latent)")
-    if channels == ErnieImageConfig.in_channels:
-        return (f" (ERNIE-Image uses the Flux2 latent: {channels} channels at 1/{LATENT_FACTOR} of the image size; use "
-                "EmptyFlux2LatentImage or SGLDiffusion Empty Latent (ERNIE))")
+    for family in families():
+        latent = family.latent
+        if channels == latent.channels:
+            use = f"; use {latent.makers}" if latent.makers else ""
+            return (f" ({family.title} uses {latent.name}: {channels} channels at 1/{latent.stride} of the image "
+                    f"size{use})")
     return ""
 
 
-def flux2_latent_shape(width, height, batch_size) -> tuple:
-    """[batch, 128, height/16, width/16]: the empty latent ERNIE-Image's DiT takes for a picture of width x height
-    pixels (the Flux2 latent, as ComfyUI's EmptyFlux2LatentImage makes it). InputError unless each side is a
-    multiple of 16 up to MAX_IMAGE_SIDE: another size would be cut down to one without a word."""
+def empty_latent_shape(family: Family, width, height, batch_size) -> tuple:
+    """[batch, channels, height/stride, width/stride]: the empty latent ``family``'s DiT takes for a picture of
+    width x height pixels (ERNIE-Image's: the Flux2 latent, as ComfyUI's EmptyFlux2LatentImage makes it).
+    InputError unless each side is a multiple of the latent's stride up to MAX_IMAGE_SIDE: another size would
+    be cut down to one without a word."""
+    stride = family.latent.stride
     sides = {}
     for name, value in (("width", width), ("height", height)):
-        v = _integer(name, value, LATENT_FACTOR, MAX_IMAGE_SIDE)
-        if v % LATENT_FACTOR:
-            raise InputError(f"{name} must be a multiple of {LATENT_FACTOR} pixels (got {v}; ERNIE-Image's latent has "
-                             f"one cell per {LATENT_FACTOR}x{LATENT_FACTOR} pixels)")
-        sides[name] = v // LATENT_FACTOR
+        v = _integer(name, value, stride, MAX_IMAGE_SIDE)
+        if v % stride:
+            raise InputError(f"{name} must be a multiple of {stride} pixels (got {v}; {family.title}'s latent has "
+                             f"one cell per {stride}x{stride} pixels)")
+        sides[name] = v // stride
     batch = _integer("batch_size", batch_size, 1, MAX_BATCH)
-    return (batch, ErnieImageConfig.in_channels, sides["height"], sides["width"])
+    return (batch, family.latent.channels, sides["height"], sides["width"])
+
+
+def max_image_tokens(family: Family) -> int:
+    """The image tokens a sample may have: the latent cells of a MAX_IMAGE_SIDE x MAX_IMAGE_SIDE picture in
+    ``family``'s latent (a bound on the work; one token per cell at patch size 1)."""
+    return (MAX_IMAGE_SIDE // family.latent.stride) ** 2
 
 
 def check_sampler(sampler: str, scheduler: str) -> None:
@@ -188,9 +197,11 @@ def check_latent(cfg, latent, name: str = "latent", values: bool = True) -> None
     if latent.shape[2] < p or latent.shape[3] < p or latent.shape[2] % p or latent.shape[3] % p:
         raise InputError(f"{name} size {tuple(latent.shape[2:])} is not a multiple of the patch size {p}")
     tokens = (latent.shape[2] // p) * (latent.shape[3] // p)
-    if tokens > MAX_IMAGE_TOKENS:
+    family = family_of(cfg)
+    limit = max_image_tokens(family)
+    if tokens > limit:
         raise InputError(f"{name} size {tuple(latent.shape[2:])} makes {tokens} image tokens per sample; the limit is "
-                         f"{MAX_IMAGE_TOKENS} ({MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} pixels for ERNIE-Image)")
+                         f"{limit} ({MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} pixels for {family.title})")
     if values:
         check_values(name, latent)
 

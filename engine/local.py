@@ -21,6 +21,7 @@ from .features.fuse import fuse_projections, fused_groups
 from .features.lora import LoRAFileCache, active_loras, apply_loras
 from .features.offload import apply_layerwise_offload, choose_offload, get_offload
 from .loading import plan_load
+from .models import family_of
 from .sampling import to_timestep
 
 
@@ -100,7 +101,7 @@ class LocalRunner:
 
     @property
     def device(self) -> torch.device:
-        return self.model.final_linear.weight.device
+        return family_of(self.model).device_of(self.model)
 
     def describe(self) -> dict:
         model = self.model

@@ -1,4 +1,4 @@
-"""Flow-matching sampling exactly as ComfyUI does it for ERNIE-Image (ModelSamplingDiscreteFlow,
+"""Flow-matching sampling exactly as ComfyUI does it for flow DiTs such as ERNIE-Image (ModelSamplingDiscreteFlow,
 CONST parameterisation, multiplier 1000): sigma schedules, samplers, CFG and seeded noise.
 
 Samplers work on a *denoiser* ``denoised = D(x, sigma)`` like k-diffusion, so the arithmetic is
@@ -21,15 +21,14 @@ MULTIPLIER = 1000.0  # sigma -> model timestep
 
 # Input limits, in one place (Engine.sample, the CLI and the nodes check against these before any work).
 # Generous: ComfyUI's KSampler allows 1..10000 steps, cfg 0..100, seeds 0..2**64-1 and shift 0..100;
-# ERNIE-Image's largest documented size is 2048x2048.
+# ERNIE-Image's largest documented size is 2048x2048. A family's image-token limit follows from MAX_IMAGE_SIDE
+# and its latent's stride (engine.inputs.max_image_tokens).
 MAX_STEPS = 10000
 MAX_SCHEDULE = 10000  # steps / denoise: the full schedule a denoise < 1 run takes its last steps from
 MAX_CFG = 100.0
 MAX_SHIFT = 100.0
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's largest value
-MAX_IMAGE_SIDE = 4096  # pixels (ERNIE-Image files: twice the largest documented size)
-LATENT_FACTOR = 16  # pixels per latent cell and image token, each way (ERNIE-Image's Flux2 latent)
-MAX_IMAGE_TOKENS = (MAX_IMAGE_SIDE // LATENT_FACTOR) ** 2  # image tokens per sample
+MAX_IMAGE_SIDE = 4096  # pixels, any family (ERNIE-Image files: twice the largest documented size)
 MAX_BATCH = 4096  # latents in an empty batch (ComfyUI's empty-latent nodes allow 1..4096)
 MAX_INPUT_VALUE = 1e6  # |value| of a latent or text feature: beyond it the DiT's sums overflow (NaN, not a picture)
 MAX_BATCH_INDEX = 4095  # a LATENT's batch_index: noise is drawn for every index up to the largest (ImageFromBatch's limit)

@@ -1,7 +1,8 @@
 """ComfyUI's MODEL on an SGLDiffusion engine, so every ComfyUI sampler runs on it.
 
 The Model Loader's ``comfy_model`` output is a ``ModelPatcher`` around a ComfyUI model object (ComfyUI's own
-ERNIE-Image class where this ComfyUI has one, else the same settings on ``BaseModel``) whose diffusion model
+class of the model's family, ``Family.comfy_model``, where this ComfyUI has one, else the same settings on
+``BaseModel``) whose diffusion model
 calls the engine. ComfyUI's sampler loop does the sampling; the engine does each DiT call (Cache-DiT, offload,
 LoRA, several GPUs included). Why each piece is so: docs/comfyui_model.md.
 """
@@ -30,6 +31,7 @@ from ..engine import InputError
 from ..engine.features.cache import CacheConfigError, resolve_config
 from ..engine.inputs import check_latent, check_model_call, check_run_sigmas, check_values
 from ..engine.loading import checkpoint_shapes, estimate_bytes
+from ..engine.models import family_of
 from ..engine.models.demo import codec
 from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER, to_sigma
 from ..engine.threads import torch_threads
@@ -66,21 +68,21 @@ class DemoLatent(comfy.latent_formats.LatentFormat):
         self.latent_rgb_factors_bias = [0.0, 0.0, 0.0]
 
 
-def _config_class(demo: bool):
-    native = getattr(comfy.supported_models, "ErnieImage", None)
+def _config_class(family, demo: bool):
+    native = getattr(comfy.supported_models, family.comfy_model, None) if family.comfy_model else None
     if native is not None and not demo:
         return native
 
-    class ErnieImageSettings(comfy.supported_models_base.BASE):
-        """ERNIE-Image's flow settings, for a ComfyUI without its own ERNIE-Image model (before 0.19)."""
-        unet_config = {"image_model": "ernie"}
+    class FamilySettings(comfy.supported_models_base.BASE):
+        """The family's flow settings, for a ComfyUI without its own model of the family (ERNIE-Image: before 0.19)."""
+        unet_config = dict(family.comfy_unet_config)
         unet_extra_config = {}
         sampling_settings = {"multiplier": MULTIPLIER, "shift": DEFAULT_SHIFT}
-        latent_format = DemoLatent if demo else comfy.latent_formats.Flux2
+        latent_format = DemoLatent if demo else getattr(comfy.latent_formats, family.latent.comfy_format)
         memory_usage_factor = 10.0
         supported_inference_dtypes = [torch.bfloat16, torch.float16, torch.float32]
 
-    return ErnieImageSettings
+    return FamilySettings
 
 
 class PaddedText(comfy.conds.CONDRegular):
@@ -99,7 +101,7 @@ class PaddedText(comfy.conds.CONDRegular):
 
 
 def _model_class(base):
-    class SGLDiffusionErnieImage(base):
+    class SGLDiffusionModel(base):
         """ComfyUI's model object; its diffusion model is the engine (``EngineCall``)."""
 
         def state_dict_for_saving(self, *args, **kwargs):
@@ -114,7 +116,7 @@ def _model_class(base):
                 out["text_lens"] = comfy.conds.CONDRegular(torch.full((text.shape[0],), text.shape[1], dtype=torch.long))
             return out
 
-    return SGLDiffusionErnieImage
+    return SGLDiffusionModel
 
 
 def checked(check, *args):
@@ -285,7 +287,7 @@ class SGLDModelPatcher(comfy.model_patcher.ModelPatcher):
         """ComfyUI's LoRA loaders add their patches here: remember which node and file they came from (messages
         name them), and refuse a file whose keys this ComfyUI cannot map (it would only log "lora key not loaded")."""
         node_id, class_type, inputs, _, _ = executing_node()
-        check_native_keys(inputs.get("lora_name"), patches, getattr(comfy.model_base, "ErnieImage", None) is not None)
+        check_native_keys(inputs.get("lora_name"), patches, self.model.sgld_native)
         added = super().add_patches(patches, strength_patch, strength_model)
         ids = frozenset(id(patches[k]) for k in added)
         self.set_attachments(SOURCES_ATTACHMENT, tuple(self.get_attachment(SOURCES_ATTACHMENT) or ())
@@ -367,7 +369,7 @@ class ComfyModelUnavailableError(AttributeError):
 
 
 class ComfyModelUnavailable:
-    """The comfy_model output where this ComfyUI cannot make it (no Flux2 latent format): any use raises
+    """The comfy_model output where this ComfyUI cannot make it (no latent format of the family): any use raises
     ``message``, so only a graph that uses the output fails, on the node that uses it."""
 
     def __init__(self, message: str):
@@ -379,19 +381,22 @@ class ComfyModelUnavailable:
 
 def comfy_model(handle: SGLDModel, engine):
     """The MODEL for ``handle`` (``engine``: its engine, already open); a ``ComfyModelUnavailable`` where this ComfyUI
-    lacks what ERNIE-Image's MODEL needs (SGLD_MODEL works without it)."""
+    lacks what the family's MODEL needs (SGLD_MODEL works without it)."""
+    family = family_of(engine.model_config)
     demo = engine.model_config.in_channels == codec.LATENT_CHANNELS
-    if not demo and not compat.found("flux2_latent_format"):
+    latent_format = family.latent.comfy_format
+    if not demo and getattr(comfy.latent_formats, latent_format, None) is None:
         text = (f"SGLDiffusion Model Loader: its comfy_model output does not work in this ComfyUI, which lacks "
-                f"{compat.FEATURES['flux2_latent_format']}: update to {compat.UPDATE}. Connect the 'model' output to "
-                "SGLDiffusion KSampler instead.")
+                f"the {latent_format} latent format (comfy.latent_formats.{latent_format}): update to {compat.UPDATE}. "
+                "Connect the 'model' output to SGLDiffusion KSampler instead.")
         log.warning("%s", text)
         return ComfyModelUnavailable(text)
-    settings = _config_class(demo)({"image_model": "ernie", "disable_unet_model_creation": True})
+    settings = _config_class(family, demo)({**family.comfy_unet_config, "disable_unet_model_creation": True})
     call = EngineCall(handle, engine)
     settings.set_inference_dtype(call.dtype, None)
-    base = getattr(comfy.model_base, "ErnieImage", comfy.model_base.BaseModel)
-    model = _model_class(base)(settings, comfy.model_base.ModelType.FLOW, None)
+    native = getattr(comfy.model_base, family.comfy_model, None) if family.comfy_model else None
+    model = _model_class(native or comfy.model_base.BaseModel)(settings, comfy.model_base.ModelType.FLOW, None)
+    model.sgld_native = native is not None  # ComfyUI has its own model of the family (its LoRA key maps)
     model.diffusion_model = call
     device = torch.device(handle.config.device)
     size = estimate_bytes(handle.path, handle.config.dtype, handle.config.quant)

@@ -17,6 +17,7 @@ import comfy.utils
 from ..engine import CheckpointError, InputError
 from ..engine.features.cache import CacheConfigError, resolve_config
 from ..engine.inputs import latent_hint
+from ..engine.models import families
 from ..engine.options import node_inputs
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
 from ..engine.sampling_options import SampleRequest, SamplingOptions
@@ -26,7 +27,6 @@ from .server_nodes import RemoteModel, sample_remote
 
 log = logging.getLogger("sgldiffusion")
 NODE = "SGLDiffusion KSampler"
-FLUX2_CHANNELS = 128  # ComfyUI's Flux2 latent format, the one ERNIE-Image uses
 KSAMPLER_WIDGETS = ("seed", "steps", "cfg", "sampler_name", "scheduler", "denoise")  # ComfyUI's KSampler's, its order
 
 
@@ -67,11 +67,12 @@ class StepReporter:
     def __init__(self, steps: int, channels: int, device):
         self.pbar = comfy.utils.ProgressBar(steps)
         self.previewer = None
-        if channels == FLUX2_CHANNELS:
+        formats = [f.latent.comfy_format for f in families() if f.latent.channels == channels and f.latent.comfy_format]
+        if formats:  # a family's latent (ERNIE-Image: ComfyUI's Flux2 format); the demo's has no previewer
             try:
                 import latent_preview
 
-                self.previewer = latent_preview.get_previewer(device, comfy.latent_formats.Flux2())
+                self.previewer = latent_preview.get_previewer(device, getattr(comfy.latent_formats, formats[0])())
             except Exception as e:  # no preview is better than no image
                 log.warning("SGLDiffusion: step previews disabled (%s)", e)
 

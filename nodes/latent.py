@@ -1,33 +1,35 @@
-"""SGLDiffusion Empty Latent (ERNIE): the empty Flux2 latent ERNIE-Image takes, for graphs on a ComfyUI
-without EmptyFlux2LatentImage (before 0.3.72) or that should not depend on it. The shape and its limits
-are the engine's (engine.inputs.flux2_latent_shape)."""
+"""SGLDiffusion Empty Latent (ERNIE): the empty latent of the ERNIE-Image family (the Flux2 latent), for graphs
+on a ComfyUI without EmptyFlux2LatentImage (before 0.3.72) or that should not depend on it. The shape and its
+limits are the engine's (engine.inputs.empty_latent_shape), the latent's facts the family's."""
 from __future__ import annotations
 
 import torch
 
 from ..engine.errors import InputError
-from ..engine.inputs import flux2_latent_shape
-from ..engine.models.ernie_image import ErnieImageConfig
-from ..engine.sampling import LATENT_FACTOR, MAX_BATCH, MAX_IMAGE_SIDE
+from ..engine.inputs import empty_latent_shape
+from ..engine.models import get
+from ..engine.sampling import MAX_BATCH, MAX_IMAGE_SIDE
 
 NODE = "SGLDiffusion Empty Latent (ERNIE)"
-SIZES = "1024x1024, 848x1264, 1264x848, 768x1376, 1376x768, 896x1200, 1200x896"  # ERNIE-Image's model card
+FAMILY = get("ernie-image")  # the family whose latent this node makes
+LATENT = FAMILY.latent
+SIZES = ", ".join(f"{w}x{h}" for w, h in FAMILY.sizes)
 
 
 def _side(name: str) -> tuple:
-    return ("INT", {"default": 1024, "min": LATENT_FACTOR, "max": MAX_IMAGE_SIDE, "step": LATENT_FACTOR,
-                    "tooltip": f"The image {name} in pixels, a multiple of {LATENT_FACTOR} up to {MAX_IMAGE_SIDE}. "
-                               f"ERNIE-Image's recommended sizes (width x height): {SIZES}."})
+    return ("INT", {"default": 1024, "min": LATENT.stride, "max": MAX_IMAGE_SIDE, "step": LATENT.stride,
+                    "tooltip": f"The image {name} in pixels, a multiple of {LATENT.stride} up to {MAX_IMAGE_SIDE}. "
+                               f"{FAMILY.title}'s recommended sizes (width x height): {SIZES}."})
 
 
 class SGLDiffusionEmptyLatentERNIE:
-    DESCRIPTION = (f"An empty ERNIE-Image latent: {ErnieImageConfig.in_channels} channels at 1/{LATENT_FACTOR} of the "
-                   "image size (the Flux2 latent, as ComfyUI's EmptyFlux2LatentImage makes it), for SGLDiffusion "
+    DESCRIPTION = (f"An empty {FAMILY.title} latent: {LATENT.channels} channels at 1/{LATENT.stride} of the "
+                   f"image size ({LATENT.name}, as ComfyUI's EmptyFlux2LatentImage makes it), for SGLDiffusion "
                    "KSampler or any sampler.")
     CATEGORY = "SGLDiffusion"
     RETURN_TYPES = ("LATENT",)
-    OUTPUT_TOOLTIPS = (f"The empty latent batch: zeros [batch_size, {ErnieImageConfig.in_channels}, height/{LATENT_FACTOR}, "
-                       f"width/{LATENT_FACTOR}].",)
+    OUTPUT_TOOLTIPS = (f"The empty latent batch: zeros [batch_size, {LATENT.channels}, height/{LATENT.stride}, "
+                       f"width/{LATENT.stride}].",)
     FUNCTION = "generate"
 
     @classmethod
@@ -38,11 +40,11 @@ class SGLDiffusionEmptyLatentERNIE:
 
     def generate(self, width, height, batch_size=1):
         """Zeros on ComfyUI's intermediate device, as ComfyUI's empty-latent nodes make them. ComfyUI checks
-        min and max but not the step, so a size that is not a multiple of 16 is refused here."""
+        min and max but not the step, so a size that is not a multiple of the stride is refused here."""
         import comfy.model_management
 
         try:
-            shape = flux2_latent_shape(width, height, batch_size)
+            shape = empty_latent_shape(FAMILY, width, height, batch_size)
         except InputError as e:
             raise ValueError(f"{NODE}: {e}") from None  # ComfyUI shows a ValueError without the pack's module path
         return ({"samples": torch.zeros(shape, device=comfy.model_management.intermediate_device())},)

@@ -229,13 +229,15 @@ def test_empty_latent_refuses_sizes_beyond_the_limits(comfy, inputs, field):
                                             ((4112, 16, 1), "width must be an integer from 16 to 4096"),
                                             ((16, 16, 4097), "batch_size must be an integer from 1 to 4096"),
                                             ((16.0, 16, 1), "width must be an integer")])
-def test_flux2_latent_shape_refusals(size, fragment):
+def test_empty_latent_shape_refusals(size, fragment):
     from engine.errors import InputError
-    from engine.inputs import flux2_latent_shape
+    from engine.inputs import empty_latent_shape
+    from engine.models import get
 
-    assert flux2_latent_shape(4096, 16, 3) == (3, 128, 1, 256)
+    ernie = get("ernie-image")
+    assert empty_latent_shape(ernie, 4096, 16, 3) == (3, 128, 1, 256)
     with pytest.raises(InputError, match=fragment):
-        flux2_latent_shape(*size)
+        empty_latent_shape(ernie, *size)
 
 
 # -- properties.models in the workflows -------------------------------------------------------------------------

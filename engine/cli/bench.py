@@ -13,6 +13,7 @@ from ..features import offload
 from ..features.cache import from_env
 from ..features.quant.registry import FILE_WRITERS, format_of
 from ..loading import estimate_bytes
+from ..models import family_of
 from ..models.random_weights import SIZES, random_checkpoint, random_model_on_device
 from ..router import open_engine
 from ..sampling import cfg_on
@@ -28,9 +29,10 @@ def add_parser(sub) -> None:
                                    "of a named size (its steps and cfg: the model's defaults, ERNIE-Image Base's for a "
                                    "random model; --steps 0 skips the run).")
     src = b.add_mutually_exclusive_group()
-    src.add_argument("--model", help="ERNIE-Image .safetensors file or diffusers folder")
+    src.add_argument("--model", help="DiT .safetensors file (ERNIE-Image ...) or diffusers folder")
     src.add_argument("--size", default="tiny", help="random model of a named size: tiny, small, medium, 8b (the release shape; for GPUs)")
-    b.add_argument("--width", type=int, default=None, help="image width in pixels (latent = width/16; default 1024 for 8b, 256 otherwise)")
+    b.add_argument("--width", type=int, default=None, help="image width in pixels (latent = width / the family's latent stride, 16 for "
+                   "ERNIE-Image; default 1024 for 8b, 256 otherwise)")
     b.add_argument("--height", type=int, default=None, help="image height in pixels")
     b.add_argument("--text-tokens", type=int, default=64, help="prompt length in tokens")
     add_sampling_arguments(b, SAMPLING)
@@ -100,7 +102,8 @@ def cmd_bench(args) -> dict:
     load_s = time.perf_counter() - t0
     cfg = eng.model_config
     default_px = 1024 if args.size == "8b" else 256
-    h, w = (args.height or default_px) // 16, (args.width or default_px) // 16
+    stride = family_of(cfg).latent.stride
+    h, w = (args.height or default_px) // stride, (args.width or default_px) // stride
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, cfg.in_channels, h, w, generator=g)
     text = torch.randn(args.text_tokens, cfg.text_in_dim, generator=g)

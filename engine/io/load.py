@@ -45,9 +45,17 @@ def check_keys(ckpt: Checkpoint, family: Family, missing: List[str], unexpected:
 
 # -- tensor parallel (the family's ``shard_dims``: 0 column parallel, the heads; 1 row parallel, all-reduced) --
 def shard_tensor(family: Family, key: str, t: torch.Tensor, shard: Tuple[int, int]) -> torch.Tensor:
-    """Rank ``shard[1]``'s slice of ``t`` out of ``shard[0]`` (``t`` itself when ``family`` keeps it whole)."""
+    """Rank ``shard[1]``'s slice of ``t`` out of ``shard[0]`` (``t`` itself when ``family`` keeps it whole). A block
+    linear's bias: split with a column-parallel linear's rows; a row-parallel linear's is added by rank 0 only
+    (the all-reduce sums the ranks' outputs), the other ranks hold zeros."""
     dim = family.shard_dim(key)
     tp, index = shard
+    if dim is None and key.endswith(".bias"):
+        bias_of = family.shard_dim(key[: -len("bias")] + "weight")
+        if bias_of == 0:
+            return t.chunk(tp)[index].contiguous()
+        if bias_of == 1:
+            return t if index == 0 else torch.zeros_like(t)
     return t if dim is None else t.chunk(tp, dim=dim)[index].contiguous()
 
 

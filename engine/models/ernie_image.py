@@ -443,9 +443,12 @@ FAMILY = register(Family(
                 "mlp.up_proj": 0, "self_attention.to_out.0": 1, "mlp.linear_fc2": 1},
     partial_sum_modules=("self_attention", "mlp"), heads_module="self_attention",
     fuse_groups={Attention: ("qkv", ("to_q", "to_k", "to_v")), GeGLU: ("gate_up", ("gate_proj", "up_proj"))},
-    latent=Latent(channels=128, stride=16, name="the Flux2 latent"),
+    latent=Latent(channels=128, stride=16, name="the Flux2 latent", comfy_format="Flux2",
+                  makers="EmptyFlux2LatentImage or SGLDiffusion Empty Latent (ERNIE)"),
     join_contexts=join_contexts, chunk_context=chunk_context,
     config_metadata_key="ernie_image_config",
     checkpoint_prefixes=("model.diffusion_model.", "diffusion_model.", "transformer."),
     diffusers_class="ErnieImageTransformer2DModel", comfy_model="ErnieImage", max_layers=MAX_LAYERS,
+    comfy_unet_config={"image_model": "ernie"},
+    sizes=((1024, 1024), (848, 1264), (1264, 848), (768, 1376), (1376, 768), (896, 1200), (1200, 896)),  # model card
 ))

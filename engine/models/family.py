@@ -45,6 +45,8 @@ class Latent:
     channels: int
     stride: int
     name: str  # what users know it as, for messages ("the Flux2 latent")
+    makers: str = ""  # the ComfyUI nodes that make an empty one, for the wrong-latent message
+    comfy_format: str = ""  # its class in comfy.latent_formats (previews, ComfyUI's samplers on our MODEL)
 
 
 @dataclass(frozen=True)
@@ -70,12 +72,20 @@ class Family:
     checkpoint_prefixes: Tuple[str, ...] = ()  # prefixes other tools put before the keys (stripped on load)
     diffusers_class: str = ""  # the diffusers transformer class of this family, for engine.accelerate
     comfy_model: str = ""  # ComfyUI's name for the family (comfy.supported_models / comfy.model_base)
+    comfy_unet_config: Mapping[str, object] = field(default_factory=dict)  # ComfyUI's unet_config marking the family
+    sizes: Tuple[Tuple[int, int], ...] = ()  # recommended (width, height) in pixels, for tooltips
     max_layers: int = 512  # a bound on the blocks a file's header can ask for
     defaults: Mapping[str, object] = field(default_factory=dict)  # sampling defaults (steps, cfg, shift ...)
 
     # -- what the generic layers ask ---------------------------------------------------------------------
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:
         return getattr(model, self.blocks)
+
+    def device_of(self, model: nn.Module) -> torch.device:
+        """The compute device: that of the model's parameters outside the blocks (layer-wise offload keeps blocks
+        on the host and brings each to this device when it runs)."""
+        prefix = self.blocks + "."
+        return next(p.device for name, p in model.named_parameters() if not name.startswith(prefix))
 
     def block_key(self, index: int, path: str = "") -> str:
         """The state-dict / module name of block ``index`` (and ``path`` inside it)."""

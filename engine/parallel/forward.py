@@ -2,7 +2,6 @@
 and the cache's distance under sequence parallel. The steps of a forward are in docs/parallel.md."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Optional
 
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 from ..features import patching
 from ..features.attention import AttentionBackend, block_lens
 from ..features.cache import DBCacheRunner
+from ..models import family_of
 from .comm import Groups, ring_attention, ulysses_gather_heads, ulysses_scatter_heads
 
 TP = "tensor_parallel"
@@ -26,8 +26,8 @@ def _all_reduce(out: torch.Tensor, group) -> torch.Tensor:
 
 
 def _tp_class(base: type) -> type:
-    """``base`` (Attention / GeGLU) whose output is all-reduced over the tensor-parallel group. A class swap:
-    a compiled block sees it (docs/architecture.md)."""
+    """``base`` (a block submodule the family names in ``partial_sum_modules``) whose output is all-reduced over
+    the tensor-parallel group. A class swap: a compiled block sees it (docs/architecture.md)."""
     def forward(self, *args, **kwargs):
         return _all_reduce(base.forward(self, *args, **kwargs), patching.state(self)[TP])
 
@@ -40,7 +40,9 @@ class TensorParallelPatch(patching.Patch):
 
     def __init__(self, model, group):
         super().__init__(model)
-        self.modules = [m for block in model.layers for m in (block.self_attention, block.mlp)]
+        family = family_of(model)
+        self.modules = [block.get_submodule(name) for block in family.blocks_of(model)
+                        for name in family.partial_sum_modules]
         for m in self.modules:
             patching.state(m)[TP] = group
             patching.swap_class(m, TP, _tp_class)
@@ -152,25 +154,22 @@ class ParallelModel:
         return out
 
     def _sequence_parallel_blocks(self, h: torch.Tensor, ctx) -> torch.Tensor:
-        """The blocks on this rank's chunk of the [image; text] sequence, then the chunks gathered."""
+        """The blocks on this rank's chunk of the joined sequence (the family's ``chunk_context`` cuts the
+        context), then the chunks gathered."""
         plan, g, model = self.plan, self.groups, self.model
         b, seq, _ = h.shape
         chunk = math.ceil(seq / plan.sp)
         pad = chunk * plan.sp - seq
-        cos, sin = ctx.rope
         full_mask = ctx.key_mask
         if pad:
             h = F.pad(h, (0, 0, 0, pad))
-            cos = F.pad(cos, (0, 0, 0, 0, 0, pad))
-            sin = F.pad(sin, (0, 0, 0, 0, 0, pad))
             if full_mask is None:
                 full_mask = torch.ones(b, seq, dtype=torch.bool, device=h.device)
             full_mask = F.pad(full_mask, (0, pad), value=False)
         k = g.coords[1] * plan.ulysses + g.coords[2]
         sl = slice(k * chunk, (k + 1) * chunk)
-        local_ctx = dataclasses.replace(ctx, rope=(cos[:, sl], sin[:, sl]), key_mask=None,
-                                        attention=self._sp_attention(full_mask, chunk),
-                                        valid_tokens=max(0, min(chunk, seq - k * chunk)))
+        local_ctx = family_of(model).chunk_context(ctx, pad, sl, self._sp_attention(full_mask, chunk),
+                                                   max(0, min(chunk, seq - k * chunk)))
         h_local = model.block_runner(model, h[:, sl].contiguous(), local_ctx)
         parts = [torch.empty_like(h_local) for _ in range(plan.sp)]
         dist.all_gather(parts, h_local.contiguous(), group=g.sp)

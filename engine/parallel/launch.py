@@ -8,9 +8,10 @@ LOCAL_RANK, MASTER_ADDR and MASTER_PORT; the degrees must multiply to the world 
         -m engine.parallel.launch --model /models/ernie-image.safetensors --ulysses-degree 8 --ring-degree 2 \\
         --text prompt.safetensors --width 2048 --height 2048 --steps 50 --cfg 4 --out latent.safetensors
 
-``--text``: a safetensors file with ``cond`` [T, 3072] (and ``uncond``) text features, e.g. saved from
-ComfyUI's CONDITIONING; ``--random-text N`` uses random features (benchmarks). Rank 0 writes the
-denoised latent ([1, 128, H/16, W/16], ComfyUI's Flux2 latent format) and prints one JSON line.
+``--text``: a safetensors file with ``cond`` [T, C] (and ``uncond``) text features (ERNIE-Image: C = 3072), e.g.
+saved from ComfyUI's CONDITIONING; ``--random-text N`` uses random features (benchmarks). Rank 0 writes the
+denoised latent (the model family's: [1, channels, H/stride, W/stride]; ERNIE-Image's is ComfyUI's Flux2 latent,
+[1, 128, H/16, W/16]) and prints one JSON line.
 With ``--device cpu`` the ranks are gloo processes (for trying the launch without GPUs). The engine's
 flags (--quant, --offload, --compile, --sp, ...) and the sampling flags are EngineConfig's and
 SamplingOptions' declarations (engine/options.py), as in ``sgld generate``; --steps / --cfg default
@@ -33,6 +34,7 @@ from ..config import PARALLEL, EngineConfig
 from ..errors import ParallelConfigError
 from ..features.cache import CacheConfig, resolve_config
 from ..io.checkpoint import check_architecture, open_checkpoint
+from ..models import family_of
 from ..models.random_weights import random_checkpoint
 from ..router import open_engine
 from ..sampling import cfg_on
@@ -47,7 +49,7 @@ SAMPLING = ("seed", "steps", "cfg", "sampler", "scheduler", "shift")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine.parallel.launch", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="ERNIE-Image .safetensors file or diffusers folder (readable on every machine)")
+    src.add_argument("--model", help="DiT .safetensors file (ERNIE-Image ...) or diffusers folder (readable on every machine)")
     src.add_argument("--size", help="random model of a named size (tiny, small, medium, 8b)")
     options.add_arguments(p, EngineConfig, {PARALLEL: "parallel: the degrees multiply to torchrun's world size"})
     p.set_defaults(device="cuda" if torch.cuda.is_available() else "cpu")  # the ranks' device type (index: LOCAL_RANK)
@@ -100,7 +102,8 @@ def main(argv=None) -> int:
         uncond = [torch.randn(max(1, args.random_text // 2), mcfg.text_in_dim, generator=g)]
     if not cfg_on(run["cfg"], uncond):
         uncond = None
-    latent = torch.zeros(1, mcfg.in_channels, args.height // 16, args.width // 16)
+    stride = family_of(mcfg).latent.stride
+    latent = torch.zeros(1, mcfg.in_channels, args.height // stride, args.width // stride)
     t0 = time.perf_counter()
     out = eng.sample(latent, cond, uncond, cache=cache, **run)
     seconds = time.perf_counter() - t0

@@ -21,6 +21,7 @@ from ..config import EngineConfig
 from ..errors import CheckpointError, LoRAError
 from ..features.lora import normalize
 from ..io.checkpoint import check_architecture, open_checkpoint, parse_dtype
+from ..models import family_of
 from ..sampling import to_sigma
 from .plan import ParallelPlan, check_devices, check_model, make_plan
 from .pool import check_settings, detach, get_pool
@@ -165,7 +166,9 @@ class RankedRunner:
         # plain data only: the workers import the engine as the top-level package ``engine``, which
         # need not be the name the parent imported it under (ComfyUI loads the pack by folder name)
         config = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config) if f.name != "cache"}
-        spec = {"path": self.path, "config": config, "plan": dataclasses.asdict(self.plan)}
+        family = family_of(self.model_config)  # a family registered outside the engine: the ranks import its module
+        spec = {"path": self.path, "config": config, "plan": dataclasses.asdict(self.plan),
+                "family": (family.name, family.model_class.__module__)}
         info = self.transport.ensure(self._key, spec)
         if info:
             self.info = info

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import importlib
 import os
 import signal
 import sys
@@ -35,6 +36,7 @@ from ..config import EngineConfig
 from ..features.cache import apply_cache, remove_cache
 from ..features.cache.config import ResolvedCache
 from ..loading import load_model
+from ..models import Family, families, register
 from ..router import open_engine
 from ..sampling import to_timestep
 from .comm import build_groups, destroy_groups
@@ -52,6 +54,19 @@ def worker_config(config, device: str):
         if hasattr(config, f):
             kw[f] = v
     return dataclasses.replace(config, **kw)
+
+
+def know_family(name: str, module: str) -> None:
+    """Register the family ``name`` in this rank if the engine does not declare it: a family registered from
+    outside the engine (another package, a test) is a module-level ``Family`` in the module of its model class,
+    which this rank imports (the parent's sys.path came with the spawn)."""
+    if any(f.name == name for f in families()):
+        return
+    found = [v for v in vars(importlib.import_module(module)).values() if isinstance(v, Family) and v.name == name]
+    if not found:
+        raise ValueError(f"DiT family '{name}' is not registered in the worker and module '{module}' (its model "
+                         "class's) declares no module-level Family of that name")
+    register(found[0])
 
 
 class WorkerState:
@@ -80,8 +95,10 @@ class WorkerState:
         return pids
 
     def cmd_load(self, spec: dict):
-        """spec: path, config (EngineConfig fields), plan (ParallelPlan fields)."""
+        """spec: path, config (EngineConfig fields), plan (ParallelPlan fields), family ((name, module))."""
         self.cmd_unload()
+        if spec.get("family"):
+            know_family(*spec["family"])
         destroy_groups(self.groups)
         plan = ParallelPlan(**spec["plan"])
         config = worker_config(EngineConfig(**spec["config"]), self.device)

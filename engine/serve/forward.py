@@ -2,14 +2,15 @@
 
 A batcher tick hands ``joint_velocity`` one ``Call`` per job (its x, sigma, padded text and lengths, as
 ``Engine.make_denoiser`` makes them for that job alone: cond rows, then uncond rows). Concatenating the
-calls and padding every text to the longest would change a sample's bits: small-M GEMMs (time embedding,
-adaLN modulation, the final norm's linear, ``text_proj``), the patch-embed convolution and attention over a
+calls and padding every text to the longest would change a sample's bits: small-M GEMMs (the time embedding
+and its modulation, the final projection, the text projection), the patch embedding and attention over a
 longer, masked key sequence all round differently at other shapes. So only the row-invariant part is shared:
 
-* per job: ``model.embed`` on its own inputs (patch embed, text projection, time embedding, modulation,
-  RoPE, its own key mask) and ``model.unembed`` on its own rows;
-* joined: the blocks (the big linears over every token row, the norms, the elementwise modulation), on
-  the jobs' hidden states zero-padded to the longest sequence;
+* per job: ``model.embed`` on its own inputs (patch embed, text projection, time embedding, positions, its
+  own key mask: whatever the family's embed computes per sample) and ``model.unembed`` on its own rows;
+* joined: the blocks (the big linears over every token row, the norms, the elementwise time conditioning), on
+  the jobs' hidden states zero-padded to the longest sequence, with one context the family's
+  ``join_contexts`` makes from the jobs' own (engine/models/family.py);
 * attention grouped by each job's own sequence length (and whether it has a key mask), so a group attends
   over exactly the keys, and with exactly the mask, it has alone; the padding rows are never attended and
   never read.
@@ -25,7 +26,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from ..features.cache import DBCacheRunner
-from ..models.ernie_image import BlockContext
+from ..models import family_of
 from ..sampling import to_timestep
 
 
@@ -79,16 +80,10 @@ def _attention_groups(parts, attention) -> GroupedAttention:
     return GroupedAttention(attention, groups)
 
 
-def _joined_context(parts, length: int) -> BlockContext:
-    """One BlockContext for the jobs' rows, in order, each padded to ``length`` tokens."""
-    first = parts[0][1]
-    return BlockContext(
-        modulation=tuple(torch.cat([c.modulation[j] for _, c in parts]) for j in range(6)),
-        rope=tuple(torch.cat([_pad_tokens(c.rope[j], length) for _, c in parts]) for j in range(2)),
-        key_mask=None,  # the grouped attention holds each job's own
-        attention=_attention_groups(parts, first.attention),
-        num_image_tokens=first.num_image_tokens, grid=first.grid,
-        temb=torch.cat([c.temb for _, c in parts]))
+def _joined_context(model, parts, length: int):
+    """One block context for the jobs' rows, in order, each padded to ``length`` tokens (the family's
+    ``join_contexts``), attending through the grouped attention that holds each job's own key mask."""
+    return family_of(model).join_contexts([c for _, c in parts], length, _attention_groups(parts, parts[0][1].attention))
 
 
 def _blocks_with_caches(model, h: torch.Tensor, parts, runners, length: int) -> torch.Tensor:
@@ -96,7 +91,7 @@ def _blocks_with_caches(model, h: torch.Tensor, parts, runners, length: int) -> 
     runner takes its own decision after its first ``fn`` blocks on its own rows (the shapes it has alone); a
     cached job's rows get its saved residual and skip the middle blocks, which run on the other rows only;
     every row runs the last ``bn`` blocks. ``DBCacheRunner.__call__``'s phases, one job at a time."""
-    layers = model.layers
+    layers = family_of(model).blocks_of(model)
     n = len(layers)
     spans, row = [], 0
     for hi, _ in parts:
@@ -128,10 +123,10 @@ def _blocks_with_caches(model, h: torch.Tensor, parts, runners, length: int) -> 
             break
         active = tuple(q for q in range(len(parts)) if not skipping[q])
         if len(active) == len(parts):
-            h = layers[j](h, contexts.setdefault(active, _joined_context(parts, length)))
+            h = layers[j](h, contexts.setdefault(active, _joined_context(model, parts, length)))
         elif active:
             rows = torch.cat([torch.arange(spans[q][0], spans[q][1], device=h.device) for q in active])
-            ctx = contexts.setdefault(active, _joined_context([parts[q] for q in active], length))
+            ctx = contexts.setdefault(active, _joined_context(model, [parts[q] for q in active], length))
             h = h.index_copy(0, rows, layers[j](h[rows], ctx))
     for runner, decision in zip(runners, decisions):
         if runner is not None:
@@ -156,7 +151,7 @@ def joint_velocity(model, calls: Sequence[Call], device: torch.device) -> List[t
     if any(r is not None for r in runners):
         h = _blocks_with_caches(model, h, ordered, runners, length)
     else:
-        h = model.block_runner(model, h, _joined_context(ordered, length))
+        h = model.block_runner(model, h, _joined_context(model, ordered, length))
     out: List[Optional[torch.Tensor]] = [None] * len(parts)
     row = 0
     for i, (hi, ci) in zip(order, ordered):

@@ -39,9 +39,12 @@ class QuantTransform(Transform):
         self.quant = quant
         layers = plan.layers if plan is not None else {}
         self.layer_of = {k: layer for layer in layers for k in plan.keys_of(layer)}  # stored key -> its layer
+        self.stored_layers = set(layers)
         self.ignored = set(plan.ignored) if plan is not None else set()
         self.parts: Dict[str, Dict[str, torch.Tensor]] = {}  # layer -> its tensors read so far
         self.shard: Optional[Tuple[int, int]] = None
+        self.biases: Dict[str, torch.Tensor] = {}  # a block linear's bias read before its weight -> its module
+        self.replaced: Set[str] = set()  # block linears now quantized modules
 
     def compute_dtype(self, ckpt: Checkpoint) -> torch.dtype:
         return self.plan.compute_dtype()
@@ -87,6 +90,21 @@ class QuantTransform(Transform):
             return self.format.weight_bytes(shape, self.group, dtype)
         return super().bytes_at_rest(key, stored, shape, dtype)
 
+    def _replace(self, model: nn.Module, layer: str, module: nn.Module) -> Dict[str, torch.Tensor]:
+        """Put quantized ``module`` at ``layer``, with the linear's bias if it was read first (a family's block
+        linears may have biases; the quantized modules take one)."""
+        bias = self.biases.pop(layer, None)
+        if bias is not None:
+            module.bias = nn.Parameter(bias, requires_grad=False)
+        patching.replace_module(model, layer, module)
+        self.replaced.add(layer)
+        return {}
+
+    def _dense(self, layer: str, weight: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """A block linear left dense: its weight, and its bias if it was held for a quantized module."""
+        bias = self.biases.pop(layer, None)
+        return {layer + ".weight": weight, **({layer + ".bias": bias} if bias is not None else {})}
+
     def take(self, model: nn.Module, key: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
         if key in self.ignored:
             return {}
@@ -98,11 +116,15 @@ class QuantTransform(Transform):
                 return {}
             return self._stored_layer(model, layer, self.parts.pop(layer))
         layer, _, leaf = key.rpartition(".")
+        if leaf == "bias" and self.family.is_block_linear(layer) and (self.kind or layer in self.stored_layers):
+            if layer in self.replaced:  # its weight came first: the quantized module takes it now
+                model.get_submodule(layer).bias = nn.Parameter(tensor, requires_grad=False)
+            else:
+                self.biases[layer] = tensor
+            return {}
         if self.kind and leaf == "weight" and self.family.is_block_linear(layer):
             module = self.format.quantize(tensor, None, self.group)
-            if module is not None:
-                patching.replace_module(model, layer, module)
-                return {}
+            return self._dense(layer, tensor) if module is None else self._replace(model, layer, module)
         return {key: tensor}
 
     def _stored_layer(self, model: nn.Module, layer: str, parts: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -116,17 +138,15 @@ class QuantTransform(Transform):
                     module = get_format(info["kind"]).split(module, self.shard[1], self.shard[0], dim)
                 except ValueError as e:
                     raise CheckpointError(f"{self.plan.ckpt.where(wkey)}: {e}") from None
-            patching.replace_module(model, layer, module)
-            return {}
+            return self._replace(model, layer, module)
         dense = self.plan.dequantize(layer, parts)
         if self.shard is not None:  # a layer of a format that splits, dequantized: this rank's slice
             dense = shard_tensor(self.family, wkey, dense, self.shard)
         if self.family.is_block_linear(layer):  # stored in another format than the one asked for: re-quantized
             module = self.format.quantize(dense, None, self.group)
             if module is not None:
-                patching.replace_module(model, layer, module)
-                return {}
-        return {wkey: dense}  # cast to the compute dtype by the loop
+                return self._replace(model, layer, module)
+        return self._dense(layer, dense)  # cast to the compute dtype by the loop
 
     def finish(self, model: nn.Module) -> None:
         record_quant(model)
@@ -144,4 +164,5 @@ def shard_skeleton(model: nn.Module, family: Family, tp: int) -> None:
             for name, dim in family.shard_dims.items():
                 old = block.get_submodule(name)
                 shape = (old.in_features, old.out_features // tp) if dim == 0 else (old.in_features // tp, old.out_features)
-                patching.replace_module(model, family.block_key(i, name), nn.Linear(*shape, bias=False))
+                bias = old.bias is not None  # a column-parallel bias is split with its rows (io/load.py's shard_tensor)
+                patching.replace_module(model, family.block_key(i, name), nn.Linear(*shape, bias=bias))
