@@ -1,4 +1,4 @@
-"""INT8 (engine/features/quant/int8.py): "int8" = per-output-channel int8 weights with W8A8 compute (per-token
+"""INT8 (engine/features/quant/int8/): "int8" = per-output-channel int8 weights with W8A8 compute (per-token
 dynamic activation scales, ``torch._int_mm``), "int8-weight" = the same weights dequantized per layer.
 
 Numerics against a float reference with a stated bound, the fallback for shapes ``torch._int_mm`` refuses, the
@@ -22,7 +22,7 @@ from engine.features import patching
 from engine.features import quant as Q
 from engine.features.fuse import fuse_projections, remove_fused_projections
 from engine.features.lora import target_modules
-from engine.features.quant import int8 as I8
+from engine.features.quant.int8 import linear as I8
 from engine.features.quant.prequantized import QuantPlan
 from engine.io.checkpoint import open_checkpoint
 from engine.loading import estimate_bytes

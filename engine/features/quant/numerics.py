@@ -1,79 +1,17 @@
-"""Quantize and dequantize weights: fp8 (e4m3, a float32 scale per output channel) and int4 (asymmetric,
-groups along the input, a bf16 scale and zero per group). The formats are in docs/quantization.md."""
+"""What every weight format's layer shares: frozen parameters, the 8-bit scaled GEMM of the dequantized path
+(fp8 and both int8 layers) and the relative error the tests and benchmarks report. Each format's own numerics
+live in its package (fp8/, int4/, int8/, gguf/)."""
 from __future__ import annotations
 
-import re
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-INT4_GROUPS = (32, 64, 128, 256)
+from torch import nn
 
 
-def parse_int4(text: str) -> Optional[int]:
-    """"int4" | "int4-g64" | "int4_g128" ... -> the group size (128 when not given); None for other names."""
-    m = re.fullmatch(r"int4(?:[-_]g(\d+))?", text)
-    if not m:
-        return None
-    g = int(m.group(1) or 128)
-    if g not in INT4_GROUPS:
-        raise ValueError(f"int4 group size {g} is not supported; use 64 or 128")
-    return g
-
-
-def quantize_fp8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] -> (e4m3 weight [out, in], float32 scale [out]) with w ~ q * scale per output row."""
-    wf = w.float()
-    scale = (wf.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-    q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    s = scale.float()
-    s = s[:, None] if s.dim() == 1 else s.reshape(())  # per channel, or per tensor (ComfyUI)
-    return (q.float() * s).to(dtype)
-
-
-def int4_group(in_features: int, group: int) -> int:
-    """The group size used for a layer: ``group`` if it divides in_features, else the largest of 64, 32."""
-    for g in (group, 64, 32):
-        if g <= group and in_features % g == 0:
-            return g
-    return 0
-
-
-def quantize_int4(w: torch.Tensor, group: int = 128) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[out, in] -> (packed uint8 [out, in/2], scale bf16 [out, in/g], zero bf16 [out, in/g]).
-
-    Asymmetric per group: w ~ (q - 8) * scale + zero with q in 0..15 (torch's int4pack convention).
-    Scale and zero are rounded to bf16 first and q is chosen against the rounded values."""
-    n, k = w.shape
-    if k % group or k % 2:
-        raise ValueError(f"int4: in_features {k} is not a multiple of the group size {group}")
-    wg = w.float().reshape(n, k // group, group)
-    mn, mx = wg.amin(dim=-1), wg.amax(dim=-1)
-    scale = ((mx - mn) / 15).clamp(min=1e-8).to(torch.bfloat16)
-    zero = (mn + 8 * scale.float()).to(torch.bfloat16)
-    q = ((wg - zero.float()[..., None]) / scale.float()[..., None] + 8).round().clamp(0, 15).to(torch.uint8)
-    q = q.reshape(n, k)
-    packed = (q[:, 0::2] << 4) | q[:, 1::2]
-    return packed.contiguous(), scale, zero
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [out, in/2] -> uint8 values 0..15 [out, in]."""
-    return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1)
-
-
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    n = packed.shape[0]
-    groups = scale.shape[-1]
-    q = unpack_int4(packed).reshape(n, groups, -1).to(dtype)
-    return ((q - 8) * scale.to(dtype)[..., None] + zero.to(dtype)[..., None]).reshape(n, -1)
+def frozen(t: torch.Tensor) -> nn.Parameter:
+    """A layer's stored tensor as a parameter that never takes a gradient."""
+    return nn.Parameter(t, requires_grad=False)
 
 
 def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:

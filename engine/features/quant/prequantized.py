@@ -1,7 +1,7 @@
 """Pre-quantized checkpoints: which layers a file stores quantized and how (``QuantPlan``), every quantized
 weight's companions checked from the header, and the scales checked as they are read. The file dialects
 (sgld, ComfyUI scaled_fp8, ComfyUI mixed precision) are in docs/quantization.md; each weight format finds
-its own layers (``read_layers`` of its entry in registry.py: ``read_fp8_layers``, ``read_int4_layers``)."""
+its own layers (``read_layers`` of its entry in registry.py: e.g. fp8/linear.py's ``read_fp8_layers``)."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Set
@@ -12,7 +12,6 @@ from ...errors import CheckpointError
 from ...io.safetensors import COMPUTE_DTYPES, DTYPE_NAMES, load_json_object
 from .registry import FORMATS, get_format
 
-FP8_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2)
 SGLD_META_KEY = "sgld_quant"
 COMFY_META_KEY = "_quantization_metadata"
 # Per-layer tensors of the ComfyUI formats that a weight-only engine does not need.
@@ -178,91 +177,3 @@ class QuantPlan:
     def describe(self) -> str:
         kinds = sorted({v["kind"] for v in self.layers.values()})
         return f"{len(self.layers)} {'/'.join(kinds) or 'no'} layers ({', '.join(sorted(self.sources)) or 'plain'})"
-
-
-# -- the built-in formats' layers in a file (their ``read_layers``) ---------------------------------------------
-def read_fp8_layers(plan: QuantPlan, keys: Set[str]) -> Dict[str, dict]:
-    """Every float8 weight, its scale checked by the file's dialect (sgld, ComfyUI, or no scale at all)."""
-    ckpt, meta, legacy, declared = plan.ckpt, plan.sgld_meta, plan.legacy, plan.declared
-    fp8_layers = [k[: -len(".weight")] for k in sorted(keys) if k.endswith(".weight") and ckpt.header(k)[0] in FP8_STORAGE]
-    scaled = bool(meta) or legacy or bool(declared) or any(
-        layer + s in keys for layer in fp8_layers for s in (".weight_scale", ".scale_weight"))
-    layers = {}
-    for layer in fp8_layers:
-        style = "sgld" if meta else "comfy" if legacy or layer in declared else "fp8"
-        layers[layer] = info = _fp8_layer(ckpt, layer, keys, style, scaled, legacy)
-        if layer in declared:
-            pass
-        elif info["scale_key"] and info["scale_key"].endswith(".weight_scale"):
-            plan.sources.add("sgld" if meta else "fp8")
-        elif not plan.sources:
-            plan.sources.add("fp8")
-    return layers
-
-
-def read_int4_layers(plan: QuantPlan, keys: Set[str]) -> Dict[str, dict]:
-    """Every U8 weight with X.weight_scale / X.weight_zero (sgld), its companions checked."""
-    ckpt, layers = plan.ckpt, {}
-    for k in sorted(keys):  # sorted: the first bad layer reported is the same on every run
-        layer = k[: -len(".weight")]
-        if (k.endswith(".weight") and ckpt.header(k)[0] == torch.uint8
-                and (layer + ".weight_scale" in keys or layer + ".weight_zero" in keys)):
-            layers[layer] = _int4_layer(ckpt, layer, keys)
-            plan.sources.add("sgld")
-    return layers
-
-
-def _fp8_layer(ckpt, layer: str, keys, style: str, scaled: bool, legacy: bool) -> dict:
-    """Check an fp8 weight's scale from the header. ``style``: "sgld" | "comfy" | "fp8" (no marker)."""
-    wkey = layer + ".weight"
-    _, wshape = ckpt.header(wkey)
-    present = [layer + s for s in (".weight_scale", ".scale_weight") if layer + s in keys]
-    if len(present) > 1:
-        raise CheckpointError(f"{ckpt.where(wkey)}: fp8 weight has two scales, '{present[0]}' and '{present[1]}'; "
-                              "a file holds one of them")
-    if style == "sgld" and present and present[0].endswith(".scale_weight"):
-        present = []  # an sgld file names its scales X.weight_scale
-    if not present:
-        if scaled:
-            want = layer + (".weight_scale" if style == "sgld" or not legacy else ".scale_weight")
-            raise CheckpointError(f"{ckpt.where(wkey)}: fp8 weight without its scale '{want}' (this file's fp8 "
-                                  "weights are scaled; only a file without any fp8 scale reads as scale 1)")
-        return {"scale_key": None, "shape": wshape}
-    skey = present[0]
-    sdtype, sshape = ckpt.header(skey)
-    per_channel = len(wshape) == 2 and sshape == (wshape[0],)
-    scalar = sshape in ((), (1,))
-    if style == "sgld":
-        ok, allowed = sdtype == torch.float32 and per_channel, f"F32 {[wshape[0]] if wshape else []} (one per output channel)"
-    elif style == "comfy":
-        ok, allowed = sdtype in SCALE_DTYPES and scalar, "a scalar (one per tensor) of F32, BF16, F16 or F64"
-    else:
-        ok, allowed = sdtype in SCALE_DTYPES and (scalar or per_channel), \
-            f"a scalar or [{wshape[0] if wshape else ''}] (one per output channel) of F32, BF16, F16 or F64"
-    if not ok:
-        raise CheckpointError(f"{ckpt.where(skey)}: scale of fp8 weight '{wkey}' {list(wshape)} is "
-                              f"{DTYPE_NAMES[sdtype]} {list(sshape)}; allowed: {allowed}")
-    return {"scale_key": skey, "shape": wshape}
-
-
-def _int4_layer(ckpt, layer: str, keys) -> dict:
-    wkey = layer + ".weight"
-    skey, zkey = layer + ".weight_scale", layer + ".weight_zero"
-    for k in (skey, zkey):
-        if k not in keys:
-            raise CheckpointError(f"{ckpt.where(wkey)}: int4 weight without '{k}' (int4 needs X.weight_scale and "
-                                  "X.weight_zero)")
-    _, wshape = ckpt.header(wkey)
-    if len(wshape) != 2:
-        raise CheckpointError(f"{ckpt.where(wkey)}: int4 weight has shape {list(wshape)}; allowed: U8 [out, in/2]")
-    out, in_features = wshape[0], 2 * wshape[1]
-    for k in (skey, zkey):
-        dt, shape = ckpt.header(k)
-        if dt not in SCALE_DTYPES or len(shape) != 2 or shape[0] != out or not shape[1] or in_features % shape[1]:
-            raise CheckpointError(
-                f"{ckpt.where(k)} is {DTYPE_NAMES[dt]} {list(shape)}; int4 weight '{wkey}' {list(wshape)} needs "
-                f"[{out}, in/group] with a group size dividing in = {in_features}, of F32, BF16, F16 or F64")
-    if ckpt.header(skey)[1] != ckpt.header(zkey)[1]:
-        raise CheckpointError(f"{ckpt.where(zkey)} has shape {list(ckpt.header(zkey)[1])}, but '{skey}' has "
-                              f"{list(ckpt.header(skey)[1])}; they must match")
-    return {"scale_key": skey, "zero_key": zkey, "shape": (out, in_features)}

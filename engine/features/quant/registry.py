@@ -37,7 +37,9 @@ part's bias given); ``join(leaf, tensors, rows)``: one checkpoint
     there; None: a file holding this format is refused under tensor parallel); ``small_f32``: files of this
     format keep 1-D tensors (norms, biases) F32 whatever the model's dtype, so they do not vote for the "as
     stored" dtype; ``comfy_formats``: the format names of ComfyUI's per-layer tags (``X.comfy_quant``,
-    ``_quantization_metadata``) whose layers this entry's ``read_layers`` takes (others are refused). What users read: ``help`` (a clause of the --quant / --format help; entries with the same
+    ``_quantization_metadata``) whose layers this entry's ``read_layers`` takes (others are refused);
+    ``prepare(modules)``: run-time preparation once the model is on its device (fp8: the ``torch._scaled_mm``
+    probe), returning notes. What users read: ``help`` (a clause of the --quant / --format help; entries with the same
     text share one), ``storage`` and ``compute`` (the docs table, tools/format_docs.py)."""
 
     name: str
@@ -57,6 +59,7 @@ part's bias given); ``join(leaf, tensors, rows)``: one checkpoint
     split: Optional[Callable[[nn.Module, int, int, int], nn.Module]] = None
     small_f32: bool = False
     comfy_formats: Tuple[str, ...] = ()
+    prepare: Optional[Callable[[List[nn.Module]], List[str]]] = None
     help: str = ""
     storage: str = ""
     compute: str = ""

@@ -14,14 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ....errors import CheckpointError
+from ..numerics import frozen
 from ..registry import WeightFormat, register_format
 from . import numerics as G
 
 DENSE_TYPES = ("f32", "f16", "bf16")  # read as ordinary tensors, not a weight format
-
-
-def _param(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
 
 
 class GGUFLinear(nn.Module):
@@ -37,8 +34,8 @@ class GGUFLinear(nn.Module):
             raise ValueError(f"{G.type_name(self.QTYPE)} weight: {raw.numel()} {raw.dtype} bytes are not rows of "
                              f"{per_row} bytes ({self.in_features} values)")
         self.out_features = raw.numel() // per_row
-        self.weight = _param(raw.reshape(self.out_features, per_row))
-        self.bias = _param(bias) if bias is not None else None
+        self.weight = frozen(raw.reshape(self.out_features, per_row))
+        self.bias = frozen(bias) if bias is not None else None
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "GGUFLinear":

@@ -18,10 +18,10 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from ...errors import CheckpointError
-from ...io.safetensors import DTYPE_NAMES
-from .numerics import scaled_linear
-from .registry import WeightFormat, register_format
+from ....errors import CheckpointError
+from ....io.safetensors import DTYPE_NAMES
+from ..numerics import scaled_linear
+from ..registry import WeightFormat, register_format
 
 log = logging.getLogger("sgld.quant")
 
