@@ -302,7 +302,8 @@ FAMILY = register(Family(
     join_contexts=join_contexts, chunk_context=chunk_context,
     config_metadata_key="ernie_image_config",
     checkpoint_prefixes=("model.diffusion_model.", "diffusion_model.", "transformer."),
-    diffusers_class="ErnieImageTransformer2DModel", comfy_model="ErnieImage", max_layers=MAX_LAYERS,
+    diffusers_class="ErnieImageTransformer2DModel", gguf_architecture="wan",  # as the community's GGUF files say
+    comfy_model="ErnieImage", max_layers=MAX_LAYERS,
     comfy_unet_config={"image_model": "ernie"},
     sizes=((1024, 1024), (848, 1264), (1264, 848), (768, 1376), (1376, 768), (896, 1200), (1200, 896)),  # model card
 ))

@@ -71,6 +71,7 @@ class Family:
     config_metadata_key: str = ""  # a safetensors metadata entry that may carry the config as JSON
     checkpoint_prefixes: Tuple[str, ...] = ()  # prefixes other tools put before the keys (stripped on load)
     diffusers_class: str = ""  # the diffusers transformer class of this family, for engine.accelerate
+    gguf_architecture: str = ""  # ``general.architecture`` of the family's GGUF files (what other tools write)
     comfy_model: str = ""  # ComfyUI's name for the family (comfy.supported_models / comfy.model_base)
     comfy_unet_config: Mapping[str, object] = field(default_factory=dict)  # ComfyUI's unet_config marking the family
     sizes: Tuple[Tuple[int, int], ...] = ()  # recommended (width, height) in pixels, for tooltips

@@ -22,8 +22,6 @@ from . import numerics as gn
 Q = gguf.GGMLQuantizationType
 # general.architecture: ComfyUI-GGUF's loader.py refuses any value outside its IMG_ARCH_LIST for a diffusion
 # model (and a missing one sends it to key-based detection, which does not know ERNIE-Image). unsloth's
-# ERNIE-Image GGUF files say "wan"; we write the same, so every tool treats both files alike.
-ARCHITECTURE = "wan"
 SMALL = 1024  # tensors of at most this many values stay F32 (ComfyUI-GGUF's convert.py QUANTIZATION_THRESHOLD)
 # A block weight whose rows are not whole blocks of the asked type gets llama.cpp's fallback type (its
 # llama_tensor_get_type rule for such tensors), else the dense dtype. Not reshaped into rows of 256 with
@@ -97,7 +95,7 @@ def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, tor
     family = ckpt.family
     entries = [(k, _tensor_type(family, k, shape, qtype, DENSE_TYPES[compute]), shape) for k, shape in shapes.items()]
 
-    writer = gguf.GGUFWriter(path=None, arch=ARCHITECTURE)
+    writer = gguf.GGUFWriter(path=None, arch=family.gguf_architecture or family.name)  # as others write it
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_file_type(FILE_TYPES[qtype])
     writer.add_name(family.title)
