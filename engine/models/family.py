@@ -76,7 +76,6 @@ class Family:
     comfy_unet_config: Mapping[str, object] = field(default_factory=dict)  # ComfyUI's unet_config marking the family
     sizes: Tuple[Tuple[int, int], ...] = ()  # recommended (width, height) in pixels, for tooltips
     max_layers: int = 512  # a bound on the blocks a file's header can ask for
-    defaults: Mapping[str, object] = field(default_factory=dict)  # sampling defaults (steps, cfg, shift ...)
 
     # -- what the generic layers ask ---------------------------------------------------------------------
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:
