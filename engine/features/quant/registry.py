@@ -68,11 +68,15 @@ part's bias given); ``join(leaf, tensors, rows)``: one checkpoint
 FORMATS: Dict[str, WeightFormat] = {}  # in registration order: the order of choices and messages
 
 
+def _add(table: dict, kind: str, entry):
+    if entry.name in table:
+        raise ValueError(f"{kind} '{entry.name}' is registered twice")
+    table[entry.name] = entry
+    return entry
+
+
 def register_format(fmt: WeightFormat) -> WeightFormat:
-    if fmt.name in FORMATS:
-        raise ValueError(f"weight format '{fmt.name}' is registered twice")
-    FORMATS[fmt.name] = fmt
-    return fmt
+    return _add(FORMATS, "weight format", fmt)
 
 
 def unregister_format(name: str) -> None:
@@ -146,10 +150,7 @@ FILE_WRITERS: Dict[str, FileWriter] = {}  # in registration order
 
 
 def register_writer(writer: FileWriter) -> FileWriter:
-    if writer.name in FILE_WRITERS:
-        raise ValueError(f"file writer '{writer.name}' is registered twice")
-    FILE_WRITERS[writer.name] = writer
-    return writer
+    return _add(FILE_WRITERS, "file writer", writer)
 
 
 def unregister_writer(name: str) -> None:
