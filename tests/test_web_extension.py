@@ -132,21 +132,13 @@ def workflow():
         return os.path.relpath(path, ROOT), json.load(f)
 
 
-def comfy_base(base):
-    """The base folder of tests/conftest.py's `comfy` server for this module (and test_web_layout.py)."""
+@pytest.fixture(scope="module")
+def page(comfy):
+    """Chromium on tests/conftest.py's `comfy` server (the shared base folder: TINY, no first-run dialog) for
+    this module (and test_web_layout.py)."""
     missing = _browser_missing()
     if missing:
         pytest.skip(missing)
-    cs.make_base_dir(base)
-    cs.write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", TINY))
-    settings = os.path.join(base, "user", "default")
-    os.makedirs(settings, exist_ok=True)
-    with open(os.path.join(settings, "comfy.settings.json"), "w") as f:  # no first-run template dialog
-        json.dump({"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False}, f)
-
-
-@pytest.fixture(scope="module")
-def page(comfy):
     from playwright.sync_api import sync_playwright
 
     profile = tempfile.mkdtemp(prefix="sgld-chromium-")
