@@ -16,7 +16,7 @@ try:  # tests/ may or may not be a package
 except ImportError:
     import comfy_server as cs
 
-MODEL = "tiny-ernie.safetensors"
+MODEL = cs.TINY  # the shared base folder's tiny checkpoint
 LORA = "tiny-comfy-lora.safetensors"
 DEMO = "sgld-demo (embedded, 64x64)"
 
@@ -37,9 +37,9 @@ def write_lora(path: str, rank: int = 2) -> str:
     return path
 
 
-# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
-def comfy_base(base):
-    cs.base_with_tiny_model(base, MODEL)
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture with the shared base folder (MODEL is its
+# tiny checkpoint); this adds the module's own files to it (for this module's tests only).
+def comfy_files(base):
     write_lora(os.path.join(base, "models", "loras", LORA))
 
 
