@@ -37,9 +37,11 @@ def write_lora(path: str, rank: int = 2) -> str:
     return path
 
 
-# The module's ComfyUI server is tests/conftest.py's `comfy` fixture with the shared base folder (MODEL is its
-# tiny checkpoint); this adds the module's own files to it (for this module's tests only).
-def comfy_files(base):
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture, a profile of its own (the shared base folder,
+# MODEL its tiny checkpoint, plus LORA): on the shared server, test_free_unloads_our_model_and_the_next_run_reloads_it
+# once found the model still loaded 30 s after /free (a whole `-m server` run; not seen again in the shared sequence).
+def comfy_base(base):
+    cs.shared_base(base)
     write_lora(os.path.join(base, "models", "loras", LORA))
 
 
