@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (bench/gpu_check.py says what it measures, in which order, and each row's
+# The one prepared GPU check (bench/gpu/gpu_check.py says what it measures, in which order, and each row's
 # estimated seconds): ERNIE-Image 8B shape, random bf16 weights, 1024x1024; the article's headline claims
 # first (ours vs diffusers, Turbo end to end, Cache-DiT, FP8, sage, compile), then Base, INT4, the fuse /
 # quant order, offload, LoRA, the HTTP server, all-on. Hard stop at $GPU_CHECK_TIMEOUT seconds (default
@@ -108,7 +108,7 @@ LEFT=$((TOTAL - SECONDS))
 BUDGET=$((LEFT - 30))  # rows start only while this much is left; the rest is for the row in flight
 [ "$BUDGET" -gt 0 ] || fail "no time left after set-up (${SECONDS} s of GPU_CHECK_TIMEOUT=${TOTAL})"
 say "set-up took ${SECONDS} s; rows get ${BUDGET} s, hard stop in ${LEFT} s"
-timeout -k 10 "$LEFT" "$PY" bench/gpu_check.py --budget "$BUDGET" "$@" 2>&1 | tee -a "$LOG"
+timeout -k 10 "$LEFT" "$PY" bench/gpu/gpu_check.py --budget "$BUDGET" "$@" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
   say "hard stop at ${TOTAL} s: every row that finished is in $OUT/gpu_check.md"

@@ -14,7 +14,7 @@ NODE = "SGLDiffusion Cache-DiT"
 
 
 def preset_benchmarks(path: str = MEASURED_PATH) -> dict:
-    """Per preset, what bench/cache_bench.py measured (engine/features/cache/measured.json):
+    """Per preset, what bench/speed/cache_bench.py measured (engine/features/cache/measured.json):
     ``{preset: [{"setting", "model", "steps", "speedup", "speedup_kind", "psnr", "same_image", "ssim", "judge",
     "computed"}, ...]}``; an alias (cache-dit's medium) shares its preset's entries. Empty when the file is
     not there or unreadable."""
@@ -62,13 +62,13 @@ def preset_tooltip(bench: dict = None) -> str:
     if not bench:
         lines = [f"{p}: not measured yet" + (f" (target at 50 steps: {TARGETS_50[p]:.2f}x)" if p in TARGETS_50 else "")
                  for p in presets]
-        return (head + "\nMeasured speedup and quality per preset: no benchmark table yet (python bench/cache_bench.py "
+        return (head + "\nMeasured speedup and quality per preset: no benchmark table yet (python bench/speed/cache_bench.py "
                 "writes engine/features/cache/measured.json).\n" + "\n".join(lines))
     lines = [_bench_line(p, bench) for p in presets]
     kinds = {r["speedup_kind"] for rows in bench.values() for r in rows}
     kind = ("model calls priced at the run's own computed calls" if kinds == {"in-run"}
             else "wall clock of sampling vs uncached")
-    return (head + f"\nMeasured (bench/cache_bench.py; speedup = {kind}; PSNR/SSIM vs the uncached image):\n"
+    return (head + f"\nMeasured (bench/speed/cache_bench.py; speedup = {kind}; PSNR/SSIM vs the uncached image):\n"
             + "\n".join(lines))
 
 

@@ -131,6 +131,26 @@ class ComfyServer:
     def output_path(self, item: dict) -> str:
         return os.path.join(self.base, item.get("type", "output"), item.get("subfolder", ""), item["filename"])
 
+    def reset(self, timeout: float = 60) -> None:
+        """What one test module left in a server another module shares goes: the queue, a running prompt,
+        ComfyUI's cached node outputs, the loaded models (the pack's engines with them) and the history.
+        The files the module wrote in input/ and output/ stay (tests name their own)."""
+        self.post("/queue", {"clear": True})
+        if self.get("/queue").json().get("queue_running"):
+            self.post("/interrupt")
+        self.post("/free", {"unload_models": True, "free_memory": True})
+        # the worker handles /free after the prompt it is running and before it takes the next one, so once a
+        # prompt queued now has finished, the next one meets fresh caches
+        marker = {"1": {"class_type": "EmptyLatentImage", "inputs": {"width": 16, "height": 16, "batch_size": 1}},
+                  "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": "reset/marker"}}}
+        self.run(marker, timeout)
+        deadline = time.monotonic() + timeout
+        while self.get("/sgldiffusion/models").json()["loaded"]:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.url} still holds models {timeout} s after POST /free")
+            time.sleep(0.1)
+        self.post("/history", {"clear": True})
+
     def websocket(self, timeout: float = 10):
         import websocket
 
@@ -149,6 +169,21 @@ def pids_gone(pids, timeout: float = 15.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+TINY = "tiny-ernie.safetensors"
+
+
+def shared_base(base: str) -> str:
+    """The base folder of the server most test modules share (tests/conftest.py's default profile): the
+    folders, the tiny checkpoint as TINY in diffusion_models, an empty models/loras, and user settings that
+    spare the frontend's first-run dialogs (the browser tests)."""
+    base_with_tiny_model(base, TINY)
+    settings = os.path.join(base, "user", "default")
+    os.makedirs(settings, exist_ok=True)
+    with open(os.path.join(settings, "comfy.settings.json"), "w") as f:
+        json.dump({"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False}, f)
+    return base
 
 
 def base_with_tiny_model(base: str, name: str = "tiny.safetensors") -> str:

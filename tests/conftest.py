@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 
 import pytest
@@ -9,6 +10,26 @@ if ROOT not in sys.path:
 
 import comfy_server  # noqa: E402  (tests/ is on sys.path: pytest puts a conftest's folder there)
 
+PROFILE_USERS = pytest.StashKey[dict]()
+
+
+def comfy_profile(module) -> tuple:
+    """What makes a module's ComfyUI server: its base folder's content ``comfy_base(base)`` (default:
+    tests/comfy_server.py shared_base), ``COMFY_ARGS`` (extra command-line arguments) and ``COMFY_ENV`` (the
+    server's extra environment: a dict, or a function of the base folder giving one). Modules with the same
+    profile share one server. A module may add files of its own (LoRAs, other checkpoints) to its profile's
+    base folder with ``comfy_files(base)``: they are there for that module's tests only."""
+    env = getattr(module, "COMFY_ENV", {})
+    return (getattr(module, "comfy_base", comfy_server.shared_base), tuple(getattr(module, "COMFY_ARGS", ())),
+            env if callable(env) else tuple(sorted(env.items())))
+
+
+def _uses_our_comfy(item) -> bool:
+    """The test uses this file's `comfy` (test_inpaint.py and test_sampling.py have a `comfy` of their own:
+    ComfyUI imported in-process)."""
+    defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("comfy")
+    return bool(defs) and defs[-1].func.__module__ == __name__
+
 
 def pytest_collection_modifyitems(config, items):
     """Every test that uses the `comfy` server, itself or through another fixture, is a `server` test
@@ -18,21 +39,102 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.server)
 
 
+def pytest_collection_finish(session):
+    """The modules of each server profile among the tests that will run (after -k / -m), so that the
+    profile's server stops after the last of them."""
+    users = session.config.stash.setdefault(PROFILE_USERS, {})
+    for item in session.items:
+        if _uses_our_comfy(item):
+            users.setdefault(comfy_profile(item.module), set()).add(item.module.__name__)
+
+
+FILE_FOLDERS = ("models", "input")  # where comfy_files may add
+
+
+def _tree(base: str) -> dict:
+    """{path: (size, mtime) or None for a folder} of what is under ``base``'s FILE_FOLDERS."""
+    found = {}
+    for top in FILE_FOLDERS:
+        for folder, dirs, files in os.walk(os.path.join(base, top)):
+            for name in dirs:
+                found[os.path.join(folder, name)] = None
+            for name in files:
+                st = os.stat(os.path.join(folder, name))
+                found[os.path.join(folder, name)] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+def _add_files(base: str, comfy_files) -> list:
+    """Run a module's ``comfy_files(base)``; the paths it added under FILE_FOLDERS. It may add, never change
+    what is there (the other modules of the profile rely on it)."""
+    before = _tree(base)
+    comfy_files(base)
+    after = _tree(base)
+    changed = [p for p, st in before.items() if st is not None and after.get(p) != st]
+    if changed:
+        raise AssertionError(f"comfy_files may only add files to the shared base folder; it changed {changed}")
+    return [p for p in after if p not in before]
+
+
+class ComfyServers:
+    """The session's ComfyUI servers, one per profile (comfy_profile), started for the first module that
+    needs one and stopped after the last (the modules collected with that profile), or at the session's end."""
+
+    def __init__(self, tmp_path_factory, users: dict):
+        self.tmp, self.users, self.running, self.added = tmp_path_factory, users, {}, {}
+
+    def take(self, module) -> comfy_server.ComfyServer:
+        profile = comfy_profile(module)
+        server = self.running.get(profile)
+        if server is not None and server.alive():
+            server.reset()  # the module before left its history, caches and models
+        else:
+            fill_base, args, env = profile
+            base = str(self.tmp.mktemp("comfy"))
+            fill_base(base)
+            server = comfy_server.start_server(base, args, extra_env=env(base) if callable(env) else dict(env))
+            self.running[profile] = server
+        if hasattr(module, "comfy_files"):
+            self.added[module.__name__] = _add_files(server.base, module.comfy_files)
+        return server
+
+    def release(self, module) -> None:
+        for path in sorted(self.added.pop(module.__name__, ()), reverse=True):  # files before their folders
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.exists(path):
+                os.remove(path)
+        profile = comfy_profile(module)
+        users = self.users.get(profile, set())
+        users.discard(module.__name__)
+        if not users and profile in self.running:
+            self.running.pop(profile).stop()
+
+    def stop_all(self) -> None:
+        while self.running:
+            self.running.popitem()[1].stop()
+
+
+@pytest.fixture(scope="session")
+def comfy_servers(request, tmp_path_factory):
+    servers = ComfyServers(tmp_path_factory, request.config.stash.get(PROFILE_USERS, {}))
+    try:
+        yield servers
+    finally:
+        servers.stop_all()
+
+
 @pytest.fixture(scope="module")
-def comfy(request, tmp_path_factory):
-    """A real ComfyUI 0.3.75 server with this pack for the whole test module, stopped (its process group) at
-    the end. The module fills the server's base folder with its own ``comfy_base(base)`` (default: the folders
-    alone, tests/comfy_server.py make_base_dir) and may give ``COMFY_ARGS`` (extra command-line arguments) and
-    ``COMFY_ENV`` (the server's extra environment: a dict, or a function of the base folder giving one)."""
-    base = str(tmp_path_factory.mktemp("comfy"))
-    getattr(request.module, "comfy_base", comfy_server.make_base_dir)(base)
-    env = getattr(request.module, "COMFY_ENV", {})
-    server = comfy_server.start_server(base, getattr(request.module, "COMFY_ARGS", ()),
-                                       extra_env=env(base) if callable(env) else env)
+def comfy(request, comfy_servers):
+    """A real ComfyUI 0.3.75 server with this pack for the test module: the one of the module's profile
+    (comfy_profile), shared with the other modules of that profile, reset (ComfyServer.reset) between them
+    and stopped (its process group) after the last. A module that changes what a server is (its base
+    folder's models, its process) declares a profile of its own."""
+    server = comfy_servers.take(request.module)
     try:
         yield server
     finally:
-        server.stop()
+        comfy_servers.release(request.module)
 
 
 @pytest.fixture

@@ -64,19 +64,19 @@ def test_run_line():
 
 def test_shipped_preset_figures_are_the_bench_tables():
     """engine/features/cache/measured.json ships (the Cache-DiT node's tooltip reads it; bench/ does not ship):
-    it must be what bench/cache_bench.py derives from the committed tables (``--merge`` rewrites it)."""
-    spec = importlib.util.spec_from_file_location("cache_bench", os.path.join(ROOT, "bench", "cache_bench.py"))
+    it must be what bench/speed/cache_bench.py derives from the committed tables (``--merge`` rewrites it)."""
+    spec = importlib.util.spec_from_file_location("cache_bench", os.path.join(ROOT, "bench", "speed", "cache_bench.py"))
     bench = importlib.util.module_from_spec(spec)
     sys.modules["cache_bench"] = bench  # its dataclasses look their module up
     try:
         spec.loader.exec_module(bench)
         rows = {}
         for name in ("cache_results_random.json", "cache_results_demo.json"):
-            with open(os.path.join(ROOT, "bench", name)) as f:
+            with open(os.path.join(ROOT, "bench", "speed", name)) as f:
                 rows.update(json.load(f))
         derived = json.loads(json.dumps(bench.measured(rows)))
     finally:
         sys.modules.pop("cache_bench", None)
     with open(MEASURED_PATH) as f:
-        assert json.load(f) == derived, ("run: python bench/cache_bench.py --merge bench/cache_results_random.json "
-                                              "bench/cache_results_demo.json")
+        assert json.load(f) == derived, ("run: python bench/speed/cache_bench.py --merge bench/speed/cache_results_random.json "
+                                              "bench/speed/cache_results_demo.json")

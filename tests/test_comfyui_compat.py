@@ -44,13 +44,7 @@ def compat_module():
     return pack_modules.node_module("compat")
 
 
-# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
-def comfy_base(base):
-    cs.make_base_dir(base)
-    settings = os.path.join(base, "user", "default")
-    os.makedirs(settings, exist_ok=True)
-    with open(os.path.join(settings, "comfy.settings.json"), "w") as f:  # no first-run template dialog
-        json.dump({"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False}, f)
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture with the shared base folder.
 
 
 @pytest.fixture(scope="module")

@@ -41,8 +41,9 @@ def write_lora(path: str) -> None:
     save_file(sd, path)
 
 
-def comfy_base(base):
-    cs.make_base_dir(base)
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture with the shared base folder; this adds
+# the module's own files to it (for this module's tests only).
+def comfy_files(base):
     models = os.path.join(base, "models")
     write_gguf(os.path.join(models, "diffusion_models", UNSLOTH), SD, TYPES, "unsloth")
     write_gguf(os.path.join(models, "unet", COMFY), SD, TYPES, "comfy")

@@ -27,9 +27,7 @@ REPAINT = 0.6
 test_pack = cs.load_test_pack()
 
 
-# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
-def comfy_base(base):
-    cs.base_with_tiny_model(base, TINY)
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture with the shared base folder (TINY).
 
 
 def pixel_mask() -> torch.Tensor:

@@ -15,16 +15,16 @@ from test_serve import Server
 LORA = "style.safetensors"
 
 
-# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
-def comfy_base(base):
-    cs.base_with_tiny_model(base)
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture with the shared base folder; this adds
+# the module's own files to it (for this module's tests only).
+def comfy_files(base):
     write_lora(os.path.join(base, "models", "loras", LORA), make_pairs(BLOCK_LINEARS, seed=21), "ai_toolkit")
 
 
 def lora_graph(source, into_comfy_ksampler=False, output=0, prefix="lora-node"):
     """Model Loader output ``source`` -> LoRA Loader -> its output ``output`` -> SGLDiffusion KSampler, or
     ComfyUI's KSampler (same settings)."""
-    g = cs.tiny_graph("tiny.safetensors", seed=3, steps=2, width=64, height=64, prefix=prefix)
+    g = cs.tiny_graph(cs.TINY, seed=3, steps=2, width=64, height=64, prefix=prefix)
     g["10"] = {"class_type": "SGLDiffusionLoraLoader", "inputs": {"model": ["1", source], "lora_name": LORA, "strength": 0.8}}
     g["5"]["inputs"]["model"] = ["10", output]
     if into_comfy_ksampler:

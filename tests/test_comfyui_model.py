@@ -16,7 +16,7 @@ try:  # tests/ may or may not be a package
 except ImportError:
     import comfy_server as cs
 
-MODEL = "tiny-ernie.safetensors"
+MODEL = cs.TINY  # the shared base folder's tiny checkpoint
 LORA = "tiny-comfy-lora.safetensors"
 DEMO = "sgld-demo (embedded, 64x64)"
 
@@ -37,9 +37,11 @@ def write_lora(path: str, rank: int = 2) -> str:
     return path
 
 
-# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture, a profile of its own (the shared base folder,
+# MODEL its tiny checkpoint, plus LORA): on the shared server, test_free_unloads_our_model_and_the_next_run_reloads_it
+# once found the model still loaded 30 s after /free (a whole `-m server` run; not seen again in the shared sequence).
 def comfy_base(base):
-    cs.base_with_tiny_model(base, MODEL)
+    cs.shared_base(base)
     write_lora(os.path.join(base, "models", "loras", LORA))
 
 

@@ -23,15 +23,15 @@ except ImportError:
     from test_comfyui_model import LORA, MODEL, close, ours_and_comfys, write_lora
 
 
-def comfy_base(base: str):
-    cs.make_base_dir(base)
-    cs.write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", MODEL))
-    os.makedirs(os.path.join(base, "models", "loras"), exist_ok=True)
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture with the shared base folder; this adds
+# the module's own files to it (for this module's tests only).
+def comfy_files(base: str):  # the shared base folder has MODEL
     write_lora(os.path.join(base, "models", "loras", LORA))
 
 
 def make_server(base: str, **env):
-    comfy_base(base)
+    cs.shared_base(base)
+    comfy_files(base)
     return cs.start_server(base, extra_env=env)
 
 

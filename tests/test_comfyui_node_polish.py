@@ -9,10 +9,7 @@ import uuid
 import comfy_server as cs
 import pytest
 
-
-# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
-def comfy_base(base):
-    cs.base_with_tiny_model(base)
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture with the shared base folder (TINY).
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +36,7 @@ def _last_runs(comfy, workflow, prompt):
 
 def test_last_runs_are_keyed_by_graph_content(comfy):
     wf = str(uuid.uuid4())
-    g = cs.tiny_graph("tiny.safetensors", seed=5, steps=2, width=64, height=64, prefix="polish")
+    g = cs.tiny_graph(cs.TINY, seed=5, steps=2, width=64, height=64, prefix="polish")
     r = comfy.post("/prompt", {"prompt": g, "client_id": comfy.client_id,
                                "extra_data": {"extra_pnginfo": {"workflow": {"id": wf, "nodes": []}}}})
     assert r.status_code == 200, r.text[:500]

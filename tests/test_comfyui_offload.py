@@ -46,9 +46,9 @@ def write_lora(path: str, rank: int = 2) -> str:
     return path
 
 
-# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
-def comfy_base(base):
-    cs.make_base_dir(base)
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture with the shared base folder; this adds
+# the module's own files to it (for this module's tests only).
+def comfy_files(base):
     models = os.path.join(base, "models")
     write_checkpoint(os.path.join(models, "diffusion_models", MODEL))
     os.makedirs(os.path.join(models, "loras"), exist_ok=True)

@@ -19,10 +19,8 @@ TINY = "tiny-ernie.safetensors"
 LOADER = "SGLDiffusionModelLoader"
 
 
-# The module's ComfyUI server is tests/conftest.py's `comfy` fixture; this fills its base folder.
-def comfy_base(base):  # the fixture stops the whole process group: the server and any worker left
-    cs.make_base_dir(base)
-    cs.write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", TINY))
+# The module's ComfyUI server is tests/conftest.py's `comfy` fixture with the shared base folder (TINY); the
+# workers a test leaves go with the next module's reset (POST /free) or the server's process group.
 
 
 def graph(seed: int, **loader_options) -> dict:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
 
 import gpu_check  # noqa: E402
 
@@ -162,7 +162,7 @@ def test_a_gpu_run_without_cuda_fails_loudly(tmp_path):
     assert "FAILED: torch.cuda.is_available() is False on a GPU run" in proc.stderr
     md = (tmp_path / "out" / "gpu_check.md").read_text()
     assert "FAILED" in md and "| eager |" not in md  # nothing was measured
-    direct = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), "--size", "small",
+    direct = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu", "gpu_check.py"), "--size", "small",
                              "--out", str(tmp_path / "direct")], capture_output=True, text=True, timeout=120,
                             env=check_env(tmp_path))
     assert direct.returncode == 2 and "torch.cuda.is_available() is False" in direct.stderr

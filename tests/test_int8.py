@@ -4,7 +4,7 @@ dynamic activation scales, ``torch._int_mm``), "int8-weight" = the same weights 
 Numerics against a float reference with a stated bound, the fallback for shapes ``torch._int_mm`` refuses, the
 ``sgld quantize`` file round trip, bad companions (CheckpointErrors naming file and key), LoRA side paths,
 fused projections, tensor-parallel shards, layer-wise offload, torch.inference_mode (as ComfyUI runs nodes)
-and the CLI flags. Speed is measured by bench/formats_bench.py, not here."""
+and the CLI flags. Speed is measured by bench/speed/formats_bench.py, not here."""
 import json
 import os
 import subprocess

@@ -168,7 +168,7 @@ print(json.dumps({"above": (status_kb("VmHWM") - base) * 1024,
 @pytest.mark.subprocess
 def test_peak_memory_of_a_load_is_about_the_file_size(tmp_path):
     """A 114 MiB fp32 file, loaded in a fresh process: the peak above the baseline stays under 1.3x the file
-    (bench/load_memory.py measures a 1.3 GB one), and quantizing on read never holds the dense model.
+    (bench/speed/load_memory.py measures a 1.3 GB one), and quantizing on read never holds the dense model.
 
     glibc's dynamic mmap threshold keeps freed read buffers in the heap at random (0.4x to 1.5x of the
     file for fp8 on read here, the loader before the one loop alike); with a fixed threshold

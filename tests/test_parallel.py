@@ -374,11 +374,11 @@ def test_attention_primitives_in_process():
 
 
 def test_comm_table_bench():
-    """bench/parallel_comm.py: hand-checked Ulysses-2 figure, the expected orderings, every mode tabled."""
+    """bench/speed/parallel_comm.py: hand-checked Ulysses-2 figure, the expected orderings, every mode tabled."""
     import importlib.util
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("parallel_comm", os.path.join(root, "bench", "parallel_comm.py"))
+    spec = importlib.util.spec_from_file_location("parallel_comm", os.path.join(root, "bench", "speed", "parallel_comm.py"))
     pc = importlib.util.module_from_spec(spec)
     import sys
 

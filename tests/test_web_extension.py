@@ -67,7 +67,7 @@ def test_web_directory_has_the_extension_and_icon():
 
 
 def _row(name, family, speedup, in_run, psnr, ssim, judge, computed):
-    """One configuration as bench/cache_bench.py's --json holds it."""
+    """One configuration as bench/speed/cache_bench.py's --json holds it."""
     return {"name": name, "family": family, "note": "", "speedup": speedup, "speedup_in_run": in_run, "psnr": psnr,
             "psnr_min": psnr, "ssim": ssim, "pass_rate": judge, "computed": computed, "mask": ""}
 
@@ -86,9 +86,9 @@ BENCH_ROWS = {  # two settings: the in-run speedup and the judge measured in the
 
 
 def test_preset_benchmarks_from_the_bench_figures(tmp_path, monkeypatch):
-    """bench/cache_bench.py writes the presets' figures as JSON in the engine package; the node's tooltip reads them."""
+    """bench/speed/cache_bench.py writes the presets' figures as JSON in the engine package; the node's tooltip reads them."""
     cd = cache_node_module()
-    spec = importlib.util.spec_from_file_location("cache_bench", os.path.join(ROOT, "bench", "cache_bench.py"))
+    spec = importlib.util.spec_from_file_location("cache_bench", os.path.join(ROOT, "bench", "speed", "cache_bench.py"))
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "cache_bench", bench)  # its dataclasses look their module up
     spec.loader.exec_module(bench)
@@ -132,21 +132,13 @@ def workflow():
         return os.path.relpath(path, ROOT), json.load(f)
 
 
-def comfy_base(base):
-    """The base folder of tests/conftest.py's `comfy` server for this module (and test_web_layout.py)."""
+@pytest.fixture(scope="module")
+def page(comfy):
+    """Chromium on tests/conftest.py's `comfy` server (the shared base folder: TINY, no first-run dialog) for
+    this module (and test_web_layout.py)."""
     missing = _browser_missing()
     if missing:
         pytest.skip(missing)
-    cs.make_base_dir(base)
-    cs.write_tiny_checkpoint(os.path.join(base, "models", "diffusion_models", TINY))
-    settings = os.path.join(base, "user", "default")
-    os.makedirs(settings, exist_ok=True)
-    with open(os.path.join(settings, "comfy.settings.json"), "w") as f:  # no first-run template dialog
-        json.dump({"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False}, f)
-
-
-@pytest.fixture(scope="module")
-def page(comfy):
     from playwright.sync_api import sync_playwright
 
     profile = tempfile.mkdtemp(prefix="sgld-chromium-")

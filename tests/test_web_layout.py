@@ -22,7 +22,6 @@ from test_web_extension import (
     RECORD_EVENTS,
     ROOT,
     close_error_dialog,
-    comfy_base,
     open_page,
     page,
     prompt_id,
@@ -30,7 +29,7 @@ from test_web_extension import (
     wait_state,
 )
 
-__all__ = ["comfy_base", "page"]  # one ComfyUI (tests/conftest.py's comfy, this base) and one browser for this module
+__all__ = ["page"]  # one browser for this module, on tests/conftest.py's comfy
 
 
 # -- from the workflow files -------------------------------------------------------------------------------------

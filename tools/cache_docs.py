@@ -94,7 +94,7 @@ At 8 steps (ERNIE-Image Turbo) every step is a large part of the trajectory, so 
 at most two steps there, in the second half. {' '.join(notes)}
 
 Targets at 50 steps (wall clock of sampling): quality 1.67x, balanced 2.0x, fast 2.69x; measured
-figures are in `bench/RESULTS.md` (`python bench/cache_bench.py`).
+figures are in `bench/RESULTS.md` (`python bench/speed/cache_bench.py`).
 """
 
 

@@ -29,7 +29,7 @@ from .dbcache import DBCacheRunner
 from .masks import ALIASES, ALL_PRESETS, PRESETS, USER_PRESETS, longest_cached_run, mask_note, mask_str, parse_mask, preset_mask
 from .taylorseer import TaylorSeer
 
-# The presets' measured speedup and quality (bench/cache_bench.py writes it; the Cache-DiT node's tooltip reads it).
+# The presets' measured speedup and quality (bench/speed/cache_bench.py writes it; the Cache-DiT node's tooltip reads it).
 MEASURED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
 
 

@@ -13,7 +13,7 @@ Presets (the names users are told: ``quality``, ``balanced``, ``fast``; plus cac
 computes 29 of 50 steps, our quality 26) and cache-dit's ``fast`` means the same as ours (speed first;
 cache-dit computes 20 of 50 steps, ours 16). The 50-step budgets (quality 26, balanced 22, fast 16)
 are set so the promised wall-clock speedups (1.67x / 2.0x / 2.69x) hold on a CPU, where a cached step
-still costs ~6-8% of a computed one outside the blocks (bench/cache_results.md). ``slow`` and
+still costs ~6-8% of a computed one outside the blocks (bench/speed/cache_results.md). ``slow`` and
 ``ultra`` keep cache-dit's budgets (about 3/4 and 1/4 of the steps) with our shape. Below a
 preset's ``min_steps`` caching a step costs too much of the trajectory: the mask computes every
 step and ``mask_note`` says so.

@@ -7,7 +7,7 @@ forward from the server's GET /metrics read before and after. The 1-client scena
 baseline (the same 32 requests one after another), measured in the same run. Prints one JSON line and a
 markdown table; writes a plot (throughput and p95 latency vs clients, cache off / on).
 
-    PYTHONPATH=$PWD .venv/bin/python bench/serve_bench.py --plot bench/serve_bench.png
+    PYTHONPATH=$PWD .venv/bin/python bench/speed/serve_bench.py --plot bench/speed/serve_bench.png
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import requests
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from tools.demo.data import COLOURS, SHAPES, SIZES, WHERE  # noqa: E402

@@ -4,7 +4,7 @@ Writes a random ERNIE-Image checkpoint of ~1.3 GB (fp32) into a temp folder, the
 subprocesses: with engine.load_model, and, for comparison, the usual safetensors.load_file +
 load_state_dict into a normally initialised model.
 
-    .venv/bin/python bench/load_memory.py
+    .venv/bin/python bench/speed/load_memory.py
 """
 import json
 import os
@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 CHILD = r"""

@@ -1,4 +1,4 @@
-"""What the GPU check's rows share (bench/gpu_check.py runs them): the report written as rows are measured,
+"""What the GPU check's rows share (bench/gpu/gpu_check.py runs them): the report written as rows are measured,
 the context (options, device, model, state between rows), FLOP counts and the timing and error helpers."""
 import gc
 import json
@@ -9,7 +9,7 @@ import tempfile
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402

@@ -1,13 +1,13 @@
 """Parity of our DiT with diffusers 0.42.1 on the test configurations: max abs error / max |ref|.
 
-    .venv/bin/python bench/parity_table.py
+    .venv/bin/python bench/eval/parity_table.py
 """
 import os
 import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from test_model_parity import CONFIGS, diffusers_model, inputs  # noqa: E402

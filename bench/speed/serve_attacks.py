@@ -2,7 +2,7 @@
 code at ROOT per attack, under an address-space limit and an RSS watchdog (so old code cannot take the machine
 down); for each attack its peak RSS, the answer, and /health's worst latency while it runs.
 
-Usage: python bench/serve_attacks.py ROOT LABEL [ATTACK ...]   (ROOT: a checkout, e.g. `git archive` of an old
+Usage: python bench/speed/serve_attacks.py ROOT LABEL [ATTACK ...]   (ROOT: a checkout, e.g. `git archive` of an old
 commit unpacked into a temporary folder, or `.` for this one; LABEL names the rows)"""
 import json
 import os

@@ -31,7 +31,7 @@ from the measured eager forward.
     gguf           open_engine(file, quant=q4_k): GGUF Q4_K blocks (our K quantizer on the GPU at load), the
                    bytes dequantized per layer each forward vs bf16: load, memory, forward                 25
     fuse-quant     the engine's order (quantize, fuse) and the reverse: same tensors, state_dict works     10
-    off-bf16, off-bf16-8buf, off-fp8, off-engine   layer-wise offload (bench/gpu_check_offload.py)         56
+    off-bf16, off-bf16-8buf, off-fp8, off-engine   layer-wise offload (bench/gpu/gpu_check_offload.py)         56
     lora           rank-32 LoRA apply / strength / switch / remove on the 8B model (gpu_check_serve.py)      9
     serve          the real HTTP server (create_app + uvicorn, POST /v1/sample) on the file, Turbo 1024^2:
                    1 / 4 / 8 concurrent clients vs the same requests one after another                     47

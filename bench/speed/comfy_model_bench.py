@@ -2,7 +2,7 @@
 SGLDiffusion KSampler on its ``model`` (SGLD_MODEL) output, in one real ComfyUI 0.3.75 server (issue 20, item 8;
 target: B at most 5% slower than A).
 
-    .venv/bin/python bench/comfy_model_bench.py [--widths 256 384] [--steps 20 4] [--repeats 9] [--threads 1]
+    .venv/bin/python bench/speed/comfy_model_bench.py [--widths 256 384] [--steps 20 4] [--repeats 9] [--threads 1]
 
   A  SGLDiffusion KSampler on SGLD_MODEL (the engine's own sampling loop)
   B  ComfyUI's KSampler on comfy_model (ComfyUI's loop; the engine does each DiT call)
@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
@@ -218,7 +218,7 @@ def main() -> None:
             server.stop()
     info["loadavg_end"] = os.getloadavg()
     wall_s = time.monotonic() - started
-    command = ".venv/bin/python bench/comfy_model_bench.py " + " ".join(map(shlex.quote, sys.argv[1:]))
+    command = ".venv/bin/python bench/speed/comfy_model_bench.py " + " ".join(map(shlex.quote, sys.argv[1:]))
     print(json.dumps({"bench": "comfy_model", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "command": command.strip(), "A": LABELS["A"], "B": LABELS["B"], "cfg": args.cfg,
                       "sampler": "euler/simple", "threads": args.threads, "model": dataclasses.asdict(cs.tiny_config()),

@@ -1,6 +1,6 @@
 """Judge evaluation of the demo model on held-out caption/seed pairs; prints a markdown table.
 
-    python bench/demo_eval.py [--n 200] [--steps 30] [--cfg C] [--sampler euler] [--weights PATH]
+    python bench/eval/demo_eval.py [--n 200] [--steps 30] [--cfg C] [--sampler euler] [--weights PATH]
 
 Pairs come from data seeds HELD_OUT_SEED_START + i (training never draws seeds that high): half
 one-object, half two-object scenes. Images are sampled through ``engine.Engine.sample`` in batches;
@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from engine import open_demo  # noqa: E402
 from engine.models.demo import DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_STEPS  # noqa: E402

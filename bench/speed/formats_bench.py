@@ -12,7 +12,7 @@ The release width (hidden 4096, ffn 12288) is 8B parameters, 32 GB in fp32: too 
 machine next to a bf16 copy and the formats. So: the real 36 blocks, the real head size (128), ffn = 3x
 hidden, real in/out channels and text width, at ``--hidden`` (default 1024; say so when quoting figures).
 
-    .venv/bin/python bench/formats_bench.py [--hidden 1024] [--tokens 1024] [--reps 3] [--write]
+    .venv/bin/python bench/speed/formats_bench.py [--hidden 1024] [--tokens 1024] [--reps 3] [--write]
 """
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from engine.features import quant as Q  # noqa: E402
 from engine.features.fuse import fuse_projections  # noqa: E402
 from engine.features.quant import registry  # noqa: E402
 from engine.models.ernie_image import ErnieImageConfig  # noqa: E402
 from engine.models.random_weights import random_model  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "RESULTS.md")
 BEGIN, END = "<!-- formats_bench: begin -->", "<!-- formats_bench: end -->"
 
 
@@ -166,7 +166,7 @@ def main():
             text_md = head + block + rest.split(END, 1)[1]
         else:
             text_md = text_md.rstrip("\n") + "\n\n## Weight formats side by side (CPU)\n\n`.venv/bin/python " \
-                "bench/formats_bench.py --write`\n\n" + block + "\n"
+                "bench/speed/formats_bench.py --write`\n\n" + block + "\n"
         with open(RESULTS, "w") as f:
             f.write(text_md)
 

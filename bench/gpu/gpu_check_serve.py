@@ -1,4 +1,4 @@
-"""The GPU check's rows after the headline ones (bench/gpu_check.py): LoRA apply / switch on the 8B model,
+"""The GPU check's rows after the headline ones (bench/gpu/gpu_check.py): LoRA apply / switch on the 8B model,
 the real HTTP server under concurrent clients, the ComfyUI MODEL path, and placeholders for formats not
 built yet.
 
@@ -24,11 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from safetensors.torch import save, save_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from lora_bench import RANK, lora_state_dict  # noqa: E402
-
+from bench.speed.lora_bench import RANK, lora_state_dict  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
@@ -40,7 +39,7 @@ REQUESTS = 8  # per scenario: 8 clients send one each
 
 # -- LoRA ----------------------------------------------------------------------------------------------------------
 def row_lora(ctx):
-    """Rank-32 LoRAs on every linear (bench/lora_bench.py's), read from files: apply, strength, switch, remove."""
+    """Rank-32 LoRAs on every linear (bench/speed/lora_bench.py's), read from files: apply, strength, switch, remove."""
     m = ctx.model()
     eng = Engine(m, EngineConfig(device=str(ctx.dev), attention="sdpa"))
     folder = tempfile.mkdtemp(prefix="gpu_check_lora_")  # 0700, ours
@@ -225,12 +224,12 @@ def row_comfy(ctx):
     ctx.report.row("comfy", "n/a", "ComfyUI KSampler on comfy_model vs SGLDiffusion KSampler, per-step overhead",
                    notes="ComfyUI is not carried: ComfyUI 0.3.75 (33 MB) with its frontend package (48 MB) is more than the "
                          "64 MiB that travels with a call, and its requirements are not on the GPU machine; the CPU figures "
-                         "are bench/comfy_model_bench.py's (bench/RESULTS.md)")
+                         "are bench/speed/comfy_model_bench.py's (bench/RESULTS.md)")
 
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="the GPU check's server process (bench/gpu_check_serve.py)")
+    ap = argparse.ArgumentParser(description="the GPU check's server process (bench/gpu/gpu_check_serve.py)")
     ap.add_argument("--serve", required=True)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-batch", type=int, default=8)

@@ -1,4 +1,4 @@
-"""Offload rows of the GPU check (bench/gpu_check.py; ``bash bench/gpu_check.sh --offload`` runs only these).
+"""Offload rows of the GPU check (bench/gpu/gpu_check.py; ``bash bench/gpu_check.sh --offload`` runs only these).
 
 At the 8B shape, 1024x1024, sdpa, a forward at batch 1 (= one Turbo step) and at batch 2 (= one Base
 step with CFG), weights bf16 and fp8, every ratio against a resident model timed in this process:
@@ -79,7 +79,7 @@ def pinned_test(ctx, m):
 
 
 def offload_rows(ctx):
-    """(name, need seconds, fn(ctx)) for the plan of bench/gpu_check.py."""
+    """(name, need seconds, fn(ctx)) for the plan of bench/gpu/gpu_check.py."""
     inp = {}
 
     def batch_inputs(b):

@@ -1,7 +1,7 @@
 """FP8 / INT4 weights end to end on the embedded demo model: PSNR of the images against the
 unquantized model (same captions, same seeds) and the judge's pass rate, on held-out pairs.
 
-    .venv/bin/python bench/quant_demo_eval.py [--n 60] [--steps 30] [--formats fp8 int4 int4-g64]
+    .venv/bin/python bench/eval/quant_demo_eval.py [--n 60] [--steps 30] [--formats fp8 int4 int4-g64]
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.metrics import psnr  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402

@@ -6,7 +6,7 @@ Error = ||out - ref|| / ||ref|| against the bf16 eager SDPA model. Weight bytes 
 (quantized storage included), against the same model in bf16; the 8B rows are computed on the meta
 device (no memory). GPU-only backends (sage, flash) are listed with the reason they cannot run.
 
-    .venv/bin/python bench/attn_compile_quant_bench.py [--size small] [--latent 16] [--repeat 5]
+    .venv/bin/python bench/speed/attn_compile_quant_bench.py [--size small] [--latent 16] [--repeat 5]
 """
 import argparse
 import os
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.metrics import rel_err  # noqa: E402
 from engine.features import attention as A  # noqa: E402

@@ -1,6 +1,6 @@
 """Communication bytes per sampling step of each parallel mode, computed from the 8B shape.
 
-    python bench/parallel_comm.py [--text-tokens 256] [--dtype-bytes 2] [--no-cfg]
+    python bench/speed/parallel_comm.py [--text-tokens 256] [--dtype-bytes 2] [--no-cfg]
 
 One step = one model call of the CFG batch (cond + uncond = 2 samples, as ``Engine.sample``
 batches them), 36 blocks, hidden 4096, 32 heads, MLP 12288, activations in bf16. Tokens:

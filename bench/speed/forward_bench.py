@@ -6,7 +6,7 @@ machine hardly moves the figures; reports the minimum over repeats, the ratios a
 "fused" is what an Engine runs (q/k/v and gate/up as one GEMM each, engine/features/fuse.py); "release" is
 the model as loaded, with the checkpoint's separate projections.
 
-    .venv/bin/python bench/forward_bench.py [--sizes small medium] [--dtypes fp32 bf16] [--tokens 1024]
+    .venv/bin/python bench/speed/forward_bench.py [--sizes small medium] [--dtypes fp32 bf16] [--tokens 1024]
 """
 import argparse
 import os
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from diffusers import ErnieImageTransformer2DModel  # noqa: E402
 
 from bench.metrics import max_rel_err  # noqa: E402

@@ -4,7 +4,7 @@ Prints the server's RSS after run 1 and after run N and their ratio; the target 
 5% (exit code 1 if it is above 1.05). Each run uses a new seed, so the SGLDiffusion KSampler runs
 every time while the loaded model stays cached, as it does for a user pressing "Queue" repeatedly.
 
-    .venv/bin/python bench/leak_check.py [--runs 50] [--steps 4] [--size 256] [--json out.json]
+    .venv/bin/python bench/speed/leak_check.py [--runs 50] [--steps 4] [--size 256] [--json out.json]
 
 Needs ComfyUI 0.3.75 from scripts/comfyui.sh (installed on first use, as in the tests).
 """
@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 

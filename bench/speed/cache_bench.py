@@ -1,8 +1,8 @@
 """Cache-DiT benchmark: our presets and settings against the cache-dit library on the same model.
 
     pip install -r bench/requirements.txt        # cache-dit (the peer) and matplotlib
-    python bench/cache_bench.py --model demo --steps 50 8 --pairs 64
-    python bench/cache_bench.py --model random --steps 50 8 --pairs 16
+    python bench/speed/cache_bench.py --model demo --steps 50 8 --pairs 64
+    python bench/speed/cache_bench.py --model random --steps 50 8 --pairs 16
 
 For every caption/seed pair the uncached run and every cached configuration run side by side
 (interleaved, the uncached one before and after), so CPU contention hits them alike. Reported per
@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -434,7 +434,7 @@ def measured(all_rows: Dict[str, List[dict]]) -> dict:
                 "psnr": round(psnr, 6) if math.isfinite(psnr) else None, "same_image": psnr == float("inf"),
                 "ssim": round(r["ssim"], 6), "computed": r["computed"],
                 "judge": round(r["pass_rate"], 6) if base_judge and r.get("pass_rate") is not None else None})
-    return {"made_by": "bench/cache_bench.py (see bench/cache_results.md)", "presets": presets}
+    return {"made_by": "bench/speed/cache_bench.py (see bench/speed/cache_results.md)", "presets": presets}
 
 
 def write_measured(all_rows: Dict[str, List[dict]], path: str) -> None:
@@ -511,9 +511,9 @@ def main(argv=None):
     ap.add_argument("--once", action="store_true", help="run the uncached sample once per batch (not before and after)")
     ap.add_argument("--batch", type=int, default=16, help="pairs sampled together in one batch (one cache decision per batch)")
     ap.add_argument("--no-cachedit", action="store_true")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "cache_results.md"))
-    ap.add_argument("--json", default=os.path.join(ROOT, "bench", "cache_results.json"))
-    ap.add_argument("--plot", default=os.path.join(ROOT, "bench", "cache_pareto.png"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "speed", "cache_results.md"))
+    ap.add_argument("--json", default=os.path.join(ROOT, "bench", "speed", "cache_results.json"))
+    ap.add_argument("--plot", default=os.path.join(ROOT, "bench", "speed", "cache_pareto.png"))
     ap.add_argument("--measured", default=MEASURED_PATH, help="the presets' figures for the Cache-DiT node ('' = none)")
     ap.add_argument("--merge", nargs="+", default=None,
                     help="only merge earlier --json outputs into --out / --plot / --measured ('' = skip one)")
@@ -544,7 +544,7 @@ def main(argv=None):
         configs = [c for c in configs if c.name in keep]
     all_rows, md = {}, ["# Cache-DiT benchmark", "",
                         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU, {args.threads} threads "
-                        f"(shared machine); `python bench/cache_bench.py {' '.join(argv or sys.argv[1:])}`.", "",
+                        f"(shared machine); `python bench/speed/cache_bench.py {' '.join(argv or sys.argv[1:])}`.", "",
                         "Speedup = wall-clock of sampling, uncached / cached, each pair run side by side. PSNR/SSIM against "
                         "the uncached image of the same caption and seed (demo: decoded 64x64 RGB; random model: final latent).",
                         ""]

@@ -15,7 +15,7 @@ Each timing is the median of ``--repeat`` runs of ``Engine.set_loras`` (engine/f
   remove      LoRA -> base (bit-exact restore; checked by a hash of every touched weight)
   read        reading the LoRA file (safetensors) and matching its keys
 
-    .venv/bin/python bench/lora_bench.py [--layers 1 3] [--threads 1] [--repeat 3] [--json]
+    .venv/bin/python bench/speed/lora_bench.py [--layers 1 3] [--threads 1] [--repeat 3] [--json]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402

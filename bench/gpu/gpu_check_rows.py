@@ -1,4 +1,4 @@
-"""The GPU check's rows that run in its own process (bench/gpu_check.py lists them in running order): the
+"""The GPU check's rows that run in its own process (bench/gpu/gpu_check.py lists them in running order): the
 model, our forward against diffusers, Turbo / Base images with and without Cache-DiT, and FP8 / INT4 / INT8 /
 GGUF Q4_K engines opened from a file the way users open them."""
 import time
