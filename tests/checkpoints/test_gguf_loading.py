@@ -19,6 +19,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from gguf_files import ALL_TYPES, CFG, QUANT_TYPES, mixed_types, reference_state, types_for, write_gguf  # noqa: I001
+from gguf_files import Q as GQ
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -31,9 +33,6 @@ from engine.loading import estimate_bytes
 from engine.models.ernie_image import FAMILY
 from engine.models.random_weights import random_state_dict
 from engine.router import open_engine
-
-sys.path.insert(0, os.path.dirname(__file__))
-from gguf_files import ALL_TYPES, CFG, QUANT_TYPES, Q as GQ, mixed_types, reference_state, types_for, write_gguf  # noqa: E402,I001
 
 SD = random_state_dict(CFG, 0)
 

@@ -31,7 +31,7 @@ from engine.models.random_weights import SIZES, random_model, save_random_checkp
 from tools.demo import judge
 
 CFG = SIZES["tiny"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SGLD = os.path.join(os.path.dirname(sys.executable), "sgld")
 ENV = {**os.environ, "PYTHONPATH": ROOT}
 FORMATS = ("int8", "int8-weight")

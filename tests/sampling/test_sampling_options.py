@@ -35,7 +35,7 @@ except ImportError:
     import pack_modules
     from test_serve import Server
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 SGLD = os.path.join(os.path.dirname(sys.executable), "sgld")
 OUT = os.path.join(ROOT, "tests", "never-written.png")  # --out is checked, not written, by check_generate_args

@@ -283,7 +283,6 @@ def test_comfyui_gguf_loader_reads_our_files(bf16_file, tmp_path):
     import subprocess
     import sys
 
-    sys.path.insert(0, os.path.dirname(__file__))
     from comfy_server import COMFY_DIR
 
     if not os.path.isdir(os.path.join(COMFY_DIR, "comfy")):

@@ -6,13 +6,12 @@ The files are written by the real ``gguf`` package (tests/gguf_files.py)."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import requests
 import torch
 import torch.nn.functional as F
+from gguf_files import CFG, Q, reference_state, types_for, write_gguf
 from safetensors.torch import save_file
 
 from engine import CheckpointError, load_model
@@ -22,9 +21,6 @@ from engine.features.cache import CacheConfig
 from engine.features.quant.gguf.linear import GGUFLinear
 from engine.models.random_weights import random_state_dict
 from engine.router import open_engine
-
-sys.path.insert(0, os.path.dirname(__file__))
-from gguf_files import CFG, Q, reference_state, types_for, write_gguf  # noqa: E402
 
 SD = random_state_dict(CFG, 0)
 
