@@ -107,3 +107,10 @@ def reference_state(path) -> dict:
         name = t.name[len(COMFY_PREFIX):] if t.name.startswith(COMFY_PREFIX) else t.name
         out[name] = torch.from_numpy(np.ascontiguousarray(values)).reshape(shape).clone()
     return out
+
+
+def model_inputs(cfg: ErnieImageConfig = CFG, b: int = 1):
+    """The DiT's call arguments (a 4x4 latent, t = 500, five text tokens) the GGUF tests compare models on."""
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(b, cfg.in_channels, 4, 4, generator=g), torch.tensor([500.0] * b),
+            torch.randn(b, 5, cfg.text_in_dim, generator=g), torch.tensor([5] * b))

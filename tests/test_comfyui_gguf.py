@@ -3,7 +3,7 @@
 SGLDiffusion KSampler and comfy_model through ComfyUI's KSampler give the latent of the same weights
 dequantized by gguf's numpy code and loaded as safetensors (every listed type in one file, unsloth's layout
 in diffusion_models, ComfyUI-GGUF's in unet). Tolerances: against the reference 1e-5 of the largest value
-(the same float32 weights, tests/test_gguf_loading.py; not exact here because the dense reference fuses
+(the same float32 weights, tests/checkpoints/test_gguf_loading.py; not exact here because the dense reference fuses
 q/k/v into one matmul while parts of different GGUF types stay three: float32 rounding, measured 1.9e-6 of
 3.0); ComfyUI's sampler against ours 1e-4, as tests/test_comfyui_model.py (its own sigma arithmetic)."""
 from __future__ import annotations

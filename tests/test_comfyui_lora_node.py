@@ -9,7 +9,7 @@ import os
 
 import comfy_server as cs
 import torch
-from test_lora import BLOCK_LINEARS, make_pairs, write_lora
+from lora_files import BLOCK_LINEARS, make_pairs, write_lora
 from test_serve import Server
 
 LORA = "style.safetensors"

@@ -138,7 +138,7 @@ def _uses_comfy(node, defs) -> bool:
 
 
 def _test_modules():
-    return sorted(glob.glob(os.path.join(ROOT, "tests", "test_*.py")))
+    return sorted(glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True))
 
 
 def test_the_tier_marks_are_registered_and_strict():

@@ -47,7 +47,7 @@ STRING, ARRAY, INT32 = 8, 9, 5
 
 _T = GGMLQuantizationType
 # The block types read (engine/features/quant/gguf/numerics.py dequantizes exactly these: SUPPORTED there,
-# tests/test_gguf_validation.py checks the two agree). F32 / F16 / BF16 load as ordinary tensors.
+# tests/checkpoints/test_gguf_validation.py checks the two agree). F32 / F16 / BF16 load as ordinary tensors.
 READ_TYPES: Dict[int, str] = {int(t): t.name for t in (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0,
                                                         _T.Q5_1, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K)}
 DENSE = {int(_T.F32): torch.float32, int(_T.F16): torch.float16, int(_T.BF16): torch.bfloat16}

@@ -11,14 +11,12 @@ import struct
 import sys
 
 import pytest
+from gguf_files import Q, types_for, write_gguf
+from test_checkpoint_validation import load_or_refuse  # noqa: E402  (the safetensors fuzz's one rule)
 
 from engine import CheckpointError, load_model
 from engine.models.ernie_image import ErnieImageConfig
 from engine.models.random_weights import random_state_dict
-
-sys.path.insert(0, os.path.dirname(__file__))
-from gguf_files import Q, types_for, write_gguf  # noqa: E402
-from test_checkpoint_validation import load_or_refuse  # noqa: E402  (the safetensors fuzz's one rule)
 
 MICRO = ErnieImageConfig(hidden_size=32, num_layers=1, num_attention_heads=2, ffn_hidden_size=32, in_channels=4,
                          out_channels=4, text_in_dim=32, rope_axes_dim=(4, 6, 6))
@@ -239,7 +237,7 @@ def test_a_header_costs_what_the_file_is_worth(tmp_path):
              (MAX_TENSORS, "overlaps tensor 't000000'", 0.5)]
     paths = [many_tensors(tmp_path / f"many{count}.gguf", count) for count, _, _ in cases]
     r = subprocess.run([sys.executable, "-c", CHILD, *paths], capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(cases), r.stderr[-2000:]
     for path, (count, field, seconds), got in zip(paths, cases, results):

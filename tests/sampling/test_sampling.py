@@ -7,13 +7,14 @@ import torch
 
 from engine import sampling
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMFY = os.environ.get("SGLD_COMFYUI_DIR", os.path.join(ROOT, ".cache", "ComfyUI"))
 
 
 @pytest.fixture(scope="module")
-def comfy():
-    """ComfyUI's samplers module, imported with --cpu semantics (no GPU here)."""
+def comfyui_samplers():
+    """ComfyUI's samplers module, imported in this process with --cpu semantics (no GPU here; no server: not
+    tests/conftest.py's `comfy`)."""
     if not os.path.exists(os.path.join(COMFY, "comfy", "samplers.py")):
         pytest.skip("ComfyUI is not installed (run scripts/comfyui.sh)")
     sys.path.insert(0, COMFY)
@@ -33,13 +34,13 @@ def comfy():
     return {"samplers": samplers, "kd": kd, "model_sampling": ErnieFlow(Config()), "ms": ms, "ErnieFlow": ErnieFlow}
 
 
-def comfy_sigmas(comfy, scheduler, steps, denoise=1.0, shift=3.0):
-    ms = comfy["model_sampling"]
+def comfy_sigmas(comfyui_samplers, scheduler, steps, denoise=1.0, shift=3.0):
+    ms = comfyui_samplers["model_sampling"]
     if shift != 3.0:
         class C:
             sampling_settings = {"multiplier": 1000.0, "shift": shift}
-        ms = comfy["ErnieFlow"](C())
-    fn = comfy["samplers"].SCHEDULER_HANDLERS[scheduler].handler
+        ms = comfyui_samplers["ErnieFlow"](C())
+    fn = comfyui_samplers["samplers"].SCHEDULER_HANDLERS[scheduler].handler
 
     if denoise > 0.9999:
         return fn(ms, steps)
@@ -48,20 +49,20 @@ def comfy_sigmas(comfy, scheduler, steps, denoise=1.0, shift=3.0):
 
 @pytest.mark.parametrize("scheduler", sampling.SCHEDULERS)
 @pytest.mark.parametrize("steps", [1, 8, 20, 50])
-def test_schedules_equal_comfyui(comfy, scheduler, steps):
-    want = comfy_sigmas(comfy, scheduler, steps)
+def test_schedules_equal_comfyui(comfyui_samplers, scheduler, steps):
+    want = comfy_sigmas(comfyui_samplers, scheduler, steps)
     got = sampling.sigma_schedule(steps, scheduler)
     assert torch.equal(got, want), f"{scheduler}/{steps}: {got} != {want}"
 
 
 @pytest.mark.parametrize("denoise", [0.3, 0.55, 0.9])
-def test_partial_denoise_schedule_equals_comfyui(comfy, denoise):
+def test_partial_denoise_schedule_equals_comfyui(comfyui_samplers, denoise):
     for scheduler in sampling.SCHEDULERS:
-        assert torch.equal(sampling.sigma_schedule(10, scheduler, denoise), comfy_sigmas(comfy, scheduler, 10, denoise))
+        assert torch.equal(sampling.sigma_schedule(10, scheduler, denoise), comfy_sigmas(comfyui_samplers, scheduler, 10, denoise))
 
 
-def test_shift_changes_schedule(comfy):
-    assert torch.equal(sampling.sigma_schedule(8, "simple", shift=4.0), comfy_sigmas(comfy, "simple", 8, shift=4.0))
+def test_shift_changes_schedule(comfyui_samplers):
+    assert torch.equal(sampling.sigma_schedule(8, "simple", shift=4.0), comfy_sigmas(comfyui_samplers, "simple", 8, shift=4.0))
     s3, s4 = sampling.sigma_schedule(8, "simple", shift=3.0), sampling.sigma_schedule(8, "simple", shift=4.0)
     assert s3[0] == s4[0] == 1.0 and (s4[1:-1] > s3[1:-1]).all()
 
@@ -88,23 +89,23 @@ class ComfyModelWrap:
 
 @pytest.mark.parametrize("name", sampling.SAMPLERS)
 @pytest.mark.parametrize("scheduler", ["simple", "beta"])
-def test_samplers_equal_comfyui(comfy, name, scheduler):
+def test_samplers_equal_comfyui(comfyui_samplers, name, scheduler):
     sigmas = sampling.sigma_schedule(7, scheduler)
     x0 = sampling.seeded_noise((2, 4, 3, 5), seed=42)
-    kd_fn = getattr(comfy["kd"], f"sample_{name}")
-    want = kd_fn(ComfyModelWrap(comfy["model_sampling"]), x0.clone(), sigmas, extra_args={"seed": 7}, disable=True)
+    kd_fn = getattr(comfyui_samplers["kd"], f"sample_{name}")
+    want = kd_fn(ComfyModelWrap(comfyui_samplers["model_sampling"]), x0.clone(), sigmas, extra_args={"seed": 7}, disable=True)
     got = sampling.run_sampler(name, toy_denoiser, x0.clone(), sigmas, seed=7)
     assert torch.equal(got, want), f"{name}: max diff {(got - want).abs().max()}"
 
 
-def test_noise_is_comfyuis(comfy):
+def test_noise_is_comfyuis(comfyui_samplers):
     import importlib
 
     prepare_noise = importlib.import_module("comfy.sample").prepare_noise
     latent = torch.zeros(2, 16, 5, 7)
     assert torch.equal(sampling.seeded_noise(latent.shape, 1234), prepare_noise(latent, 1234))
     # scaling at the first sigma, as the CONST (flow) parameterisation does it
-    ms = comfy["model_sampling"]
+    ms = comfyui_samplers["model_sampling"]
     noise = sampling.seeded_noise(latent.shape, 5)
     lat = torch.randn(latent.shape)
     for s in (torch.tensor(1.0), torch.tensor(0.6)):

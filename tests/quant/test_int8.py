@@ -27,11 +27,11 @@ from engine.features.quant.prequantized import QuantPlan
 from engine.io.checkpoint import open_checkpoint
 from engine.loading import estimate_bytes
 from engine.models.ernie_image import FAMILY
-from engine.models.random_weights import SIZES, random_model, save_random_checkpoint
+from engine.models.random_weights import SIZES, random_model
 from tools.demo import judge
 
 CFG = SIZES["tiny"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SGLD = os.path.join(os.path.dirname(sys.executable), "sgld")
 ENV = {**os.environ, "PYTHONPATH": ROOT}
 FORMATS = ("int8", "int8-weight")
@@ -56,13 +56,6 @@ def inputs(b=2, seed=1):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, CFG.in_channels, 6, 6, generator=g)
     return x, torch.tensor([400.0] * b), torch.randn(b, 5, CFG.text_in_dim, generator=g), torch.tensor([5, 3])
-
-
-@pytest.fixture
-def bf16_file(tmp_path):
-    path = tmp_path / "ernie-bf16.safetensors"
-    save_random_checkpoint(str(path), CFG, seed=0, dtype=torch.bfloat16)
-    return path
 
 
 # -- numerics -------------------------------------------------------------------------------------------------

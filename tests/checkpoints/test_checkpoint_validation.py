@@ -21,7 +21,7 @@ from engine.models.ernie_image import MAX_LAYERS, ErnieImageConfig
 from engine.models.random_weights import SIZES, random_state_dict, save_random_checkpoint
 
 CFG = SIZES["tiny"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Very small models: NANO for the many-layer file, MICRO (int4 groups of 32 fit) for the many loads of the fuzz test.
 NANO = ErnieImageConfig(hidden_size=8, num_layers=1, num_attention_heads=2, ffn_hidden_size=8, in_channels=4,
                         out_channels=4, text_in_dim=8, rope_axes_dim=(0, 2, 2))

@@ -9,6 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf import quants as gq
+from gguf_files import model_inputs
 from safetensors.torch import load_file
 
 from engine.cli import main
@@ -171,12 +172,6 @@ def test_gguf_from_a_prequantized_file(bf16_file, tmp_path):
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05  # fp8 then q8_0
 
 
-def _inputs(cfg):
-    g = torch.Generator().manual_seed(1)
-    return (torch.randn(1, cfg.in_channels, 4, 4, generator=g), torch.tensor([500.0]),
-            torch.randn(1, 5, cfg.text_in_dim, generator=g), torch.tensor([5]))
-
-
 @pytest.mark.parametrize("fmt", ["q4_k", "q8_0", "q2_k"])
 def test_written_file_loads_in_our_loader_and_runs_the_dequantized_weights(tmp_path, fmt):
     """sgld quantize --format X -> engine.load_model (engine/io/gguf.py): the blocks stay GGUF layers, and the
@@ -202,9 +197,9 @@ def test_written_file_loads_in_our_loader_and_runs_the_dequantized_weights(tmp_p
     ref_path = tmp_path / "dequantized.safetensors"
     save_file(dequantized, str(ref_path), metadata={"ernie_image_config": _field(reader, "ernie_image_config")})
     with torch.inference_mode():
-        got = model(*_inputs(CFG))
-        want = load_model(str(ref_path), dtype="fp32")(*_inputs(CFG))
-        dense = load_model(str(src), dtype="fp32")(*_inputs(CFG))
+        got = model(*model_inputs(CFG))
+        want = load_model(str(ref_path), dtype="fp32")(*model_inputs(CFG))
+        dense = load_model(str(src), dtype="fp32")(*model_inputs(CFG))
     assert torch.equal(got, want), f"max |difference| {(got - want).abs().max().item():.3g}"
     err = Q.relative_error(got, dense)
     assert 0 < err < {"q8_0": 0.002, "q4_k": 0.03, "q2_k": 0.1}[fmt], err  # measured: 0.0004, 0.0067, 0.024
@@ -283,7 +278,6 @@ def test_comfyui_gguf_loader_reads_our_files(bf16_file, tmp_path):
     import subprocess
     import sys
 
-    sys.path.insert(0, os.path.dirname(__file__))
     from comfy_server import COMFY_DIR
 
     if not os.path.isdir(os.path.join(COMFY_DIR, "comfy")):

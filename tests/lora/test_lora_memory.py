@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lora_files import MODULES, make_pairs, tiny_engine, weights_hash, write_lora
 from safetensors.torch import load_file
 
 from engine.features.lora import LoRAError, LoRAState, LoRATensors, files
-
-try:  # tests/ may or may not be a package
-    from .test_lora import MODULES, make_pairs, tiny_engine, weights_hash, write_lora
-except ImportError:
-    from test_lora import MODULES, make_pairs, tiny_engine, weights_hash, write_lora
 
 
 def as_tensors(path: str, name: str, origin=None) -> LoRATensors:

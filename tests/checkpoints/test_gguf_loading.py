@@ -19,6 +19,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from gguf_files import ALL_TYPES, CFG, QUANT_TYPES, mixed_types, model_inputs, reference_state, types_for, write_gguf  # noqa: I001
+from gguf_files import Q as GQ
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -32,16 +34,7 @@ from engine.models.ernie_image import FAMILY
 from engine.models.random_weights import random_state_dict
 from engine.router import open_engine
 
-sys.path.insert(0, os.path.dirname(__file__))
-from gguf_files import ALL_TYPES, CFG, QUANT_TYPES, Q as GQ, mixed_types, reference_state, types_for, write_gguf  # noqa: E402,I001
-
 SD = random_state_dict(CFG, 0)
-
-
-def _inputs():
-    g = torch.Generator().manual_seed(1)
-    return (torch.randn(1, CFG.in_channels, 4, 4, generator=g), torch.tensor([500.0]),
-            torch.randn(1, 5, CFG.text_in_dim, generator=g), torch.tensor([5]))
 
 
 def _pair(tmp_path, types, layout, name="m"):
@@ -123,10 +116,10 @@ def test_runs_under_inference_mode_and_fuses(tmp_path):
     from engine.features.fuse import fuse_projections
     a, b = load_model(path, dtype="fp32"), load_model(ref)
     with torch.inference_mode():
-        want = b(*_inputs())
-        assert torch.equal(a(*_inputs()), want)
+        want = b(*model_inputs())
+        assert torch.equal(a(*model_inputs()), want)
         fuse_projections(a)  # same-type parts join (the table's concat); mixed parts stay apart
-        assert torch.equal(a(*_inputs()), want)
+        assert torch.equal(a(*model_inputs()), want)
 
 
 def test_tensor_parallel_splits_rows_and_refuses_blocks_it_cannot_split(tmp_path):

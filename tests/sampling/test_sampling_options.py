@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import requests
+from comfy_server import free_port
 from safetensors.torch import load_file, save_file
 
 from engine import options
@@ -35,7 +35,7 @@ except ImportError:
     import pack_modules
     from test_serve import Server
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 SGLD = os.path.join(os.path.dirname(sys.executable), "sgld")
 OUT = os.path.join(ROOT, "tests", "never-written.png")  # --out is checked, not written, by check_generate_args
@@ -216,12 +216,6 @@ def test_server_generate_widgets_are_the_declarations():
         assert widgets[name][0] == declared[name][0]
         assert widgets[name][1]["default"] == widgets[name][1]["min"] == remote.SERVER_DEFAULT
         assert widgets[name][1]["max"] == declared[name][1]["max"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from lora_files import BLOCK_LINEARS, CFG, MODULES, inputs, make_pairs, text_features, tiny_engine, write_lora
 from safetensors.torch import save_file
 
 import engine.features.lora as lora_mod
@@ -29,12 +30,7 @@ from engine.features import patching
 from engine.features.lora import LoRAError, LoRAState, normalize, parse_spec, read_lora, target_modules
 from engine.models.random_weights import random_model
 
-try:
-    from .test_lora import BLOCK_LINEARS, CFG, MODULES, _text_features, inputs, make_pairs, pack, tiny_engine, write_lora  # noqa: F401
-except ImportError:
-    from test_lora import BLOCK_LINEARS, CFG, MODULES, _text_features, inputs, make_pairs, pack, tiny_engine, write_lora  # noqa: F401
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LORA_DIR = os.path.dirname(lora_mod.__file__)  # the package engine/features/lora
 ALL_MODULES = sorted(set(MODULES) | set(BLOCK_LINEARS))
 
@@ -591,10 +587,8 @@ def test_lora_loader_node_on_two_ranks_in_comfyui(tmp_path):
     Engine.sample in this process on one rank, within the tolerance tests/test_parallel.py uses for 2 ranks
     against 1 (fp32 max abs error <= 1e-4 x max|reference|): the ranks compute attention on their share of
     heads and the linears on their share of tokens, so the sums run in another order (not bit-exact)."""
-    import requests
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import comfy_server as cs
+    import requests
 
     if not os.path.exists(os.path.join(cs.COMFY_DIR, ".sgld-ready")):
         pytest.skip("ComfyUI is not installed (scripts/comfyui.sh)")
@@ -634,7 +628,7 @@ def test_lora_loader_node_on_two_ranks_in_comfyui(tmp_path):
     def direct(seed, loras=()):
         eng = open_engine(ckpt)
         eng.set_loras(list(loras))
-        return eng.sample(torch.zeros(1, 128, 4, 4), [_text_features(1, 7)], [_text_features(2, 5)], seed=seed, steps=2,
+        return eng.sample(torch.zeros(1, 128, 4, 4), [text_features(1, 7)], [text_features(2, 5)], seed=seed, steps=2,
                           cfg=1.0)
 
     ref_lora, ref_base = direct(0, [(a, 0.8)]), direct(0)

@@ -172,15 +172,7 @@ def test_scaled_mm_path_matches_dequantize():
 
 
 # -- files ----------------------------------------------------------------------------------------------------
-@pytest.fixture
-def bf16_file(tmp_path):
-    from engine.models.random_weights import save_random_checkpoint
-
-    p = tmp_path / "ernie-bf16.safetensors"
-    save_random_checkpoint(str(p), CFG, seed=0, dtype=torch.bfloat16)
-    return p
-
-
+# bf16_file: tests/quant/conftest.py
 def _quantized_state(model):
     return {k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v) for k, v in model.state_dict().items()}
 

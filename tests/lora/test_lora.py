@@ -2,120 +2,34 @@
 restore (hash of every weight), unmatched keys reported, other architectures and pickles refused,
 FP8/INT4 side path, offload, torch.compile, the ComfyUI handle (one base for two LoRA sets, measured),
 the CLI flag, and a LoRA trained here on the demo model that the demo judge sees."""
-import hashlib
 import os
-import sys
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from lora_files import (
+    BLOCK_LINEARS,
+    CFG,
+    FORMATS,
+    MODULES,
+    H,
+    close_to_reference,
+    inputs,
+    make_pairs,
+    reference_merge,
+    shape_of,
+    text_features,
+    tiny_engine,
+    weights_hash,
+    write_lora,
+)
 from safetensors.torch import save_file
 
-try:
-    from . import pack_modules
-except ImportError:
-    import pack_modules
-
-from engine import Engine, EngineConfig, open_engine
+from engine import Engine, open_engine
 from engine.features import patching
 from engine.features.lora import LoRAError, parse_spec, read_lora, target_modules
-from engine.models.random_weights import SIZES, random_model
-
-CFG = SIZES["tiny"]
-H, FFN = CFG.hidden_size, CFG.ffn_hidden_size
-
-
-def weights_hash(model) -> str:
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def shape_of(name):
-    if name.endswith("linear_fc2"):
-        return (H, FFN)
-    if name.endswith(("gate_proj", "up_proj")):
-        return (FFN, H)
-    if name == "x_embedder.proj":
-        return (H, CFG.in_channels)
-    if name == "adaLN_modulation.1":
-        return (6 * H, H)
-    if name == "text_proj":
-        return (H, CFG.text_in_dim)
-    return (H, H)
-
-
-def make_pairs(modules, rank=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for m in modules:
-        o, i = shape_of(m)
-        out[m] = (torch.randn(rank, i, generator=g) * 0.1, torch.randn(o, rank, generator=g) * 0.1)  # (A, B)
-    return out
-
-
-MODULES = ["layers.0.self_attention.to_q", "layers.1.self_attention.to_out.0", "layers.0.mlp.gate_proj",
-           "layers.1.mlp.linear_fc2", "adaLN_modulation.1", "text_proj", "x_embedder.proj"]
-
-
-def kohya_name(m):
-    return "lora_unet_" + m.replace(".", "_")
-
-
-# format -> (key of A, key of B, key of alpha or None) for module m
-FORMATS = {
-    "diffusers": (lambda m: f"transformer.{m}.lora_A.weight", lambda m: f"transformer.{m}.lora_B.weight", None),
-    "peft_base_model": (lambda m: f"base_model.model.{m}.lora_A.weight", lambda m: f"base_model.model.{m}.lora_B.weight", None),
-    "ai_toolkit": (lambda m: f"diffusion_model.{m}.lora_A.weight", lambda m: f"diffusion_model.{m}.lora_B.weight", None),
-    "kohya": (lambda m: kohya_name(m) + ".lora_down.weight", lambda m: kohya_name(m) + ".lora_up.weight",
-              lambda m: kohya_name(m) + ".alpha"),
-    "comfy_generic": (lambda m: f"diffusion_model.{m}.lora_down.weight", lambda m: f"diffusion_model.{m}.lora_up.weight",
-                      lambda m: f"diffusion_model.{m}.alpha"),
-    "peft_default": (lambda m: f"transformer.{m}.lora_A.default.weight", lambda m: f"transformer.{m}.lora_B.default.weight", None),
-    "diffusers_v3": (lambda m: f"{m}.lora.down.weight", lambda m: f"{m}.lora.up.weight", None),
-    "diffusers_old": (lambda m: f"{m}_lora.down.weight", lambda m: f"{m}_lora.up.weight", None),
-    "mochi": (lambda m: f"diffusion_model.{m}.lora_A", lambda m: f"diffusion_model.{m}.lora_B", None),
-    "onetrainer": (lambda m: "lora_transformer_" + m.replace(".", "_") + ".lora_down.weight",
-                   lambda m: "lora_transformer_" + m.replace(".", "_") + ".lora_up.weight", None),
-}
-
-
-def write_lora(path, pairs, fmt, alpha=None, dtype=torch.bfloat16, extra=None):
-    ka, kb, kalpha = FORMATS[fmt]
-    sd = {}
-    for m, (a, b) in pairs.items():
-        if m == "x_embedder.proj":  # a conv: kohya/ComfyUI store 4-d conv LoRA weights
-            a, b = a[:, :, None, None], b[:, :, None, None]
-        sd[ka(m)] = a.to(dtype).contiguous()
-        sd[kb(m)] = b.to(dtype).contiguous()
-        if kalpha and alpha is not None:
-            sd[kalpha(m)] = torch.tensor(float(alpha))
-    sd.update(extra or {})
-    save_file(sd, str(path))
-    return str(path)
-
-
-def reference_merge(w0, pairs_strengths):
-    """W0 + sum s * scale * B @ A in float64, rounded once to W0's dtype (computed without engine.lora)."""
-    acc = w0.double().reshape(w0.shape[0], -1)
-    for (a, b), s in pairs_strengths:
-        acc = acc + s * (b.to(torch.bfloat16).double() @ a.to(torch.bfloat16).double())
-    return acc.reshape(w0.shape).to(w0.dtype)
-
-
-def tiny_engine(dtype=torch.float32, **cfg):
-    return Engine(random_model(CFG, seed=0, dtype=dtype), EngineConfig(**cfg))
-
-
-def close_to_reference(got, ref):
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-    else:  # one rounding to bf16 from float32 vs float64: at most one ulp apart, almost always equal
-        assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-30).all()
-        assert (got == ref).float().mean() > 0.99
+from engine.models.random_weights import random_model
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -261,11 +175,6 @@ def test_other_architectures_pickles_and_wrong_shapes_are_refused(tmp_path):
     assert patching.get(eng.model, "lora") is None
 
 
-def inputs(seed=1, b=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(b, CFG.in_channels, 4, 4, generator=g)
-    text = torch.randn(b, 5, CFG.text_in_dim, generator=g)
-    return x, torch.tensor([500.0] * b), text, torch.tensor([5] * b)
 
 
 @pytest.mark.parametrize("quant", ["fp8", "int4-g64"])
@@ -350,9 +259,6 @@ def test_compiled_blocks_do_not_recompile_for_merged_swaps(tmp_path):
         torch.testing.assert_close(eager.model(*x), ys[1], rtol=1e-4, atol=1e-5)
 
 
-BLOCK_LINEARS = [f"layers.{i}.{n}" for i in range(CFG.num_layers) for n in (
-    "self_attention.to_q", "self_attention.to_k", "self_attention.to_v", "self_attention.to_out.0",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.linear_fc2")]
 
 
 def test_compiled_quantized_blocks_see_the_side_path(tmp_path):
@@ -395,49 +301,8 @@ def test_parse_spec_and_cli_flag(tmp_path, monkeypatch):
     assert lora_specs(args) == [("a.safetensors", 0.5), ("b.safetensors", 1.0)]
 
 
-# -- ComfyUI node: the handle carries the LoRAs, the base engine is shared ------------------------------------
-PACK = "sgld_lora_test_pack"
 
 
-@pytest.fixture
-def pack(monkeypatch, tmp_path):
-    """nodes/model_cache.py and nodes/lora.py in-process, with stand-ins for comfy.model_management and folder_paths."""
-    import importlib
-    import types
-
-    mm = types.ModuleType("comfy.model_management")
-    mm.free_memory = lambda memory_required, device, keep_loaded=[]: []
-    mm.unload_all_models = lambda: None
-    mm.get_free_memory = lambda dev=None, torch_free_too=False: 10**12
-    mm.minimum_inference_memory = lambda: 0
-    comfy = types.ModuleType("comfy")
-    comfy.__path__ = []
-    comfy.model_management = mm
-    loras = tmp_path / "loras"
-    loras.mkdir()
-    fp = types.ModuleType("folder_paths")
-    fp.get_filename_list = lambda name: sorted(os.listdir(loras)) if name == "loras" else []
-    fp.get_full_path = lambda name, f: str(loras / f) if name == "loras" and (loras / f).exists() else None
-    fp.get_folder_paths = lambda name: [str(loras)]
-    for name, mod in (("comfy", comfy), ("comfy.model_management", mm), ("folder_paths", fp)):
-        monkeypatch.setitem(sys.modules, name, mod)
-    pack_modules.install_pack(monkeypatch, PACK)
-    # the LoRA Loader's MODEL output needs ComfyUI's model classes, absent here: a stand-in that keeps the handle
-    # (tests/test_comfyui_lora_node.py checks the real one in ComfyUI)
-    comfy_model = types.ModuleType(PACK + ".nodes.comfy_model")
-    comfy_model.comfy_model = lambda handle, engine: types.SimpleNamespace(stand_in_for="MODEL", handle=handle)
-    monkeypatch.setitem(sys.modules, comfy_model.__name__, comfy_model)
-    mc = importlib.import_module(PACK + ".nodes.model_cache")
-    lora_node = importlib.import_module(PACK + ".nodes.lora")
-    from engine.models.random_weights import save_random_checkpoint
-
-    path = str(tmp_path / "tiny.safetensors")
-    save_random_checkpoint(path, CFG, seed=0, dtype=torch.bfloat16)
-    yield types.SimpleNamespace(mc=mc, node=lora_node, path=path, loras=loras,
-                                EngineConfig=sys.modules[PACK + ".engine"].EngineConfig)
-    mc.release_all("test teardown")
-    for k in [k for k in sys.modules if k.startswith(PACK)]:
-        sys.modules.pop(k)
 
 
 def test_node_chain_two_graphs_share_one_base(pack, tmp_path):
@@ -595,7 +460,6 @@ def test_lora_trained_on_the_demo_model_changes_what_the_judge_sees(tmp_path):
 def test_lora_loader_node_in_comfyui(tmp_path):
     """ComfyUI 0.3.75 with the pack: a chained LoRA graph gives what Engine.set_loras gives, a graph without
     the LoRA on the same base gives the plain model's result bit-exactly, and one engine is loaded."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import comfy_server as cs
 
     if not os.path.exists(os.path.join(cs.COMFY_DIR, ".sgld-ready")):
@@ -630,17 +494,13 @@ def test_lora_loader_node_in_comfyui(tmp_path):
     def direct(seed, loras=()):
         eng = open_engine(ckpt)
         eng.set_loras(list(loras))
-        return eng.sample(torch.zeros(1, 128, 4, 4), [_text_features(1, 7)], [_text_features(2, 5)], seed=seed, steps=2, cfg=1.0)
+        return eng.sample(torch.zeros(1, 128, 4, 4), [text_features(1, 7)], [text_features(2, 5)], seed=seed, steps=2, cfg=1.0)
 
     assert torch.equal(outs["base1"], direct(1))  # sampled after the LoRA graph: the base came back exactly
     assert torch.equal(outs["lora"], direct(0, [(a, 1.0), (b, 0.5)]))
     assert not torch.equal(outs["lora"], outs["base0"])
 
 
-def _text_features(seed, tokens):
-    import comfy_server as cs
-
-    return cs.load_test_pack().text_features(seed, tokens, cs.text_dim())[0]
 
 
 def test_sgld_generate_lora_flag(tmp_path, capsys):

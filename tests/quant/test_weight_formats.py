@@ -1,6 +1,6 @@
 """The weight-format table (engine/features/quant/registry.py) is the single source: a format registered there
 (here a toy symmetric int16, per output channel; the real int8 is
-engine/features/quant/int8/, tests/test_int8.py) is parsed, applied, fused and split, counted in bytes, written
+engine/features/quant/int8/, tests/quant/test_int8.py) is parsed, applied, fused and split, counted in bytes, written
 by ``sgld quantize``, read back from the file and refused when a file holds an integer weight no format reads,
 with no other change to the engine. The option's choices are the table's."""
 from __future__ import annotations

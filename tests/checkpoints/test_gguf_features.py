@@ -6,13 +6,12 @@ The files are written by the real ``gguf`` package (tests/gguf_files.py)."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import requests
 import torch
 import torch.nn.functional as F
+from gguf_files import CFG, Q, model_inputs, reference_state, types_for, write_gguf
 from safetensors.torch import save_file
 
 from engine import CheckpointError, load_model
@@ -22,9 +21,6 @@ from engine.features.cache import CacheConfig
 from engine.features.quant.gguf.linear import GGUFLinear
 from engine.models.random_weights import random_state_dict
 from engine.router import open_engine
-
-sys.path.insert(0, os.path.dirname(__file__))
-from gguf_files import CFG, Q, reference_state, types_for, write_gguf  # noqa: E402
 
 SD = random_state_dict(CFG, 0)
 
@@ -37,12 +33,6 @@ def files(tmp_path_factory):
     ref = d / "m-q8_0-ref.safetensors"
     save_file(reference_state(q8), str(ref))
     return {"q8": q8, "q4k": q4k, "ref": str(ref), "dir": d}
-
-
-def _inputs(b=1):
-    g = torch.Generator().manual_seed(1)
-    return (torch.randn(b, CFG.in_channels, 4, 4, generator=g), torch.tensor([500.0] * b),
-            torch.randn(b, 5, CFG.text_in_dim, generator=g), torch.tensor([5] * b))
 
 
 def _cond():
@@ -68,7 +58,7 @@ def test_lora_is_a_side_path_on_gguf_layers_and_removal_is_exact(files, tmp_path
     model = eng.model
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.inference_mode():
-        y0 = model(*_inputs())
+        y0 = model(*model_inputs())
         eng.set_loras([(str(lora), 0.8)])
         fc2 = model.layers[1].mlp.linear_fc2
         assert isinstance(fc2, GGUFLinear) and type(fc2).__name__.endswith("WithLoRA")
@@ -76,9 +66,9 @@ def test_lora_is_a_side_path_on_gguf_layers_and_removal_is_exact(files, tmp_path
         xi = torch.randn(3, 512)
         torch.testing.assert_close(fc2(xi), F.linear(xi, fc2.dequantize()) + 0.8 * F.linear(F.linear(xi, a), b),
                                    rtol=1e-5, atol=1e-5)
-        assert not torch.equal(model(*_inputs()), y0)
+        assert not torch.equal(model(*model_inputs()), y0)
         eng.set_loras([])
-        assert torch.equal(model(*_inputs()), y0) and patching.get(model, "lora") is None
+        assert torch.equal(model(*model_inputs()), y0) and patching.get(model, "lora") is None
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
@@ -92,7 +82,7 @@ def test_offload_streams_the_gguf_bytes(files):
     dense_block = 4 * sum(v.numel() for k, v in SD.items() if k.startswith("layers.0."))
     assert off.slot_bytes < dense_block / 3  # Q8_0: 34 bytes per 32 weights, not 4 bytes each
     with torch.inference_mode():
-        assert torch.equal(eng.model(*_inputs()), ref.model(*_inputs()))
+        assert torch.equal(eng.model(*model_inputs()), ref.model(*model_inputs()))
     assert off.transfers > 0
 
 
@@ -110,7 +100,7 @@ def test_cache_dit_and_compile_on_a_gguf_model(files):
     C.compile_blocks(model, "static", mode=None, backend="aot_eager")  # cheap on CPU (inductor: minutes)
     C.reset_counters()
     with torch.inference_mode():
-        assert torch.equal(model(*_inputs()), want(*_inputs()))
+        assert torch.equal(model(*model_inputs()), want(*model_inputs()))
     assert C.graph_count() == 1 and C.graph_breaks() == {}  # the torch dequantizer traces into the block graph
     C.uncompile_blocks(model)
 
