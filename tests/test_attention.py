@@ -385,3 +385,18 @@ def _tiny_inputs():
     g = torch.Generator().manual_seed(0)
     return (torch.randn(1, cfg.in_channels, 4, 4, generator=g), torch.tensor([500.0]),
             torch.randn(1, 3, cfg.text_in_dim, generator=g), torch.tensor([3]))
+
+
+def test_a_second_copy_of_the_package_takes_the_first_copys_op(monkeypatch):
+    """The tests (and a ComfyUI that loads the pack beside an installed ``engine``) hold two copies of the
+    package in one process: the second's ``sgld::sage_attention`` is the first's op, not a silent replacement
+    that would route the first copy's calls (and counters) to the second copy's kernel."""
+    from engine.features.attention.kernels import attention_op
+
+    seen, calls = [], []
+    op = attention_op("sage_attention", lambda q, k, v: seen.append(q.shape) or q)
+    assert op is torch.ops.sgld.sage_attention
+    monkeypatch.setitem(sys.modules, "sageattention", _fake_sage_1_0_6(calls))
+    q, k, v = qkv(s=128, d=64)
+    assert rel(op(q, k, v, None), A.sdpa(q, k, v)) < 1e-5
+    assert seen == [] and calls == [(128, 128)]  # the first copy's kernel ran (no mask: one call)

@@ -2,11 +2,11 @@
 custom op (compiled graphs keep it) run per sample on its valid keys."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
-from .kernels import cuda_half_problem, guarded, package_version, per_sample
+from .kernels import attention_op, cuda_half_problem, guarded, package_version
 
 
 def _flash_kernel(q, k, v):
@@ -15,17 +15,7 @@ def _flash_kernel(q, k, v):
     return flash_attn_func(q.contiguous(), k.contiguous(), v.contiguous(), causal=False)
 
 
-@torch.library.custom_op("sgld::flash_attention", mutates_args=())
-def _flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    return per_sample(_flash_kernel, q, k, v, key_mask).contiguous()
-
-
-@_flash_op.register_fake
-def _(q, k, v, key_mask):
-    return q.new_empty(q.shape)
-
-
-flash = guarded("flash", _flash_op, 256)
+flash = guarded("flash", attention_op("flash_attention", _flash_kernel), 256)
 
 
 def check_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> Tuple[bool, str]:

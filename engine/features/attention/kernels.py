@@ -22,6 +22,23 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: 
     return attention_with_lse(q, k, v, key_mask)[0].to(q.dtype)
 
 
+def attention_op(name: str, kernel: Callable) -> Callable:
+    """``kernel`` (q, k, v, key_mask) -> [B, S, H, D] as the custom op ``sgld::<name>`` (compiled graphs keep it),
+    defined once per process: a second copy of this package in the same process (the tests import the node pack
+    under its folder's name beside ``engine``) takes the first copy's op, so one kernel and its counters serve both
+    instead of the last import silently replacing it."""
+    namespace = torch.ops.sgld
+    if hasattr(namespace, name):
+        return getattr(namespace, name)
+
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        return per_sample(kernel, q, k, v, key_mask).contiguous()
+
+    defined = torch.library.custom_op(f"sgld::{name}", mutates_args=())(op)
+    defined.register_fake(lambda q, k, v, key_mask: q.new_empty(q.shape))  # contiguous, like the real op
+    return defined
+
+
 def per_sample(kernel: Callable, q, k, v, key_mask) -> torch.Tensor:
     """Run ``kernel(q, k, v)`` ([B, S, H, D], no mask) per sample on each sample's valid keys."""
     if key_mask is None:

@@ -11,7 +11,7 @@ from typing import Callable, Dict, FrozenSet, Optional, Tuple
 import torch
 
 from ...models.family import sdpa
-from .kernels import cuda_half_problem, guarded, installed_version, package_version, per_sample, warn_once
+from .kernels import attention_op, cuda_half_problem, guarded, installed_version, package_version, warn_once
 from .lse import attention_with_lse, split_tail
 
 # SageAttention 2.x's sageattn() dispatches on these compute capabilities and raises on others.
@@ -147,17 +147,7 @@ def _sage_lse(sageattn, limits: SageLimits, q, k, v):
     return out, lse.float().transpose(1, 2)
 
 
-@torch.library.custom_op("sgld::sage_attention", mutates_args=())
-def _sage_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    return per_sample(_sage_kernel, q, k, v, key_mask).contiguous()
-
-
-@_sage_op.register_fake
-def _(q, k, v, key_mask):
-    return q.new_empty(q.shape)  # contiguous, like the real op
-
-
-sage = guarded("sage", _sage_op, 128)
+sage = guarded("sage", attention_op("sage_attention", _sage_kernel), 128)
 
 
 # -- ring attention's blocks --------------------------------------------------------------------------------------
