@@ -145,3 +145,14 @@ def tiny_checkpoint(tmp_path):
     path = tmp_path / "tiny-ernie.safetensors"
     save_random_checkpoint(str(path), SIZES["tiny"], seed=0)
     return path
+
+
+@pytest.fixture(scope="module")
+def eng():
+    """The demo's engine in fp32, one per module that asks (a module may define its own ``eng``)."""
+    import torch
+
+    from engine import EngineConfig, open_engine
+
+    with torch.inference_mode():
+        return open_engine("demo", EngineConfig(dtype="fp32"))

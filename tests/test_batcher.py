@@ -25,12 +25,6 @@ JOIN_TIMEOUT = 60  # seconds a test waits for a result before calling the batche
 
 
 @pytest.fixture(scope="module")
-def eng():
-    with torch.inference_mode():
-        return open_engine("demo", EngineConfig(dtype="fp32"))
-
-
-@pytest.fixture(scope="module")
 def text():
     with torch.inference_mode():
         demo = open_demo()

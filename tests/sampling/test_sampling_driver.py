@@ -5,19 +5,12 @@ within tests/test_batcher.py's TOLERANCE batched; measured 0 here)."""
 import pytest
 import torch
 
-from engine import EngineConfig, open_engine
 from engine.features.cache import CacheConfig
 from engine.router import open_demo
 from engine.serve import Batcher, Job
 
 TOLERANCE = 1e-5
 TIMEOUT = 120
-
-
-@pytest.fixture(scope="module")
-def eng():
-    with torch.inference_mode():
-        return open_engine("demo", EngineConfig(dtype="fp32"))
 
 
 @pytest.fixture(scope="module")
