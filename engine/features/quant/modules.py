@@ -21,7 +21,7 @@ log = logging.getLogger("sgld.quant")
 
 # engine/features/fuse.py's per-module record (each part's rows) of a fused linear: it belongs to the module's
 # place, so a quantized (or, on removal, dequantized) replacement of a fused linear carries it over. Without
-# it the replacement would be a plain module at ``qkv`` / ``gate_up`` and state_dict() could not split it.
+# it the replacement would be a plain module at the fused place and state_dict() could not split it.
 FUSE_RECORD = "fuse"
 
 
