@@ -12,6 +12,14 @@ import comfy_server  # noqa: E402  (tests/ is on sys.path: pytest puts a conftes
 
 PROFILE_USERS = pytest.StashKey[dict]()
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: one CPU thread each (and in the processes they start), or torch's threads
+    # contend and the suite runs slower than on one process.
+    import torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 
 def comfy_profile(module) -> tuple:
     """What makes a module's ComfyUI server: its base folder's content ``comfy_base(base)`` (default:
@@ -37,11 +45,42 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "comfy" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.server)
+    if config.pluginmanager.hasplugin("xdist"):
+        _group_for_workers(items)
+
+
+# A test's rough cost for ordering the workers' queue (seconds on a 2-core machine, by its marks).
+MARK_COST = {"slow": 20.0, "subprocess": 5.0, "server": 2.0}
+
+
+def _group_for_workers(items) -> None:
+    """Under pytest-xdist (scripts/test.sh: ``-n 2 --dist loadgroup --no-loadscope-reorder``): a module runs
+    whole on one worker, so its module fixtures are made once; the modules of one ComfyUI server profile run on
+    the same worker, so each profile's server still starts once (ComfyServers). The groups are queued costliest
+    first (longest-processing-time order), so no long group starts last while the other worker idles."""
+    profiles, server_modules = {}, set()
+    for item in items:
+        if _uses_our_comfy(item):
+            profiles.setdefault(comfy_profile(item.module), len(profiles))
+            server_modules.add(item.module.__name__)
+    group_of = {}
+    for item in items:
+        module = item.module
+        on_server = module.__name__ in server_modules
+        group_of[item.nodeid] = f"comfyui-{profiles[comfy_profile(module)]}" if on_server else module.__name__
+        item.add_marker(pytest.mark.xdist_group(group_of[item.nodeid]))
+    cost = {}
+    for item in items:
+        marks = {m.name for m in item.iter_markers()}
+        group = group_of[item.nodeid]
+        cost[group] = cost.get(group, 0.0) + 0.5 + sum(c for name, c in MARK_COST.items() if name in marks)
+    items.sort(key=lambda item: -cost[group_of[item.nodeid]])  # stable: a group's tests keep their order
 
 
 def pytest_collection_finish(session):
     """The modules of each server profile among the tests that will run (after -k / -m), so that the
-    profile's server stops after the last of them."""
+    profile's server stops after the last of them. Under xdist each worker collects every test, and a
+    profile's modules all run on one worker (_group_for_workers)."""
     users = session.config.stash.setdefault(PROFILE_USERS, {})
     for item in session.items:
         if _uses_our_comfy(item):
