@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lora_files import CFG, close_to_reference, inputs, shape_of, tiny_engine, weights_hash
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from engine.features import patching
 from engine.features.lora import LoRAError, read_lora, target_modules
@@ -198,9 +198,10 @@ TRAINERS = {
                    lambda m: (f"diffusion_model.{m}.lora_A.weight", f"diffusion_model.{m}.lora_B.weight", None)),
     # ai-toolkit's old LoKr format: lycoris_ flat names
     "ai-toolkit-old-lokr": ("lokr_full", _flat("lycoris_"), None),
-    # Nerogar/OneTrainer: legacy (kohya) keys under lora_unet_; LoHa keys lose their dot in that conversion
+    # Nerogar/OneTrainer: legacy (kohya) keys under lora_unet_; LoHa / LoKr keys lose their dot in that conversion
     "onetrainer": ("loha", None, lambda m: (_flat("lora_unet_")(m) + ".lora_down.weight",
                                             _flat("lora_unet_")(m) + ".lora_up.weight", _flat("lora_unet_")(m) + ".alpha")),
+    "onetrainer-lokr": ("lokr_decomposed", None, None),
     # kohya-ss/musubi-tuner: lora_unet_ (networks/lora_ernie_image.py), LoKr with a top-level lokr_factor buffer
     "musubi-tuner": ("lokr_decomposed", _flat("lora_unet_"),
                      lambda m: (_flat("lora_unet_")(m) + ".lora_down.weight", _flat("lora_unet_")(m) + ".lora_up.weight",
@@ -222,10 +223,10 @@ def test_trainer_layouts_load_every_key(tmp_path, trainer):
     with torch.inference_mode():
         if kind is not None:
             extra = {"lokr_factor": torch.tensor(-1)} if trainer == "musubi-tuner" else None
-            if trainer == "onetrainer":  # "lora_unet_layers_0_mlp_gate_proj_hada_w1_a"
+            if trainer.startswith("onetrainer"):  # "lora_unet_layers_0_mlp_gate_proj_hada_w1_a"
                 path, made = lycoris_file(tmp_path / "l.safetensors", kind, modules, key=_flat("lora_unet_"))
-                from safetensors.torch import load_file
-                sd = {k.replace(".hada_", "_hada_"): v for k, v in load_file(path).items()}
+                sd = {k.replace(".hada_", "_hada_").replace(".lokr_", "_lokr_"): v for k, v in load_file(path).items()}
+                assert all(k.count(".") == 0 for k in sd if "_hada_" in k or "_lokr_" in k)
                 save_file(sd, path)
             else:
                 path, made = lycoris_file(tmp_path / "l.safetensors", kind, modules, key=lyco_key, extra=extra)
