@@ -312,3 +312,57 @@ def test_lora_loader_node_applies_a_lokr_file(pack):
             close_to_reference(target_modules(eng.model)[m].weight, merged_reference(w0[m], [(made[m], 0.5)]))
         base.engine()
         assert all(torch.equal(target_modules(eng.model)[m].weight, w0[m]) for m in LINEARS[:2])
+
+
+# -- against ComfyUI's own code ---------------------------------------------------------------------------------
+COMFY_MERGE = """
+import sys
+base_file, jobs, sys.argv = sys.argv[1], sys.argv[2:], [sys.argv[0], "--cpu"]
+import comfy.options
+comfy.options.enable_args_parsing()
+import comfy.lora
+from safetensors.torch import load_file, save_file
+base = load_file(base_file)
+to_load = {"lycoris_" + k[: -len(".weight")].replace(".", "_"): k for k in base}
+for lora_file, out_file in zip(jobs[::2], jobs[1::2]):
+    patches = comfy.lora.load_lora(load_file(lora_file), to_load)
+    save_file({k: comfy.lora.calculate_weight([(0.7, patches[k], 1.0, None, None)], base[k].clone(), k) for k in base},
+              out_file)
+"""
+
+
+def test_merge_equals_comfyuis_own_weight_adapters(tmp_path):
+    """comfy.lora.load_lora + calculate_weight of the vendored ComfyUI (its LoKrAdapter / LoHaAdapter), in one
+    subprocess, on the same float32 weights: our merge gives the same weights (float32 rounding apart). Where
+    ComfyUI fails (torch.kron on the LoKr Tucker einsum's non-contiguous result: it logs an error and leaves the
+    weight), ComfyUI's weight is the base and ours is the hand merge (docs/lora.md)."""
+    import os
+    import subprocess
+    import sys
+
+    import comfy_server as cs
+
+    eng = tiny_engine(torch.float32)
+    modules = LINEARS + [CONV]
+    base = {m + ".weight": target_modules(eng.model)[m].weight.detach().clone().contiguous() for m in modules}
+    save_file(base, str(tmp_path / "base.safetensors"))
+    jobs, made = [], {}
+    for kind in KINDS:
+        path, made[kind] = lycoris_file(tmp_path / f"{kind}.safetensors", kind, modules)
+        jobs += [path, str(tmp_path / f"{kind}-comfy.safetensors")]
+    comfy_dir = cs.ensure_comfyui()
+    subprocess.run([sys.executable, "-c", COMFY_MERGE, str(tmp_path / "base.safetensors")] + jobs, cwd=comfy_dir,
+                   check=True, timeout=300, env=dict(os.environ, PYTHONPATH=comfy_dir), capture_output=True)
+    with torch.inference_mode():
+        for kind in KINDS:
+            theirs = load_file(str(tmp_path / f"{kind}-comfy.safetensors"))
+            assert eng.set_loras([(str(tmp_path / f"{kind}.safetensors"), 0.7)]) == []
+            for m in modules:
+                k, ours = m + ".weight", target_modules(eng.model)[m].weight
+                if kind == "lokr_tucker" and m == CONV:
+                    assert torch.equal(theirs[k], base[k])  # ComfyUI's failure, logged and skipped
+                    close_to_reference(ours, merged_reference(base[k], [(made[kind][m], 0.7)]))
+                    continue
+                assert not torch.equal(theirs[k], base[k]), (kind, m)  # ComfyUI applied it
+                torch.testing.assert_close(ours, theirs[k], rtol=1e-5, atol=1e-6)
+        eng.set_loras([])
