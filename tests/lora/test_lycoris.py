@@ -180,6 +180,26 @@ def test_side_path_on_quantized_layers_equals_the_hand_update(tmp_path, kind, ba
     assert weights_hash(model) == h0 and not st.side_paths and patching.get(model, "lora") is None
 
 
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_layerwise_offload_streams_the_lycoris_update(tmp_path, quant):
+    """Under layer-wise offload the LoKr / LoHa update goes into the CPU masters (or the side path) and the
+    streamed blocks compute what a resident model computes; removal gives the base back."""
+    ref = tiny_engine(torch.bfloat16, quant=quant)
+    off = tiny_engine(torch.bfloat16, quant=quant, offload="layerwise", resident_layers=2)
+    lokr, _ = lycoris_file(tmp_path / "k.safetensors", "lokr_decomposed", LINEARS + [CONV], seed=1)
+    loha, _ = lycoris_file(tmp_path / "h.safetensors", "loha", LINEARS[1:], seed=2)
+    x = inputs()
+    with torch.inference_mode():
+        y0 = off.model(*x)
+        h0 = weights_hash(off.model)
+        for e in (ref, off):
+            e.set_loras([(lokr, 0.6), (loha, -0.3)])
+        y_ref, y_off = ref.model(*x), off.model(*x)
+        assert torch.equal(y_ref, y_off) and not torch.equal(y_off, y0)
+        off.set_loras([])
+        assert weights_hash(off.model) == h0 and torch.equal(off.model(*x), y0)
+
+
 # -- the layouts trainers with ERNIE-Image support write (docs/lora.md, "Trainers") --------------------------
 def _flat(prefix):
     return lambda m: prefix + m.replace(".", "_")
