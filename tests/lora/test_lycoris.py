@@ -200,6 +200,33 @@ def test_layerwise_offload_streams_the_lycoris_update(tmp_path, quant):
         assert weights_hash(off.model) == h0 and torch.equal(off.model(*x), y0)
 
 
+def test_compiled_quantized_blocks_see_the_lokr_side_path_and_strengths_reuse_the_graph(tmp_path):
+    from engine.features import compile as C
+
+    eng = tiny_engine(torch.float32, quant="fp8")
+    ref = tiny_engine(torch.float32, quant="fp8")
+    C.compile_blocks(eng.model, "static", backend="aot_eager")
+    x = inputs()
+    C.reset_counters()
+    with torch.no_grad():
+        y0 = eng.model(*x)
+    g0 = C.graph_count()
+    blocks = [f"layers.{i}.{n}" for i in range(CFG.num_layers) for n in ("self_attention.to_q", "mlp.linear_fc2")]
+    path, _ = lycoris_file(tmp_path / "k.safetensors", "lokr_decomposed", blocks, seed=3)
+    ys = {}
+    for s in (1.0, 0.5, 1.0):
+        eng.set_loras([(path, s)])
+        ref.set_loras([(path, s)])
+        with torch.no_grad():
+            ys[s] = eng.model(*x)
+            torch.testing.assert_close(ys[s], ref.model(*x), rtol=1e-4, atol=1e-5)
+    assert C.graph_count() == g0 + 1  # one more block graph for the side path; strengths reuse it
+    assert not torch.equal(ys[1.0], y0) and not torch.equal(ys[0.5], ys[1.0])
+    eng.set_loras([])
+    with torch.no_grad():
+        assert torch.equal(eng.model(*x), y0)
+
+
 # -- the layouts trainers with ERNIE-Image support write (docs/lora.md, "Trainers") --------------------------
 def _flat(prefix):
     return lambda m: prefix + m.replace(".", "_")
