@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.features import patching
 from engine.features.lora import LoRAError, read_lora, target_modules
+from engine.features.lora.lycoris import LOHA_PARTS, LOKR_PARTS
 from engine.models.random_weights import random_model
 
 CONV = "x_embedder.proj"
@@ -337,6 +338,50 @@ def test_bad_factors_are_refused_before_anything_changes(tmp_path, sd, match):
         eng.set_loras([(_bad(tmp_path, sd), 1.0)])
     assert "bad.safetensors" in str(err.value)
     assert weights_hash(eng.model) == h0 and patching.get(eng.model, "lora") is None
+
+
+def test_fuzzed_factor_shapes_get_a_lora_error_or_apply_and_remove_exactly(tmp_path):
+    """Random subsets of the LyCORIS parts with random shapes (0 to 4 dims, sizes around the layer's factors,
+    zero-size dims): every file is either applied (and removed exactly) or refused with a LoRAError naming it,
+    the model left as it was; never another exception."""
+    import random
+
+    rnd = random.Random(0)
+    eng = tiny_engine(torch.bfloat16)
+    h0 = weights_hash(eng.model)
+    sizes = (0, 1, 2, 3, 4, 8, 16, 64, 192)
+    outcomes = {"applied": 0, "refused": 0}
+    with torch.inference_mode():
+        for i in range(300):
+            if i % 2:  # random parts, random shapes
+                kind = rnd.choice((LOKR_PARTS, LOHA_PARTS))
+                parts = rnd.sample(kind, rnd.randint(1, len(kind)))
+                sd = {f"{Q}.{p}": torch.randn([rnd.choice(sizes) for _ in range(rnd.choice((0, 1, 2, 2, 2, 4)))]) for p in parts}
+            else:  # a valid set with one part dropped, or one dim of one part changed, or as it is
+                t = factors(rnd.choice(KINDS), LINEARS[0], torch.Generator().manual_seed(i))
+                p = rnd.choice(sorted(t))
+                change = rnd.choice(("drop", "dim", "none"))
+                if change == "drop":
+                    del t[p]
+                elif change == "dim":
+                    shape = list(t[p].shape)
+                    shape[rnd.randrange(len(shape))] += rnd.choice((-1, 1))
+                    t[p] = torch.randn(shape)
+                sd = {f"{Q}.{k}": v for k, v in t.items()}
+            if rnd.random() < 0.5:
+                sd[f"{Q}.alpha"] = torch.tensor(rnd.choice((0.5, 4.0)))
+            path = tmp_path / f"f{i}.safetensors"
+            save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+            try:
+                eng.set_loras([(str(path), 1.0)])
+            except LoRAError as e:
+                assert f"f{i}.safetensors" in str(e)
+                outcomes["refused"] += 1
+            else:
+                outcomes["applied"] += 1
+                eng.set_loras([])
+            assert weights_hash(eng.model) == h0, sd.keys()
+    assert outcomes["refused"] > 150 and outcomes["applied"] > 30, outcomes
 
 
 def test_a_pickled_lycoris_file_is_refused(tmp_path):
