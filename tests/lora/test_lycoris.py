@@ -1,105 +1,18 @@
-"""LyCORIS LoKr and LoHa (engine/features/lora/lycoris.py) against a merge computed here the way ComfyUI's
-comfy/weight_adapter/lokr.py and loha.py compute it (torch.kron, matmuls, Tucker einsums; scale alpha / rank,
-for LoKr only when a factor is decomposed): merged into dense weights, a side path on fp8 and GGUF layers,
-removal exact; bad factors refused before anything changes; the SGLDiffusion LoRA Loader node in-process.
-All under torch.inference_mode(), as ComfyUI runs nodes."""
+"""LyCORIS LoKr and LoHa (engine/features/lora/lycoris.py) against a merge computed here (tests/lycoris_files.py):
+merged into dense weights, a side path on fp8 and GGUF layers, under layer-wise offload and torch.compile,
+removal exact; bad factors refused before anything changes (and a fuzz). All under torch.inference_mode(), as
+ComfyUI runs nodes. Trainer layouts, ComfyUI's own adapters and the node: test_lycoris_layouts.py."""
 import pytest
 import torch
 import torch.nn.functional as F
 from lora_files import CFG, close_to_reference, inputs, shape_of, tiny_engine, weights_hash
-from safetensors.torch import load_file, save_file
+from lycoris_files import ALPHA, CONV, KINDS, LINEARS, factors, lycoris_file, merged_reference, reference_delta
+from safetensors.torch import save_file
 
 from engine.features import patching
 from engine.features.lora import LoRAError, read_lora, target_modules
 from engine.features.lora.lycoris import LOHA_PARTS, LOKR_PARTS
 from engine.models.random_weights import random_model
-
-CONV = "x_embedder.proj"
-LINEARS = ["layers.0.self_attention.to_q", "layers.1.self_attention.to_out.0", "layers.0.mlp.gate_proj",
-           "layers.1.mlp.linear_fc2", "adaLN_modulation.1"]
-KINDS = ["lokr_full", "lokr_decomposed", "lokr_tucker", "loha", "loha_tucker"]
-ALPHA = 3.0
-
-
-def wshape(m):
-    return shape_of(m) + ((1, 1) if m == CONV else ())
-
-
-def factors(kind, m, g, r=3):
-    """LyCORIS tensors (float32) for module m, as LyCORIS lays them out; Tucker forms on the conv only;
-    "loha_wide": rank 8, so that r1 * r2 (64) makes the full update the smaller side path."""
-    out, inp = shape_of(m)
-    r = 8 if kind == "loha_wide" else r
-    kh, kw = wshape(m)[2:] or (1, 1)
-    tucker = kind.endswith("tucker") and m == CONV
-
-    def rnd(*s):
-        return torch.randn(*s, generator=g) * 0.3
-
-    if kind.startswith("lokr"):
-        a1, b1 = 4, 4 if inp % 4 == 0 else 1
-        a2, b2 = out // a1, inp // b1
-        t = {"lokr_w1": rnd(a1, b1)}
-        if kind == "lokr_full":
-            t["lokr_w2"] = rnd(a2, b2, kh, kw) if m == CONV else rnd(a2, b2)
-        elif kind == "lokr_decomposed":
-            t = {"lokr_w1_a": rnd(a1, 2), "lokr_w1_b": rnd(2, b1), "lokr_w2_a": rnd(a2, r), "lokr_w2_b": rnd(r, b2 * kh * kw)}
-        elif tucker:
-            t.update(lokr_t2=rnd(r, r, kh, kw), lokr_w2_a=rnd(r, a2), lokr_w2_b=rnd(r, b2))
-        else:
-            t.update(lokr_w2_a=rnd(a2, r), lokr_w2_b=rnd(r, b2))
-        return t
-    if tucker:
-        return {f"hada_{p}": v for i in (1, 2) for p, v in ((f"t{i}", rnd(r, r, kh, kw)), (f"w{i}_a", rnd(r, out)),
-                                                            (f"w{i}_b", rnd(r, inp)))}
-    return {f"hada_w{i}_{ab}": rnd(*s) for i in (1, 2) for ab, s in (("a", (out, r)), ("b", (r, inp * kh * kw)))}
-
-
-def reference_delta(t, alpha, shape):
-    """dW as ComfyUI computes it (float64), in the layer's weight shape."""
-    t = {k: v.double() for k, v in t.items()}
-    if "hada_w1_a" in t:
-        def half(i):
-            if f"hada_t{i}" in t:
-                return torch.einsum("i j k l, j r, i p -> p r k l", t[f"hada_t{i}"], t[f"hada_w{i}_b"], t[f"hada_w{i}_a"])
-            return t[f"hada_w{i}_a"] @ t[f"hada_w{i}_b"]
-        scale = alpha / t["hada_w1_b"].shape[0] if alpha is not None else 1.0
-        return (half(1) * half(2)).reshape(shape) * scale
-    dim = None
-    w1 = t.get("lokr_w1")
-    if w1 is None:
-        dim, w1 = t["lokr_w1_b"].shape[0], t["lokr_w1_a"] @ t["lokr_w1_b"]
-    w2 = t.get("lokr_w2")
-    if w2 is None:
-        dim = t["lokr_w2_b"].shape[0]
-        w2 = (torch.einsum("i j k l, j r, i p -> p r k l", t["lokr_t2"], t["lokr_w2_b"], t["lokr_w2_a"])
-              if "lokr_t2" in t else t["lokr_w2_a"] @ t["lokr_w2_b"])
-    if w2.dim() == 4:
-        w1 = w1[:, :, None, None]
-    scale = alpha / dim if alpha is not None and dim is not None else 1.0
-    return torch.kron(w1, w2.contiguous()).reshape(shape) * scale  # (an einsum result is not contiguous)
-
-
-def lycoris_file(path, kind, modules, key=lambda m: "lycoris_" + m.replace(".", "_"), alpha=ALPHA, seed=0, extra=None):
-    """A LyCORIS file for ``modules`` (keys ``key(m) + "." + part``); returns {module: (tensors, alpha)}."""
-    g = torch.Generator().manual_seed(seed)
-    sd, made = {}, {}
-    for m in modules:
-        t = factors(kind, m, g)
-        made[m] = (t, alpha)
-        sd.update({f"{key(m)}.{p}": v.contiguous() for p, v in t.items()})
-        if alpha is not None:
-            sd[f"{key(m)}.alpha"] = torch.tensor(alpha)
-    sd.update(extra or {})
-    save_file(sd, str(path))
-    return str(path), made
-
-
-def merged_reference(w0, made_strengths):
-    acc = w0.double()
-    for (t, alpha), s in made_strengths:
-        acc = acc + s * reference_delta(t, alpha, w0.shape)
-    return acc.to(w0.dtype)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -129,6 +42,7 @@ def test_comfyui_scale_rules():
     """alpha / rank scales LoKr only when a factor is decomposed (ComfyUI), LoHa always; no alpha: 1."""
     model = random_model(CFG)
     for kind, alpha, want in (("lokr_full", ALPHA, 1.0), ("lokr_decomposed", ALPHA, ALPHA / 3), ("lokr_tucker", ALPHA, ALPHA / 3),
+                              ("lokr_w1_decomposed", ALPHA, ALPHA / 2),
                               ("loha", ALPHA, ALPHA / 3), ("loha", None, 1.0), ("lokr_decomposed", None, 1.0)):
         import tempfile
 
@@ -228,83 +142,6 @@ def test_compiled_quantized_blocks_see_the_lokr_side_path_and_strengths_reuse_th
         assert torch.equal(eng.model(*x), y0)
 
 
-# -- the layouts trainers with ERNIE-Image support write (docs/lora.md, "Trainers") --------------------------
-def _flat(prefix):
-    return lambda m: prefix + m.replace(".", "_")
-
-
-def _lora_pairs(sd, m, a, b, down_key, up_key, alpha_key=None, alpha=None):
-    sd[down_key] = a.contiguous()
-    sd[up_key] = b.contiguous()
-    if alpha_key:
-        sd[alpha_key] = torch.tensor(alpha)
-
-
-TRAINERS = {
-    # ostris/ai-toolkit: PEFT names with the ComfyUI prefix (lora_keys_use_comfy_prefix); LoKr keeps .alpha
-    "ai-toolkit": ("lokr_decomposed", lambda m: "diffusion_model." + m,
-                   lambda m: (f"diffusion_model.{m}.lora_A.weight", f"diffusion_model.{m}.lora_B.weight", None)),
-    # ai-toolkit's old LoKr format: lycoris_ flat names
-    "ai-toolkit-old-lokr": ("lokr_full", _flat("lycoris_"), None),
-    # Nerogar/OneTrainer: legacy (kohya) keys under lora_unet_; LoHa / LoKr keys lose their dot in that conversion
-    "onetrainer": ("loha", None, lambda m: (_flat("lora_unet_")(m) + ".lora_down.weight",
-                                            _flat("lora_unet_")(m) + ".lora_up.weight", _flat("lora_unet_")(m) + ".alpha")),
-    "onetrainer-lokr": ("lokr_decomposed", None, None),
-    # kohya-ss/musubi-tuner: lora_unet_ (networks/lora_ernie_image.py), LoKr with a top-level lokr_factor buffer
-    "musubi-tuner": ("lokr_decomposed", _flat("lora_unet_"),
-                     lambda m: (_flat("lora_unet_")(m) + ".lora_down.weight", _flat("lora_unet_")(m) + ".lora_up.weight",
-                                _flat("lora_unet_")(m) + ".alpha")),
-    # modelscope/DiffSynth-Studio: PEFT's injected names, bare (its DiT has the diffusers module names)
-    "diffsynth": (None, None, lambda m: (f"{m}.lora_A.default.weight", f"{m}.lora_B.default.weight", None)),
-    # bghira/SimpleTuner: diffusers PEFT (transformer.), LyCORIS LoKr (its default) as lycoris_ flat names
-    "simpletuner": ("lokr_full", _flat("lycoris_"),
-                    lambda m: (f"transformer.{m}.lora_A.weight", f"transformer.{m}.lora_B.weight", None)),
-}
-
-
-@pytest.mark.parametrize("trainer", list(TRAINERS))
-def test_trainer_layouts_load_every_key(tmp_path, trainer):
-    kind, lyco_key, lora_keys = TRAINERS[trainer]
-    eng = tiny_engine(torch.bfloat16)
-    base = {k: v.clone() for k, v in eng.model.state_dict().items()}
-    modules = LINEARS[:4]
-    with torch.inference_mode():
-        if kind is not None:
-            extra = {"lokr_factor": torch.tensor(-1)} if trainer == "musubi-tuner" else None
-            if trainer.startswith("onetrainer"):  # "lora_unet_layers_0_mlp_gate_proj_hada_w1_a"
-                path, made = lycoris_file(tmp_path / "l.safetensors", kind, modules, key=_flat("lora_unet_"))
-                sd = {k.replace(".hada_", "_hada_").replace(".lokr_", "_lokr_"): v for k, v in load_file(path).items()}
-                assert all(k.count(".") == 0 for k in sd if "_hada_" in k or "_lokr_" in k)
-                save_file(sd, path)
-            else:
-                path, made = lycoris_file(tmp_path / "l.safetensors", kind, modules, key=lyco_key, extra=extra)
-            assert eng.set_loras([(path, 1.0)]) == [], trainer
-            for m in modules:
-                k = m + ".weight"
-                close_to_reference(eng.model.state_dict()[k], merged_reference(base[k], [(made[m], 1.0)]))
-            eng.set_loras([])
-        if lora_keys is not None:
-            g = torch.Generator().manual_seed(4)
-            sd = {}
-            pairs = {}
-            for m in modules:
-                o, i = shape_of(m)
-                a, b = torch.randn(4, i, generator=g) * 0.1, torch.randn(o, 4, generator=g) * 0.1
-                pairs[m] = (a, b)
-                down, up, alpha = lora_keys(m)
-                _lora_pairs(sd, m, a, b, down, up, alpha, 8.0)
-            save_file(sd, str(tmp_path / "lora.safetensors"))
-            assert eng.set_loras([(str(tmp_path / "lora.safetensors"), 1.0)]) == [], trainer
-            for m in modules:
-                k = m + ".weight"
-                a, b = pairs[m]
-                scale = 2.0 if lora_keys(m)[2] else 1.0
-                ref = (base[k].double() + scale * b.double() @ a.double()).to(base[k].dtype)
-                close_to_reference(eng.model.state_dict()[k], ref)
-            eng.set_loras([])
-    assert all(torch.equal(v, base[k]) for k, v in eng.model.state_dict().items())
-
-
 # -- bad files --------------------------------------------------------------------------------------------------
 def _bad(tmp_path, sd):
     path = tmp_path / "bad.safetensors"
@@ -389,72 +226,3 @@ def test_a_pickled_lycoris_file_is_refused(tmp_path):
     torch.save({f"{Q}.lokr_w1": torch.ones(4, 4), f"{Q}.lokr_w2": torch.ones(16, 16)}, str(path))
     with pytest.raises(LoRAError, match="lokr.safetensors"):
         read_lora(str(path), random_model(CFG))
-
-
-def test_lora_loader_node_applies_a_lokr_file(pack):
-    path, made = lycoris_file(pack.loras / "lokr.safetensors", "lokr_decomposed", LINEARS[:2])
-    node = pack.node.SGLDiffusionLoraLoader()
-    base = pack.mc.SGLDModel(pack.path, pack.EngineConfig(), owner="1")
-    with torch.inference_mode():
-        eng = base.engine()
-        w0 = {m: target_modules(eng.model)[m].weight.clone() for m in LINEARS[:2]}
-        handle = node.load(base, "lokr.safetensors", 0.5)[0]
-        assert handle.engine() is eng
-        for m in LINEARS[:2]:
-            close_to_reference(target_modules(eng.model)[m].weight, merged_reference(w0[m], [(made[m], 0.5)]))
-        base.engine()
-        assert all(torch.equal(target_modules(eng.model)[m].weight, w0[m]) for m in LINEARS[:2])
-
-
-# -- against ComfyUI's own code ---------------------------------------------------------------------------------
-COMFY_MERGE = """
-import sys
-base_file, jobs, sys.argv = sys.argv[1], sys.argv[2:], [sys.argv[0], "--cpu"]
-import comfy.options
-comfy.options.enable_args_parsing()
-import comfy.lora
-from safetensors.torch import load_file, save_file
-base = load_file(base_file)
-to_load = {"lycoris_" + k[: -len(".weight")].replace(".", "_"): k for k in base}
-for lora_file, out_file in zip(jobs[::2], jobs[1::2]):
-    patches = comfy.lora.load_lora(load_file(lora_file), to_load)
-    save_file({k: comfy.lora.calculate_weight([(0.7, patches[k], 1.0, None, None)], base[k].clone(), k) for k in base},
-              out_file)
-"""
-
-
-def test_merge_equals_comfyuis_own_weight_adapters(tmp_path):
-    """comfy.lora.load_lora + calculate_weight of the vendored ComfyUI (its LoKrAdapter / LoHaAdapter), in one
-    subprocess, on the same float32 weights: our merge gives the same weights (float32 rounding apart). Where
-    ComfyUI fails (torch.kron on the LoKr Tucker einsum's non-contiguous result: it logs an error and leaves the
-    weight), ComfyUI's weight is the base and ours is the hand merge (docs/lora.md)."""
-    import os
-    import subprocess
-    import sys
-
-    import comfy_server as cs
-
-    eng = tiny_engine(torch.float32)
-    modules = LINEARS + [CONV]
-    base = {m + ".weight": target_modules(eng.model)[m].weight.detach().clone().contiguous() for m in modules}
-    save_file(base, str(tmp_path / "base.safetensors"))
-    jobs, made = [], {}
-    for kind in KINDS:
-        path, made[kind] = lycoris_file(tmp_path / f"{kind}.safetensors", kind, modules)
-        jobs += [path, str(tmp_path / f"{kind}-comfy.safetensors")]
-    comfy_dir = cs.ensure_comfyui()
-    subprocess.run([sys.executable, "-c", COMFY_MERGE, str(tmp_path / "base.safetensors")] + jobs, cwd=comfy_dir,
-                   check=True, timeout=300, env=dict(os.environ, PYTHONPATH=comfy_dir), capture_output=True)
-    with torch.inference_mode():
-        for kind in KINDS:
-            theirs = load_file(str(tmp_path / f"{kind}-comfy.safetensors"))
-            assert eng.set_loras([(str(tmp_path / f"{kind}.safetensors"), 0.7)]) == []
-            for m in modules:
-                k, ours = m + ".weight", target_modules(eng.model)[m].weight
-                if kind == "lokr_tucker" and m == CONV:
-                    assert torch.equal(theirs[k], base[k])  # ComfyUI's failure, logged and skipped
-                    close_to_reference(ours, merged_reference(base[k], [(made[kind][m], 0.7)]))
-                    continue
-                assert not torch.equal(theirs[k], base[k]), (kind, m)  # ComfyUI applied it
-                torch.testing.assert_close(ours, theirs[k], rtol=1e-5, atol=1e-6)
-        eng.set_loras([])
