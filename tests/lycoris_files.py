@@ -18,12 +18,13 @@ def wshape(m):
 
 
 def factors(kind, m, g, r=3):
-    """LyCORIS tensors (float32) for module m, as LyCORIS lays them out; Tucker forms on the conv only;
-    "loha_wide": rank 8, so that r1 * r2 (64) makes the full update the smaller side path."""
+    """LyCORIS tensors (float32) for module m, as LyCORIS lays them out; Tucker forms on the conv only ("..._tucker")
+    or on every layer ("..._tucker_all", 1 x 1 cores on linears); "loha_wide": rank 8, so that r1 * r2 (64) makes
+    the full update the smaller side path."""
     out, inp = shape_of(m)
     r = 8 if kind == "loha_wide" else r
     kh, kw = wshape(m)[2:] or (1, 1)
-    tucker = kind.endswith("tucker") and m == CONV
+    tucker = kind.endswith("tucker") and m == CONV or kind.endswith("tucker_all")
 
     def rnd(*s):
         return torch.randn(*s, generator=g) * 0.3

@@ -66,7 +66,7 @@ def _gguf_engine(tmp_path):
 
 
 @pytest.mark.parametrize("base_kind", ["fp8", "gguf"])
-@pytest.mark.parametrize("kind", ["lokr_full", "lokr_decomposed", "loha", "loha_wide"])
+@pytest.mark.parametrize("kind", ["lokr_full", "lokr_decomposed", "lokr_tucker_all", "loha", "loha_wide", "loha_tucker_all"])
 def test_side_path_on_quantized_layers_equals_the_hand_update(tmp_path, kind, base_kind):
     from engine.features.quant import QUANT_MODULES
 
