@@ -1,4 +1,4 @@
-"""LyCORIS LoKr and LoHa (engine/features/lora/lycoris.py) against a merge computed here (tests/lycoris_files.py):
+"""LyCORIS LoKr and LoHa (engine/features/lora/lycoris.py) against a merge computed here (lycoris_files.py):
 merged into dense weights, a side path on fp8 and GGUF layers, under layer-wise offload and torch.compile,
 removal exact; bad factors refused before anything changes (and a fuzz). All under torch.inference_mode(), as
 ComfyUI runs nodes. Trainer layouts, ComfyUI's own adapters and the node: test_lycoris_layouts.py."""

@@ -1,4 +1,4 @@
-"""LyCORIS LoKr / LoHa files for the LoRA tests (tests/lora/test_lycoris*.py): factors laid out as LyCORIS
+"""LyCORIS LoKr / LoHa files for the LoRA tests (test_lycoris*.py beside it): factors laid out as LyCORIS
 writes them, and the update computed here the way ComfyUI's comfy/weight_adapter/lokr.py and loha.py compute it
 (torch.kron, matmuls, Tucker einsums; scale alpha / rank, for LoKr only when a factor is decomposed), without
 engine.features.lora."""
