@@ -72,7 +72,14 @@ UP_SUFFIXES = (".lora_B.default.weight", ".lora_linear_layer.up.weight", ".lora_
                ".lora.up.weight", "_lora.up.weight", ".lora_B")
 DOWN_SUFFIXES = (".lora_A.default.weight", ".lora_linear_layer.down.weight", ".lora_down.weight", ".lora_A.weight",
                  ".lora.down.weight", "_lora.down.weight", ".lora_A")
-PARTS = [(s, "lora_up.weight") for s in UP_SUFFIXES] + [(s, "lora_down.weight") for s in DOWN_SUFFIXES] + [(".alpha", "alpha")]
+# ComfyUI's LyCORIS adapters (comfy/weight_adapter/lokr.py, loha.py): the parts of their ``weights`` tuple, in
+# order ("alpha" is the alpha, None a part the engine does not take: DoRA's scale)
+LYCORIS_WEIGHTS = {
+    "LoKrAdapter": ("lokr_w1", "lokr_w2", "alpha", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "lokr_t2", None),
+    "LoHaAdapter": ("hada_w1_a", "hada_w1_b", "alpha", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2", None),
+}
+PARTS = [(s, "lora_up.weight") for s in UP_SUFFIXES] + [(s, "lora_down.weight") for s in DOWN_SUFFIXES] + [(".alpha", "alpha")] \
+    + [(f".{p}", p) for parts in LYCORIS_WEIGHTS.values() for p in parts if p not in (None, "alpha")]
 
 
 def _user_keys(adapter, key: str, key_map: dict) -> Dict[str, str]:
@@ -91,7 +98,7 @@ def _user_keys(adapter, key: str, key_map: dict) -> Dict[str, str]:
 def comfy_loras(patches: dict, sources=(), key_map=None) -> List[tuple]:
     """ComfyUI's weight patches as [(LoRATensors, strength), ...]: one per node that added them and strength,
     named by ``sources`` ((label, adapter ids), ...), keys named as in the user's file through ComfyUI's
-    ``key_map`` (LoRA key prefix -> weight). Only plain LoRA (up / down with alpha) is taken."""
+    ``key_map`` (LoRA key prefix -> weight). Plain LoRA (up / down with alpha), LoKr and LoHa are taken."""
     labels = {i: label for label, ids in sources for i in ids}
     groups: Dict[tuple, tuple] = {}
     for key, entries in sorted(patches.items()):
@@ -101,15 +108,18 @@ def comfy_loras(patches: dict, sources=(), key_map=None) -> List[tuple]:
         for strength, adapter, strength_model, offset, function in entries:
             label = labels.get(id(adapter), FALLBACK)
             weights = getattr(adapter, "weights", None)
-            if type(adapter).__name__ != "LoRAAdapter" or offset is not None or function is not None or strength_model != 1.0 \
-                    or any(w is not None for w in weights[3:]):
-                raise LoRAError(f"{label}: the patch on '{key}' is a {type(adapter).__name__}: the engine applies plain "
-                                "LoRA (up/down with alpha); use SGLDiffusion LoRA Loader for other files")
-            up, down, alpha = weights[:3]
+            kind = type(adapter).__name__
+            parts = LYCORIS_WEIGHTS.get(kind, ("lora_up.weight", "lora_down.weight", "alpha", None) if kind == "LoRAAdapter" else None)
+            if parts is None or offset is not None or function is not None or strength_model != 1.0 \
+                    or len(weights) != len(parts) and kind != "LoRAAdapter" \
+                    or any(w is not None for w, p in zip(weights, parts + (None,) * len(weights)) if p is None):
+                raise LoRAError(f"{label}: the patch on '{key}' is a {kind}: the engine applies LoRA (up/down with alpha), "
+                                "LoKr and LoHa without DoRA; use SGLDiffusion LoRA Loader for other files")
             tensors, origin = groups.setdefault((label, float(strength)), ({}, {}))
-            tensors[f"{name}.lora_up.weight"] = up.float().contiguous()
-            tensors[f"{name}.lora_down.weight"] = down.float().contiguous()
-            if alpha is not None:
-                tensors[f"{name}.alpha"] = torch.tensor(float(alpha))
+            for w, part in zip(weights, parts):
+                if part == "alpha" and w is not None:
+                    tensors[f"{name}.alpha"] = torch.tensor(float(w))
+                elif part not in (None, "alpha") and w is not None:
+                    tensors[f"{name}.{part}"] = w.float().contiguous()
             origin.update(_user_keys(adapter, key, key_map or {}))
     return [(LoRATensors(label, tensors, origin), strength) for (label, strength), (tensors, origin) in groups.items()]

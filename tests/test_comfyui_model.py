@@ -18,6 +18,7 @@ except ImportError:
 
 MODEL = cs.TINY  # the shared base folder's tiny checkpoint
 LORA = "tiny-comfy-lora.safetensors"
+LYCORIS = {"lokr": "tiny-comfy-lokr.safetensors", "loha": "tiny-comfy-loha.safetensors"}
 DEMO = "sgld-demo (embedded, 64x64)"
 
 
@@ -37,12 +38,35 @@ def write_lora(path: str, rank: int = 2) -> str:
     return path
 
 
+def write_lycoris(path: str, kind: str) -> str:
+    """A LyCORIS LoKr (w1 full, w2 decomposed, alpha) or LoHa file in ComfyUI's key format
+    (diffusion_model.<name>.lokr_* / hada_*) on block and non-block linears, fused ones included."""
+    cfg = cs.tiny_config()
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    g = torch.Generator().manual_seed(8)
+    sd = {}
+    for name, (out_f, in_f) in {"layers.0.self_attention.to_q": (h, h), "layers.1.mlp.gate_proj": (f, h),
+                                "text_proj": (h, cfg.text_in_dim)}.items():
+        key = f"diffusion_model.{name}"
+        if kind == "lokr":
+            sd.update({f"{key}.lokr_w1": torch.randn(4, 4, generator=g), f"{key}.lokr_w2_a": torch.randn(out_f // 4, 2, generator=g),
+                       f"{key}.lokr_w2_b": torch.randn(2, in_f // 4, generator=g) * 0.2})
+        else:
+            sd.update({f"{key}.hada_w{i}_{ab}": torch.randn(*shape, generator=g) * 0.5
+                       for i in (1, 2) for ab, shape in (("a", (out_f, 2)), ("b", (2, in_f)))})
+        sd[f"{key}.alpha"] = torch.tensor(1.0)
+    save_file(sd, path)
+    return path
+
+
 # The module's ComfyUI server is tests/conftest.py's `comfy` fixture, a profile of its own (the shared base folder,
 # MODEL its tiny checkpoint, plus LORA): on the shared server, test_free_unloads_our_model_and_the_next_run_reloads_it
 # once found the model still loaded 30 s after /free (a whole `-m server` run; not seen again in the shared sequence).
 def comfy_base(base):
     cs.shared_base(base)
     write_lora(os.path.join(base, "models", "loras", LORA))
+    for kind, name in LYCORIS.items():
+        write_lycoris(os.path.join(base, "models", "loras", name), kind)
 
 
 def run_ok(server, prompt, timeout=240) -> dict:
@@ -187,6 +211,17 @@ def test_lora_loader_model_only_equals_the_engines_lora(comfy):
     assert not close(ours, plain, 1e-3)  # the LoRA changed the picture
     ours2, theirs2, _ = both(comfy, ours_and_comfys(lora=LORA, seed=6))  # SGLDiffusion LoRA Loader on MODEL
     assert close(theirs2, ours2) and close(ours2, ours)
+
+
+@pytest.mark.parametrize("kind", list(LYCORIS))
+def test_lora_loader_model_only_with_lokr_and_loha_equals_the_engines(comfy, kind):
+    """ComfyUI reads the LyCORIS file into its LoKr / LoHa adapters; the engine takes them in memory and applies
+    them its own way: the same as SGLDiffusion LoRA Loader reading the file (tests/lora/test_lycoris.py checks
+    that against a hand merge)."""
+    ours, theirs, _ = both(comfy, ours_and_comfys(comfy_lora=LYCORIS[kind], seed=6))
+    assert close(theirs, ours), float((theirs - ours).abs().max())
+    plain, _, _ = both(comfy, ours_and_comfys(seed=6))
+    assert not close(ours, plain, 1e-3)  # the adapter changed the picture
 
 
 def test_free_unloads_our_model_and_the_next_run_reloads_it(comfy):

@@ -163,9 +163,13 @@ def test_other_architectures_pickles_and_wrong_shapes_are_refused(tmp_path):
     (tmp_path / "lora.pt").write_bytes(b"\x80\x04junk")
     with pytest.raises(LoRAError, match="pickle"):
         eng.set_loras([(str(tmp_path / "lora.pt"), 1.0)])
+    oft = {"lora_unet_layers_0_self_attention_to_q.oft_blocks": torch.zeros(4, 16, 16)}
+    save_file(oft, str(tmp_path / "oft.safetensors"))
+    with pytest.raises(LoRAError, match="adapter for ERNIE-Image uses OFT, which this engine does not apply"):
+        eng.set_loras([(str(tmp_path / "oft.safetensors"), 1.0)])
     loha = {f"lora_unet_layers_0_self_attention_to_q.hada_w{i}_{ab}": torch.zeros(4, H) for i in (1, 2) for ab in "ab"}
-    save_file(loha, str(tmp_path / "loha.safetensors"))
-    with pytest.raises(LoRAError, match="adapter for ERNIE-Image uses LoHa, which this engine does not apply"):
+    save_file(loha, str(tmp_path / "loha.safetensors"))  # LoHa is applied (tests/lora/test_lycoris.py); these shapes are not one
+    with pytest.raises(LoRAError, match=r"loha.safetensors: layer 'layers.0.self_attention.to_q'.*are not a low-rank pair"):
         eng.set_loras([(str(tmp_path / "loha.safetensors"), 1.0)])
     big = {"diffusion_model.layers.0.self_attention.to_q.lora_A.weight": torch.zeros(4, 2 * H),
            "diffusion_model.layers.0.self_attention.to_q.lora_B.weight": torch.zeros(2 * H, 4)}

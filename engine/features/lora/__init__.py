@@ -1,7 +1,8 @@
 """LoRA for the ERNIE-Image DiT: the published key formats, several LoRAs at once, merged in place with a
 bit-exact restore, or a side path on FP8 / INT4 layers; attached to the model as the "lora" Patch.
 
-formats: key formats, matching and reading a file (``read_lora``); peft: alpha from PEFT configs;
+formats: key formats, matching and reading a file (``read_lora``); lycoris: LyCORIS LoKr / LoHa factors;
+peft: alpha from PEFT configs;
 records: the restore records and the merge / restore arithmetic; state: ``LoRAState`` and the model-level
 API (``apply_loras``, ``active_loras``, ``remove_loras``); files: specs and ``LoRAFileCache``.
 """

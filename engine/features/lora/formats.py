@@ -19,6 +19,7 @@ from ...io.readers import open_file
 from ...io.safetensors import CheckpointError
 from ..fuse import RowView, linear_parts
 from ..quant import quant_modules
+from . import lycoris
 from .peft import PEFT_FORMATS, peft_alpha, peft_config
 
 log = logging.getLogger("sgld.lora")
@@ -39,11 +40,10 @@ DIFF_SUFFIX = ".diff"
 UNSUPPORTED_SUFFIXES = {
     ".dora_scale": "DoRA magnitude (dropped, as diffusers does)",
     ".lora_mid.weight": "LoCon/Tucker mid weight",
-    ".diff_b": "bias difference",
-    ".hada_w1_a": "LoHa", ".hada_w1_b": "LoHa", ".hada_w2_a": "LoHa", ".hada_w2_b": "LoHa",
-    ".lokr_w1": "LoKr", ".lokr_w2": "LoKr", ".lokr_w1_a": "LoKr", ".lokr_w1_b": "LoKr",
-    ".lokr_w2_a": "LoKr", ".lokr_w2_b": "LoKr", ".oft_blocks": "OFT",
+    ".diff_b": "bias difference", ".oft_blocks": "OFT",
 }
+# the parts that make a layer's update (an alpha alone makes none)
+DELTA_PARTS = frozenset({"up", "down", "diff"}) | lycoris.PARTS
 DOTTED_PREFIXES = ("", "diffusion_model.", "model.diffusion_model.", "transformer.", "base_model.model.",
                    "base_model.model.transformer.", "base_model.model.diffusion_model.", "unet.")
 FLAT_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
@@ -73,14 +73,19 @@ class LoRAEntry:
     diff: Optional[torch.Tensor] = None  # full weight difference (".diff")
     fmt: str = ""
     rslora: bool = False  # PEFT use_rslora: scale = alpha / sqrt(rank)
+    lycoris: Optional[lycoris.Lycoris] = None  # LoKr / LoHa factors (engine/features/lora/lycoris.py)
 
     @property
     def rank(self) -> int:
+        if self.lycoris is not None:
+            return self.lycoris.rank
         return 0 if self.down is None else int(self.down.shape[0])
 
     @property
     def scale(self) -> float:
-        """alpha / rank, or 1.0 without alpha (a ``.diff`` entry: 1.0)."""
+        """alpha / rank, or 1.0 without alpha (a ``.diff`` entry: 1.0; LoKr / LoHa: ComfyUI's rule)."""
+        if self.lycoris is not None:
+            return self.lycoris.scale
         if self.diff is not None or self.alpha is None or not self.rank:
             return 1.0
         return float(self.alpha) / (self.rank ** 0.5 if self.rslora else self.rank)
@@ -181,6 +186,9 @@ def _split_key(key: str) -> Tuple[str, str, str]:
         return key[: -len(ALPHA_SUFFIX)], "alpha", ""
     if key.endswith(DIFF_SUFFIX):
         return key[: -len(DIFF_SUFFIX)], "diff", "diff"
+    lyco = lycoris.split_key(key)
+    if lyco is not None:
+        return lyco[0], lyco[1], lyco[1][:4]  # fmt "lokr" / "hada"
     for suf, what in UNSUPPORTED_SUFFIXES.items():
         if key.endswith(suf):
             return key[: -len(suf)], "unsupported:" + what, ""
@@ -221,6 +229,8 @@ def read_lora(source, model: nn.Module) -> LoRAFile:
     unknown: List[str] = []
     unsupported: List[Tuple[str, str]] = []
     for k in keys:
+        if k in lycoris.IGNORED_KEYS:
+            continue
         prefix, part, fmt = _split_key(k)
         if part.startswith("unsupported:"):
             unsupported.append((user(k), part.split(":", 1)[1]))
@@ -235,7 +245,7 @@ def read_lora(source, model: nn.Module) -> LoRAFile:
     if not matched and any(_split_key(k)[0] in kmap for k, _ in unsupported):
         kinds = sorted({w for _, w in unsupported})
         raise LoRAError(f"{path}: this adapter for ERNIE-Image uses {', '.join(kinds)}, which this engine does not apply "
-                        "(supported: LoRA up/down or A/B pairs with alpha, and full .diff weights)")
+                        "(supported: LoRA up/down or A/B pairs with alpha, LyCORIS LoKr and LoHa, and full .diff weights)")
     if not matched:
         arch = _guess_architecture(keys)
         meta = {k: v for k, v in f.metadata.items() if k in ("ss_base_model_version", "modelspec.architecture", "ss_network_module")}
@@ -247,13 +257,16 @@ def read_lora(source, model: nn.Module) -> LoRAFile:
     seen: Dict[str, str] = {}
     for prefix, g in matched.items():  # names and shapes from the header, before any data is read
         mod_name = kmap[prefix]
-        if mod_name in seen and set(g) & {"up", "down", "diff"}:
+        if mod_name in seen and set(g) & DELTA_PARTS:
             raise LoRAError(f"{path}: layer '{mod_name}' is adapted twice (keys '{user(seen[mod_name])}' and '{user(prefix)}')")
-        if set(g) & {"up", "down", "diff"}:
+        if set(g) & DELTA_PARTS:
             seen[mod_name] = prefix
-        _check_shapes(path, g, mod_name, weight_shape(modules[mod_name]), f.shape, user)
+        wshape = weight_shape(modules[mod_name])
+        _check_shapes(path, g, mod_name, wshape, f.shape, user)
+        if set(g) & lycoris.PARTS:
+            g["lycoris"] = lycoris.check(path, g, mod_name, wshape, f.shape, user)
     try:
-        tensors = dict(f.tensors([k for g in matched.values() for part, k in g.items() if part != "fmt"]))
+        tensors = dict(f.tensors([k for g in matched.values() for part, k in g.items() if part not in ("fmt", "lycoris")]))
     except CheckpointError as e:
         raise LoRAError(str(e)) from None
     entries: Dict[str, LoRAEntry] = {}
@@ -270,15 +283,20 @@ def read_lora(source, model: nn.Module) -> LoRAFile:
             e.diff, e.fmt = tensors[g["diff"]], "diff"
         if "up" in g:
             e.up, e.down, e.fmt = tensors[g["up"]], tensors[g["down"]], g.get("fmt", "")
-        if e.up is None and e.diff is None:  # an alpha alone
+        if "lycoris" in g:
+            kind, rank = g["lycoris"]
+            parts = {p: tensors[k] for p, k in g.items() if p in lycoris.PARTS}
+            e.lycoris, e.fmt = lycoris.build(kind, rank, parts, e.alpha, weight_shape(modules[mod_name])), kind
+        if e.up is None and e.diff is None and e.lycoris is None:  # an alpha alone
             unmatched.append(user(g["alpha"]))
             continue
-        for part in ("up", "down", "diff"):
-            if part in g and not all_finite(tensors[g[part]]):
-                raise LoRAError(f"{path}: '{user(g[part])}' holds NaN or infinite values: the LoRA file is damaged "
+        for part, k in g.items():
+            if part in DELTA_PARTS and not all_finite(tensors[k]):
+                raise LoRAError(f"{path}: '{user(k)}' holds NaN or infinite values: the LoRA file is damaged "
                                 "(a LoRA trained with a diverged loss?)")
         formats.add(e.fmt)
         nbytes += sum(t.numel() * t.element_size() for t in (e.up, e.down, e.diff) if t is not None)
+        nbytes += e.lycoris.nbytes if e.lycoris is not None else 0
         entries[mod_name] = e
     if not entries:
         raise LoRAError(f"{path}: no usable LoRA weights (only {len(keys)} alpha / unsupported keys)")

@@ -63,28 +63,34 @@ def _rows(w2: torch.Tensor) -> int:
 
 
 def merge(w: torch.Tensor, base: torch.Tensor, items, record: Optional[UlpDiff] = None) -> Optional[UlpDiff]:
-    """w = dtype(base + sum s * scale * up @ down) for ``items`` [(LoRAEntry, strength)], in float32, a block
+    """w = dtype(base + sum s * scale * dW) for ``items`` [(LoRAEntry, strength)] (dW: up @ down, a ``.diff``, or
+    a LoKr / LoHa update computed a block of rows at a time), in float32, a block
     of rows at a time (MERGE_CHUNK_BYTES of float32: cache-sized on CPUs, a bounded temporary on GPUs).
     ``base`` may be ``w`` itself; then ``record`` gets what restores it, before each block of rows is written."""
     dev = w.device
     out = w.shape[0]
     w2, base2 = w.view(out, -1), base.view(out, -1)
     cols = w2.shape[1]
-    terms = []
+    terms = []  # (kind, a, b, factor): ("diff", dW, -), ("low_rank", up, down), ("rows", (lo, hi) -> dW rows, -)
     for e, s in items:
         if e.diff is not None:
-            terms.append((None, e.diff.to(dev, torch.float32).reshape(out, -1), s))
+            terms.append(("diff", e.diff.to(dev, torch.float32).reshape(out, -1), None, s))
+        elif e.lycoris is not None:
+            terms.append(("rows", e.lycoris.rows(dev), None, s * e.scale))
         else:
-            terms.append((e.up.to(dev, torch.float32).flatten(1), e.down.to(dev, torch.float32).flatten(1), s * e.scale))
+            terms.append(("low_rank", e.up.to(dev, torch.float32).flatten(1), e.down.to(dev, torch.float32).flatten(1),
+                          s * e.scale))
     rows = _rows(w2)
     for i in range(0, out, rows):
         src = base2[i:i + rows].to(dev)
         acc = src.to(torch.float32, copy=True)
-        for up, down, s in terms:
-            if up is None:
-                acc.add_(down[i:i + rows], alpha=s)
+        for kind, a, b, s in terms:
+            if kind == "diff":
+                acc.add_(a[i:i + rows], alpha=s)
+            elif kind == "rows":
+                acc.add_(a(i, i + acc.shape[0]), alpha=s)
             else:
-                acc.addmm_(up[i:i + rows], down, alpha=s)
+                acc.addmm_(a[i:i + rows], b, alpha=s)
         new = acc.to(w.dtype)
         if record is not None:
             # new - old bit patterns modulo 2**16; where that does not fit an int8, keep the old value

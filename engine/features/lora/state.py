@@ -24,6 +24,7 @@ from ..fuse import RowView
 from ..offload import get_offload
 from . import records
 from .formats import LoRAEntry, LoRAFile, is_quantized, numel, target_modules, weight_shape
+from .lycoris import kron_linear
 
 log = logging.getLogger("sgld.lora")
 FEATURE = "lora"
@@ -34,18 +35,29 @@ class SidePath:
     """``state(module)["lora"]`` of a quantized linear with a side path. ``parts``: target name -> (its
     output rows in the module, down [r, in], up [rows, r]) (a fused module has one per LoRA target in
     it); ``low_rank``: (A, B) that the forward adds as ``(x @ A^T) @ B^T``, every part's down stacked
-    along the rank, each part's up in its own output rows (zeros elsewhere)."""
+    along the rank, each part's up in its own output rows (zeros elsewhere). ``kron_parts``: target name ->
+    (its rows, [(w1, w2), ...]) of LoKr updates (and full ones, w1 = [[s]]), added as ``kron(w1, w2) x`` from the
+    factors; ``krons`` those as one list for the forward."""
 
     parts: Dict[str, Tuple[Tuple[int, int], torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     low_rank: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    kron_parts: Dict[str, Tuple[Tuple[int, int], List[Tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=dict)
+    krons: Tuple[Tuple[int, int, torch.Tensor, torch.Tensor], ...] = ()
 
 
 def _with_side_path(base: type) -> type:
     """``base`` (FP8Linear / Int4Linear) whose forward adds the module's LoRA side path."""
 
     def forward(self, x):
-        down, up = patching.state(self)[FEATURE].low_rank
-        return base.forward(self, x) + F.linear(F.linear(x, down.to(x.dtype)), up.to(x.dtype))
+        side = patching.state(self)[FEATURE]
+        y = base.forward(self, x)
+        if side.low_rank is not None:
+            down, up = side.low_rank
+            y = y + F.linear(F.linear(x, down.to(x.dtype)), up.to(x.dtype))
+        for start, stop, w1, w2 in side.krons:
+            d = kron_linear(x, w1.to(x.dtype), w2.to(x.dtype))
+            y = y + (F.pad(d, (start, self.out_features - stop)) if stop - start != self.out_features else d)
+        return y
 
     return type(base.__name__ + "WithLoRA", (base,), {"forward": forward})
 
@@ -60,9 +72,14 @@ def _side_module(target) -> Tuple[nn.Module, Tuple[int, int]]:
 def _install_side(mod: nn.Module) -> None:
     """The module's side path from its parts; none left: its class and state back as they were."""
     side = patching.state(mod)[FEATURE]
-    if not side.parts:
+    if not side.parts and not side.kron_parts:
         patching.restore_class(mod, FEATURE)
         patching.clear_state(mod, FEATURE)
+        return
+    side.krons = tuple((start, stop, w1, w2) for (start, stop), terms in side.kron_parts.values() for w1, w2 in terms)
+    if not side.parts:
+        side.low_rank = None
+        patching.swap_class(mod, FEATURE, _with_side_path)
         return
     a = torch.cat([pa for _, pa, _ in side.parts.values()], 0)
     b = a.new_zeros(mod.out_features, a.shape[0])
@@ -139,7 +156,10 @@ class LoRAState(patching.Patch):
                     raise LoRAError(f"{lf.path}: a full weight difference ('.diff') cannot be applied to the quantized "
                                     f"layer '{name}'; load the model without quantization to use this LoRA")
                 wshape = weight_shape(mod)
-                got = [e.diff.numel()] if e.diff is not None else [int(e.up.shape[0]), numel(e.down.shape[1:])]
+                if e.lycoris is not None:
+                    got = [e.lycoris.out_features, e.lycoris.in_flat]
+                else:
+                    got = [e.diff.numel()] if e.diff is not None else [int(e.up.shape[0]), numel(e.down.shape[1:])]
                 want = [numel(wshape)] if e.diff is not None else [wshape[0], numel(wshape[1:])]
                 if got != want:
                     raise LoRAError(f"{lf.path}: the update of layer '{name}' is {got} but the layer's weight is "
@@ -214,14 +234,27 @@ class LoRAState(patching.Patch):
         mod, rows = _side_module(target)
         dev = self._compute_device()
         dtype = self.model.dtype if hasattr(self.model, "dtype") else torch.float32
-        downs, ups = [], []
+        downs, ups, krons = [], [], []
         for e, s in items:
-            downs.append(e.down.float().flatten(1))
-            ups.append(e.up.float().flatten(1) * (s * e.scale))
-        a = torch.cat(downs, 0).to(dev, dtype)
-        b = torch.cat(ups, 1).to(dev, dtype)
+            if e.lycoris is None:
+                downs.append(e.down.float().flatten(1))
+                ups.append(e.up.float().flatten(1) * (s * e.scale))
+                continue
+            for kind, t1, t2 in e.lycoris.side_terms(dev, s * e.scale):
+                if kind == "low_rank":
+                    downs.append(t1)
+                    ups.append(t2)
+                else:
+                    krons.append((t1.to(dev, dtype), t2.to(dev, dtype)))
         self.side_paths[name] = mod  # recorded before the module changes
-        patching.state(mod).setdefault(FEATURE, SidePath()).parts[name] = (rows, a, b)
+        side = patching.state(mod).setdefault(FEATURE, SidePath())
+        side.parts.pop(name, None)  # this target's terms from an earlier set are replaced
+        side.kron_parts.pop(name, None)
+        if downs:
+            side.parts[name] = (rows, torch.cat([d.to(dev) for d in downs], 0).to(dtype),
+                                torch.cat([u.to(dev) for u in ups], 1).to(dtype))
+        if krons:
+            side.kron_parts[name] = (rows, krons)
         _install_side(mod)
 
     def _remove_side(self, name: str, target) -> None:
@@ -229,6 +262,7 @@ class LoRAState(patching.Patch):
         side = patching.feature_state(mod, FEATURE)
         if side is not None:
             side.parts.pop(name, None)
+            side.kron_parts.pop(name, None)
             _install_side(mod)
         self.side_paths.pop(name, None)  # forgotten only once the module is back
 
