@@ -71,10 +71,11 @@ def test_each_format_loads_and_samples_as_its_kitchen_dequantized_weights(files,
         ref = load_model(files[fmt, "dense"], dtype="fp32")
         with torch.inference_mode():
             assert torch.equal(model(*inputs()), ref(*inputs())), tags  # the same float32 weights, the same GEMMs
-    with torch.inference_mode():
-        a = _sample(open_engine(files[fmt, "tensor"], _config()))
-        b = _sample(open_engine(files[fmt, "dense"], _config()))
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if fmt != "mxfp8":  # the engine's sampling loop (mxfp8: test_compile_and_cache_dit_on_a_comfy_model)
+        with torch.inference_mode():
+            a = _sample(open_engine(files[fmt, "tensor"], _config()))
+            b = _sample(open_engine(files[fmt, "dense"], _config()))
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     stored = sum(v.numel() * v.element_size() for k, v in load_file(str(files[fmt, "tensor"])).items()
                  if (".self_attention.to" in k or ".mlp." in k) and not k.endswith(".comfy_quant"))
     dense = sum(v.numel() * 4 for k, v in SD.items() if ".self_attention.to" in k or ".mlp." in k)
