@@ -66,7 +66,7 @@ def test_sgld_quantize_writes_comfyuis_layout_that_its_loader_reads(bf16_file, t
     assert not [k for k in sd if k.startswith(tuple(layers))]  # every tensor of a quantized layer is one it pops
 
 
-def test_sgld_generate_takes_a_comfy_file(tmp_path, capsys):
+def test_sgld_generate_and_bench_take_a_comfy_file(tmp_path, capsys):
     out = str(tmp_path / "demo-nvfp4.safetensors")
     assert main(["quantize", "demo", out, "--format", "nvfp4"]) == 0
     png = tmp_path / "nvfp4.png"
@@ -74,6 +74,8 @@ def test_sgld_generate_takes_a_comfy_file(tmp_path, capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out.strip().splitlines()[-1])["model"] == "demo-nvfp4.safetensors" and png.is_file()
     assert "nvfp4 layers (comfy_quant)" in captured.err  # the loader says what it read
+    assert main(["bench", "--model", out, "--steps", "0", "--repeat", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["quant"] == "comfy nvfp4"
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", pytest.param("int8-tensorwise", marks=pytest.mark.slow)])  # W8A8: 9 s
