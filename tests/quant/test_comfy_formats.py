@@ -242,3 +242,19 @@ def test_a_padded_layer_reads_its_real_shape_from_orig_shape(tmp_path):
     assert torch.equal(layer.dequantize(), want) and layer(torch.ones(2, 40)).shape == (2, 60)
     stored, _ = kitchen_tensors("nvfp4", torch.randn(64, 48))
     assert stored["weight"].shape == (64, 24) and json.loads(bytes(tag({"a": 1}).tolist())) == {"a": 1}
+
+
+def test_int8_tensorwise_with_a_scale_per_row_loads(files, tmp_path):
+    """Files from trainers that quantize per row (OneTrainer's layout): ``weight_scale`` F32 [out, 1]."""
+    sd = load_file(str(files["int8_tensorwise", "tensor"]))
+    key = PREFIX + "layers.0.mlp.gate_proj."
+    q, scale = ck.quantize_int8_rowwise(SD["layers.0.mlp.gate_proj.weight"].float())
+    sd[key + "weight"], sd[key + "weight_scale"] = q, scale
+    path = tmp_path / "rowwise.safetensors"
+    save_file(sd, str(path))
+    layer = load_model(path, dtype="fp32").layers[0].mlp.gate_proj
+    assert scale.shape == (CFG.ffn_hidden_size, 1) and torch.equal(layer.dequantize(), ck.dequantize_int8_simple(q, scale))
+    x = torch.randn(33, CFG.hidden_size, generator=torch.Generator().manual_seed(6))
+    ours, exact = layer(x), F.linear(x, layer.dequantize())
+    assert Q.relative_error(ours, ck.int8_linear(x, q, scale, None, torch.float32)) < 1e-2  # activations rounded apart
+    assert Q.relative_error(ours, exact) < 2e-2
