@@ -205,19 +205,20 @@ def _read_layers(fmt: str):
 
 
 _SCALAR = ((), (1,))
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # a tensor's scale: ComfyUI reads it as float32 whatever it is
 SPECS = {  # role -> (dtypes, allowed shapes from the stored [rows, columns], value rule); per_byte: values a stored element
     "nvfp4": {"storage": torch.uint8, "per_byte": 2, "pad": 16, "group": N.NVFP4_BLOCK, "optional": ("pre_quant_scale",),
               "companions": {
                   "weight_scale": ((torch.float8_e4m3fn, torch.uint8),
                                    lambda r, c: (N.block_scale_shape(r, c // N.NVFP4_BLOCK),), ">= 0"),
-                  "weight_scale_2": ((torch.float32,), lambda r, c: _SCALAR, "> 0"),
-                  "pre_quant_scale": ((torch.float32, torch.bfloat16, torch.float16), lambda r, c: ((c,),), "finite")}},
+                  "weight_scale_2": (_FLOATS, lambda r, c: _SCALAR, "> 0"),
+                  "pre_quant_scale": (_FLOATS, lambda r, c: ((c,),), "finite")}},
     "mxfp8": {"storage": torch.float8_e4m3fn, "per_byte": 1, "pad": 32, "group": N.MXFP8_BLOCK, "optional": (),
               "companions": {
                   "weight_scale": ((torch.float8_e8m0fnu, torch.uint8),
                                    lambda r, c: (N.block_scale_shape(r, c // N.MXFP8_BLOCK),), "> 0")}},
     "int8_tensorwise": {"storage": torch.int8, "per_byte": 1, "pad": 0, "group": None, "optional": (),
-                        "companions": {"weight_scale": ((torch.float32,), lambda r, c: _SCALAR + ((r,), (r, 1)), "> 0")}},
+                        "companions": {"weight_scale": (_FLOATS, lambda r, c: _SCALAR + ((r,), (r, 1)), "> 0")}},
 }
 
 
