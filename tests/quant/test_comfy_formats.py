@@ -260,3 +260,18 @@ def test_int8_tensorwise_with_a_scale_per_row_loads(files, tmp_path):
     ours, exact = layer(x), F.linear(x, layer.dequantize())
     assert Q.relative_error(ours, ck.int8_linear(x, q, scale, None, torch.float32)) < 1e-2  # activations rounded apart
     assert Q.relative_error(ours, exact) < 2e-2
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_tensor_parallel_ranks_run_comfy_nvfp4_shards(files):
+    """Two real gloo worker processes, each holding its share of the nvfp4 bytes: the sample matches one
+    process's (row-parallel layers sum their halves: float32 rounding apart)."""
+    with torch.inference_mode():
+        one = _sample(open_engine(files["nvfp4", "tensor"], _config()))
+    eng = open_engine(files["nvfp4", "tensor"], _config(tp=2))
+    try:
+        two = _sample(eng)
+    finally:
+        eng.release()
+    assert float((two - one).abs().max()) <= 1e-5 * float(one.abs().max())
