@@ -275,3 +275,17 @@ def test_tensor_parallel_ranks_run_comfy_nvfp4_shards(files):
     finally:
         eng.release()
     assert float((two - one).abs().max()) <= 1e-5 * float(one.abs().max())
+
+
+def test_prepare_says_which_matmul_each_format_runs_here(files, tmp_path):
+    """On this CPU: nvfp4 / mxfp8 dequantized (Blackwell's GEMMs need sm100), int8_tensorwise the torch._int_mm
+    W8A8; a layer tagged full_precision_matrix_mult keeps the dequantized path whatever the device has."""
+    for fmt, note in (("nvfp4", "nvfp4 matmul: dequantized per layer by comfy-kitchen, then a dense GEMM (CPU)"),
+                      ("mxfp8", "mxfp8 matmul: dequantized per layer by comfy-kitchen, then a dense GEMM (CPU)")):
+        model = load_model(files[fmt, "tensor"])
+        assert Q.prepare_fast_paths(model) == [note]
+        assert all(m.full_precision and not m.use_kitchen for m in model.modules() if isinstance(m, CLASSES[fmt]))
+    assert Q.prepare_fast_paths(load_model(files["int8_w8a8"])) == ["int8_tensorwise matmul: torch._int_mm W8A8 (CPU)"]
+    plain = tmp_path / "nvfp4-untagged-precision.safetensors"
+    write_comfy(plain, SD, "nvfp4", full_precision=False)
+    assert not any(getattr(m, "full_precision", True) for m in load_model(plain).modules() if isinstance(m, NVFP4Linear))

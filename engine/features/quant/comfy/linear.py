@@ -14,29 +14,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ....errors import CheckpointError
-from ....io.safetensors import DTYPE_NAMES
 from ..int8.linear import int_mm_accepts, quantize_tokens
 from ..numerics import frozen
 from ..registry import WeightFormat, register_format
 from . import numerics as N
+from .reader import read_layers
 
 log = logging.getLogger("sgld.quant")
-CONFIG_FIELDS = ("format", "group_size", "full_precision_matrix_mult", "orig_shape", "convrot", "convrot_groupsize",
-                 "params")  # the per-layer tag's fields this reader knows; others are ignored as ComfyUI ignores them
 
 
 class _ComfyLinear(nn.Module):
-    """What the three layers share: logical [out, in], bias, the per-forward dequantized path."""
+    """What the three layers share: logical [out, in], bias, the per-forward dequantized path, and (nvfp4, mxfp8)
+    Blackwell's block-scaled GEMM through comfy-kitchen where ``prepare`` found it runs (``kitchen_forward``)."""
 
     FORMAT = ""  # ComfyUI's name
 
     def _setup(self, shape: Tuple[int, int], bias: Optional[torch.Tensor]) -> None:
         self.out_features, self.in_features = int(shape[0]), int(shape[1])
         self.bias = frozen(bias) if bias is not None else None
+        self.full_precision = False  # the tag's full_precision_matrix_mult: always the dequantized path
+        self.use_kitchen = False  # set by prepare where comfy-kitchen's GPU kernel runs and agrees with a probe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.use_kitchen and not self.full_precision and x.dtype in (torch.bfloat16, torch.float16):
+            return self.kitchen_forward(x.reshape(-1, self.in_features), bias).reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.dequantize(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ComfyUI {self.FORMAT}"
@@ -55,6 +58,11 @@ class NVFP4Linear(_ComfyLinear):
         self.weight_scale = frozen(weight_scale.view(torch.float8_e4m3fn))
         self.weight_scale_2 = frozen(weight_scale_2.float().reshape(()))
         self.pre_quant_scale = None if pre_quant_scale is None else frozen(pre_quant_scale.reshape(-1))
+
+    def kitchen_forward(self, x2: torch.Tensor, bias) -> torch.Tensor:
+        if self.pre_quant_scale is not None:
+            x2 = x2 * self.pre_quant_scale.to(x2.dtype)
+        return N.nvfp4_linear(x2, self.weight, self.weight_scale, self.weight_scale_2, self.out_features, bias)
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "NVFP4Linear":
@@ -78,6 +86,9 @@ class MXFP8Linear(_ComfyLinear):
         self._setup(shape, bias)
         self.weight = frozen(weight)
         self.weight_scale = frozen(weight_scale.view(torch.float8_e8m0fnu))
+
+    def kitchen_forward(self, x2: torch.Tensor, bias) -> torch.Tensor:
+        return N.mxfp8_linear(x2, self.weight, self.weight_scale, self.out_features, bias)
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "MXFP8Linear":
@@ -128,107 +139,19 @@ class Int8TensorwiseLinear(_ComfyLinear):
         return f"{super().extra_repr()}, {how}"
 
 
-# -- reading ComfyUI's layout -------------------------------------------------------------------------------------
-def _config(ckpt, layer: str, config: dict, fmt: str, group: int) -> Optional[Tuple[int, int]]:
-    """Check a layer's tag; its ``orig_shape`` (a padded layer's real [out, in]) or None."""
-    where = f"{ckpt.describe()}: layer '{layer}' ({fmt})"
-    if group is not None and config.get("group_size", group) != group:
-        raise CheckpointError(f"{where}: group_size {config['group_size']!r}; ComfyUI's {fmt} has groups of {group}")
-    if config.get("convrot") or (isinstance(config.get("params"), dict) and config["params"].get("convrot")):
-        raise CheckpointError(f"{where}: int8 with ConvRot rotation (convrot) is not read by SGLDiffusion; use a plain "
-                              "int8_tensorwise, fp8 or bf16 file")
-    if not isinstance(config.get("full_precision_matrix_mult", False), bool):
-        raise CheckpointError(f"{where}: full_precision_matrix_mult must be true or false")
-    shape = config.get("orig_shape")
-    if shape is None:
-        return None
-    if not (isinstance(shape, list) and len(shape) == 2 and all(type(n) is int and n > 0 for n in shape)):
-        raise CheckpointError(f"{where}: orig_shape {shape!r} must be [out, in], two positive integers")
-    return shape[0], shape[1]
-
-
-def _check(ckpt, key: str, what: str, dtypes: Tuple[torch.dtype, ...], shapes: Tuple[tuple, ...], layer_shape) -> None:
-    dt, shape = ckpt.header(key)
-    if dt not in dtypes or tuple(shape) not in shapes:
-        allowed = " or ".join(DTYPE_NAMES[d] for d in dtypes) + " " + " or ".join(str(list(s)) for s in shapes)
-        raise CheckpointError(f"{ckpt.where(key)}: {what} of layer {list(layer_shape)} is {DTYPE_NAMES[dt]} "
-                              f"{list(shape)}; allowed: {allowed}")
-
-
-def _read_layers(fmt: str):
-    """The entry's ``read_layers``: every layer tagged ``fmt``, its weight and companions checked from the header."""
-    spec = SPECS[fmt]
-
-    def read(plan, keys) -> Dict[str, dict]:
-        ckpt, layers = plan.ckpt, {}
-        for layer in sorted(plan.declared):
-            config = plan.declared[layer]
-            if config.get("format") != fmt:
-                continue
-            wkey = layer + ".weight"
-            if wkey not in keys:
-                raise CheckpointError(f"{ckpt.describe()}: layer '{layer}' is tagged {fmt} but '{wkey}' is missing")
-            missing = N.kitchen_missing()
-            if missing:
-                raise CheckpointError(f"{ckpt.where(wkey)}: {missing}")
-            orig = _config(ckpt, layer, config, fmt, spec["group"])
-            dt, stored = ckpt.header(wkey)
-            if dt != spec["storage"] or len(stored) != 2:
-                raise CheckpointError(f"{ckpt.where(wkey)}: a {fmt} weight is {DTYPE_NAMES[spec['storage']]} [rows, "
-                                      f"columns], not {DTYPE_NAMES[dt]} {list(stored)}")
-            rows, cols = stored[0], stored[1] * spec["per_byte"]
-            shape = orig or (rows, cols)
-            pad = spec["pad"]
-            if pad and (N.roundup(shape[0], pad), N.roundup(shape[1], pad)) != (rows, cols):
-                raise CheckpointError(f"{ckpt.where(wkey)}: a {fmt} weight of [{shape[0]}, {shape[1]}] is stored padded to "
-                                      f"[{N.roundup(shape[0], pad)}, {N.roundup(shape[1], pad)}], not [{rows}, {cols}]")
-            info = {"shape": tuple(shape), "extra": {}, "rules": {}, "views": {}}
-            for role, (dtypes, shapes_of, rule) in spec["companions"].items():
-                key = f"{layer}.{role}"
-                if key not in keys:
-                    if role in spec["optional"]:
-                        continue
-                    raise CheckpointError(f"{ckpt.where(wkey)}: {fmt} weight without its '{key}'")
-                _check(ckpt, key, role, dtypes, shapes_of(rows, cols), shape)
-                if role == "weight_scale":
-                    info["scale_key"] = key
-                else:
-                    info["extra"][role] = key
-                info["rules"][role] = rule
-                if torch.uint8 in dtypes:  # U8 bytes are read as the format's scale type, as ComfyUI does
-                    info["views"][role] = dtypes[0]
-            layers[layer] = info
-            plan.sources.add("comfy_quant")
-        return layers
-
-    return read
-
-
-_SCALAR = ((), (1,))
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # a tensor's scale: ComfyUI reads it as float32 whatever it is
-SPECS = {  # role -> (dtypes, allowed shapes from the stored [rows, columns], value rule); per_byte: values a stored element
-    "nvfp4": {"storage": torch.uint8, "per_byte": 2, "pad": 16, "group": N.NVFP4_BLOCK, "optional": ("pre_quant_scale",),
-              "companions": {
-                  "weight_scale": ((torch.float8_e4m3fn, torch.uint8),
-                                   lambda r, c: (N.block_scale_shape(r, c // N.NVFP4_BLOCK),), ">= 0"),
-                  "weight_scale_2": (_FLOATS, lambda r, c: _SCALAR, "> 0"),
-                  "pre_quant_scale": (_FLOATS, lambda r, c: ((c,),), "finite")}},
-    "mxfp8": {"storage": torch.float8_e4m3fn, "per_byte": 1, "pad": 32, "group": N.MXFP8_BLOCK, "optional": (),
-              "companions": {
-                  "weight_scale": ((torch.float8_e8m0fnu, torch.uint8),
-                                   lambda r, c: (N.block_scale_shape(r, c // N.MXFP8_BLOCK),), "> 0")}},
-    "int8_tensorwise": {"storage": torch.int8, "per_byte": 1, "pad": 0, "group": None, "optional": (),
-                        "companions": {"weight_scale": (_FLOATS, lambda r, c: _SCALAR + ((r,), (r, 1)), "> 0")}},
-}
-
-
 # -- the table's entries ------------------------------------------------------------------------------------------
+def _tagged(layer: _ComfyLinear, p) -> _ComfyLinear:
+    layer.full_precision = bool((p.get("config") or {}).get("full_precision_matrix_mult", False))
+    return layer
+
+
 def _nvfp4_from_stored(p) -> NVFP4Linear:
-    return NVFP4Linear(p["weight"], p["weight_scale"], p["weight_scale_2"], p["shape"], pre_quant_scale=p.get("pre_quant_scale"))
+    return _tagged(NVFP4Linear(p["weight"], p["weight_scale"], p["weight_scale_2"], p["shape"],
+                               pre_quant_scale=p.get("pre_quant_scale")), p)
 
 
 def _mxfp8_from_stored(p) -> MXFP8Linear:
-    return MXFP8Linear(p["weight"], p["weight_scale"], p["shape"])
+    return _tagged(MXFP8Linear(p["weight"], p["weight_scale"], p["shape"]), p)
 
 
 def _int8_from_stored(p) -> Int8TensorwiseLinear:
@@ -251,10 +174,13 @@ def _block_part(module, rows: slice, cols: slice, shape: Tuple[int, int]):
     swizzled = N.kitchen().to_blocked(scales.contiguous(), flatten=False).view(module.weight_scale.dtype)
     per = 2 if nv else 1
     weight = module.weight[rows, cols.start // per: cols.stop // per].contiguous()
-    if not nv:
-        return MXFP8Linear(weight, swizzled, shape, module.bias)
-    pre = None if module.pre_quant_scale is None else module.pre_quant_scale[cols].clone()
-    return NVFP4Linear(weight, swizzled, module.weight_scale_2.clone(), shape, module.bias, pre)
+    if nv:
+        pre = None if module.pre_quant_scale is None else module.pre_quant_scale[cols].clone()
+        part = NVFP4Linear(weight, swizzled, module.weight_scale_2.clone(), shape, module.bias, pre)
+    else:
+        part = MXFP8Linear(weight, swizzled, shape, module.bias)
+    part.full_precision, part.use_kitchen = module.full_precision, module.use_kitchen
+    return part
 
 
 def _block_rows(fused, start: int, stop: int, bias: Optional[torch.Tensor]):
@@ -339,14 +265,45 @@ def prepare_comfy(modules) -> List[str]:
         for m in int8:
             m.use_kitchen = ok
         notes.append(f"int8_tensorwise matmul: {'comfy-kitchen int8_linear' if ok else 'torch._int_mm W8A8'} ({why})")
-    if any(not isinstance(m, Int8TensorwiseLinear) for m in layers):
-        notes.append("nvfp4 / mxfp8: dequantized per layer by comfy-kitchen, then a dense GEMM")
+    for cls in (NVFP4Linear, MXFP8Linear):
+        block = [m for m in layers if type(m) is cls or isinstance(m, cls)]
+        if block:
+            ok, why = _kitchen_block_probe(cls, block[0].weight.device)
+            for m in block:
+                m.use_kitchen = ok
+            how = f"comfy-kitchen scaled_mm_{cls.FORMAT}" if ok else "dequantized per layer by comfy-kitchen, then a dense GEMM"
+            notes.append(f"{cls.FORMAT} matmul: {how} ({why})")
     for note in notes:
         log.info(note)
     return notes
 
 
 _probes: Dict[str, Tuple[bool, str]] = {}
+
+
+def _kitchen_block_probe(cls, device) -> Tuple[bool, str]:
+    """Does comfy-kitchen's block-scaled GEMM for ``cls`` run on ``device`` (Blackwell, sm100+) and agree with the
+    dequantized path on a quantized probe input? Once per device and format."""
+    device = torch.device(device)
+    key = f"{cls.FORMAT}:{device}"
+    if key not in _probes:
+        backend, why = N.gpu_backend(device, f"scaled_mm_{cls.FORMAT}")
+        if backend is None:
+            _probes[key] = (False, why if device.type == "cuda" else "CPU")
+        elif torch.cuda.get_device_capability(device) < (10, 0):
+            _probes[key] = (False, "block-scaled fp4 / mx GEMMs need sm100+ (Blackwell)")
+        else:
+            try:
+                g = torch.Generator().manual_seed(0)
+                layer = cls.from_dense(torch.randn(128, 256, generator=g)).to(device)
+                x = torch.randn(64, 256, generator=g).to(device, torch.bfloat16)
+                ref = F.linear(x.float(), layer.dequantize())
+                out = layer.kitchen_forward(x, None).float()
+                err = ((out - ref).norm() / ref.norm()).item()
+                _probes[key] = (err < 0.2, f"comfy-kitchen {backend}, probe rel. error {err:.3f} (activations quantized too)")
+            except Exception as e:  # a kernel this GPU or build does not run
+                _probes[key] = (False, f"scaled_mm_{cls.FORMAT} failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    return _probes[key]
 
 
 def _kitchen_int8_probe(device) -> Tuple[bool, str]:
@@ -379,24 +336,26 @@ HELP = {"nvfp4": "ComfyUI's NVFP4 (4-bit e2m1, blocks of 16), weight-only, compu
 NVFP4 = register_format(WeightFormat(
     "nvfp4", NVFP4Linear, parse=lambda t: 0 if t == "nvfp4" else None, choices=("nvfp4",),
     quantize=_quantize(NVFP4Linear, 16), weight_bytes=_block_bytes(16, N.NVFP4_BLOCK, 2), from_stored=_nvfp4_from_stored,
-    dequantize=lambda p: _nvfp4_from_stored(p).dequantize(), read_layers=_read_layers("nvfp4"),
+    dequantize=lambda p: _nvfp4_from_stored(p).dequantize(), read_layers=read_layers("nvfp4"),
     concat=lambda parts, bias: None, rows=_block_rows, packed=True, dense_why="have sizes that are not multiples of 16",
     split=_split_blocks, comfy_formats=("nvfp4",), prepare=prepare_comfy, help=HELP["nvfp4"],
     storage="ComfyUI's layout: e2m1 pairs in U8, an e4m3 scale per 16 values (swizzled), an F32 scale per tensor",
-    compute="dequantized per forward by comfy-kitchen, then a dense GEMM"))
+    compute="dequantized per forward by comfy-kitchen, then a dense GEMM; Blackwell (sm100+): comfy-kitchen's "
+            "`scaled_mm_nvfp4` with the activations quantized, after a probe"))
 MXFP8 = register_format(WeightFormat(
     "mxfp8", MXFP8Linear, parse=lambda t: 0 if t == "mxfp8" else None, choices=("mxfp8",),
     quantize=_quantize(MXFP8Linear, 32), weight_bytes=_block_bytes(32, N.MXFP8_BLOCK, 1), from_stored=_mxfp8_from_stored,
-    dequantize=lambda p: _mxfp8_from_stored(p).dequantize(), read_layers=_read_layers("mxfp8"),
+    dequantize=lambda p: _mxfp8_from_stored(p).dequantize(), read_layers=read_layers("mxfp8"),
     concat=lambda parts, bias: None, rows=_block_rows, dense_why="have sizes that are not multiples of 32",
     split=_split_blocks, comfy_formats=("mxfp8",), help=HELP["mxfp8"],
     storage="ComfyUI's layout: e4m3 values, an e8m0 (power of two) scale per 32 values (swizzled)",
-    compute="dequantized per forward by comfy-kitchen, then a dense GEMM"))
+    compute="dequantized per forward by comfy-kitchen, then a dense GEMM; Blackwell (sm100+): comfy-kitchen's "
+            "`scaled_mm_mxfp8` with the activations quantized, after a probe"))
 INT8_TENSORWISE = register_format(WeightFormat(
     "int8-tensorwise", Int8TensorwiseLinear, parse=lambda t: 0 if t in ("int8-tensorwise", "int8_tensorwise") else None,
     choices=("int8-tensorwise",), quantize=_quantize(Int8TensorwiseLinear, 0),
     weight_bytes=lambda shape, group, dense: shape[0] * shape[1] + 4, from_stored=_int8_from_stored,
-    dequantize=lambda p: _int8_from_stored(p).dequantize(), read_layers=_read_layers("int8_tensorwise"),
+    dequantize=lambda p: _int8_from_stored(p).dequantize(), read_layers=read_layers("int8_tensorwise"),
     concat=_int8_concat, rows=_int8_rows, join=_int8_join, split=_int8_split, comfy_formats=("int8_tensorwise",),
     help=HELP["int8_tensorwise"], storage="ComfyUI's layout: int8 + one F32 scale per tensor (or per row)",
     compute="activations quantized per token, `torch._int_mm` on CPU (faster there than comfy-kitchen's eager "

@@ -95,3 +95,31 @@ def quantize_mxfp8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_int8_tensorwise(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return kitchen().quantize_int8_tensorwise(w.float())
+
+
+# -- Blackwell's block-scaled GEMMs (comfy-kitchen's CUDA kernels, sm100+): the activations quantized per forward --
+def nvfp4_linear(x2: torch.Tensor, weight, block_scale, scale, out_features: int, bias=None) -> torch.Tensor:
+    """[tokens, in] x nvfp4 weight -> [tokens, out]: ``x2`` quantized to nvfp4 (one scale per tensor, e4m3 per 16
+    values, padded to tiles), then ``scaled_mm_nvfp4``, as ComfyUI's nvfp4 linear does on Blackwell."""
+    ck = kitchen()
+    xs = (x2.abs().amax().float() / (E4M3_MAX * E2M1_MAX)).clamp(min=1e-30)
+    xq, xb = ck.quantize_nvfp4(x2, xs, pad_16x=True)
+    y = ck.scaled_mm_nvfp4(xq, weight, xs, scale.float(), xb, block_scale, bias=bias, out_dtype=x2.dtype)
+    return y[: x2.shape[0], :out_features]
+
+
+def mxfp8_linear(x2: torch.Tensor, weight, block_scale, out_features: int, bias=None) -> torch.Tensor:
+    """[tokens, in] x mxfp8 weight: ``x2`` quantized to mxfp8 (padded to tiles of 32), then ``scaled_mm_mxfp8``."""
+    ck = kitchen()
+    xq, xb = ck.quantize_mxfp8(x2, pad_32x=True)
+    y = ck.scaled_mm_mxfp8(xq, weight, xb, block_scale, bias=bias, out_dtype=x2.dtype)
+    return y[: x2.shape[0], :out_features]
+
+
+def gpu_backend(device: torch.device, op: str):
+    """The name of comfy-kitchen's GPU backend that has ``op`` for this device, or None (with why)."""
+    if device.type != "cuda":
+        return None, "not a CUDA / HIP device"
+    names = [n for n, b in kitchen().list_backends().items() if n in ("cuda", "hip") and b.get("available")
+             and op in b.get("capabilities", ())]
+    return (names[0], "") if names else (None, f"comfy-kitchen has no GPU kernel '{op}' here")
