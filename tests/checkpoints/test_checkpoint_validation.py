@@ -195,7 +195,8 @@ INT4_CASES = [
      None),  # consistent [192, 2]: a valid other group size (32); loads
     ("zero-other-shape", _set(UP + ".weight_zero", torch.zeros(192, 2, dtype=torch.bfloat16)), "they must match"),
     ("scale-int", _set(UP + ".weight_scale", lambda s: s.to(torch.int16)), "is I16"),
-    ("packed-wrong", _set(UP + ".weight", lambda w: w[:, :16].contiguous()), f"'{UP}.weight' has shape (192, 16)"),
+    # the architecture check counts a packed 4-bit weight's values (two a byte): stored [192, 16] holds [192, 32]
+    ("packed-wrong", _set(UP + ".weight", lambda w: w[:, :16].contiguous()), f"'{UP}.weight' has shape (192, 32)"),
     ("packed-wrong-everywhere", lambda sd: sd.update({k: v[:, :16].contiguous() for k, v in sd.items() if k.endswith("up_proj.weight")}),
      "int4 tensor 'layers.0.mlp.up_proj.weight' has shape (192, 32) (stored packed as [192, 16]), but a model of this configuration needs (192, 64)"),
     ("scale-inf", _set(UP + ".weight_scale", lambda s: s.index_fill(0, torch.tensor([0]), float("inf"))), "not finite and > 0"),

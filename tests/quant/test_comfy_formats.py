@@ -289,3 +289,28 @@ def test_prepare_says_which_matmul_each_format_runs_here(files, tmp_path):
     plain = tmp_path / "nvfp4-untagged-precision.safetensors"
     write_comfy(plain, SD, "nvfp4", full_precision=False)
     assert not any(getattr(m, "full_precision", True) for m in load_model(plain).modules() if isinstance(m, NVFP4Linear))
+
+
+def test_a_mixed_file_of_nvfp4_fp8_and_kept_layers_loads_each_as_stored(files, tmp_path):
+    """ComfyUI's "Mixed NVFP4" files: most layers nvfp4, some float8_e4m3fn (a scale per tensor), some kept."""
+    sd = load_file(str(files["nvfp4", "tensor"]))
+    ref = load_file(str(files["nvfp4", "dense"]))
+    fp8, kept = "layers.1.mlp.linear_fc2", "layers.0.self_attention.to_out.0"
+    w = SD[fp8 + ".weight"].float()
+    scale = w.abs().amax() / 448
+    sd[PREFIX + fp8 + ".weight"] = (w / scale).to(torch.float8_e4m3fn)
+    sd[PREFIX + fp8 + ".weight_scale"] = scale
+    del sd[PREFIX + fp8 + ".weight_scale_2"]
+    sd[PREFIX + fp8 + ".comfy_quant"] = tag({"format": "float8_e4m3fn"})
+    ref[fp8 + ".weight"] = sd[PREFIX + fp8 + ".weight"].float() * scale
+    for leaf in ("weight_scale", "weight_scale_2", "comfy_quant"):
+        del sd[f"{PREFIX}{kept}.{leaf}"]
+    sd[f"{PREFIX}{kept}.weight"] = ref[kept + ".weight"] = SD[kept + ".weight"]
+    path, dense = tmp_path / "mixed.safetensors", tmp_path / "mixed-ref.safetensors"
+    save_file(sd, str(path))
+    save_file(ref, str(dense))
+    model = load_model(path, dtype="fp32")
+    assert type(model.get_submodule(fp8)) is Q.FP8Linear and type(model.get_submodule(kept)) is torch.nn.Linear
+    assert Q.model_quant_format(model) == "mixed" and type(model.layers[0].mlp.gate_proj) is NVFP4Linear
+    with torch.inference_mode():
+        torch.testing.assert_close(model(*inputs()), load_model(dense, dtype="fp32")(*inputs()), rtol=1e-5, atol=1e-6)
