@@ -1,6 +1,7 @@
 """The `sgld` command line and the two ways the engine is imported."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,7 +78,8 @@ def test_engine_never_imports_comfyui():
         for f in files:
             if f.endswith(".py"):
                 text = open(os.path.join(dirpath, f)).read()
-                if "import comfy" in text or "from comfy" in text or "folder_paths" in text:
+                # ComfyUI's package `comfy` (not comfy-kitchen, the [kitchen] extra, nor our own quant/comfy package)
+                if re.search(r"^\s*(import|from)\s+comfy(\.|\s|$)", text, re.M) or "folder_paths" in text:
                     offenders.append(f)
     assert offenders == []
 

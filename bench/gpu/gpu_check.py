@@ -30,6 +30,9 @@ from the measured eager forward.
                    load peak, inference memory, forward, Turbo image if the budget allows                 25
     gguf           open_engine(file, quant=q4_k): GGUF Q4_K blocks (our K quantizer on the GPU at load), the
                    bytes dequantized per layer each forward vs bf16: load, memory, forward                 25
+    nvfp4, mxfp8, int8-tensorwise   ComfyUI's formats (engine/features/quant/comfy): open_engine(file,
+                   quant=...) with comfy-kitchen's quantizers at load; which matmul (kitchen's int8_linear on
+                   CUDA after its probe; nvfp4 / mxfp8 dequantized per layer): load, memory, forward       60
     fuse-quant     the engine's order (quantize, fuse) and the reverse: same tensors, state_dict works     10
     off-bf16, off-bf16-8buf, off-fp8, off-engine   layer-wise offload (bench/gpu/gpu_check_offload.py)         56
     lora           rank-32 LoRA apply / strength / switch / remove on the 8B model (gpu_check_serve.py)      9
@@ -39,7 +42,7 @@ from the measured eager forward.
     all-on         [subprocess] fp8 + the best attention + compiled, Turbo with all of it (or 1.3x the
                    compiled row's compile time when this run measured it)                                 150
     flash          FlashAttention 2 when installed (PyPI has only its sdist: normally n/a)                  0
-  about 671 s of rows + ~20 s of set-up: more than one 540 s run (rows 1-23, 474 s, fit); the first run
+  about 731 s of rows + ~20 s of set-up: more than one 540 s run (rows 1-23, 474 s, fit); the first run
   answers the headline rows, and $OUT/rerun.txt names the command for the rest (bench/RESULTS.md: the
   15-minute plan).
 A row that would not fit the budget left is skipped with that reason; a failing row is reported with its
@@ -72,9 +75,11 @@ from engine.features.cache import masks  # noqa: E402
 from engine.models.random_weights import SIZES  # noqa: E402
 
 PRESETS = ("quality", "balanced", "fast")
+COMFY_ROWS = ("nvfp4", "mxfp8", "int8-tensorwise")  # ComfyUI's formats, computed by comfy-kitchen
 RISKY = ("sage", "compiled", "all-on", "flash")
 ALL_ROWS = ("build", "eager", "diffusers", "turbo", *(f"turbo-{p}" for p in PRESETS), "fp8", "sage", "compiled",
-            "base", *(f"base-{p}" for p in PRESETS), "int4", "int8", "gguf", "fuse-quant", *OFFLOAD_ROWS, "lora", "serve", "comfy",
+            "base", *(f"base-{p}" for p in PRESETS), "int4", "int8", "gguf", *COMFY_ROWS, "fuse-quant",
+            *OFFLOAD_ROWS, "lora", "serve", "comfy",
             "all-on", "flash")
 WORKER_CAP = {"sage": 120, "compiled": 240, "all-on": 240, "flash": 60}  # seconds a worker may take at most
 
@@ -104,6 +109,8 @@ def plan(ctx):
     rows += [("int4", lambda: ctx.checkpoint_estimate("int4") + 8 + load() * 1.5 + 2 * c * f(), opened("int4")),
              ("int8", lambda: ctx.checkpoint_estimate("int8") + 8 + load() * 1.5 + 2 * c * f(), opened("int8")),
              ("gguf", lambda: ctx.checkpoint_estimate("gguf") + 10 + load() * 1.5 + 3 * c * f(), opened("gguf")),
+             *[(fmt, lambda: ctx.checkpoint_estimate("comfy") + 8 + load() * 1.5 + 2 * c * f(), opened(fmt))
+               for fmt in COMFY_ROWS],
              ("fuse-quant", lambda: 8 + 4 * c * f(), row_fuse_quant)]
     rows += offload_rows(ctx)
     rows += [("lora", lambda: 4 + load() / 2 + 2 * c * f(), row_lora),

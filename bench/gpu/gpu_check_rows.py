@@ -258,7 +258,8 @@ def opened(row):
 
 def matmul_note(eng, fmt, inp) -> str:
     """Which matmul the row's layers ran: fp8's torch._scaled_mm note, int8's torch._int_mm probe (cached by
-    the forward just timed, for its token count), GGUF's per-layer dequantization, else the dequantize path."""
+    the forward just timed, for its token count), GGUF's per-layer dequantization, ComfyUI's formats' notes
+    (quant/comfy's prepare), else the dequantize path."""
     if fmt == "int8":
         lin = next(m for m in eng.model.modules() if isinstance(m, Q.Int8Linear))
         tokens = inp[0].shape[0] * inp[0].shape[2] * inp[0].shape[3] // eng.model.config.patch_size ** 2
@@ -268,7 +269,8 @@ def matmul_note(eng, fmt, inp) -> str:
     if fmt in GGUF_NAMES:
         n = sum(isinstance(m, GGUFLinear) for m in eng.model.modules())
         return f"{n} GGUF {fmt.upper()} layers: their bytes dequantized per layer each forward (bf16 matmul)"
-    return "; ".join(n for n in eng.notes if "fp8 matmul" in n) or "dequantize path"
+    return "; ".join(n for n in eng.notes if n.startswith(("fp8 matmul", "int8_tensorwise matmul", "nvfp4 / mxfp8"))) \
+        or "dequantize path"
 
 
 def state_dict_check(m) -> str:

@@ -39,7 +39,8 @@ def cmd_quantize(args) -> dict:
     if writer.formats is not None and not out.endswith(writer.suffix):  # a writer of its own (GGUF)
         raise ValueError(f"--format {args.format} writes a {writer.label} file: the output must end in {writer.suffix}, "
                          f"not '{args.output}'")
-    other = next((w for w in FILE_WRITERS.values() if w is not writer and w.formats is not None and out.endswith(w.suffix)), None)
+    other = next((w for w in FILE_WRITERS.values() if w.suffix != writer.suffix and w.formats is not None
+                  and out.endswith(w.suffix)), None)  # another writer's file kind (two writers may share .safetensors)
     if other is not None:
         raise ValueError(f"output '{args.output}' is a {other.label} file: --format must be a {other.label} type "
                          f"({', '.join(writer_formats(other))}), not {args.format} (which writes {writer.suffix})")

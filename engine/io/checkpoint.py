@@ -202,11 +202,24 @@ def check_architecture(ckpt: Checkpoint):
             f"(the file has {len(keys)} tensors, e.g. {sample}{f'; general.architecture {arch!r}' if arch else ''})"
         )
     try:
-        cfg = family.config_from_shapes(ckpt.shapes(), ckpt.config_overrides, ckpt.config_source or "config")
+        cfg = family.config_from_shapes(_unpacked_shapes(ckpt), ckpt.config_overrides, ckpt.config_source or "config")
     except ValueError as e:
         raise CheckpointError(f"{ckpt.describe()}: not a usable {family.title} diffusion model: {e}") from None
     check_float_dtypes(ckpt)
     return cfg
+
+
+def _unpacked_shapes(ckpt: "Checkpoint") -> Dict[str, Tuple[int, ...]]:
+    """The shapes the architecture check compares: a 4-bit weight packed two values a byte (U8 [out, in/2] with
+    its ``_scale``: sgld's int4, ComfyUI's nvfp4) counts its values, so a file that keeps some layers dense and
+    packs the others (ComfyUI's "Mixed NVFP4") is one architecture. Its format's reader checks it in full."""
+    shapes = ckpt.shapes()
+    for k, (f, fk) in ckpt.index.items():
+        shape = shapes[k]
+        if (k.endswith(".weight") and len(shape) == 2 and f.dtype(fk) == torch.uint8 and k + "_scale" in ckpt.index
+                and ckpt.kind(k) is None):
+            shapes[k] = (shape[0], 2 * shape[1])
+    return shapes
 
 
 def _a(title: str) -> str:

@@ -2,6 +2,7 @@
 (issue 17, items 5, 7, 8 and the .bin part of 14): small files that would ask for a huge model, pre-quantized
 files with missing or wrong companions, safetensors the format forbids, malformed metadata / config.json /
 index files, and a fuzz run over byte flips of a tiny checkpoint's header."""
+import importlib.util
 import json
 import os
 import pickle
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from comfy_quant_files import write_comfy
 from safetensors.torch import load_file, save_file
 
 import engine
@@ -193,7 +195,8 @@ INT4_CASES = [
      None),  # consistent [192, 2]: a valid other group size (32); loads
     ("zero-other-shape", _set(UP + ".weight_zero", torch.zeros(192, 2, dtype=torch.bfloat16)), "they must match"),
     ("scale-int", _set(UP + ".weight_scale", lambda s: s.to(torch.int16)), "is I16"),
-    ("packed-wrong", _set(UP + ".weight", lambda w: w[:, :16].contiguous()), f"'{UP}.weight' has shape (192, 16)"),
+    # the architecture check counts a packed 4-bit weight's values (two a byte): stored [192, 16] holds [192, 32]
+    ("packed-wrong", _set(UP + ".weight", lambda w: w[:, :16].contiguous()), f"'{UP}.weight' has shape (192, 32)"),
     ("packed-wrong-everywhere", lambda sd: sd.update({k: v[:, :16].contiguous() for k, v in sd.items() if k.endswith("up_proj.weight")}),
      "int4 tensor 'layers.0.mlp.up_proj.weight' has shape (192, 32) (stored packed as [192, 16]), but a model of this configuration needs (192, 64)"),
     ("scale-inf", _set(UP + ".weight_scale", lambda s: s.index_fill(0, torch.tensor([0]), float("inf"))), "not finite and > 0"),
@@ -512,7 +515,12 @@ def _fuzz_bases(tmp_path):
                 for k in sd if k.endswith(".weight") and sd[k].dim() == 2})
     csd["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     save_file(csd, str(comfy))
-    return [plain, q, q4, comfy]
+    # ComfyUI's block formats as comfy-kitchen writes them: fp8 / U8 block scales, tags in tensors or the header
+    kitchen = [] if importlib.util.find_spec("comfy_kitchen") is None else [
+        (fmt, tags) for fmt, tags in (("nvfp4", "tensor"), ("mxfp8", "header"), ("int8_tensorwise", "tensor"))]
+    for fmt, tags in kitchen:
+        write_comfy(tmp_path / f"base-{fmt}.safetensors", sd, fmt, tags)
+    return [plain, q, q4, comfy] + [tmp_path / f"base-{fmt}.safetensors" for fmt, _ in kitchen]
 
 
 def load_or_refuse(path, data: bytes, outcomes: dict, case: str) -> None:
@@ -560,6 +568,7 @@ def test_fuzzed_headers_only_ever_give_checkpoint_errors(tmp_path):
 
 
 FUZZ_VALUES = [0, 1, -1, 2, 7, 8, 16, 32, 2 ** 63, 1.5, float("nan"), "", "x", "F32", "U8", "BF16", "I64", "F8_E4M3",
+               "F8_E8M0", "I8", [32, 16], [128, 4], "nvfp4", "mxfp8", "int8_tensorwise", '{"format": "mxfp8"}',
                None, True, [], [0], [1, 2], {}, {"a": 1}, "fp8", "[1]", '{"format": "nvfp4"}', '{"num_layers": 3}']
 
 

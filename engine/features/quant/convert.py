@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Tuple, Union
+from typing import Callable, Dict, List, Tuple, Union
 
 import torch
 
@@ -17,9 +17,13 @@ from .prequantized import SGLD_META_KEY, QuantPlan
 from .registry import FileWriter, choices, get_format, parse_format, register_writer
 
 
-def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dtype] = None) -> dict:
+def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dtype] = None,
+                  layer_tensors: Callable[[torch.nn.Module], Dict[str, torch.Tensor]] = stored_tensors,
+                  record: bool = True) -> dict:
     """Read a DiT checkpoint (bf16/fp16/fp32, or already quantized) and write its block linears in
-    format ``fmt`` in the sgld layout; everything else in the compute dtype. Returns a summary."""
+    format ``fmt`` in the sgld layout; everything else in the compute dtype. Returns a summary.
+    ``layer_tensors``: a quantized layer's tensors by leaf name (another layout's, e.g. ComfyUI's with its
+    tag: comfy/convert.py); ``record``: write the ``sgld_quant`` metadata (the sgld layout's)."""
     kind, group = parse_format(fmt)
     if kind is None:
         raise ValueError("--format must be one of " + ", ".join(choices()))
@@ -46,7 +50,7 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
                 specs.append((k, compute, (n, k_in)))
                 jobs[k] = (layer, "dense")
                 continue
-            for leaf, t in stored_tensors(shaped).items():
+            for leaf, t in layer_tensors(shaped).items():
                 specs.append((f"{layer}.{leaf}", t.dtype, tuple(t.shape)))
                 jobs[f"{layer}.{leaf}"] = (layer, leaf)
         elif leaf == "weight" and layer in plan.layers:  # a quantized non-block layer: store it dense
@@ -69,11 +73,11 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
         if part == "dense":
             return dense(layer).to(compute)
         if cache.get("layer", (None,))[0] != layer:
-            cache["layer"] = (layer, stored_tensors(target.quantize(dense(layer), None, group)))
+            cache["layer"] = (layer, layer_tensors(target.quantize(dense(layer), None, group)))
         return cache["layer"][1][part]
 
     meta = {SGLD_META_KEY: json.dumps({"format": kind, "group_size": group or None, "version": 1,
-                                       "compute_dtype": str(compute).replace("torch.", "")})}
+                                       "compute_dtype": str(compute).replace("torch.", "")})} if record else {}
     config_key = family.config_metadata_key
     config_meta = next((f.metadata[config_key] for f in ckpt.files if config_key and config_key in f.metadata), None)
     if config_meta:

@@ -102,7 +102,9 @@ class QuantPlan:
             self.sources.add("comfy_quant")
         self.keys, self.legacy, self.declared = keys, legacy, declared
         for fmt in FORMATS.values():  # registration order: the first format that claims a layer has it
-            for layer, info in fmt.read_layers(self, keys).items():
+            # a layer tagged with a ComfyUI format is only offered to the entry that takes that format
+            others = {layer + ".weight" for layer, info in declared.items() if info.get("format") not in fmt.comfy_formats}
+            for layer, info in fmt.read_layers(self, keys - others).items():
                 self.layers.setdefault(layer, {**info, "kind": fmt.name})
         for k in sorted(keys):  # an integer weight with a scale that no registered format reads
             layer = k[: -len(".weight")]
@@ -117,32 +119,43 @@ class QuantPlan:
         self.ignored += [k for k in keys if k.endswith(IGNORED_SUFFIXES)]
 
     def keys_of(self, layer: str) -> List[str]:
-        """The file's tensors of a quantized layer: its weight, then its scale and zero if stored."""
+        """The file's tensors of a quantized layer: its weight, then its scale and zero if stored, then the
+        format's other companions (``extra``: role -> key, e.g. nvfp4's ``weight_scale_2``)."""
         info = self.layers[layer]
-        return [layer + ".weight"] + [info[k] for k in ("scale_key", "zero_key") if info.get(k)]
+        return ([layer + ".weight"] + [info[k] for k in ("scale_key", "zero_key") if info.get(k)]
+                + list(info.get("extra", {}).values()))
 
     def stored_keys(self) -> Set[str]:
         """Every key that is part of a quantized layer, a marker or an unused input scale."""
         return {k for layer in self.layers for k in self.keys_of(layer)} | set(self.ignored)
 
     def stored(self, layer: str, parts: Dict[str, torch.Tensor]) -> Dict[str, Optional[torch.Tensor]]:
-        """A quantized layer's tensors by their role ("weight", "weight_scale", "weight_zero"; None when the
-        file has none), checked: scales finite and > 0, zeros finite."""
+        """A quantized layer's tensors by their role ("weight", "weight_scale", "weight_zero" and the format's
+        ``extra`` roles; None when the file has none), checked: scales finite and > 0 (a format's ``rules``
+        may allow 0: block scales of all-zero blocks), zeros finite. A role in the format's ``views`` is read
+        as that dtype first (ComfyUI stores fp8 block scales as U8 too)."""
         info = self.layers[layer]
-        scale, zero = info.get("scale_key"), info.get("zero_key")
-        return {"weight": parts[layer + ".weight"],
-                "weight_scale": self._finite(scale, parts[scale], positive=True) if scale else None,
-                "weight_zero": self._finite(zero, parts[zero], positive=False) if zero else None,
-                # the layer's shapes as the header gives them (a packed layer's bytes do not say its shape)
-                "shape": info["shape"], "stored_shape": info.get("stored_shape")}
+        rules, views = info.get("rules", {}), info.get("views", {})
+        roles = {"weight_scale": info.get("scale_key"), "weight_zero": info.get("zero_key"), **info.get("extra", {})}
+        out: Dict[str, object] = {"weight": parts[layer + ".weight"]}
+        for role, key in roles.items():
+            t = parts[key] if key else None
+            if t is not None and role in views and t.dtype != views[role]:
+                t = t.view(views[role])
+            out[role] = None if t is None else self._finite(key, t, rules.get(role, "finite" if role == "weight_zero" else "> 0"))
+        # the layer's shapes as the header gives them (a packed layer's bytes do not say its shape), and a ComfyUI
+        # layer's own tag ({"format": ..., "full_precision_matrix_mult": ...})
+        return {**out, "shape": info["shape"], "stored_shape": info.get("stored_shape"), "config": self.declared.get(layer, {})}
 
-    def _finite(self, key: str, t: torch.Tensor, positive: bool) -> torch.Tensor:
+    def _finite(self, key: str, t: torch.Tensor, rule: str) -> torch.Tensor:
+        """``t`` when its values are finite and, by ``rule``, "> 0", ">= 0" or any ("finite"); else a CheckpointError."""
         values = t.float()
-        bad = ~torch.isfinite(values) | (values <= 0) if positive else ~torch.isfinite(values)
+        bad = ~torch.isfinite(values)
+        bad |= (values <= 0) if rule == "> 0" else (values < 0) if rule == ">= 0" else torch.zeros_like(bad)
         if bool(bad.any()):
             first = values.reshape(-1)[bad.reshape(-1)][0].item()
             raise CheckpointError(f"{self.ckpt.where(key)}: {int(bad.sum())} values are not "
-                                  f"{'finite and > 0' if positive else 'finite'} (e.g. {first})")
+                                  f"{'finite' if rule == 'finite' else 'finite and ' + rule} (e.g. {first})")
         return t
 
     def dequantize(self, layer: str, parts: Dict[str, torch.Tensor]) -> torch.Tensor:

@@ -26,8 +26,11 @@ class WeightFormat:
     ``quantize(weight, bias, group)`` -> a module, or None when this layer stays dense; ``weight_bytes(shape,
     group, dense dtype)``: bytes at rest once quantized; ``from_stored(parts)`` / ``dequantize(parts)``: a
     module / the float32 weight from a file's tensors ({"weight", "weight_scale", "weight_zero"}, scale and
-    zero possibly None); ``read_layers(plan, keys)``: the file's layers in this format, each checked from the
-    header, as {layer: {"scale_key", "zero_key" (either may be absent or None), "shape" ([out, in] unpacked)}}
+    zero possibly None, plus the layer's ``extra`` roles, its "shape" and its ComfyUI tag as "config");
+    ``read_layers(plan, keys)``: the file's layers in this format, each checked from the header, as
+    {layer: {"scale_key", "zero_key" (either may be absent or None), "shape" ([out, in] unpacked), and
+    optionally "extra" (role -> key of other companions), "rules" (role -> "> 0" | ">= 0" | "finite": the
+    values allowed) and "views" (role -> dtype the stored bytes are read as)}}
     (engine/features/quant/prequantized.py); ``concat(parts)`` / ``rows(module, start, stop)``: fused
     projections' join of same-format parts (with their joined bias; None: cannot be joined) and split (the
 part's bias given); ``join(leaf, tensors, rows)``: one checkpoint

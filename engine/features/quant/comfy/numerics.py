@@ -1,0 +1,125 @@
+"""ComfyUI's quantized formats computed by comfy-kitchen (PyPI ``comfy-kitchen``, ComfyUI's own kernel library):
+its quantizers and dequantizers define the bytes (nibble order, the cuBLAS tile swizzle of the block scales), so
+this engine reads the files exactly as ComfyUI does. Imported on first use: a missing package is named with
+the extra that brings it (``pip install 'comfyui-sgldiffusion[kitchen]'``) instead of failing the engine's import.
+
+Shapes (ComfyUI pads a layer to whole tiles; comfy_kitchen/tensor/*.py):
+- nvfp4: ``weight`` U8 [out16, in16 / 2] (two e2m1 values a byte, the even one in the high nibble),
+  ``weight_scale`` F8_E4M3 [out128, in16 / 16 rounded up to 4] (one per 16 values, swizzled),
+  ``weight_scale_2`` F32 scalar (w = value * block scale * weight_scale_2);
+- mxfp8: ``weight`` F8_E4M3 [out32, in32], ``weight_scale`` F8_E8M0 [out128, in32 / 32 rounded up to 4];
+- int8_tensorwise: ``weight`` I8 [out, in], ``weight_scale`` F32 scalar (or one per output row).
+(outN: out rounded up to a multiple of N.)"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+PACKAGE = "comfy-kitchen"
+INSTALL = "pip install 'comfyui-sgldiffusion[kitchen]'"
+NVFP4_BLOCK, MXFP8_BLOCK = 16, 32
+E2M1_MAX, E4M3_MAX = 6.0, 448.0
+_kitchen = None
+
+
+def kitchen_missing() -> Optional[str]:
+    """None when comfy-kitchen imports, else why not (the message users read, naming the package and the extra)."""
+    try:
+        kitchen()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+def kitchen():
+    """The ``comfy_kitchen`` module (imported once; its import takes a second)."""
+    global _kitchen
+    if _kitchen is None:
+        try:
+            import comfy_kitchen
+        except ImportError as e:
+            raise ImportError(f"ComfyUI's nvfp4 / mxfp8 / int8_tensorwise layers are computed by the package "
+                              f"'{PACKAGE}', which does not import here ({e}); install it: {INSTALL}") from None
+        _kitchen = comfy_kitchen
+    return _kitchen
+
+
+def roundup(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def block_scale_shape(rows: int, blocks: int) -> Tuple[int, int]:
+    """The swizzled block-scale tensor of ``rows`` x ``blocks`` scales (cuBLAS tiles of 128 rows x 4 blocks)."""
+    return roundup(rows, 128), roundup(blocks, 4)
+
+
+def dequantize_nvfp4(weight: torch.Tensor, block_scale: torch.Tensor, scale: torch.Tensor, shape: Tuple[int, int],
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[out, in] in ``dtype`` from nvfp4 bytes (padding cut off)."""
+    ck = kitchen()
+    full = ck.dequantize_nvfp4(weight, scale.float(), block_scale.view(torch.float8_e4m3fn), dtype)
+    return full[: shape[0], : shape[1]]
+
+
+def dequantize_mxfp8(weight: torch.Tensor, block_scale: torch.Tensor, shape: Tuple[int, int],
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    full = kitchen().dequantize_mxfp8(weight, block_scale.view(torch.float8_e8m0fnu), dtype)
+    return full[: shape[0], : shape[1]]
+
+
+def int8_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A stored int8_tensorwise scale as float32, one or one per output row ([out, 1])."""
+    s = scale.float()
+    return s.reshape(()) if s.numel() == 1 else s.reshape(-1, 1)
+
+
+def dequantize_int8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return kitchen().dequantize_int8_simple(weight, int8_scale(scale)).to(dtype)
+
+
+def quantize_nvfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] -> (weight, weight_scale, weight_scale_2) as ComfyUI stores them (comfy-kitchen's quantizer)."""
+    wf = w.float()
+    scale = (wf.abs().amax() / (E4M3_MAX * E2M1_MAX)).clamp(min=1e-30)
+    pad = roundup(wf.shape[0], 16) != wf.shape[0] or roundup(wf.shape[1], 16) != wf.shape[1]
+    q, block = kitchen().quantize_nvfp4(wf, scale, pad_16x=pad)
+    return q, block, scale
+
+
+def quantize_mxfp8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    wf = w.float()
+    pad = roundup(wf.shape[0], 32) != wf.shape[0] or roundup(wf.shape[1], 32) != wf.shape[1]
+    return kitchen().quantize_mxfp8(wf, pad_32x=pad)
+
+
+def quantize_int8_tensorwise(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return kitchen().quantize_int8_tensorwise(w.float())
+
+
+# -- Blackwell's block-scaled GEMMs (comfy-kitchen's CUDA kernels, sm100+): the activations quantized per forward --
+def nvfp4_linear(x2: torch.Tensor, weight, block_scale, scale, out_features: int, bias=None) -> torch.Tensor:
+    """[tokens, in] x nvfp4 weight -> [tokens, out]: ``x2`` quantized to nvfp4 (one scale per tensor, e4m3 per 16
+    values, padded to tiles), then ``scaled_mm_nvfp4``, as ComfyUI's nvfp4 linear does on Blackwell."""
+    ck = kitchen()
+    xs = (x2.abs().amax().float() / (E4M3_MAX * E2M1_MAX)).clamp(min=1e-30)
+    xq, xb = ck.quantize_nvfp4(x2, xs, pad_16x=True)
+    y = ck.scaled_mm_nvfp4(xq, weight, xs, scale.float(), xb, block_scale, bias=bias, out_dtype=x2.dtype)
+    return y[: x2.shape[0], :out_features]
+
+
+def mxfp8_linear(x2: torch.Tensor, weight, block_scale, out_features: int, bias=None) -> torch.Tensor:
+    """[tokens, in] x mxfp8 weight: ``x2`` quantized to mxfp8 (padded to tiles of 32), then ``scaled_mm_mxfp8``."""
+    ck = kitchen()
+    xq, xb = ck.quantize_mxfp8(x2, pad_32x=True)
+    y = ck.scaled_mm_mxfp8(xq, weight, xb, block_scale, bias=bias, out_dtype=x2.dtype)
+    return y[: x2.shape[0], :out_features]
+
+
+def gpu_backend(device: torch.device, op: str):
+    """The name of comfy-kitchen's GPU backend that has ``op`` for this device, or None (with why)."""
+    if device.type != "cuda":
+        return None, "not a CUDA / HIP device"
+    names = [n for n, b in kitchen().list_backends().items() if n in ("cuda", "hip") and b.get("available")
+             and op in b.get("capabilities", ())]
+    return (names[0], "") if names else (None, f"comfy-kitchen has no GPU kernel '{op}' here")
