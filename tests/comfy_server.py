@@ -33,6 +33,22 @@ def python() -> str:
     return venv if os.path.exists(venv) else sys.executable
 
 
+def server_threads() -> int:
+    """The CPU threads torch takes in a process started as start_server starts one (no PYTHONPATH, this
+    process's environment: OMP_NUM_THREADS under the test workers): what an in-process run compared bit for
+    bit with a server's must use."""
+    key = os.environ.get("OMP_NUM_THREADS", "")
+    if key not in _SERVER_THREADS:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                             capture_output=True, text=True, check=True, env=env, timeout=120)
+        _SERVER_THREADS[key] = int(out.stdout.strip())
+    return _SERVER_THREADS[key]
+
+
+_SERVER_THREADS: dict = {}
+
+
 def ensure_comfyui(timeout: float = 1200) -> str:
     """Install ComfyUI 0.3.75 into COMFY_DIR unless it is there already; returns COMFY_DIR."""
     if not os.path.exists(os.path.join(COMFY_DIR, ".sgld-ready")):

@@ -12,7 +12,8 @@ import comfy_server  # noqa: E402  (tests/ is on sys.path: pytest puts a conftes
 
 PROFILE_USERS = pytest.StashKey[dict]()
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1 under pytest-xdist (scripts/test.sh)
+if WORKER:
     # Two workers on two cores: one CPU thread each (and in the processes they start), or torch's threads
     # contend and the suite runs slower than on one process.
     import torch
@@ -45,42 +46,40 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "comfy" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.server)
-    if config.pluginmanager.hasplugin("xdist"):
-        _group_for_workers(items)
+    if WORKER:
+        _order_for_workers(items)
 
 
 # A test's rough cost for ordering the workers' queue (seconds on a 2-core machine, by its marks).
 MARK_COST = {"slow": 20.0, "subprocess": 5.0, "server": 2.0}
 
 
-def _group_for_workers(items) -> None:
-    """Under pytest-xdist (scripts/test.sh: ``-n 2 --dist loadgroup --no-loadscope-reorder``): a module runs
-    whole on one worker, so its module fixtures are made once; the modules of one ComfyUI server profile run on
-    the same worker, so each profile's server still starts once (ComfyServers). The groups are queued costliest
-    first (longest-processing-time order), so no long group starts last while the other worker idles."""
-    profiles, server_modules = {}, set()
+def _order_for_workers(items) -> None:
+    """Under pytest-xdist (scripts/test.sh: ``-n 2 --dist loadfile --no-loadscope-reorder``) a test file runs
+    whole on one worker, so its module fixtures are made once. The files are queued costliest first
+    (longest-processing-time order, so no long file starts last while the other worker idles), the files of
+    one ComfyUI server profile next to each other, so a worker mostly finds its server running."""
+    profile_of, cost = {}, {}
     for item in items:
+        module = item.module.__name__
         if _uses_our_comfy(item):
-            profiles.setdefault(comfy_profile(item.module), len(profiles))
-            server_modules.add(item.module.__name__)
-    group_of = {}
-    for item in items:
-        module = item.module
-        on_server = module.__name__ in server_modules
-        group_of[item.nodeid] = f"comfyui-{profiles[comfy_profile(module)]}" if on_server else module.__name__
-        item.add_marker(pytest.mark.xdist_group(group_of[item.nodeid]))
-    cost = {}
-    for item in items:
+            profile_of[module] = comfy_profile(item.module)
         marks = {m.name for m in item.iter_markers()}
-        group = group_of[item.nodeid]
-        cost[group] = cost.get(group, 0.0) + 0.5 + sum(c for name, c in MARK_COST.items() if name in marks)
-    items.sort(key=lambda item: -cost[group_of[item.nodeid]])  # stable: a group's tests keep their order
+        cost[module] = cost.get(module, 0.0) + 0.5 + sum(c for name, c in MARK_COST.items() if name in marks)
+    group_cost = {}
+    for module, c in cost.items():
+        group = profile_of.get(module, module)
+        group_cost[group] = group_cost.get(group, 0.0) + c
+    order = {}
+    for module in sorted(cost, key=lambda m: (-group_cost[profile_of.get(m, m)], str(profile_of.get(m, m)), -cost[m])):
+        order[module] = len(order)
+    items.sort(key=lambda item: order[item.module.__name__])  # stable: a file's tests keep their order
 
 
 def pytest_collection_finish(session):
     """The modules of each server profile among the tests that will run (after -k / -m), so that the
-    profile's server stops after the last of them. Under xdist each worker collects every test, and a
-    profile's modules all run on one worker (_group_for_workers)."""
+    profile's server stops after the last of them. Under xdist a worker does not know which of them it will
+    run: there it keeps one idle server (ComfyServers.take)."""
     users = session.config.stash.setdefault(PROFILE_USERS, {})
     for item in session.items:
         if _uses_our_comfy(item):
@@ -117,7 +116,8 @@ def _add_files(base: str, comfy_files) -> list:
 
 class ComfyServers:
     """The session's ComfyUI servers, one per profile (comfy_profile), started for the first module that
-    needs one and stopped after the last (the modules collected with that profile), or at the session's end."""
+    needs one and stopped after the last (the modules collected with that profile), or at the session's end;
+    under xdist, when the worker needs another profile's."""
 
     def __init__(self, tmp_path_factory, users: dict):
         self.tmp, self.users, self.running, self.added = tmp_path_factory, users, {}, {}
@@ -128,6 +128,8 @@ class ComfyServers:
         if server is not None and server.alive():
             server.reset()  # the module before left its history, caches and models
         else:
+            if WORKER:  # memory: each server holds about 1.3 GB; the users of the idle ones are unknown here
+                self.stop_all()
             fill_base, args, env = profile
             base = str(self.tmp.mktemp("comfy"))
             fill_base(base)
@@ -168,11 +170,17 @@ def comfy(request, comfy_servers):
     """A real ComfyUI 0.3.75 server with this pack for the test module: the one of the module's profile
     (comfy_profile), shared with the other modules of that profile, reset (ComfyServer.reset) between them
     and stopped (its process group) after the last. A module that changes what a server is (its base
-    folder's models, its process) declares a profile of its own."""
+    folder's models, its process) declares a profile of its own. While the module runs, this process computes
+    on the server's CPU thread count, so its in-process references are bit-comparable."""
+    import torch
+
     server = comfy_servers.take(request.module)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(comfy_server.server_threads())  # the module's in-process runs compute as the server
     try:
         yield server
     finally:
+        torch.set_num_threads(threads)
         comfy_servers.release(request.module)
 
 

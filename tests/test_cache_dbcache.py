@@ -12,7 +12,6 @@ from engine.models import family
 from engine.models.ernie_image import run_all_blocks
 from engine.models.random_weights import SIZES, random_model
 
-torch.set_num_threads(2)
 ENV_VARS = ("ENABLED", "SCM_PRESET", "FN", "BN", "WARMUP", "RDT", "MC", "TAYLORSEER", "TS_ORDER", "SCM_POLICY")
 
 

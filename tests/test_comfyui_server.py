@@ -395,19 +395,7 @@ def test_tiny_graph_bit_equal_to_engine(comfy, kw):
     assert torch.equal(got, want), f"max abs diff {(got - want).abs().max().item()}"
     stats = entry["outputs"]["5"]["sgld_stats"][0]
     assert stats["model_calls"] >= 1
-    assert stats["threads"] == comfy_threads()  # an ERNIE-Image model keeps ComfyUI's (torch's) CPU thread count
-
-
-def comfy_threads() -> int:
-    """The CPU threads torch takes in a process started as the ComfyUI server is (tests/comfy_server.py: no
-    PYTHONPATH): torch's own choice."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
-                         text=True, check=True, env=env)
-    return int(out.stdout.strip())
+    assert stats["threads"] == cs.server_threads()  # an ERNIE-Image model keeps ComfyUI's (torch's) CPU thread count
 
 
 @pytest.mark.parametrize("options", [dict(quant="fp8", attention="math"), dict(quant="int4")],

@@ -119,6 +119,7 @@ for lora_file, out_file in zip(jobs[::2], jobs[1::2]):
 """
 
 
+@pytest.mark.subprocess  # runs ComfyUI's weight_adapter code in its own Python process
 def test_merge_equals_comfyuis_own_weight_adapters(tmp_path):
     """comfy.lora.load_lora + calculate_weight of the vendored ComfyUI (its LoKrAdapter / LoHaAdapter), in one
     subprocess, on the same float32 weights: our merge gives the same weights (float32 rounding apart). Where
