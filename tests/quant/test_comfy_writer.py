@@ -40,7 +40,7 @@ QUANT_ALGOS = {
 FORMATS = {"nvfp4": "nvfp4", "mxfp8": "mxfp8", "int8-tensorwise": "int8_tensorwise", "float8-e4m3fn": "float8_e4m3fn",
            "convrot-w4a4": "convrot_w4a4", "asym-w4a8-int8": "asym_w4a8_int8"}
 ENTRY = {"float8-e4m3fn": "fp8"}  # the format entry that reads a --format's layers, where its name differs
-EXACT_LINEAR = ("nvfp4", "mxfp8", "float8-e4m3fn")  # ComfyUI's F.linear dequantizes these on this machine
+EXACT_LINEAR = ("nvfp4", "mxfp8")  # ComfyUI's F.linear dequantizes these on this machine, as the engine does
 
 
 def comfy_load(sd: dict, layer: str, shape, dtype=torch.bfloat16):
@@ -71,13 +71,13 @@ def test_sgld_quantize_writes_comfyuis_layout_that_its_loader_reads(bf16_file, t
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for layer in layers:
         ours = model.get_submodule(layer)
-        exact = fmt in EXACT_LINEAR or fmt == "int8-tensorwise"
+        exact = fmt in EXACT_LINEAR or fmt == "int8-tensorwise"  # else comfy-kitchen rounds in the output dtype
         conf, weight = comfy_load(sd, layer, (ours.out_features, ours.in_features), torch.bfloat16 if exact else torch.float32)
         params = {"convrot-w4a4": {"convrot_groupsize": 64}, "asym-w4a8-int8": {"group_size": 16, "convrot_groupsize": 64}}
         assert conf == {"format": FORMATS[fmt], **params.get(fmt, {})}  # the tiny model's 64 / 192 inputs: groups of 64
         if exact:  # as ComfyUI dequantizes it in the model's dtype
             assert torch.equal(weight.dequantize(), ours.dequantize(torch.bfloat16)), layer
-        else:  # comfy-kitchen rotates back in the output dtype: compared in float32
+        else:  # (fp8's product, the rotation back): the float32 weights compared
             assert torch.equal(weight.dequantize(), ours.dequantize()), layer
         if ours.in_features == x.shape[1] and fmt in EXACT_LINEAR:
             with torch.inference_mode():

@@ -392,7 +392,8 @@ INT8_TENSORWISE = register_format(WeightFormat(
     weight_bytes=lambda shape, group, dense: shape[0] * shape[1] + 4, from_stored=_int8_from_stored,
     dequantize=lambda p: _int8_from_stored(p).dequantize(), read_layers=read_layers("int8_tensorwise"),
     concat=_int8_concat, rows=_int8_rows, join=_int8_join, split=_int8_split, comfy_formats=("int8_tensorwise",),
-    help=HELP["int8_tensorwise"], storage="ComfyUI's layout: int8 + one F32 scale per tensor (or per row)",
+    help=HELP["int8_tensorwise"], storage="ComfyUI's layout: int8 + one F32 scale per tensor (or per row); with "
+                                          "ConvRot (tag `convrot`) rotated by groups of inputs",
     compute="activations quantized per token, `torch._int_mm` on CPU (faster there than comfy-kitchen's eager "
             "`int8_linear`), comfy-kitchen's `int8_linear` on CUDA / HIP after a probe; the tag's "
-            "`full_precision_matrix_mult`: dequantized + dense GEMM"))
+            "`full_precision_matrix_mult`: dequantized + dense GEMM; ConvRot: the activations rotated first"))
