@@ -83,9 +83,9 @@ def main():
         "asym-w4a8-int8 (dequantized, the layer on CPU)": w4a8,
         "asym-w4a8-int8 via comfy-kitchen eager w4a8_int8_linear (int8 activations)": (
             lambda: w4a8.kitchen_forward(x, None), None),
-        "awq-w4a16 round-to-nearest (dequantized, the layer on CPU)": awq,
-        "awq-w4a16 via comfy-kitchen gemv_awq_w4a16": (
-            lambda: ck.gemv_awq_w4a16(x, awq.weight, awq.weight_scale, awq.weight_zeros, None, awq.group), None),
+        "awq-w4a16 round-to-nearest (the layer: comfy-kitchen gemv_awq_w4a16 on bf16 activations)": awq,
+        "awq-w4a16 dequantized in float32 (the layer on float32 activations) + bf16 GEMM": (
+            lambda: F.linear(x, awq.dequantize(torch.bfloat16)), None),
         "engine int8 (per-channel W8A8)": Q.Int8Linear.from_dense(w),
         "engine fp8 (dequantized)": Q.FP8Linear.from_dense(w),
     }

@@ -81,6 +81,18 @@ def test_the_gpu_path_is_comfy_kitchens_linear_and_cpu_dequantizes(files, fmt):
     assert f"{fmt} matmul: dequantized per layer by comfy-kitchen, then a dense GEMM (CPU)" in Q.prepare_fast_paths(model)
 
 
+def test_awq_runs_comfy_kitchens_gemv_in_the_scales_dtype(files):
+    """bf16 activations (the scales' dtype): ComfyUI's ``gemv_awq_w4a16``; float32 ones keep the dequantized path."""
+    layer = load_model(files["awq_w4a16"], dtype="fp32").layers[0].mlp.gate_proj
+    assert layer.full_precision  # the file's tags say full_precision_matrix_mult: always dequantized
+    layer.full_precision = False  # as a tag without it
+    x = torch.randn(9, layer.in_features, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        theirs = ck.gemv_awq_w4a16(x.bfloat16(), layer.weight, layer.weight_scale, layer.weight_zeros, None, 32)
+        assert layer.weight_scale.dtype == torch.bfloat16 and torch.equal(layer(x.bfloat16()), theirs)
+        assert torch.equal(layer(x), F.linear(x, layer.dequantize()))
+
+
 def test_cache_dit_lora_and_offload_run_the_new_formats(files, tmp_path):
     """One of each through the existing mechanisms: Cache-DiT on AWQ, a LoRA side path (exact removal) on ConvRot
     W4A4, layer-wise offload streaming the W4A8 bytes."""

@@ -2,10 +2,10 @@
 stored in ConvRot's rotated basis: groups of inputs times a Hadamard matrix) and "awq-w4a16" (AWQ's unsigned
 4-bit values with a scale and a zero point per group), read from ComfyUI's layout (reader.py; the tensors in
 numerics.py). A layer keeps the stored bytes and scales as frozen parameters (offload streams them, a LoRA is a
-side path on them) and computes with comfy-kitchen: on CPU each forward dequantizes the weight with its
-dequantizer and runs one dense GEMM (faster here than its eager W4A4 / W4A8 linears, which emulate the integer
-GEMMs: bench/speed/comfy_formats_bench.py); on CUDA its kernels, where a probe says they run and agree
-(``prepare``). Why and the limits: docs/quantization.md ("ComfyUI's quantized files")."""
+side path on them) and computes with comfy-kitchen: on CPU the rotated formats' forward dequantizes the weight
+with its dequantizer and runs one dense GEMM (faster here than its eager W4A4 / W4A8 linears, which emulate the
+integer GEMMs: bench/speed/comfy_formats_bench.py), on CUDA its kernels where a probe says they run and agree
+(``prepare``); AWQ runs its ``gemv_awq_w4a16`` (a dequantization and a GEMM) on every device. Why and the limits: docs/quantization.md ("ComfyUI's quantized files")."""
 from __future__ import annotations
 
 import math
@@ -138,6 +138,15 @@ class AWQW4A16Linear(_ComfyLinear):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return N.dequantize_awq(self.weight, self.weight_scale, self.weight_zeros, self.group, dtype)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """comfy-kitchen's ``gemv_awq_w4a16`` (ComfyUI's compute: dequantized in the scales' dtype, then a GEMM; a
+        little faster than the float32 dequantization) when the activations have that dtype; else (float32
+        activations) the dequantized path, which keeps their precision."""
+        if self.full_precision or x.dtype != self.weight_scale.dtype:
+            return super().forward(x)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return N.kitchen().gemv_awq_w4a16(x, self.weight, self.weight_scale, self.weight_zeros, bias, self.group)
+
     def layout_tag(self) -> dict:
         return {"group_size": self.group}
 
@@ -228,4 +237,5 @@ AWQ_W4A16 = register_format(WeightFormat(
     concat=lambda parts, bias: None, rows=_rows, packed=True, dense_why="has no quantizer (AWQ is calibrated offline)",
     split=_split, comfy_formats=("awq_w4a16",), help="ComfyUI's AWQ W4A16 (read only)",
     storage="ComfyUI's layout: uint4 pairs in I8, a scale and a zero point per 64 inputs (BF16 / F16)",
-    compute=f"{_DEQUANTIZED} (comfy-kitchen's `gemv_awq_w4a16` is the same on every device)"))
+    compute="comfy-kitchen's `gemv_awq_w4a16` (dequantized in the scales' dtype, then a dense GEMM) when the "
+            "activations have that dtype, else dequantized by comfy-kitchen to theirs + a dense GEMM"))
