@@ -165,6 +165,19 @@ def test_a_six_bit_w4a8_layer_loads_and_splits(files, tmp_path):
     torch.testing.assert_close(half.dequantize(), want[:, 96:], rtol=0, atol=1e-6)
 
 
+def test_a_mixed_file_with_dense_layers_is_one_architecture(files, tmp_path):
+    """Packed I8 rows ([out, in / 2]) next to dense ones: the architecture check counts the values the tag says."""
+    sd = load_file(str(files["convrot_w4a4"]))
+    kept = "layers.0.mlp.linear_fc2"
+    for leaf in ("weight_scale", "comfy_quant"):
+        del sd[f"{PREFIX}{kept}.{leaf}"]
+    sd[f"{PREFIX}{kept}.weight"] = SD[kept + ".weight"]
+    path = tmp_path / "mixed-w4a4.safetensors"
+    save_file(sd, str(path))
+    model = load_model(path, dtype="fp32")
+    assert type(model.layers[0].mlp.linear_fc2) is torch.nn.Linear and type(model.layers[1].mlp.linear_fc2) is ConvRotW4A4Linear
+
+
 def load_file_meta(path) -> str:
     from safetensors import safe_open
     with safe_open(str(path), "pt") as f:
