@@ -2,9 +2,10 @@
 from ComfyUI's layout (``X.comfy_quant`` tags or the header's ``_quantization_metadata``; the tensors and shapes
 in numerics.py). A layer keeps the stored bytes and scales as frozen parameters (offload moves them, LoRA side
 paths see a quantized layer) and computes as ComfyUI does: nvfp4 and mxfp8 dequantized per forward by
-comfy-kitchen, then a dense GEMM; int8_tensorwise W8A8 (activations quantized per token, an int8 GEMM) unless
-the layer's tag says ``full_precision_matrix_mult``. Why and the limits: docs/quantization.md ("ComfyUI's
-quantized files")."""
+comfy-kitchen, then a dense GEMM; int8_tensorwise W8A8 (activations quantized per token, an int8 GEMM; with
+ConvRot, rotated first) unless the layer's tag says ``full_precision_matrix_mult``. Also what every ComfyUI layer
+shares (``_ComfyLinear``, the GPU kernels' probe in ``prepare_comfy``, ``split_step``); the 4-bit integer layers:
+int4.py. Why and the limits: docs/quantization.md ("ComfyUI's quantized files")."""
 from __future__ import annotations
 
 import logging
