@@ -1,5 +1,5 @@
-"""ComfyUI's own quantized files (nvfp4, mxfp8, int8_tensorwise, written by comfy-kitchen's quantizers in ComfyUI's
-layout: tests/comfy_quant_files.py) in a real ComfyUI 0.3.75 server (one server for the module). ComfyUI 0.3.75
+"""ComfyUI's own quantized files (nvfp4, mxfp8, int8_tensorwise, convrot_w4a4, asym_w4a8_int8, written by
+comfy-kitchen's quantizers in ComfyUI's layout: tests/comfy_quant_files.py) in a real ComfyUI 0.3.75 server (one server for the module). ComfyUI 0.3.75
 itself reads none of these formats; the SGLDiffusion Model Loader does, and both its outputs run them: SGLD_MODEL
 through SGLDiffusion KSampler and comfy_model through ComfyUI's KSampler give the latent of the same weights
 dequantized by comfy-kitchen and saved as a dense file (tolerances as tests/test_comfyui_gguf.py); a LoRA is a
@@ -23,7 +23,10 @@ from engine.models.random_weights import SIZES, random_state_dict  # noqa: E402
 # ComfyUI's Flux2 latent has 128 channels
 CFG = dataclasses.replace(SIZES["tiny"], in_channels=128, out_channels=128)
 SD = random_state_dict(CFG, 0)
-FILES = {"nvfp4": "tensor", "mxfp8": "header", "int8_tensorwise": "tensor"}  # format -> where its tags are
+# format -> where its tags are (two of the 4-bit ones: each format costs two sampling runs; the others load through
+# the same node code, tests/quant/test_comfy_int4_formats.py checks them)
+FILES = {"nvfp4": "tensor", "mxfp8": "header", "int8_tensorwise": "tensor", "convrot_w4a4": "tensor",
+         "asym_w4a8_int8": "header"}
 LORA = "comfy-quant-lora.safetensors"
 
 

@@ -23,8 +23,8 @@ def table() -> str:
     dense = estimate_bytes(cfg, torch.bfloat16)
     lines = ["| format | storage | bytes vs bf16 (8B model) | compute |", "|---|---|---|---|"]
     for f in FORMAT_TABLE.values():
-        ratios = " / ".join(f"{estimate_bytes(cfg, torch.bfloat16, name) / dense:.2f}x" for name in f.choices)
-        names = " / ".join(f"`{name}`" for name in f.choices)
+        ratios = " / ".join(f"{estimate_bytes(cfg, torch.bfloat16, name) / dense:.2f}x" for name in f.choices) or "(read from files)"
+        names = " / ".join(f"`{name}`" for name in f.choices) or f"`{f.name}` (read only)"
         lines.append(f"| {names} | {f.storage} | {ratios} | {f.compute} |")
     return "\n".join(lines)
 

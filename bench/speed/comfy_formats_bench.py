@@ -2,7 +2,8 @@
 weight bytes vs bf16, output relative error vs the bf16 layer, and this process's CPU time (1 thread by default,
 median of interleaved repeats), bf16 activations. Also comfy-kitchen's own eager ``int8_linear`` on the same
 int8_tensorwise weights, against the engine's ``torch._int_mm`` W8A8 path (which the layer uses on CPU) and
-the engine's per-channel "int8" W8A8.
+the engine's per-channel "int8" W8A8; and for the 4-bit layouts and int8 with ConvRot rotation, comfy-kitchen's
+eager linears (ComfyUI's CPU compute, the CUDA kernels' reference) against the layer's CPU path.
 
     .venv/bin/python bench/speed/comfy_formats_bench.py [--tokens 1088] [--inp 1024] [--out 3072] [--reps 5]
 """
@@ -19,8 +20,28 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from engine.features import quant as Q  # noqa: E402
-from engine.features.quant.comfy import Int8TensorwiseLinear, MXFP8Linear, NVFP4Linear  # noqa: E402
+from engine.features.quant.comfy import (  # noqa: E402
+    AWQW4A16Linear,
+    ConvRotW4A4Linear,
+    Int8TensorwiseLinear,
+    MXFP8Linear,
+    NVFP4Linear,
+    W4A8Linear,
+)
 from engine.features.quant.comfy.numerics import kitchen  # noqa: E402
+
+
+def awq_round_to_nearest(w: torch.Tensor, group: int = 64) -> AWQW4A16Linear:
+    """AWQ's layout without its calibration (comfy-kitchen has no AWQ quantizer): asymmetric round-to-nearest,
+    w = (q - 8) * scale + zero per group of inputs, scale and zero in bf16."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo = g.amin(-1)
+    scale = ((g.amax(-1) - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
+    q = ((g - lo[..., None]) / scale.float()[..., None]).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    zero = (lo + 8 * scale.float()).to(torch.bfloat16)
+    return AWQW4A16Linear(packed, scale.t().contiguous(), zero.t().contiguous(), group)
 
 
 def main():
@@ -38,6 +59,11 @@ def main():
     dense = w.to(torch.bfloat16)
     ck = kitchen()
     int8 = Int8TensorwiseLinear.from_dense(w)
+    rotation = 256
+    layout = ck.tensor.TensorWiseINT8Layout
+    q, params = layout.quantize(w, per_channel=True, convrot=True, convrot_groupsize=rotation)
+    int8_rot = Int8TensorwiseLinear(q, params.scale, rotation=rotation)
+    w4a4, w4a8, awq = ConvRotW4A4Linear.from_dense(w), W4A8Linear.from_dense(w), awq_round_to_nearest(w)
     rows = {
         "bf16": (lambda: F.linear(x, dense), dense.numel() * 2),
         "nvfp4": NVFP4Linear.from_dense(w),
@@ -47,6 +73,19 @@ def main():
             lambda: ck.int8_linear(x, int8.weight, int8.weight_scale, None, torch.bfloat16), None),
         "int8-tensorwise full_precision_matrix_mult (dequantized)": Int8TensorwiseLinear(
             int8.weight, int8.weight_scale, full_precision=True),
+        "int8-tensorwise ConvRot (torch._int_mm W8A8 on rotated activations, the layer on CPU)": int8_rot,
+        "int8-tensorwise ConvRot via comfy-kitchen eager int8_linear": (
+            lambda: ck.int8_linear(x, int8_rot.weight, int8_rot.weight_scale, None, torch.bfloat16, convrot=True,
+                                   convrot_groupsize=rotation), None),
+        "convrot-w4a4 (dequantized, the layer on CPU)": w4a4,
+        "convrot-w4a4 via comfy-kitchen eager convrot_w4a4_linear (int4 activations)": (
+            lambda: w4a4.kitchen_forward(x, None), None),
+        "asym-w4a8-int8 (dequantized, the layer on CPU)": w4a8,
+        "asym-w4a8-int8 via comfy-kitchen eager w4a8_int8_linear (int8 activations)": (
+            lambda: w4a8.kitchen_forward(x, None), None),
+        "awq-w4a16 round-to-nearest (the layer: comfy-kitchen gemv_awq_w4a16 on bf16 activations)": awq,
+        "awq-w4a16 dequantized in float32 (the layer on float32 activations) + bf16 GEMM": (
+            lambda: F.linear(x, awq.dequantize(torch.bfloat16)), None),
         "engine int8 (per-channel W8A8)": Q.Int8Linear.from_dense(w),
         "engine fp8 (dequantized)": Q.FP8Linear.from_dense(w),
     }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -209,16 +209,25 @@ def check_architecture(ckpt: Checkpoint):
     return cfg
 
 
+# Readers of packed layouts that only a layer's tag tells apart (ComfyUI's 4-bit integer formats, registered by
+# engine/features/quant/comfy/reader.py): checkpoint -> {weight key: the values a stored row holds}.
+PACKED_COLUMNS: List[Callable[["Checkpoint"], Dict[str, int]]] = []
+
+
 def _unpacked_shapes(ckpt: "Checkpoint") -> Dict[str, Tuple[int, ...]]:
     """The shapes the architecture check compares: a 4-bit weight packed two values a byte (U8 [out, in/2] with
-    its ``_scale``: sgld's int4, ComfyUI's nvfp4) counts its values, so a file that keeps some layers dense and
-    packs the others (ComfyUI's "Mixed NVFP4") is one architecture. Its format's reader checks it in full."""
+    its ``_scale``: sgld's int4, ComfyUI's nvfp4; or one a ``PACKED_COLUMNS`` reader names) counts its values, so
+    a file that keeps some layers dense and packs the others (ComfyUI's "Mixed NVFP4") is one architecture. Its
+    format's reader checks it in full."""
     shapes = ckpt.shapes()
     for k, (f, fk) in ckpt.index.items():
         shape = shapes[k]
         if (k.endswith(".weight") and len(shape) == 2 and f.dtype(fk) == torch.uint8 and k + "_scale" in ckpt.index
                 and ckpt.kind(k) is None):
             shapes[k] = (shape[0], 2 * shape[1])
+    for columns_of in PACKED_COLUMNS:
+        for k, cols in columns_of(ckpt).items():
+            shapes[k] = (shapes[k][0], cols)
     return shapes
 
 
@@ -228,7 +237,8 @@ def _a(title: str) -> str:
 
 def check_float_dtypes(ckpt: "Checkpoint") -> None:
     """Model weights and biases must be floating point (an integer or bool tensor would fail deep inside torch
-    later); the exceptions are a quantized weight, integer with its ``_scale`` / ``_zero``, which a weight
+    later); the exceptions are a quantized weight, integer with its ``_scale`` / ``_zero`` (ComfyUI's W4A8:
+    ``_s_rel``), which a weight
     format of engine/features/quant/registry.py must then claim (QuantPlan refuses it otherwise), and a weight
     its reader reports in a format's own bytes (``Checkpoint.kind``)."""
     for k, (f, fk) in ckpt.index.items():
@@ -236,7 +246,7 @@ def check_float_dtypes(ckpt: "Checkpoint") -> None:
         dt = f.dtype(fk)
         if leaf not in ("weight", "bias") or dt.is_floating_point:
             continue
-        if leaf == "weight" and dt != torch.bool and (k + "_scale" in ckpt.index or k + "_zero" in ckpt.index):
+        if leaf == "weight" and dt != torch.bool and any(k + s in ckpt.index for s in ("_scale", "_zero", "_s_rel")):
             continue
         if leaf == "weight" and ckpt.kind(k) is not None:  # e.g. GGUF blocks (quant/gguf/linear.py)
             continue

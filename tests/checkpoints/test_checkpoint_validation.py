@@ -517,7 +517,9 @@ def _fuzz_bases(tmp_path):
     save_file(csd, str(comfy))
     # ComfyUI's block formats as comfy-kitchen writes them: fp8 / U8 block scales, tags in tensors or the header
     kitchen = [] if importlib.util.find_spec("comfy_kitchen") is None else [
-        (fmt, tags) for fmt, tags in (("nvfp4", "tensor"), ("mxfp8", "header"), ("int8_tensorwise", "tensor"))]
+        (fmt, tags) for fmt, tags in (("nvfp4", "tensor"), ("mxfp8", "header"), ("int8_tensorwise", "tensor"),
+                                      ("int8_convrot", "header"), ("asym_w4a8_int8", "tensor"), ("awq_w4a16", "tensor"))]
+    # (convrot_w4a4: comfy-kitchen's quantizer needs inputs in multiples of 64, MICRO's are 32)
     for fmt, tags in kitchen:
         write_comfy(tmp_path / f"base-{fmt}.safetensors", sd, fmt, tags)
     return [plain, q, q4, comfy] + [tmp_path / f"base-{fmt}.safetensors" for fmt, _ in kitchen]
@@ -569,7 +571,8 @@ def test_fuzzed_headers_only_ever_give_checkpoint_errors(tmp_path):
 
 FUZZ_VALUES = [0, 1, -1, 2, 7, 8, 16, 32, 2 ** 63, 1.5, float("nan"), "", "x", "F32", "U8", "BF16", "I64", "F8_E4M3",
                "F8_E8M0", "I8", [32, 16], [128, 4], "nvfp4", "mxfp8", "int8_tensorwise", '{"format": "mxfp8"}',
-               None, True, [], [0], [1, 2], {}, {"a": 1}, "fp8", "[1]", '{"format": "nvfp4"}', '{"num_layers": 3}']
+               None, True, [], [0], [1, 2], {}, {"a": 1}, "fp8", "[1]", '{"format": "nvfp4"}', '{"num_layers": 3}',
+               4, 64, 256, "int4", "asym_w4a8_int8", "awq_w4a16", "convrot_w4a4", {"convrot_groupsize": 8}]
 
 
 def _mutate_json(obj, rng):

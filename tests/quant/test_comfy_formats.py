@@ -214,7 +214,7 @@ BAD = [  # (format, change of the layer's tensors, what the message says)
      r"weight_scale of layer \[192, 64\] is F32 \[3\]; allowed: F32 or BF16 or F16 \[\] or \[1\] or \[192\] or \[192, 1\]"),
     ("int8_tensorwise", lambda sd, p: sd.__setitem__(p + "weight_scale", torch.tensor(0.0)), "not finite and > 0"),
     ("int8_tensorwise", lambda sd, p: sd.__setitem__(p + "comfy_quant", tag({"format": "int8_tensorwise", "convrot": True})),
-     "ConvRot rotation .convrot. is not read"),
+     "does not fit its tag: its 64 inputs are not a multiple of its convrot_groupsize 256"),  # ComfyUI's default group
     ("int8_tensorwise", lambda sd, p: sd.__setitem__(p + "weight", sd[p + "weight"].float()),
      r"a int8_tensorwise weight is I8 \[rows, columns\], not F32"),
     ("nvfp4", lambda sd, p: sd.__setitem__(p + "comfy_quant", tag({"format": "nvfp4", "orig_shape": [190, "x"]})),

@@ -90,7 +90,8 @@ def test_the_quant_option_offers_the_tables_names():
     names = list(Q.FORMAT_TABLE)
     assert names[:2] == ["fp8", "int4"] and [n for n in names if n.startswith("int8")] == ["int8", "int8-weight",
                                                                                            "int8-tensorwise"]
-    assert names[-3:] == ["nvfp4", "mxfp8", "int8-tensorwise"]  # ComfyUI's layouts (quant/comfy/), after GGUF's
+    assert names[-6:] == ["nvfp4", "mxfp8", "int8-tensorwise", "convrot-w4a4", "asym-w4a8-int8",
+                          "awq-w4a16"]  # ComfyUI's layouts (quant/comfy/), after GGUF's
     assert [n for n in names if n.startswith("q")] == ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k",
                                                        "q5_k", "q6_k"]
 

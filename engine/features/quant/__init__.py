@@ -3,7 +3,8 @@
 registry: the format table (``WeightFormat``, ``FORMATS``, ``register_format``) and the writer table; numerics:
 what every format's layer shares; one package per format, each registering itself: fp8/, int4/, int8/ ("int8",
 W8A8 with ``torch._int_mm``, and "int8-weight"), gguf/ (its block types and its .gguf writer), comfy/ (ComfyUI's
-nvfp4, mxfp8 and int8_tensorwise layers, computed by comfy-kitchen); modules: the "quant"
+nvfp4, mxfp8, int8_tensorwise, convrot_w4a4, asym_w4a8_int8 and awq_w4a16 layers, computed by comfy-kitchen, and
+its writer); modules: the "quant"
 feature (``apply_quant``, the "quant" patch); prequantized: pre-quantized files (``QuantPlan``); transform:
 quantize-on-read in the load loop (engine/loading.py, the public loader, uses it); convert: ``sgld quantize``'s
 sgld writer. Formats and compute paths: docs/quantization.md (the table: docs/attention_compile_quant.md,
@@ -50,7 +51,7 @@ from .transform import QuantTransform
 
 FORMATS = LiveNames(choices)  # EngineConfig.quant's choices: the table's, read when asked (int4 = groups of 128)
 from . import gguf  # noqa: E402, F401, I001  (the GGUF block types q8_0 ... q6_k, registered after the others)
-from . import comfy  # noqa: E402, F401  (ComfyUI's nvfp4, mxfp8, int8-tensorwise, computed by comfy-kitchen)
+from . import comfy  # noqa: E402, F401  (ComfyUI's layouts, nvfp4 ... awq-w4a16, computed by comfy-kitchen)
 
 QUANT_MODULES = quant_modules()  # the layer classes registered here; code that must see later ones calls quant_modules()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Dict, List, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -19,15 +19,17 @@ from .registry import FileWriter, choices, get_format, parse_format, register_wr
 
 def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dtype] = None,
                   layer_tensors: Callable[[torch.nn.Module], Dict[str, torch.Tensor]] = stored_tensors,
-                  record: bool = True) -> dict:
+                  record: bool = True, quantize: Optional[Callable[[torch.Tensor], Optional[torch.nn.Module]]] = None) -> dict:
     """Read a DiT checkpoint (bf16/fp16/fp32, or already quantized) and write its block linears in
     format ``fmt`` in the sgld layout; everything else in the compute dtype. Returns a summary.
     ``layer_tensors``: a quantized layer's tensors by leaf name (another layout's, e.g. ComfyUI's with its
-    tag: comfy/convert.py); ``record``: write the ``sgld_quant`` metadata (the sgld layout's)."""
+    tag: comfy/convert.py); ``record``: write the ``sgld_quant`` metadata (the sgld layout's); ``quantize``: a layer's
+    quantizer other than the format's (ComfyUI's fp8: one scale per tensor), a module or None (stays dense)."""
     kind, group = parse_format(fmt)
     if kind is None:
         raise ValueError("--format must be one of " + ", ".join(choices()))
     target = get_format(kind)
+    make = quantize or (lambda w: target.quantize(w, None, group))
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError("the output file must differ from the input")
     ckpt = open_checkpoint(src)
@@ -45,7 +47,7 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
         layer, _, leaf = k.rpartition(".")
         if leaf == "weight" and family.is_block_linear(layer):
             n, k_in = shape[0], expected.get(k, plan.layers.get(layer, {}).get("shape", shape))[1]
-            shaped = target.quantize(torch.empty(n, k_in, device="meta"), None, group)  # its tensors' shapes only
+            shaped = make(torch.empty(n, k_in, device="meta"))  # its tensors' shapes only
             if shaped is None:  # the format leaves this layer dense
                 specs.append((k, compute, (n, k_in)))
                 jobs[k] = (layer, "dense")
@@ -73,7 +75,7 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
         if part == "dense":
             return dense(layer).to(compute)
         if cache.get("layer", (None,))[0] != layer:
-            cache["layer"] = (layer, layer_tensors(target.quantize(dense(layer), None, group)))
+            cache["layer"] = (layer, layer_tensors(make(dense(layer))))
         return cache["layer"][1][part]
 
     meta = {SGLD_META_KEY: json.dumps({"format": kind, "group_size": group or None, "version": 1,

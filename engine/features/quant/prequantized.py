@@ -27,7 +27,7 @@ SGLD_META_FIELDS = {  # field -> (check, what is allowed; "format": the table's 
 }
 
 
-def _parse_comfy_quant(ckpt, key: str) -> dict:
+def parse_comfy_quant(ckpt, key: str) -> dict:
     """A ComfyUI ``X.comfy_quant`` tensor: uint8 bytes of a JSON object such as {"format": "float8_e4m3fn"}."""
     dtype, shape = ckpt.header(key)
     if dtype != torch.uint8 or len(shape) != 1 or shape[0] > MAX_COMFY_QUANT_BYTES:
@@ -48,7 +48,7 @@ def _parse_sgld_meta(f) -> dict:
     return meta
 
 
-def _parse_comfy_meta(f) -> dict:
+def parse_comfy_meta(f) -> dict:
     where = f"{f.path}: metadata '{COMFY_META_KEY}'"
     layers = load_json_object(f.metadata[COMFY_META_KEY], where).get("layers", {})
     if not isinstance(layers, dict) or not all(isinstance(v, dict) for v in layers.values()):
@@ -79,7 +79,7 @@ class QuantPlan:
             if SGLD_META_KEY in f.metadata:
                 meta = _parse_sgld_meta(f)
             if COMFY_META_KEY in f.metadata:
-                comfy_meta.update(_parse_comfy_meta(f))
+                comfy_meta.update(parse_comfy_meta(f))
         self.sgld_meta = meta
         legacy = any(k == "scaled_fp8" or k.endswith(".scaled_fp8") for k in raw_keys)
         if legacy:
@@ -91,7 +91,7 @@ class QuantPlan:
             declared[name[len(prefix):] if prefix and name.startswith(prefix) else name] = info
         for k in keys:
             if k.endswith(".comfy_quant"):
-                declared[k[: -len(".comfy_quant")]] = _parse_comfy_quant(ckpt, k)
+                declared[k[: -len(".comfy_quant")]] = parse_comfy_quant(ckpt, k)
         comfy_formats = {name: f for f in FORMATS.values() for name in f.comfy_formats}  # ComfyUI's name -> entry
         for layer, info in declared.items():
             fmt = info.get("format", "")
@@ -143,9 +143,10 @@ class QuantPlan:
             if t is not None and role in views and t.dtype != views[role]:
                 t = t.view(views[role])
             out[role] = None if t is None else self._finite(key, t, rules.get(role, "finite" if role == "weight_zero" else "> 0"))
-        # the layer's shapes as the header gives them (a packed layer's bytes do not say its shape), and a ComfyUI
-        # layer's own tag ({"format": ..., "full_precision_matrix_mult": ...})
-        return {**out, "shape": info["shape"], "stored_shape": info.get("stored_shape"), "config": self.declared.get(layer, {})}
+        # the layer's shapes as the header gives them (a packed layer's bytes do not say its shape), a ComfyUI
+        # layer's own tag ({"format": ..., "full_precision_matrix_mult": ...}) and its checked layout parameters
+        return {**out, "shape": info["shape"], "stored_shape": info.get("stored_shape"),
+                "config": self.declared.get(layer, {}), "params": info.get("params", {})}
 
     def _finite(self, key: str, t: torch.Tensor, rule: str) -> torch.Tensor:
         """``t`` when its values are finite and, by ``rule``, "> 0", ">= 0" or any ("finite"); else a CheckpointError."""

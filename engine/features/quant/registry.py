@@ -21,16 +21,18 @@ class WeightFormat:
     """One weight format of the blocks' linear layers.
 
     ``parse(text)`` -> the group size (0: none) when ``text`` names this format, else None; ``choices``: the
-    names offered as EngineConfig.quant / ``sgld quantize --format``; ``module``: the layer class (with
+    names offered as EngineConfig.quant / ``sgld quantize --format`` (none: a format only read from files);
+    ``module``: the layer class (with
     ``from_dense``-made instances, ``.dequantize(dtype)``, ``.in_features``, ``.out_features``, ``.bias``);
     ``quantize(weight, bias, group)`` -> a module, or None when this layer stays dense; ``weight_bytes(shape,
     group, dense dtype)``: bytes at rest once quantized; ``from_stored(parts)`` / ``dequantize(parts)``: a
     module / the float32 weight from a file's tensors ({"weight", "weight_scale", "weight_zero"}, scale and
-    zero possibly None, plus the layer's ``extra`` roles, its "shape" and its ComfyUI tag as "config");
+    zero possibly None, plus the layer's ``extra`` roles, its "shape", its ComfyUI tag as "config" and the
+    tag's checked layout parameters as "params");
     ``read_layers(plan, keys)``: the file's layers in this format, each checked from the header, as
     {layer: {"scale_key", "zero_key" (either may be absent or None), "shape" ([out, in] unpacked), and
     optionally "extra" (role -> key of other companions), "rules" (role -> "> 0" | ">= 0" | "finite": the
-    values allowed) and "views" (role -> dtype the stored bytes are read as)}}
+    values allowed), "views" (role -> dtype the stored bytes are read as) and "params"}}
     (engine/features/quant/prequantized.py); ``concat(parts)`` / ``rows(module, start, stop)``: fused
     projections' join of same-format parts (with their joined bias; None: cannot be joined) and split (the
 part's bias given); ``join(leaf, tensors, rows)``: one checkpoint
@@ -131,7 +133,8 @@ def describe_formats() -> str:
     """The formats as one help text ("fp8: ...; int4 / int4-g64: ..."), entries with the same ``help`` together."""
     clauses: Dict[str, List[str]] = {}
     for f in FORMATS.values():
-        clauses.setdefault(f.help or f.name, []).extend(f.choices)
+        if f.choices:  # a format only read from files (no quantizer) is not a choice
+            clauses.setdefault(f.help or f.name, []).extend(f.choices)
     return "; ".join(f"{' / '.join(names)}: {text}" if text not in names else text for text, names in clauses.items())
 
 

@@ -2,9 +2,10 @@
 from ComfyUI's layout (``X.comfy_quant`` tags or the header's ``_quantization_metadata``; the tensors and shapes
 in numerics.py). A layer keeps the stored bytes and scales as frozen parameters (offload moves them, LoRA side
 paths see a quantized layer) and computes as ComfyUI does: nvfp4 and mxfp8 dequantized per forward by
-comfy-kitchen, then a dense GEMM; int8_tensorwise W8A8 (activations quantized per token, an int8 GEMM) unless
-the layer's tag says ``full_precision_matrix_mult``. Why and the limits: docs/quantization.md ("ComfyUI's
-quantized files")."""
+comfy-kitchen, then a dense GEMM; int8_tensorwise W8A8 (activations quantized per token, an int8 GEMM; with
+ConvRot, rotated first) unless the layer's tag says ``full_precision_matrix_mult``. Also what every ComfyUI layer
+shares (``_ComfyLinear``, the GPU kernels' probe in ``prepare_comfy``, ``split_step``); the 4-bit integer layers:
+int4.py. Why and the limits: docs/quantization.md ("ComfyUI's quantized files")."""
 from __future__ import annotations
 
 import logging
@@ -24,10 +25,15 @@ log = logging.getLogger("sgld.quant")
 
 
 class _ComfyLinear(nn.Module):
-    """What the three layers share: logical [out, in], bias, the per-forward dequantized path, and (nvfp4, mxfp8)
-    Blackwell's block-scaled GEMM through comfy-kitchen where ``prepare`` found it runs (``kitchen_forward``)."""
+    """What ComfyUI's layers share: logical [out, in], bias, the per-forward dequantized path, and comfy-kitchen's
+    GPU kernel ``KITCHEN_OP`` (``kitchen_forward``) where ``prepare`` found it runs on this device (``MIN_SM`` and
+    up) and agrees with the dequantized path within ``PROBE_ERROR`` (its activations are quantized too)."""
 
     FORMAT = ""  # ComfyUI's name
+    KITCHEN_OP: Optional[str] = None
+    MIN_SM = (10, 0)
+    PROBE_ERROR = 0.2
+    CPU_PATH = "dequantized per layer by comfy-kitchen, then a dense GEMM"  # what prepare's note says off the GPU path
 
     def _setup(self, shape: Tuple[int, int], bias: Optional[torch.Tensor]) -> None:
         self.out_features, self.in_features = int(shape[0]), int(shape[1])
@@ -41,6 +47,10 @@ class _ComfyLinear(nn.Module):
             return self.kitchen_forward(x.reshape(-1, self.in_features), bias).reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
+    def layout_tag(self) -> dict:
+        """The layout parameters ComfyUI's tag carries for this layer (beyond its format)."""
+        return {}
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ComfyUI {self.FORMAT}"
 
@@ -50,6 +60,7 @@ class NVFP4Linear(_ComfyLinear):
     per-input factor folded into the weight, as ComfyUI multiplies the input by it)."""
 
     FORMAT = "nvfp4"
+    KITCHEN_OP = "scaled_mm_nvfp4"
 
     def __init__(self, weight, weight_scale, weight_scale_2, shape, bias=None, pre_quant_scale=None):
         super().__init__()
@@ -80,6 +91,7 @@ class MXFP8Linear(_ComfyLinear):
     """e4m3 values in blocks of 32 with a power-of-two (e8m0) scale a block."""
 
     FORMAT = "mxfp8"
+    KITCHEN_OP = "scaled_mm_mxfp8"
 
     def __init__(self, weight, weight_scale, shape, bias=None):
         super().__init__()
@@ -101,16 +113,19 @@ class MXFP8Linear(_ComfyLinear):
 class Int8TensorwiseLinear(_ComfyLinear):
     """int8 weights with one F32 scale (or one a row). W8A8 as ComfyUI computes it: each token's activations
     quantized to int8 (absmax / 127), an int8 x int8 -> int32 GEMM, the sums scaled back; ``full_precision``
-    (the tag's ``full_precision_matrix_mult``): dequantized weight and a dense GEMM instead."""
+    (the tag's ``full_precision_matrix_mult``): dequantized weight and a dense GEMM instead. ``rotation``
+    (ConvRot, the tag's ``convrot_groupsize``; 0: none): the weight is stored rotated by groups of that many
+    inputs, so the activations are rotated alike before they are quantized."""
 
     FORMAT = "int8_tensorwise"
 
-    def __init__(self, weight, weight_scale, bias=None, full_precision: bool = False):
+    def __init__(self, weight, weight_scale, bias=None, full_precision: bool = False, rotation: int = 0):
         super().__init__()
         self._setup(tuple(weight.shape), bias)
         self.weight = frozen(weight)
         self.weight_scale = frozen(N.int8_scale(weight_scale).reshape(-1))  # [1] or [out]
         self.full_precision = bool(full_precision)
+        self.rotation = int(rotation)
         self.use_kitchen = False  # set by prepare where comfy-kitchen has a GPU kernel for int8_linear
 
     @classmethod
@@ -118,6 +133,8 @@ class Int8TensorwiseLinear(_ComfyLinear):
         return cls(*N.quantize_int8_tensorwise(weight), bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.rotation:
+            return N.dequantize_int8_convrot(self.weight, self.weight_scale, self.rotation, dtype)
         return N.dequantize_int8(self.weight, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,18 +142,22 @@ class Int8TensorwiseLinear(_ComfyLinear):
         if self.full_precision:
             return F.linear(x, self.dequantize(x.dtype), bias)
         if self.use_kitchen:
-            return N.kitchen().int8_linear(x, self.weight, self.weight_scale, bias, x.dtype)
+            return N.kitchen().int8_linear(x, self.weight, self.weight_scale, bias, x.dtype, convrot=self.rotation > 0,
+                                           convrot_groupsize=self.rotation or 256)
         x2 = x.reshape(-1, self.in_features)
         if not int_mm_accepts(x2.device, x2.shape[0], self.in_features, self.out_features):
             return F.linear(x, self.dequantize(x.dtype), bias)  # the int8 GEMM refuses this shape here
-        xq, xs = quantize_tokens(x2)
+        xq, xs = quantize_tokens(N.rotate_inputs(x2, self.rotation) if self.rotation else x2)
         y = (torch._int_mm(xq, self.weight.t()) * xs).mul_(self.weight_scale)  # float32 [tokens, out]
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if bias is None else y + bias
 
+    def layout_tag(self) -> dict:
+        return {"convrot": True, "convrot_groupsize": self.rotation} if self.rotation else {}
+
     def extra_repr(self) -> str:
         how = "dequantized" if self.full_precision else "W8A8"
-        return f"{super().extra_repr()}, {how}"
+        return f"{super().extra_repr()}, {how}{f', ConvRot {self.rotation}' if self.rotation else ''}"
 
 
 # -- the table's entries ------------------------------------------------------------------------------------------
@@ -155,7 +176,7 @@ def _mxfp8_from_stored(p) -> MXFP8Linear:
 
 
 def _int8_from_stored(p) -> Int8TensorwiseLinear:
-    return Int8TensorwiseLinear(p["weight"], p["weight_scale"],
+    return Int8TensorwiseLinear(p["weight"], p["weight_scale"], rotation=(p.get("params") or {}).get("rotation", 0),
                                 full_precision=(p.get("config") or {}).get("full_precision_matrix_mult", False))
 
 
@@ -207,20 +228,32 @@ def _split_blocks(module, index: int, parts: int, dim: int):
 
 
 def _int8_concat(parts: List[Int8TensorwiseLinear], bias) -> Optional[Int8TensorwiseLinear]:
-    if any(p.full_precision != parts[0].full_precision for p in parts):
+    if any((p.full_precision, p.rotation) != (parts[0].full_precision, parts[0].rotation) for p in parts):
         return None
     scales = torch.cat([p.weight_scale.expand(p.out_features) for p in parts])  # a per-tensor scale on every row
-    return Int8TensorwiseLinear(torch.cat([p.weight for p in parts]), scales, bias, parts[0].full_precision)
+    return Int8TensorwiseLinear(torch.cat([p.weight for p in parts]), scales, bias, parts[0].full_precision,
+                                parts[0].rotation)
 
 
 def _int8_rows(fused: Int8TensorwiseLinear, start: int, stop: int, bias, cols: slice = slice(None)):
     scale = fused.weight_scale if fused.weight_scale.numel() == 1 else fused.weight_scale[start:stop]
-    return Int8TensorwiseLinear(fused.weight[start:stop, cols].contiguous(), scale.clone(), bias, fused.full_precision)
+    return Int8TensorwiseLinear(fused.weight[start:stop, cols].contiguous(), scale.clone(), bias, fused.full_precision,
+                                fused.rotation)
+
+
+def split_step(module, parts: int, dim: int, unit: int, why: str) -> int:
+    """Tensor parallel: each rank's rows (``dim`` 0) or inputs (1), a multiple of ``unit`` (else a ValueError
+    naming the layer's layout, ``why`` it needs whole units, and the alternatives)."""
+    size = module.out_features if dim == 0 else module.in_features
+    if size % (parts * unit):
+        raise ValueError(f"ComfyUI {module.FORMAT} layer [{module.out_features}, {module.in_features}] cannot be split "
+                         f"over {parts} ranks along {'its outputs' if dim == 0 else 'its inputs'} on whole {why} of "
+                         f"{unit}; use ulysses_degree / ring_degree instead of tensor parallel, or a bf16 file")
+    return size // parts
 
 
 def _int8_split(module: Int8TensorwiseLinear, index: int, parts: int, dim: int) -> Int8TensorwiseLinear:
-    size = module.out_features if dim == 0 else module.in_features
-    step = size // parts
+    step = split_step(module, parts, dim, module.rotation if dim == 1 and module.rotation else 1, "ConvRot groups")
     if dim == 0:
         bias = None if module.bias is None else module.bias[index * step:(index + 1) * step].clone()
         return _int8_rows(module, index * step, (index + 1) * step, bias)
@@ -251,10 +284,13 @@ def _quantize(cls, pad: int):
     return quantize
 
 
+KITCHEN_LINEARS: List[type] = [NVFP4Linear, MXFP8Linear]  # the layers with a GPU kernel (int4.py adds its own)
+
+
 def prepare_comfy(modules) -> List[str]:
     """int8_tensorwise: comfy-kitchen's ``int8_linear`` where it has a GPU kernel (CUDA / HIP) and agrees with the
     dequantized path on a probe; on CPU the engine's own ``torch._int_mm`` path (faster there, docs/quantization.md).
-    Notes (info)."""
+    The others (``KITCHEN_LINEARS``): their GPU kernel after ``_kitchen_probe``, else their ``CPU_PATH``. Notes."""
     layers = [m for m in modules if isinstance(m, _ComfyLinear)]
     if not layers:
         return []
@@ -265,14 +301,13 @@ def prepare_comfy(modules) -> List[str]:
         for m in int8:
             m.use_kitchen = ok
         notes.append(f"int8_tensorwise matmul: {'comfy-kitchen int8_linear' if ok else 'torch._int_mm W8A8'} ({why})")
-    for cls in (NVFP4Linear, MXFP8Linear):
-        block = [m for m in layers if type(m) is cls or isinstance(m, cls)]
-        if block:
-            ok, why = _kitchen_block_probe(cls, block[0].weight.device)
-            for m in block:
+    for cls in KITCHEN_LINEARS:
+        mine = [m for m in layers if isinstance(m, cls)]
+        if mine:
+            ok, why = _kitchen_probe(cls, mine[0].weight.device)
+            for m in mine:
                 m.use_kitchen = ok
-            how = f"comfy-kitchen scaled_mm_{cls.FORMAT}" if ok else "dequantized per layer by comfy-kitchen, then a dense GEMM"
-            notes.append(f"{cls.FORMAT} matmul: {how} ({why})")
+            notes.append(f"{cls.FORMAT} matmul: {f'comfy-kitchen {cls.KITCHEN_OP}' if ok else cls.CPU_PATH} ({why})")
     for note in notes:
         log.info(note)
     return notes
@@ -281,17 +316,17 @@ def prepare_comfy(modules) -> List[str]:
 _probes: Dict[str, Tuple[bool, str]] = {}
 
 
-def _kitchen_block_probe(cls, device) -> Tuple[bool, str]:
-    """Does comfy-kitchen's block-scaled GEMM for ``cls`` run on ``device`` (Blackwell, sm100+) and agree with the
-    dequantized path on a quantized probe input? Once per device and format."""
+def _kitchen_probe(cls, device) -> Tuple[bool, str]:
+    """Does comfy-kitchen's GPU kernel for ``cls`` run on ``device`` and agree with the dequantized path on a probe
+    input (quantized by the kernel as ComfyUI does)? Once per device and format."""
     device = torch.device(device)
     key = f"{cls.FORMAT}:{device}"
     if key not in _probes:
-        backend, why = N.gpu_backend(device, f"scaled_mm_{cls.FORMAT}")
+        backend, why = N.gpu_backend(device, cls.KITCHEN_OP)
         if backend is None:
             _probes[key] = (False, why if device.type == "cuda" else "CPU")
-        elif torch.cuda.get_device_capability(device) < (10, 0):
-            _probes[key] = (False, "block-scaled fp4 / mx GEMMs need sm100+ (Blackwell)")
+        elif torch.cuda.get_device_capability(device) < cls.MIN_SM:
+            _probes[key] = (False, f"{cls.KITCHEN_OP} needs sm{cls.MIN_SM[0]}{cls.MIN_SM[1]}+")
         else:
             try:
                 g = torch.Generator().manual_seed(0)
@@ -300,9 +335,10 @@ def _kitchen_block_probe(cls, device) -> Tuple[bool, str]:
                 ref = F.linear(x.float(), layer.dequantize())
                 out = layer.kitchen_forward(x, None).float()
                 err = ((out - ref).norm() / ref.norm()).item()
-                _probes[key] = (err < 0.2, f"comfy-kitchen {backend}, probe rel. error {err:.3f} (activations quantized too)")
+                _probes[key] = (err < cls.PROBE_ERROR, f"comfy-kitchen {backend}, probe rel. error {err:.3f} "
+                                                       "(activations quantized too)")
             except Exception as e:  # a kernel this GPU or build does not run
-                _probes[key] = (False, f"scaled_mm_{cls.FORMAT} failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+                _probes[key] = (False, f"{cls.KITCHEN_OP} failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
     return _probes[key]
 
 
@@ -357,7 +393,8 @@ INT8_TENSORWISE = register_format(WeightFormat(
     weight_bytes=lambda shape, group, dense: shape[0] * shape[1] + 4, from_stored=_int8_from_stored,
     dequantize=lambda p: _int8_from_stored(p).dequantize(), read_layers=read_layers("int8_tensorwise"),
     concat=_int8_concat, rows=_int8_rows, join=_int8_join, split=_int8_split, comfy_formats=("int8_tensorwise",),
-    help=HELP["int8_tensorwise"], storage="ComfyUI's layout: int8 + one F32 scale per tensor (or per row)",
+    help=HELP["int8_tensorwise"], storage="ComfyUI's layout: int8 + one F32 scale per tensor (or per row); with "
+                                          "ConvRot (tag `convrot`) rotated by groups of inputs",
     compute="activations quantized per token, `torch._int_mm` on CPU (faster there than comfy-kitchen's eager "
             "`int8_linear`), comfy-kitchen's `int8_linear` on CUDA / HIP after a probe; the tag's "
-            "`full_precision_matrix_mult`: dequantized + dense GEMM"))
+            "`full_precision_matrix_mult`: dequantized + dense GEMM; ConvRot: the activations rotated first"))

@@ -8,17 +8,27 @@ Shapes (ComfyUI pads a layer to whole tiles; comfy_kitchen/tensor/*.py):
   ``weight_scale`` F8_E4M3 [out128, in16 / 16 rounded up to 4] (one per 16 values, swizzled),
   ``weight_scale_2`` F32 scalar (w = value * block scale * weight_scale_2);
 - mxfp8: ``weight`` F8_E4M3 [out32, in32], ``weight_scale`` F8_E8M0 [out128, in32 / 32 rounded up to 4];
-- int8_tensorwise: ``weight`` I8 [out, in], ``weight_scale`` F32 scalar (or one per output row).
+- int8_tensorwise: ``weight`` I8 [out, in], ``weight_scale`` F32 scalar (or one per output row); with ConvRot
+  (tag ``convrot``) the weight is stored rotated: each group of ``convrot_groupsize`` inputs times a regular
+  Hadamard matrix (``rotate_inputs``), the activations rotated alike at run time;
+- convrot_w4a4: ``weight`` I8 [out, in / 2] (signed int4 pairs, the even value in the low nibble), rotated
+  as above, ``weight_scale`` F32 [out];
+- asym_w4a8_int8: ``weight`` I8 [out, in / 2] (4-bit codes) or [out, 3 in / 4] (6-bit), rotated as above,
+  ``weight_s_rel`` F8_E4M3 or F32 [out, in / group_size], ``weight_s_channel`` F32 [out], optional
+  ``weight_codebook`` F32 [16];
+- awq_w4a16: ``weight`` I8 [out, in / 2] (unsigned int4 pairs, low nibble first), ``weight_scale`` and
+  ``weight_zeros`` BF16 / F16 [in / group_size, out] (w = (q - 8) * scale + zero).
 (outN: out rounded up to a multiple of N.)"""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 PACKAGE = "comfy-kitchen"
 INSTALL = "pip install 'comfyui-sgldiffusion[kitchen]'"
 NVFP4_BLOCK, MXFP8_BLOCK = 16, 32
+W4A4_GROUP = 64  # ConvRot W4A4's int4 GEMM tile (ComfyUI's loader fixes quant_group_size to it)
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
 _kitchen = None
 
@@ -39,7 +49,7 @@ def kitchen():
         try:
             import comfy_kitchen
         except ImportError as e:
-            raise ImportError(f"ComfyUI's nvfp4 / mxfp8 / int8_tensorwise layers are computed by the package "
+            raise ImportError(f"ComfyUI's quantized layers (nvfp4, mxfp8, int8, 4-bit) are computed by the package "
                               f"'{PACKAGE}', which does not import here ({e}); install it: {INSTALL}") from None
         _kitchen = comfy_kitchen
     return _kitchen
@@ -78,6 +88,61 @@ def dequantize_int8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return kitchen().dequantize_int8_simple(weight, int8_scale(scale)).to(dtype)
 
 
+def is_rotation_size(n) -> bool:
+    """A ConvRot group: a power of 4 from 4 on (comfy-kitchen builds its Hadamard matrix only for those)."""
+    return type(n) is int and n >= 4 and n & (n - 1) == 0 and (n.bit_length() - 1) % 2 == 0
+
+
+_hadamards: Dict[tuple, torch.Tensor] = {}
+
+
+def hadamard(size: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """ConvRot's regular Hadamard matrix of ``size`` (a power of 4): Kronecker powers of the 4 x 4 one with a
+    single -1 per row, on the anti-diagonal, normalized (exact in any float dtype); symmetric, its own inverse."""
+    key = (size, str(device), dtype)
+    if key not in _hadamards:
+        h4 = torch.ones(4, 4, dtype=torch.float64) - 2 * torch.eye(4, dtype=torch.float64).flip(0)
+        h = h4
+        while h.shape[0] < size:
+            h = torch.kron(h, h4)
+        _hadamards[key] = (h / size ** 0.5).to(device=device, dtype=dtype)
+    return _hadamards[key]
+
+
+def rotate_inputs(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` [..., in] with each group of ``group`` inputs times the Hadamard matrix: the basis a ConvRot weight
+    is stored in, so that ``rotate_inputs(x) @ w_rotated.T == x @ w.T``."""
+    shape = x.shape
+    return (x.reshape(-1, shape[-1] // group, group) @ hadamard(group, x.device, x.dtype)).reshape(shape)
+
+
+def dequantize_int8_convrot(weight: torch.Tensor, scale: torch.Tensor, group: int,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An int8_tensorwise ConvRot weight in the original basis (comfy-kitchen's layout dequantizer)."""
+    layout = kitchen().tensor.TensorWiseINT8Layout
+    params = layout.Params(scale=int8_scale(scale), orig_dtype=torch.float32, orig_shape=tuple(weight.shape),
+                           convrot=True, convrot_groupsize=group)
+    return layout.dequantize(weight, params).to(dtype)
+
+
+def dequantize_convrot_w4a4(weight: torch.Tensor, scale: torch.Tensor, group: int,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return kitchen().dequantize_convrot_w4a4_weight(weight, scale.float(), group, W4A4_GROUP, torch.float32).to(dtype)
+
+
+def dequantize_w4a8(weight, s_rel, s_channel, codebook, group: int, rotation: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return kitchen().dequantize_w4a8_int8_weight(weight, s_rel, s_channel, codebook=codebook, group_size=group,
+                                                 convrot_groupsize=rotation, output_dtype=torch.float32).to(dtype)
+
+
+def dequantize_awq(weight, scale, zeros, group: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    layout = kitchen().tensor.TensorCoreAWQW4A16Layout
+    out, cols = weight.shape[0], weight.shape[1] * 2
+    params = layout.Params(scale=scale, zeros=zeros, group_size=group, orig_dtype=torch.float32, orig_shape=(out, cols))
+    return layout.dequantize(weight, params).to(dtype)
+
+
 def quantize_nvfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[out, in] -> (weight, weight_scale, weight_scale_2) as ComfyUI stores them (comfy-kitchen's quantizer)."""
     wf = w.float()
@@ -95,6 +160,18 @@ def quantize_mxfp8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_int8_tensorwise(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return kitchen().quantize_int8_tensorwise(w.float())
+
+
+def quantize_convrot_w4a4(w: torch.Tensor, rotation: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (I8 [out, in / 2], F32 [out]) rotated by groups of ``rotation`` inputs."""
+    return kitchen().quantize_convrot_w4a4_weight(w.float(), rotation, W4A4_GROUP)
+
+
+def quantize_w4a8(w: torch.Tensor, group: int, rotation: int):
+    """[out, in] -> (weight, s_rel, s_channel, codebook) as comfy-kitchen's default W4A8 writes them (symmetric,
+    Lloyd-Max codebook, e4m3 group scales)."""
+    q, s_rel, s_channel, _correction, codebook = kitchen().quantize_w4a8_int8_weight(w.float(), group, rotation)
+    return q, s_rel, s_channel, codebook
 
 
 # -- Blackwell's block-scaled GEMMs (comfy-kitchen's CUDA kernels, sm100+): the activations quantized per forward --
