@@ -72,6 +72,7 @@ def setup(tmp_path_factory):
     _write_lora(lora)
     with torch.inference_mode():
         plain = open_engine(dense, EngineConfig())
+    plain.threads = 1
     return dict(files=files, inputs=inputs, lora=lora, plain=plain, refs={})
 
 
@@ -142,7 +143,7 @@ def _check(setup, combo, out, eng):
     tol = max(TOLERANCE[f] for f in combo)
     assert err <= tol, f"{'+'.join(combo)}: error {err:.3g} > {tol:g} against its reference"
     if "cache" in combo and "batching" not in combo:
-        assert eng.last_run.to_dict()["step_mask"].count(False) > 0, f"{'+'.join(combo)}: Cache-DiT skipped nothing"
+        assert not all(eng.last_run.step_mask), f"{'+'.join(combo)}: Cache-DiT skipped nothing"
     if "lora" in combo:
         base = _reference(setup, tuple(f for f in combo if f != "lora"))
         moved = ((out - base).abs().max() / base.abs().max()).item()
@@ -161,6 +162,7 @@ def _config(combo):
 def _open(setup, combo):
     fmt = next((f for f in FORMATS if f in combo), None)
     eng = open_engine(setup["files"][fmt], _config(combo))
+    eng.threads = 1  # tiny shapes: one thread (as the demo runs); two fight over a busy 2-core machine
     if "compile" in combo:
         compile_blocks(eng.model, "static", backend="aot_eager")
     if "lora" in combo:
