@@ -171,19 +171,20 @@ def _open(setup, combo):
 
 
 def _run_all(setup, combos):
-    errors, failures = {}, []
+    errors, failures, ranked = {}, [], []
     for combo in combos:
         eng = None
         try:
             eng = _open(setup, combo)
+            if eng.runner.model is None:  # released at the end: the next engine's load replaces its weights anyway
+                ranked.append(eng)
             errors[combo] = _check(setup, combo, _sample(eng, combo, setup["inputs"]), eng)
         except AssertionError as e:
             failures.append(str(e))
         except Exception as e:  # every combination's failure in one report
             failures.append(f"{'+'.join(combo)}: {type(e).__name__}: {str(e)[:300]}")
-        finally:
-            if eng is not None and eng.runner.model is None:
-                eng.release()
+    for eng in ranked:
+        eng.release()
     return errors, failures
 
 
@@ -217,7 +218,7 @@ def test_parallel_pairs_and_triples_on_two_gloo_ranks(setup):
         shutdown_pools()
         pool_mod.START_TIMEOUT_S, pool_mod.CALL_TIMEOUT_S, pool_mod.PG_TIMEOUT_S = saved
     assert not failures, "\n".join(failures)
-    assert len(errors) == len(PARALLEL_PAIRS) + len(PARALLEL_TRIPLES) == 62
+    assert len(errors) == len(PARALLEL_PAIRS) + len(PARALLEL_TRIPLES) == 58
     print(f"{len(errors)} parallel combinations in {time.perf_counter() - t0:.1f} s")
 
 
