@@ -159,32 +159,43 @@ def _config(combo):
     return EngineConfig(**kw)
 
 
+def _engine_key(combo):
+    """What an engine is opened with: combinations that differ only in what they sample share one engine (as a
+    loaded model serves many runs), its LoRA set before the first combination that has it."""
+    fmt = next((f for f in FORMATS if f in combo), None)
+    return fmt, "offload" in combo, "compile" in combo, tuple(p for p in PARALLEL if p in combo)
+
+
 def _open(setup, combo):
     fmt = next((f for f in FORMATS if f in combo), None)
     eng = open_engine(setup["files"][fmt], _config(combo))
     eng.threads = 1  # tiny shapes: one thread (as the demo runs); two fight over a busy 2-core machine
     if "compile" in combo:
         compile_blocks(eng.model, "static", backend="aot_eager")
-    if "lora" in combo:
-        eng.set_loras([(setup["lora"], LORA_STRENGTH)])
     return eng
 
 
 def _run_all(setup, combos):
-    errors, failures, ranked = {}, [], []
+    errors, failures, engines, groups = {}, [], [], {}
     for combo in combos:
+        groups.setdefault(_engine_key(combo), []).append(combo)
+    for group in groups.values():
         eng = None
-        try:
-            eng = _open(setup, combo)
-            if eng.runner.model is None:  # released at the end: the next engine's load replaces its weights anyway
-                ranked.append(eng)
-            errors[combo] = _check(setup, combo, _sample(eng, combo, setup["inputs"]), eng)
-        except AssertionError as e:
-            failures.append(str(e))
-        except Exception as e:  # every combination's failure in one report
-            failures.append(f"{'+'.join(combo)}: {type(e).__name__}: {str(e)[:300]}")
-    for eng in ranked:
-        eng.release()
+        for combo in sorted(group, key=lambda c: "lora" in c):  # the LoRA ones last: set once
+            try:
+                if eng is None:
+                    eng = _open(setup, combo)
+                    engines.append(eng)
+                if "lora" in combo and not eng.loras:
+                    eng.set_loras([(setup["lora"], LORA_STRENGTH)])
+                errors[combo] = _check(setup, combo, _sample(eng, combo, setup["inputs"]), eng)
+            except AssertionError as e:
+                failures.append(str(e))
+            except Exception as e:  # every combination's failure in one report
+                failures.append(f"{'+'.join(combo)}: {type(e).__name__}: {str(e)[:300]}")
+    for eng in engines:
+        if eng.runner.model is None:  # ranks: released at the end (each load replaced the weights anyway)
+            eng.release()
     return errors, failures
 
 
