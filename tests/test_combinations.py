@@ -34,11 +34,13 @@ DEFINING = ("cache", "lora", "mask", "batch")  # what is computed: kept in the r
 EXECUTION = ("offload", "compile", "batching")  # how it is computed: the reference has none
 PARALLEL = {"cfgp": dict(cfg_parallel=True), "ulysses": dict(ulysses_degree=2), "ring": dict(ring_degree=2),
             "tp": dict(tp=2)}
-# max abs error / max|reference| a feature may add (weight formats: measured x ~3; int4 under TP re-quantizes the
-# row-parallel slices its groups cross, within its own tolerance)
-TOLERANCE = {"offload": 1e-5, "compile": 1e-4, "batching": 1e-5, "cfgp": 1e-4, "ulysses": 1e-4, "ring": 1e-4,
-             "tp": 1e-4, "fp8": 0.1, "int8": 0.05, "int4": 0.2, "q8_0": 0.02, "nvfp4": 0.3, "mxfp8": 0.1,
-             "int8-tensorwise": 0.05}
+# max abs error / max|reference| a feature may add. Measured on this model (fp32, 8 steps): the execution features
+# <= 6.7e-7 (parallel 1e-4 as tests/test_parallel.py); the formats' worst over all their combinations (TP
+# included: int4 re-quantizes the row-parallel slices its groups cross) fp8 0.011, int8 0.0066, int4 0.035, q8_0
+# 0.0025, nvfp4 0.044, mxfp8 0.015, int8-tensorwise 0.007: tolerances about 3x those
+TOLERANCE = {"offload": 1e-5, "compile": 1e-5, "batching": 1e-5, "cfgp": 1e-4, "ulysses": 1e-4, "ring": 1e-4,
+             "tp": 1e-4, "fp8": 0.04, "int8": 0.02, "int4": 0.1, "q8_0": 0.01, "nvfp4": 0.15, "mxfp8": 0.05,
+             "int8-tensorwise": 0.02}
 for _f in DEFINING:
     TOLERANCE[_f] = 1e-5
 
