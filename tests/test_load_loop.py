@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from engine import CheckpointError, EngineConfig, load_model, open_engine
+from engine import EngineConfig, load_model, open_engine
 from engine.errors import ParallelConfigError
 from engine.features import patching
 from engine.features import quant as Q
@@ -81,14 +81,43 @@ def test_tensor_parallel_shard_is_the_slices_of_the_full_model(tiny_checkpoint, 
             assert_bit_equal(on_read, shard)
 
 
-def test_tensor_parallel_refuses_prequantized_files_and_bad_shards(bf16_file, tmp_path):
-    fp8 = tmp_path / "fp8.safetensors"
-    Q.quantize_file(str(bf16_file), str(fp8), "fp8")
-    with pytest.raises(CheckpointError, match="fp8.safetensors: tensor parallel needs a dense"):
-        load_model(fp8, shard=(2, 0))
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_tensor_parallel_shard_of_a_prequantized_file_is_its_layers_slices(bf16_file, tmp_path, fmt):
+    """A pre-quantized sgld file loads under tensor parallel (it was refused): each rank's layer is the slice of
+    the file's layer, its bytes and scales cut (fp8 / int8: exact by rows and by inputs; int4 exact by rows, and
+    by inputs re-quantized where the tiny model's groups of 64 cross the ranks' 32 / 96 inputs)."""
+    stored = tmp_path / f"{fmt}.safetensors"
+    Q.quantize_file(str(bf16_file), str(stored), fmt)
+    full = {name: m.dequantize(torch.float32) for name, m in load_model(stored).named_modules() if Q.format_of(m)}
+    for index in range(2):
+        layers = {name: m for name, m in load_model(stored, shard=(2, index)).named_modules() if Q.format_of(m)}
+        assert sorted(layers) == sorted(full) and len(layers) == 7 * CFG.num_layers
+        for name, m in layers.items():
+            assert Q.format_of(m).name == fmt
+            dim = FAMILY.shard_dim(name + ".weight")
+            want, got = full[name].chunk(2, dim=dim)[index], m.dequantize(torch.float32)
+            if fmt == "int4" and dim == 1:
+                assert got.shape == want.shape and Q.relative_error(got, want) < 0.1, name
+            else:
+                assert torch.equal(got, want), name
+
+
+def test_int4_split_on_its_groups_and_the_split_it_refuses():
+    from engine.features.quant.int4.linear import _int4_split
+
+    g = torch.Generator().manual_seed(0)
+    layer = Q.Int4Linear.from_dense(torch.randn(8, 128, generator=g), None, 32)
+    parts = [_int4_split(layer, i, 2, 1) for i in range(2)]  # 64 inputs a rank: whole groups, the bytes cut
+    assert all(p.group_size == 32 for p in parts)
+    assert torch.equal(torch.cat([p.dequantize() for p in parts], 1), layer.dequantize())
+    with pytest.raises(ValueError, match=r"cannot be split over 8 ranks along its inputs: 16 inputs a rank"):
+        _int4_split(layer, 0, 8, 1)
+
+
+def test_tensor_parallel_refuses_bad_shards(bf16_file):
     with pytest.raises(ParallelConfigError, match="tp must divide the heads \\(4\\)"):
         load_model(bf16_file, shard=(3, 0))
-    assert load_model(fp8, shard=(1, 0)) is not None  # a degree of 1 is no sharding
+    assert load_model(bf16_file, shard=(1, 0)) is not None  # a degree of 1 is no sharding
 
 
 @pytest.fixture

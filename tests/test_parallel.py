@@ -106,7 +106,7 @@ def _write_lora(path, cfg, seed=0, rank=4):
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_lora_on_the_workers(setup, tmp_path):
-    """LoRAs merge on every rank (sequence/CFG parallel) like on one process; TP refuses them clearly."""
+    """LoRAs merge on every rank (sequence/CFG parallel: the whole weights; TP: each rank's slices) like on one process."""
     from engine.features.lora import LoRAError
 
     path, inputs, refs = setup
@@ -126,10 +126,14 @@ def test_lora_on_the_workers(setup, tmp_path):
         assert _close(_run(eng, inputs, CacheConfig(enabled=False)), refs["off"][0])
     finally:
         eng.release()
-    tp = open_engine(path, EngineConfig(tp=2))
-    with pytest.raises(LoRAError, match="tensor parallel"):
-        tp.set_loras([(lora, 1.0)])
-    tp.release()
+    tp = open_engine(path, EngineConfig(tp=2))  # each rank its slice of every update (it was refused)
+    try:
+        assert tp.set_loras([(lora, 0.8)]) == single.lora_report
+        assert _close(_run(tp, inputs, CacheConfig(enabled=False)), ref)
+        tp.set_loras([])
+        assert _close(_run(tp, inputs, CacheConfig(enabled=False)), refs["off"][0])
+    finally:
+        tp.release()
 
 
 @pytest.mark.slow

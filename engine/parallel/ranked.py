@@ -178,13 +178,11 @@ class RankedRunner:
             self.warnings[:] = list(dict.fromkeys(self.warnings + info.get("warnings", [])))
             self.notes[:] = [self.notes[0]] + info.get("notes", [])
 
-    # -- LoRA: merged on every rank (sequence / CFG parallel hold the full weights) ---------------------
+    # -- LoRA: on every rank (sequence / CFG parallel: the full weights; TP: each rank its slice, lora/shard.py) ---
     def set_loras(self, loras) -> List[str]:
         items = [(getattr(p, "path", p), float(s)) for p, s in normalize(loras)]
         if items == list(self.loras):
             return list(self.lora_report)
-        if items:
-            self._refuse_tp()
         self._ensure()
         try:
             self.lora_report = list(self._worker_call(("loras", pack_loras(items))) or [])
@@ -199,17 +197,11 @@ class RankedRunner:
         return list(self.lora_report)
 
     def check_lora(self, path) -> List[str]:
-        self._refuse_tp()
         self._ensure()
         return list(self._worker_call(("check_lora", os.fspath(path))) or [])
 
     def active_loras(self) -> list:
         return [(getattr(p, "name", p), s) for p, s in self.loras]
-
-    def _refuse_tp(self) -> None:
-        if self.plan.tp > 1:
-            raise LoRAError("LoRA with tensor parallel (tp > 1) is not supported yet: each rank holds a slice of the "
-                            "layers; use ulysses_degree / ring_degree / cfg_parallel, or one GPU")
 
     def _worker_call(self, msg):
         """A request whose user errors (a bad LoRA file) come back as the engine's own exception types."""

@@ -4,7 +4,8 @@ bit-exact restore, or a side path on FP8 / INT4 layers; attached to the model as
 formats: key formats, matching and reading a file (``read_lora``); lycoris: LyCORIS LoKr / LoHa factors;
 peft: alpha from PEFT configs;
 records: the restore records and the merge / restore arithmetic; state: ``LoRAState`` and the model-level
-API (``apply_loras``, ``active_loras``, ``remove_loras``); files: specs and ``LoRAFileCache``.
+API (``apply_loras``, ``active_loras``, ``remove_loras``); files: specs and ``LoRAFileCache``; shard: a
+tensor-parallel rank's slice of each update (read against the whole layers' shapes).
 """
 from ...errors import LoRAError
 from .files import LoRAFileCache, normalize, parse_spec

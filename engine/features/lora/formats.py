@@ -21,6 +21,7 @@ from ..fuse import RowView, linear_parts
 from ..quant import quant_modules
 from . import lycoris
 from .peft import PEFT_FORMATS, peft_alpha, peft_config
+from .shard import cut_entry, full_shape, layer_cut
 
 log = logging.getLogger("sgld.lora")
 
@@ -261,7 +262,7 @@ def read_lora(source, model: nn.Module) -> LoRAFile:
             raise LoRAError(f"{path}: layer '{mod_name}' is adapted twice (keys '{user(seen[mod_name])}' and '{user(prefix)}')")
         if set(g) & DELTA_PARTS:
             seen[mod_name] = prefix
-        wshape = weight_shape(modules[mod_name])
+        wshape = full_shape(weight_shape(modules[mod_name]), layer_cut(model, mod_name))  # a TP shard: the whole layer's
         _check_shapes(path, g, mod_name, wshape, f.shape, user)
         if set(g) & lycoris.PARTS:
             g["lycoris"] = lycoris.check(path, g, mod_name, wshape, f.shape, user)
@@ -286,7 +287,8 @@ def read_lora(source, model: nn.Module) -> LoRAFile:
         if "lycoris" in g:
             kind, rank = g["lycoris"]
             parts = {p: tensors[k] for p, k in g.items() if p in lycoris.PARTS}
-            e.lycoris, e.fmt = lycoris.build(kind, rank, parts, e.alpha, weight_shape(modules[mod_name])), kind
+            wshape = full_shape(weight_shape(modules[mod_name]), layer_cut(model, mod_name))
+            e.lycoris, e.fmt = lycoris.build(kind, rank, parts, e.alpha, wshape), kind
         if e.up is None and e.diff is None and e.lycoris is None:  # an alpha alone
             unmatched.append(user(g["alpha"]))
             continue
@@ -297,7 +299,7 @@ def read_lora(source, model: nn.Module) -> LoRAFile:
         formats.add(e.fmt)
         nbytes += sum(t.numel() * t.element_size() for t in (e.up, e.down, e.diff) if t is not None)
         nbytes += e.lycoris.nbytes if e.lycoris is not None else 0
-        entries[mod_name] = e
+        entries[mod_name] = cut_entry(e, layer_cut(model, mod_name))  # a TP shard keeps its slice of the update
     if not entries:
         raise LoRAError(f"{path}: no usable LoRA weights (only {len(keys)} alpha / unsupported keys)")
     pcfg = peft_config(path, f.metadata) if any(e.alpha is None and e.fmt in PEFT_FORMATS for e in entries.values()) else None

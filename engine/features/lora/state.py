@@ -152,9 +152,6 @@ class LoRAState(patching.Patch):
                 if name not in modules:
                     raise LoRAError(f"{lf.path}: layer '{name}' is not in this model")
                 mod = modules[name]
-                if e.diff is not None and is_quantized(mod):
-                    raise LoRAError(f"{lf.path}: a full weight difference ('.diff') cannot be applied to the quantized "
-                                    f"layer '{name}'; load the model without quantization to use this LoRA")
                 wshape = weight_shape(mod)
                 if e.lycoris is not None:
                     got = [e.lycoris.out_features, e.lycoris.in_flat]
@@ -236,6 +233,9 @@ class LoRAState(patching.Patch):
         dtype = self.model.dtype if hasattr(self.model, "dtype") else torch.float32
         downs, ups, krons = [], [], []
         for e, s in items:
+            if e.diff is not None:  # a full weight difference: the kron term kron([[s]], dW), dW never re-quantized
+                krons.append((torch.full((1, 1), s * e.scale).to(dev, dtype), e.diff.reshape(rows[1] - rows[0], -1).to(dev, dtype)))
+                continue
             if e.lycoris is None:
                 downs.append(e.down.float().flatten(1))
                 ups.append(e.up.float().flatten(1) * (s * e.scale))

@@ -47,7 +47,7 @@ from .registry import (
                   writer_formats,
 )
 from .registry import FORMATS as FORMAT_TABLE
-from .transform import QuantTransform
+from .transform import QuantTransform, tensor_parallel_shard
 
 FORMATS = LiveNames(choices)  # EngineConfig.quant's choices: the table's, read when asked (int4 = groups of 128)
 from . import gguf  # noqa: E402, F401, I001  (the GGUF block types q8_0 ... q6_k, registered after the others)
@@ -63,5 +63,5 @@ __all__ = ["FILE_WRITERS", "FORMATS", "FORMAT_TABLE", "FileWriter", "describe_fo
            "dequantize_int4", "format_of", "fp8_scaled_mm_linear", "fp8_scaled_mm_supported",
            "get_format", "int4_group", "make_quant_linear", "model_quant_format",
            "parse_format", "prepare_fast_paths", "quant_modules", "quantize_file", "quantize_fp8",
-           "quantize_int4", "register_format", "relative_error", "remove_quant", "stored_tensors", "unpack_int4",
+           "quantize_int4", "register_format", "relative_error", "remove_quant", "stored_tensors", "tensor_parallel_shard", "unpack_int4",
            "unregister_format", "weight_bytes"]

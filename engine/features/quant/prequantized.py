@@ -182,10 +182,8 @@ class QuantPlan:
         return bool(self.layers) or bool(self.sources)
 
     def unshardable(self) -> List[str]:
-        """The file's quantized layers that tensor parallel cannot split (their format has no ``split``), or
-        ["(markers)"] for a file marked quantized without quantized layers; [] when a shard can be loaded."""
-        if self.sources and not self.layers:
-            return ["(markers)"]
+        """The file's quantized layers that tensor parallel cannot split (their format has no ``split``); [] when a
+        shard can be loaded (a file marked quantized without quantized layers is a dense one)."""
         return [layer for layer, info in self.layers.items() if get_format(info["kind"]).split is None]
 
     def describe(self) -> str:

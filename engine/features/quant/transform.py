@@ -4,7 +4,9 @@ public loader (engine/loading.py, ``engine.load_model``) hands to every load.
 The transform quantizes the blocks' linear layers as they are read when a format is asked for, and
 reads the layers of a pre-quantized file (sgld, ComfyUI scaled_fp8, ComfyUI mixed) as their format's
 modules (registry.py), re-quantized when another format is asked for; quantized layers outside the
-blocks are dequantized to the compute dtype. A pre-quantized file is refused under tensor parallel.
+blocks are dequantized to the compute dtype. Under tensor parallel a pre-quantized layer is cut by its format's
+``split`` (a format without one is refused: engine/loading.py), and the model records its shard
+(``tensor_parallel_shard``: LoRA files are read against the full shapes and keep this rank's slices).
 """
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ from .prequantized import QuantPlan
 from .registry import get_format, parse_format
 
 log = logging.getLogger("sgld.quant")
+SHARD = "tensor_parallel_shard"  # the model's record (patching.state): (tp degree, this rank's index)
+
+
+def tensor_parallel_shard(model: nn.Module) -> Optional[Tuple[int, int]]:
+    """(tp degree, rank index) of a model loaded as one tensor-parallel rank's shard, else None."""
+    return patching.feature_state(model, SHARD)
 
 
 class QuantTransform(Transform):
@@ -53,6 +61,7 @@ class QuantTransform(Transform):
         self.shard = shard
         if shard is not None:
             shard_skeleton(model, self.family, shard[0])
+            patching.state(model)[SHARD] = tuple(shard)
 
     def check(self, ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]]) -> Set[str]:
         """Pre-quantized layers: their weights must be the model's, in its shapes (as stored, unpacked)."""

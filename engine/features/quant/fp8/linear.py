@@ -133,6 +133,21 @@ def _fp8_join(leaf: str, tensors: List[torch.Tensor], rows: List[int]) -> torch.
     return torch.cat(tensors)
 
 
+def _fp8_split(module: FP8Linear, index: int, parts: int, dim: int) -> FP8Linear:
+    """Tensor parallel: rank ``index``'s rows with their scales (dim 0), or its inputs (dim 1: a row's scale
+    covers all its inputs, so every rank keeps it and the ranks' partial sums add up to the layer's output)."""
+    step = (module.out_features if dim == 0 else module.in_features) // parts
+    part = slice(index * step, (index + 1) * step)
+    scale = module.weight_scale
+    if dim == 0:
+        bias = None if module.bias is None else module.bias[part].clone()
+        out = FP8Linear(module.weight[part].clone(), (scale[part] if scale.dim() else scale).clone(), bias)
+    else:
+        out = FP8Linear(module.weight[:, part].contiguous(), scale.clone(), module.bias)
+    out.use_scaled_mm = module.use_scaled_mm
+    return out
+
+
 def prepare_fp8(modules) -> list:
     """Switch FP8 layers to ``torch._scaled_mm`` where it runs (CUDA sm89+). Returns notes (info, not warnings)."""
     fp8 = [m for m in modules if isinstance(m, FP8Linear)]
@@ -151,7 +166,7 @@ FP8 = register_format(WeightFormat(
     quantize=lambda weight, bias, group: FP8Linear.from_dense(weight, bias),
     weight_bytes=lambda shape, group, dense: shape[0] * shape[1] + 4 * shape[0],  # e4m3, a float32 scale a row
     from_stored=_fp8_from_stored, dequantize=_fp8_dequantize, read_layers=read_fp8_layers,
-    concat=_fp8_concat, rows=_fp8_rows, join=_fp8_join, prepare=prepare_fp8, comfy_formats=("float8_e4m3fn", "float8_e5m2"), help="e4m3, one scale per output channel, weight-only",
+    concat=_fp8_concat, rows=_fp8_rows, join=_fp8_join, split=_fp8_split, prepare=prepare_fp8, comfy_formats=("float8_e4m3fn", "float8_e5m2"), help="e4m3, one scale per output channel, weight-only",
     storage="e4m3 + float32 scale per output channel",
     compute="CPU / older GPUs: cast + dense GEMM, scale on the output. CUDA sm89+: `torch._scaled_mm` with the "
             "activations quantized per token to e4m3 (W8A8 dynamic), enabled after a per-device probe; "

@@ -2,6 +2,7 @@
 ``X.weight_scale`` / ``X.weight_zero`` [out, in/group]) and its entry "int4" in the format table (../registry.py)."""
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
@@ -14,6 +15,8 @@ from ..numerics import frozen
 from ..prequantized import SCALE_DTYPES, QuantPlan
 from ..registry import WeightFormat, register_format
 from .numerics import dequantize_int4, int4_group, parse_int4, quantize_int4
+
+log = logging.getLogger("sgld.quant")
 
 
 class Int4Linear(nn.Module):
@@ -102,11 +105,34 @@ def _int4_rows(fused: Int4Linear, start: int, stop: int, bias: Optional[torch.Te
                       fused.weight_zero[start:stop].clone(), bias)
 
 
+def _int4_split(module: Int4Linear, index: int, parts: int, dim: int) -> Int4Linear:
+    """Tensor parallel: rank ``index``'s rows (dim 0), or its inputs (dim 1) on the file's group boundaries.
+    Where a rank's inputs would cut a group, its slice is dequantized and quantized again in the largest
+    group of 128 / 64 / 32 that divides it (int4 noise on top of the file's; logged), else refused."""
+    step = (module.out_features if dim == 0 else module.in_features) // parts
+    part = slice(index * step, (index + 1) * step)
+    if dim == 0:
+        return _int4_rows(module, part.start, part.stop, None if module.bias is None else module.bias[part].clone())
+    g = module.group_size
+    if step % g == 0:
+        cols = slice(part.start // g, part.stop // g)
+        return Int4Linear(module.weight[:, part.start // 2:part.stop // 2].contiguous(), module.weight_scale[:, cols].contiguous(),
+                          module.weight_zero[:, cols].contiguous(), module.bias)
+    smaller = int4_group(step, g)
+    if not smaller:
+        raise ValueError(f"int4 layer [{module.out_features}, {module.in_features}] cannot be split over {parts} ranks "
+                         f"along its inputs: {step} inputs a rank is no multiple of its groups of {g} nor of 32; use a "
+                         "dense file with quant=..., or ulysses_degree / ring_degree instead of tensor parallel")
+    log.warning("int4 layer [%d, %d] over %d ranks: groups of %d cross the ranks' inputs; each rank's %d inputs are "
+                "quantized again in groups of %d", module.out_features, module.in_features, parts, g, step, smaller)
+    return Int4Linear.from_dense(module.dequantize()[:, part], module.bias, smaller)
+
+
 INT4 = register_format(WeightFormat(
     "int4", Int4Linear, parse=parse_int4, choices=("int4", "int4-g64"), quantize=_int4_quantize,
     weight_bytes=_int4_bytes, from_stored=lambda p: Int4Linear(p["weight"], p["weight_scale"], p["weight_zero"]),
     dequantize=lambda p: dequantize_int4(p["weight"], p["weight_scale"], p["weight_zero"]),
-    read_layers=read_int4_layers, concat=_int4_concat, rows=_int4_rows, packed=True,
+    read_layers=read_int4_layers, concat=_int4_concat, rows=_int4_rows, split=_int4_split, packed=True,
     dense_why="have an input size that no group of 32/64/128 divides",
     help="4-bit, groups of 128 (int4-g64: 64), weight-only",
     storage="4-bit asymmetric, bf16 scale + zero per group of 128 (int4-g64: 64)",

@@ -174,13 +174,21 @@ def _entry(name: str, cls: type, weight_only: bool) -> WeightFormat:
     def rows(fused: _Int8Stored, start: int, stop: int, bias: Optional[torch.Tensor]) -> _Int8Stored:
         return cls(fused.weight[start:stop].clone(), fused.weight_scale[start:stop].clone(), bias)
 
+    def split(module: _Int8Stored, index: int, parts: int, dim: int) -> _Int8Stored:
+        """Tensor parallel: rank ``index``'s rows with their scales, or its inputs (each row's scale kept)."""
+        step = (module.out_features if dim == 0 else module.in_features) // parts
+        part = slice(index * step, (index + 1) * step)
+        if dim == 0:
+            return rows(module, part.start, part.stop, None if module.bias is None else module.bias[part].clone())
+        return cls(module.weight[:, part].contiguous(), module.weight_scale.clone(), module.bias)
+
     return WeightFormat(
         name, cls, parse=lambda text: 0 if text in (name, name.replace("-", "_")) else None, choices=(name,),
         quantize=lambda weight, bias, group: cls.from_dense(weight, bias),
         weight_bytes=lambda shape, group, dense: shape[0] * shape[1] + 4 * shape[0],  # a byte a weight, F32 a row
         from_stored=lambda p: cls(p["weight"], p["weight_scale"]),
         dequantize=lambda p: dequantize_int8(p["weight"], p["weight_scale"]),
-        read_layers=lambda plan, keys: _read_int8_layers(plan, keys, weight_only), concat=concat, rows=rows,
+        read_layers=lambda plan, keys: _read_int8_layers(plan, keys, weight_only), concat=concat, rows=rows, split=split,
         help="int8, one scale per output channel, weight-only" if weight_only else
              "int8, one scale per output channel; also quantizes the activations per token and multiplies in int8 "
              "(faster on CPUs with VNNI and on sm80+ GPUs)",
