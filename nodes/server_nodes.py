@@ -24,7 +24,7 @@ from PIL import Image
 
 from ..engine import sample_wire
 from ..engine.errors import LoRAError
-from ..engine.features.lora.files import parse_spec
+from ..engine.features.lora import parse_spec
 from ..engine.options import node_inputs
 from ..engine.sampling import cfg_on
 from ..engine.sampling_options import SampleRequest, SamplingOptions

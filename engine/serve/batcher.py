@@ -159,8 +159,7 @@ class Batcher:
                 raise InputError(f"{name} must be an integer >= 1 (got {value!r})")
         self.engine, self.max_batch, self.max_loras = engine, max_batch, max_loras
         self.local = engine.model is not None
-        # the per-request LoRA cache (a local model only: the ranks keep one run at a time)
-        self.loras = attach_row_loras(engine.model, lora_budget_bytes) if self.local else None
+        self._lora_budget, self._loras, self._loras_lock = lora_budget_bytes, None, threading.Lock()
         self._cv = threading.Condition()
         self._queue: deque = deque()
         self._running: List[_Slot] = []
@@ -172,6 +171,17 @@ class Batcher:
         self._loop.start()
 
     # -- the API ---------------------------------------------------------------------------------------
+    @property
+    def loras(self):
+        """The per-request LoRA cache (``RowLoRAs``, attached to the model when first asked for); None on
+        several ranks (they keep one run at a time)."""
+        if not self.local:
+            return None
+        with self._loras_lock:
+            if self._loras is None:
+                self._loras = attach_row_loras(self.engine.model, self._lora_budget)
+            return self._loras
+
     def submit(self, job: Job) -> concurrent.futures.Future:
         """Queue ``job``; its future gets the final latent ([C, h, w] or [B, C, h, w], as the job's; float32, CPU),
         and ``run_stats`` (model_calls, calls_computed, samples_per_forward: the mean samples of the forwards it was
