@@ -52,7 +52,7 @@ from ..engine import Engine, Run, RunStats
 from ..errors import CacheConfigError, InputError
 from ..features.cache import DBCacheRunner
 from ..features.compile import is_compiled
-from ..features.lora import LoRAError, LoRAFile, active_loras, attach_row_loras, net
+from ..features.lora import LoRAError, LoRAFile, active_loras, attach_row_loras, net, remove_row_loras
 from ..features.lora.rows import DEFAULT_BUDGET_BYTES
 from ..sampling_options import SampleRequest
 from .forward import Call, joint_velocity
@@ -215,7 +215,8 @@ class Batcher:
 
     def close(self, cancel_running: bool = True) -> None:
         """Take no more jobs; cancel the queued ones and, with ``cancel_running``, the running ones (else let
-        them finish); then stop the loop thread. Returns once it and the jobs' threads have stopped."""
+        them finish); then stop the loop thread and take the per-request LoRAs off the model. Returns once it and
+        the jobs' threads have stopped."""
         with self._cv:
             self._closed = True
             left = list(self._queue) + (list(self._running) if cancel_running else [])
@@ -227,6 +228,8 @@ class Batcher:
         for slot in left:
             if slot.thread is not None:
                 slot.thread.join()
+        if self._loras is not None:  # the per-request LoRAs' terms off the model (their counters stay readable)
+            remove_row_loras(self.engine.model)
 
     def stats(self) -> dict:
         """queued / running jobs; forwards made; mean samples per forward; steps done (sampler steps of all

@@ -10,6 +10,7 @@ from lora_files import CFG, make_pairs, tiny_engine, weights_hash, write_lora
 from lycoris_files import lycoris_file
 
 from engine import InputError
+from engine.features import patching
 from engine.serve import Batcher, Job
 
 TOLERANCE = 1e-5
@@ -109,11 +110,12 @@ def test_distinct_loras_per_forward_are_bounded_and_the_cache_evicts(files):
         batcher = Batcher(eng, max_batch=16, max_loras=1, lora_budget_bytes=budget)
         try:
             got = [f.result(WAIT) for f in batcher.submit_many([job(0, [(files["a"], 1.0)]), job(1, [(files["b"], 1.0)])])]
-            stats = batcher.stats()
+            stats, m = batcher.stats(), batcher.loras.metrics()
         finally:
             batcher.close()
     assert stats["samples_per_forward"] == 2  # one LoRA per forward: the second job waited, it was not refused
     assert all(rel_err(g, r) <= TOLERANCE for g, r in zip(got, ref))
-    m = batcher.loras.metrics()
     assert m["loras"]["a.safetensors"]["evictions"] == 1 and m["loras"]["b.safetensors"]["resident"]
     assert m["resident"] == 1
+    assert "lora_rows" not in patching.attached(eng.model) and not any(  # closed: no term left on the model
+        patching.feature_state(mod, "lora") for mod in eng.model.modules())
