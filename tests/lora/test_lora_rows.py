@@ -35,6 +35,14 @@ def job(i, lora_set=None, steps=4, cfg=2.0):
     return Job(torch.zeros(CFG.in_channels, 4, 4), cond, uncond, seed=10 + i, steps=steps, cfg=cfg, lora_set=lora_set)
 
 
+def engine():
+    """The tiny fp32 engine on one CPU thread (its GEMMs are too small to share; a shared machine's spare core is not
+    there to wait for)."""
+    eng = tiny_engine()
+    eng.threads = 1
+    return eng
+
+
 def sequential(eng, j: Job, loras) -> torch.Tensor:
     """The job alone through Engine.sample with ``loras`` merged."""
     eng.set_loras(loras)
@@ -49,7 +57,7 @@ def rel_err(got, ref) -> float:
 
 
 def test_different_loras_share_forwards_and_each_equals_its_sequential_run(files):
-    eng = tiny_engine()
+    eng = engine()
     sets = [[(files["a"], 0.8)], [(files["b"], 1.0), (files["a"], -0.5)], [(files["lokr"], 0.6)], None, []]
     jobs = [job(i, s) for i, s in enumerate(sets)]
     with torch.inference_mode():
@@ -72,7 +80,7 @@ def test_different_loras_share_forwards_and_each_equals_its_sequential_run(files
 
 
 def test_the_engines_merged_set_is_the_default_and_comes_off_for_own_sets(files):
-    eng = tiny_engine()
+    eng = engine()
     with torch.inference_mode():
         batcher = Batcher(eng, max_batch=16)
         try:
@@ -93,7 +101,7 @@ def test_the_engines_merged_set_is_the_default_and_comes_off_for_own_sets(files)
 
 
 def test_distinct_loras_per_forward_are_bounded_and_the_cache_evicts(files):
-    eng = tiny_engine()
+    eng = engine()
     with torch.inference_mode():
         probe = Batcher(eng, max_loras=2)
         try:

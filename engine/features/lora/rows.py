@@ -23,6 +23,7 @@ from torch import nn
 
 from ...errors import LoRAError
 from .. import patching
+from ..fuse import RowView
 from .files import file_key
 from .formats import LoRAFile, read_lora, target_modules
 from .state import FEATURE as SIDE
@@ -106,7 +107,7 @@ class RowLoRAs(patching.Patch):
             target = modules.get(name)
             if target is None:
                 raise LoRAError(f"{lf.path}: layer '{name}' is not in this model")
-            if not hasattr(side_module(target)[0], "out_features"):
+            if not hasattr(target.module if isinstance(target, RowView) else target, "out_features"):
                 raise LoRAError(f"{role}LoRA {lf.name} adapts the convolution '{name}': per-request LoRAs apply to "
                                 "linear layers only (make it the server's own set with /v1/set_lora instead)")
         if lf.nbytes > self.budget:
