@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,7 +51,7 @@ from ..engine import Engine, Run, RunStats
 from ..errors import CacheConfigError, InputError
 from ..features.cache import DBCacheRunner
 from ..features.compile import is_compiled
-from ..features.lora import LoRAError, LoRAFile, active_loras, attach_row_loras, net, remove_row_loras
+from ..features.lora import LoRAError, attach_row_loras, remove_row_loras
 from ..features.lora.rows import DEFAULT_BUDGET_BYTES
 from ..sampling_options import SampleRequest
 from .forward import Call, joint_velocity
@@ -131,16 +130,6 @@ def _settle(future, result=None, error: Optional[BaseException] = None) -> None:
             future.set_result(result)
     except concurrent.futures.InvalidStateError:
         pass
-
-
-def _strength(value) -> float:
-    try:
-        strength = float(value)
-    except (TypeError, ValueError):
-        raise LoRAError(f"strength {value!r:.40} is not a number") from None
-    if not math.isfinite(strength):
-        raise LoRAError(f"strength {strength} is not a finite number")
-    return strength
 
 
 def _features(value) -> Optional[list]:
@@ -280,12 +269,7 @@ class Batcher:
             raise InputError("loras: per-request LoRAs do not run on a compiled model (--compile); set them for every "
                              "request with /v1/set_lora")
         try:
-            own = [(lf if isinstance(lf, LoRAFile) else self.loras.read(lf), _strength(s)) for lf, s in lora_set]
-            merged = active_loras(self.engine.model)
-            mine = {id(lf) for lf, _ in own}
-            net_set = net(own, merged)
-            for lf, _ in net_set:
-                self.loras.check(lf, "" if id(lf) in mine else "the engine's active ")
+            net_set = self.loras.job_set(lora_set)
         except LoRAError as e:
             raise InputError(f"loras: {e}") from None
         if len(net_set) > self.max_loras:

@@ -14,6 +14,7 @@ opposite strength. Identity is the LoRAFile object: files read through this cach
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -27,7 +28,7 @@ from ..fuse import RowView
 from .files import file_key
 from .formats import LoRAFile, read_lora, target_modules
 from .state import FEATURE as SIDE
-from .state import RowRoute, SidePath, low_rank_of, refresh_class, side_module, side_terms
+from .state import RowRoute, SidePath, active_loras, low_rank_of, refresh_class, side_module, side_terms
 
 FEATURE = "lora_rows"
 DEFAULT_BUDGET_BYTES = 2 << 30
@@ -113,6 +114,16 @@ class RowLoRAs(patching.Patch):
         if lf.nbytes > self.budget:
             raise LoRAError(f"{role}LoRA {lf.name} holds {lf.nbytes / 2 ** 20:.1f} MiB, more than the per-request LoRA "
                             f"cache's budget of {self.budget / 2 ** 20:.1f} MiB (sgld serve --lora-cache-mb)")
+
+    def job_set(self, lora_set: Sequence[Tuple[object, float]]) -> List[Tuple[LoRAFile, float]]:
+        """A job's [(path or LoRAFile, strength)] as what its rows need on top of the model's merged set (``net``),
+        each LoRA read and checked; LoRAError naming the file or the strength."""
+        own = [(lf if isinstance(lf, LoRAFile) else self.read(lf), _finite(s)) for lf, s in lora_set]
+        mine = {id(lf) for lf, _ in own}
+        out = net(own, active_loras(self.model))
+        for lf, _ in out:
+            self.check(lf, "" if id(lf) in mine else "the engine's active ")
+        return out
 
     # -- a forward (its thread) ----------------------------------------------------------------------------
     def use(self, samples: Sequence[Tuple[LoRAFile, int]]) -> Dict[int, int]:
@@ -221,6 +232,16 @@ class RowLoRAs(patching.Patch):
                 self._uninstall(entry)
             self._entries.clear()
             self._by_file.clear()
+
+
+def _finite(value) -> float:
+    try:
+        strength = float(value)
+    except (TypeError, ValueError):
+        raise LoRAError(f"strength {value!r:.40} is not a number") from None
+    if not math.isfinite(strength):
+        raise LoRAError(f"strength {strength} is not a finite number")
+    return strength
 
 
 def attach_row_loras(model: nn.Module, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> RowLoRAs:
