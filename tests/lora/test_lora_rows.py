@@ -35,10 +35,10 @@ def job(i, lora_set=None, steps=4, cfg=2.0):
     return Job(torch.zeros(CFG.in_channels, 4, 4), cond, uncond, seed=10 + i, steps=steps, cfg=cfg, lora_set=lora_set)
 
 
-def engine():
+def engine(quant=None):
     """The tiny fp32 engine on one CPU thread (its GEMMs are too small to share; a shared machine's spare core is not
     there to wait for)."""
-    eng = tiny_engine()
+    eng = tiny_engine(torch.float32, quant=quant)
     eng.threads = 1
     return eng
 
@@ -56,8 +56,10 @@ def rel_err(got, ref) -> float:
     return float((got - ref).abs().max() / ref.abs().max())
 
 
-def test_different_loras_share_forwards_and_each_equals_its_sequential_run(files):
-    eng = engine()
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_different_loras_share_forwards_and_each_equals_its_sequential_run(files, quant):
+    """fp8: the block linears are quantized, so the sequential runs' LoRAs are the merged set's side path too."""
+    eng = engine(quant)
     sets = [[(files["a"], 0.8)], [(files["b"], 1.0), (files["a"], -0.5)], [(files["lokr"], 0.6)], None, []]
     jobs = [job(i, s) for i, s in enumerate(sets)]
     with torch.inference_mode():
