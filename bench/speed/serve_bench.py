@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+import psutil
 import requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,6 +128,13 @@ class Server:
         return {"forwards": forwards, "samples": values["sgld_samples_per_forward"] * forwards,
                 "calls": values["sgld_model_calls_total"], "computed": values["sgld_model_calls_computed_total"]}
 
+    def gauge(self, name: str) -> float:
+        """One unlabelled value of GET /metrics (0 when absent)."""
+        for line in requests.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        return 0.0
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=60)
@@ -182,18 +190,21 @@ def scenario(server: Server, clients: int, texts: list, seed0: int, cache: str, 
             "p95_s": round(percentile(latencies, 0.95), 2),
             "samples_per_forward": round(d["samples"] / d["forwards"], 2) if d["forwards"] else 0.0,
             "images_per_forward": round(d["calls"] / d["forwards"], 2) if d["forwards"] else 0.0,
-            "computed_fraction": round(d["computed"] / d["calls"], 3) if d["calls"] else 0.0}
+            "computed_fraction": round(d["computed"] / d["calls"], 3) if d["calls"] else 0.0,
+            "server_rss_mib": round(psutil.Process(server.proc.pid).memory_info().rss / 2 ** 20, 1),
+            "lora_cache_mib": round(server.gauge("sgld_lora_cache_bytes") / 2 ** 20, 2)}
 
 
 def table(rows: list) -> str:
     lines = ["| server | cache | loras | clients | images/s | × sequential | p50 s | p95 s | samples/forward | "
-             "images/forward | DiT calls computed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "images/forward | DiT calls computed | server RSS MiB | LoRA cache MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['server']} | {r['cache']} | {r['loras']} | "
                      f"{r['clients']}{' (sequential)' if r['clients'] == 1 else ''} | "
                      f"{r['images_per_s']:.3f} | **{r['speedup']:.2f}** | {r['p50_s']:.2f} | {r['p95_s']:.2f} | "
                      f"{r['samples_per_forward']:.2f} | {r['images_per_forward']:.2f} | "
-                     f"{100 * r['computed_fraction']:.0f}% |")
+                     f"{100 * r['computed_fraction']:.0f}% | {r['server_rss_mib']:.0f} | {r['lora_cache_mib']:.2f} |")
     return "\n".join(lines)
 
 
