@@ -96,8 +96,8 @@ class Loras:
                 try:
                     real = lora_file(self.lora_dir, name)
                 except ApiError as e:
-                    raise bad_field(f"loras[{i}].name", f"loras[{i}].name: {e.message} (a file inside --lora-dir, or a "
-                                                        "nickname /v1/set_lora gave)") from None
+                    raise bad_field(f"loras[{i}].name", f"loras[{i}].name '{name:.200}': {e.message} (a file inside "
+                                                        "--lora-dir, or a nickname /v1/set_lora gave)") from None
             out.append((real, strength))
         return out
 
