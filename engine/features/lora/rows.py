@@ -42,6 +42,7 @@ class _Entry:
         self.lf, self.key, self.file_key = lf, key, file_key
         self.modules: List[nn.Module] = []  # the modules holding its row terms (resident) or []
         self.terms_bytes = 0
+        self.pinned = False  # its terms are being made (the forward's thread): not evicted meanwhile
 
     @property
     def nbytes(self) -> int:
@@ -130,7 +131,7 @@ class RowLoRAs(patching.Patch):
         """Make the LoRAs of one forward resident ((LoRAFile, samples it serves) for each job's each LoRA); their
         adapter keys by id(LoRAFile). Others are evicted, least recently used first, while over the budget."""
         with self._lock:
-            keys, wanted = {}, set()
+            keys, wanted, todo = {}, set(), []
             for lf, rows in samples:
                 entry = self._entries.get(id(lf)) or self._add(lf, None)
                 self._entries.move_to_end(id(lf))
@@ -139,11 +140,20 @@ class RowLoRAs(patching.Patch):
                     wanted.add(id(lf))
                     self._count(lf.name, "forwards")
                     if not entry.modules:
-                        self._install(entry)
-                        self._count(lf.name, "loads")
+                        entry.pinned = True  # no read() evicts it while its terms are made
+                        todo.append(entry)
                 self._count(lf.name, "samples", rows)
-            self._shrink(keep=wanted)
-            return keys
+        try:
+            for entry in todo:  # outside the lock: a scrape or a request's read does not wait for it
+                self._install(entry)
+                with self._lock:
+                    self._count(entry.lf.name, "loads")
+        finally:
+            with self._lock:
+                for entry in todo:
+                    entry.pinned = False
+                self._shrink(keep=wanted)
+        return keys
 
     def _install(self, entry: _Entry) -> None:
         model, modules = self.model, target_modules(self.model)
@@ -195,7 +205,7 @@ class RowLoRAs(patching.Patch):
             if total <= self.budget:
                 return
             entry = self._entries[ident]
-            if (ident in keep) if keep is not None else bool(entry.modules):
+            if entry.pinned or ((ident in keep) if keep is not None else bool(entry.modules)):
                 continue
             total -= entry.nbytes
             if entry.modules:
