@@ -242,6 +242,9 @@ class Engine:
         engine's."""
         options = request.options
         options.check()
+        if request.loras is not None:
+            raise InputError("loras: LoRAs by name are sgld serve's (its --lora-dir); on an engine use "
+                             "Engine.set_loras, or a batcher Job's lora_set")
         mc = self.model_config
         latent = request.latent
         check_latent(mc, latent)

@@ -5,8 +5,9 @@ decoded by the server's route (engine/serve/sample_route.py). A ``SampleRequest`
 Request body: safetensors bytes (never a pickle) with the float32 tensors ``latent`` [C, h, w] or [B, C, h, w],
 ``cond`` [T, C_text], optionally ``uncond`` [T', C_text], ``noise_mask`` (a LATENT's mask, any size) and
 ``sigmas`` [steps + 1]; in the safetensors metadata, under ``sgld``, a JSON object of the settings: the sampling
-options (seed, steps and cfg required), ``batch_index`` and ``cache`` (a preset name, "off", an object of
-CacheConfig fields, or null for the server's). The answer's latent: base64 of safetensors bytes holding the
+options (seed, steps and cfg required), ``batch_index``, ``cache`` (a preset name, "off", an object of
+CacheConfig fields, or null for the server's) and ``loras`` (``lora_setting``: the per-request LoRAs by name,
+the rule /v1/images/generations' field shares). The answer's latent: base64 of safetensors bytes holding the
 float32 tensor ``latent``.
 
 Plain Python, torch and safetensors only: the nodes import it inside ComfyUI, where the server's packages are not.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 from typing import Optional
 
 import torch
@@ -36,7 +38,10 @@ PATH = "/v1/sample"
 METADATA_KEY = "sgld"
 TENSORS = ("latent", "cond", "uncond", "noise_mask", "sigmas")
 REQUIRED = ("seed", "steps", "cfg")  # the sampling options a body must give (the others: their declared defaults)
-EXTRAS = ("batch_index", "cache")  # the settings besides the sampling options
+EXTRAS = ("batch_index", "cache", "loras")  # the settings besides the sampling options
+MAX_LORAS = 8  # entries of a request's loras
+MAX_LORA_NAME = 512  # characters of a LoRA's name (a path inside the server's --lora-dir, or a nickname)
+MAX_LORA_STRENGTH = 100.0  # |strength|, as the LoRA Loader node's widget
 MAX_HEADER = 100_000  # bytes of safetensors header: five tensors and a few settings need far less
 CACHE_OFF = ("off", "none")
 _KINDS = {int: "a valid integer", float: "a valid number", str: "a valid string"}
@@ -83,6 +88,8 @@ def encode(request: SampleRequest) -> bytes:
     settings["cache"] = None if request.cache is None else dataclasses.asdict(request.cache)
     if request.batch_index is not None:
         settings["batch_index"] = list(request.batch_index)
+    if request.loras is not None:
+        settings["loras"] = [{"name": name, "strength": float(strength)} for name, strength in request.loras]
     return save_tensors(tensors, metadata={METADATA_KEY: json.dumps(settings)})
 
 
@@ -151,8 +158,38 @@ def cache_setting(value) -> Optional[CacheConfig]:
     return CacheConfig(enabled=True, preset=canonical_preset(value))
 
 
+def lora_setting(value) -> Optional[tuple]:
+    """A request's ``loras``: None (the server's active set), or a list of at most MAX_LORAS objects ``{"name":
+    a LoRA of the server's --lora-dir (a path inside it, or a nickname /v1/set_lora gave), "strength": a finite
+    number from -MAX_LORA_STRENGTH to MAX_LORA_STRENGTH (default 1)}``, each name once ([]: no LoRA at all).
+    ((name, strength), ...); WireError naming the entry."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise _invalid("loras", 'a list of {"name", "strength"} objects or null', value)
+    if len(value) > MAX_LORAS:
+        raise WireError(f"loras: at most {MAX_LORAS} LoRAs per request (got {len(value)})", "loras", "invalid_value")
+    out, seen = [], set()
+    for i, item in enumerate(value):
+        where = f"loras[{i}]"
+        if not isinstance(item, dict) or "name" not in item or set(item) - {"name", "strength"}:
+            raise _invalid(where, 'an object {"name": ..., "strength": ...} (strength optional, default 1)', item)
+        name, strength = item["name"], item.get("strength", 1.0)
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME or not name.isprintable():
+            raise _invalid(where + ".name", f"a LoRA name of 1 to {MAX_LORA_NAME} printable characters", name)
+        strength = _strict(where + ".strength", float, strength)
+        if not math.isfinite(strength) or abs(strength) > MAX_LORA_STRENGTH:
+            raise _invalid(where + ".strength", f"a finite number from -{MAX_LORA_STRENGTH:g} to {MAX_LORA_STRENGTH:g}",
+                           strength)
+        if name in seen:
+            raise WireError(f"{where}.name: '{name:.80}' is named twice; give each LoRA once", "loras", "invalid_value")
+        seen.add(name)
+        out.append((name, strength))
+    return tuple(out)
+
+
 def _settings(raw) -> tuple:
-    """(SamplingOptions, batch_index, cache) of the settings object; WireError naming the field."""
+    """(SamplingOptions, batch_index, cache, loras) of the settings object; WireError naming the field."""
     if not isinstance(raw, dict):
         raise WireError("the request body must be a JSON object", code="invalid_json")
     allowed = settings_fields()
@@ -169,7 +206,7 @@ def _settings(raw) -> tuple:
     if index is not None and not (isinstance(index, list) and all(isinstance(i, int) and not isinstance(i, bool)
                                                                  for i in index)):
         raise _invalid("batch_index", "a valid list of integers", index)
-    return SamplingOptions(**options), index, cache_setting(raw.get("cache"))
+    return SamplingOptions(**options), index, cache_setting(raw.get("cache")), lora_setting(raw.get("loras"))
 
 
 def decode(body: bytes) -> SampleRequest:
@@ -195,11 +232,11 @@ def decode(body: bytes) -> SampleRequest:
         raw = load_json_object(metadata[METADATA_KEY], f"metadata '{METADATA_KEY}'")
     except CheckpointError as e:
         raise _bad_body(str(e)) from None
-    options, batch_index, cache = _settings(raw)
+    options, batch_index, cache, loras = _settings(raw)
     try:
         tensors = load_tensors(body)
     except (SafetensorError, ValueError, RuntimeError) as e:
         raise _bad_body(str(e)[:200]) from None
     return SampleRequest.from_options(tensors["latent"], tensors["cond"], tensors.get("uncond"), options,
                                       sigmas=tensors.get("sigmas"), noise_mask=tensors.get("noise_mask"),
-                                      batch_index=batch_index, cache=cache)
+                                      batch_index=batch_index, cache=cache, loras=loras)

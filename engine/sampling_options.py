@@ -121,6 +121,9 @@ SampleRequest = dataclasses.make_dataclass("SampleRequest", [
     ("batch_index", Optional[List[int]], field(default=None)),  # a LATENT's (LatentFromBatch): the seed's draw of each
     ("noise", Optional[torch.Tensor], field(default=None)),  # the caller's own starting noise instead of the seed's
     ("cache", Any, field(default=None)),  # a CacheConfig for this run (None: the engine's)
+    # per-request LoRAs by name, [(name, strength), ...], that sgld serve resolves in its --lora-dir (None: the
+    # engine's own set); a local engine's LoRAs are Engine.set_loras, so Engine.prepare refuses them
+    ("loras", Any, field(default=None)),
 ], bases=(_Request,), namespace={"__module__": __name__, "__doc__": "One sampling run: its inputs and its "
                                  "sampling options (SamplingOptions' fields), as every entry point hands it over."})
 

@@ -3,7 +3,9 @@
 KSampler, ``comfy_model`` MODEL for any sampler), so ComfyUI refuses a wrong link when the graph is drawn and
 when it is queued, not a run later.
 
-Chainable (each node adds one LoRA to the handle). The returned handle shares the base engine with
+Chainable (each node adds one LoRA to the handle). On a model of SGLDiffusion Server the chain is sent with each
+run: the server applies the LoRA of that name in its --lora-dir to that run only (no file goes over the wire;
+the ``comfy_model`` output is empty: a remote model has no ComfyUI MODEL). The returned handle shares the base engine with
 its input (nodes/model_cache.py): the LoRA set is part of the handle and the engine applies it
 (``Engine.set_loras``, engine/features/lora) when a sampler asks the handle for its engine, so two graphs
 using the same base with different LoRAs hold the base weights once.
@@ -24,9 +26,6 @@ log = logging.getLogger("sgldiffusion")
 FOLDER = "loras"
 MODEL_TYPES = "SGLD_MODEL,MODEL"  # either output of the loader (or of another LoRA Loader)
 NODE = "SGLDiffusion LoRA Loader"
-REMOTE_WHY_NOT = (f"{NODE}: a model of SGLDiffusion Server is loaded by its `sgld serve`, which holds its LoRAs "
-                  "itself: start it with --lora FILE:STRENGTH, or POST /v1/set_lora with a file of its --lora-dir "
-                  "(docs/serve.md). This node applies files of this ComfyUI's models/loras to a model loaded here.")
 
 
 def lora_files() -> list:
@@ -57,8 +56,9 @@ class SGLDiffusionLoraLoader:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": (MODEL_TYPES, {"tooltip": "From SGLDiffusion Model Loader or another SGLDiffusion LoRA "
-                                                   "Loader (either output; not SGLDiffusion Server's)."}),
+                "model": (MODEL_TYPES, {"tooltip": "From SGLDiffusion Model Loader, SGLDiffusion Server (its server "
+                                                   "applies the file of this name in its --lora-dir to each run) or "
+                                                   "another SGLDiffusion LoRA Loader."}),
                 "lora_name": (lora_files(), {"tooltip": "The LoRA file (models/loras), trained for ERNIE-Image."}),
                 "strength": ("FLOAT", {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01,
                                        "tooltip": "How strongly the LoRA changes the model; 0 turns it off, negative inverts it."}),
@@ -79,13 +79,13 @@ class SGLDiffusionLoraLoader:
 
     def load(self, model, lora_name, strength=1.0):
         """``model``: SGLD_MODEL, or the loader's ComfyUI MODEL (comfy_model); both outputs carry the LoRA."""
-        if isinstance(model, RemoteModel):
-            raise ValueError(REMOTE_WHY_NOT)
+        if not math.isfinite(float(strength)):
+            raise ValueError(f"{NODE}: strength is {strength}; it must be a finite number (-100 to 100)")
+        if isinstance(model, RemoteModel):  # the server applies it to this chain's runs only, by name in its --lora-dir
+            return model.with_lora(lora_name, strength), None
         comfy = hasattr(model, "sgld_engine")  # the loader's comfy_model (nodes/comfy_model.py)
         if not comfy and not isinstance(model, SGLDModel):
             raise ValueError(f"{NODE}: 'model' must come from SGLDiffusion Model Loader (got {type(model).__name__})")
-        if not math.isfinite(float(strength)):
-            raise ValueError(f"{NODE}: strength is {strength}; it must be a finite number (-100 to 100)")
         path = resolve(lora_name)
         try:
             # read it now against the model (not applied yet), so a wrong file is reported on this node;

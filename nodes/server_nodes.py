@@ -1,7 +1,8 @@
 """Nodes that use a remote ``sgld serve`` (docs/serve.md): SGLDiffusion Server -> an SGLD_MODEL that
 SGLDiffusion KSampler runs on that server (POST /v1/sample: the latent and text features go there, the
 progress and the latent come back), and SGLDiffusion Server Generate (prompt -> IMAGE through
-/v1/images/generations). Only HTTP and type adaptation here (the standard library's http.client); closing
+/v1/images/generations). Both send their LoRA chain with each request (the model's, from SGLDiffusion LoRA
+Loader nodes; Generate's ``loras`` lines): LoRAs of the server's --lora-dir applied to that request only. Only HTTP and type adaptation here (the standard library's http.client); closing
 the connection on an interrupt cancels the server's work."""
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ import operator
 import socket
 import urllib.parse
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
 from PIL import Image
 
 from ..engine import sample_wire
+from ..engine.errors import LoRAError
+from ..engine.features.lora import parse_spec
 from ..engine.options import node_inputs
 from ..engine.sampling import cfg_on
 from ..engine.sampling_options import SampleRequest, SamplingOptions
@@ -39,12 +42,26 @@ POLL_S = 0.25  # how often a waiting Server Generate looks for ComfyUI's interru
 
 @dataclass(frozen=True)
 class RemoteModel:
-    """An SGLD_MODEL served by ``sgld serve`` at ``base_url`` (what GET /v1/models says of it)."""
+    """An SGLD_MODEL served by ``sgld serve`` at ``base_url`` (what GET /v1/models says of it). ``loras``: its LoRA
+    chain (SGLDiffusion LoRA Loader nodes), ((name in the server's --lora-dir, strength), ...), sent with each run
+    as the request's own LoRAs; empty: the server's active set."""
     base_url: str
     api_key: str
     model_id: str
     latent_channels: int
     text_dim: int
+    loras: Tuple[Tuple[str, float], ...] = ()
+
+    def with_lora(self, name: str, strength: float) -> "RemoteModel":
+        """This model with one more LoRA in its chain."""
+        return dataclasses.replace(self, loras=_chained(self.loras, name, strength))
+
+
+def _chained(chain: tuple, name: str, strength: float) -> tuple:
+    """``chain`` and one more LoRA (the same name twice: the strengths add, as merging both would)."""
+    out = dict(chain)
+    out[name] = out.get(name, 0.0) + float(strength)
+    return tuple(out.items())
 
 
 def _split_url(node: str, base_url: str):
@@ -184,7 +201,8 @@ def sample_remote(node: str, model: RemoteModel, request: SampleRequest) -> tupl
         request, cond=_one(node, "positive", request.cond),
         uncond=_one(node, "negative", request.uncond) if cfg_on(options.cfg, request.uncond) else None,
         noise_mask=None if request.noise_mask is None else _mask_tensor(node, request.noise_mask),
-        batch_index=None if request.batch_index is None else _plain_list(node, request.batch_index)))
+        batch_index=None if request.batch_index is None else _plain_list(node, request.batch_index),
+        loras=model.loras or None))  # the LoRA chain: this run's own LoRAs on the server
     steps = options.steps
     conn, response = _request(node, model.base_url, model.api_key, "POST", sample_wire.PATH, body,
                               "application/octet-stream", READ_TIMEOUT_S)
@@ -243,15 +261,23 @@ class SGLDiffusionServerGenerate:
                                "tooltip": "Pixels; 0: the server model's default size."}),
             **server_sampling_widgets(),
         }, "optional": {"negative_prompt": ("STRING", {"multiline": True, "default": "",
-                                                       "tooltip": "What the picture should not show (unused at cfg 1)."})}}
+                                                       "tooltip": "What the picture should not show (unused at cfg 1)."}),
+                        "loras": ("STRING", {"multiline": True, "default": "",
+                                             "tooltip": "This request's own LoRAs, one NAME:STRENGTH a line (NAME: a file "
+                                                        "in the server's --lora-dir; STRENGTH default 1). Empty: the "
+                                                        "server's active set."})}}
 
-    def generate(self, base_url, api_key, prompt, width, height, seed, steps, cfg, negative_prompt=""):
+    def generate(self, base_url, api_key, prompt, width, height, seed, steps, cfg, negative_prompt="", loras=""):
         import comfy.model_management
 
+        chain = lora_chain(GENERATE_NODE, loras)
         if SERVER_DEFAULT in (width, height, steps, cfg):
             width, height, steps, cfg = _with_server_defaults(base_url, api_key, width, height, steps, cfg)
-        body = json.dumps({"prompt": prompt, "negative_prompt": negative_prompt, "n": 1, "size": f"{width}x{height}",
-                           "seed": int(seed), "num_inference_steps": int(steps), "guidance_scale": float(cfg)}).encode()
+        request = {"prompt": prompt, "negative_prompt": negative_prompt, "n": 1, "size": f"{width}x{height}",
+                   "seed": int(seed), "num_inference_steps": int(steps), "guidance_scale": float(cfg)}
+        if chain:
+            request["loras"] = [{"name": name, "strength": strength} for name, strength in chain]
+        body = json.dumps(request).encode()
         connection = []  # the waiting thread's, so an interrupt can close it
 
         def call():
@@ -277,6 +303,19 @@ class SGLDiffusionServerGenerate:
         except (KeyError, IndexError, TypeError, ValueError, OSError) as e:
             raise ValueError(f"{GENERATE_NODE}: the sgld server at {base_url} sent no PNG picture ({e})") from None
         return (torch.from_numpy(image)[None],)
+
+
+def lora_chain(node: str, text: str) -> Tuple[Tuple[str, float], ...]:
+    """The ``loras`` widget's lines, NAME:STRENGTH (``FILE:STRENGTH`` as ``sgld generate --lora``), as a chain;
+    the server checks names and strengths (a 400 naming the entry)."""
+    chain: tuple = ()
+    for line in (text or "").splitlines():
+        if line.strip():
+            try:
+                chain = _chained(chain, *parse_spec(line.strip()))
+            except LoRAError as e:
+                raise ValueError(f"{node}: loras: {e}") from None
+    return chain
 
 
 def server_sampling_widgets() -> dict:

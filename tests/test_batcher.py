@@ -80,7 +80,7 @@ def test_one_job_alone_is_engine_sample_bit_exact(eng, text, batcher):
     assert torch.equal(got, ref)
     assert got.shape == (48, 16, 16) and got.dtype == torch.float32 and got.device.type == "cpu"
     assert batcher.stats()["forwards"] == 8 and j.stats.step_mask == [True] * 8
-    assert future.run_stats == {"model_calls": 8, "calls_computed": 8}
+    assert future.run_stats == {"model_calls": 8, "calls_computed": 8, "samples_per_forward": 2.0}  # CFG: 2 rows
 
 
 def test_six_jobs_joining_mid_run_each_equal_their_solo_run(eng, text, batcher):

@@ -1,8 +1,8 @@
 """SGLDiffusion LoRA Loader's two typed outputs in a real ComfyUI 0.3.75 (and a real `sgld serve` for the
 remote case): ``model`` (SGLD_MODEL) wired into ComfyUI's KSampler is refused when the prompt is queued,
 naming the types (it used to pass and fail at run time on 'get_model_object'); the loader takes either
-output of the Model Loader and gives both, the same LoRA'd model; a Server model is refused on the LoRA
-node itself, with where a remote server's LoRAs are set."""
+output of the Model Loader and gives both, the same LoRA'd model; on a Server model the node builds the chain its
+runs send (issue 37), and a server that loads no LoRA files refuses the run in one line saying why."""
 from __future__ import annotations
 
 import os
@@ -66,16 +66,24 @@ def test_either_input_gives_both_outputs_with_the_lora(comfy):
         (runs["comfy_out"] - runs["sgld_in"]).abs().max()
 
 
-def test_a_server_model_is_refused_on_the_lora_node_saying_where_its_loras_go(comfy, tmp_path):
+def test_a_server_models_chain_goes_to_its_server_which_says_why_it_cannot_load_it(comfy, tmp_path):
+    """The LoRA node passes a Server model on with the LoRA in its chain; the run sends it, and a server started
+    without --lora-dir answers a 400 naming the entry and the flag: a one-line error on the KSampler."""
     sgld = Server(tmp_path / "serve.log").wait_ready()
     try:
-        g = lora_graph(0)
-        g["1"] = {"class_type": "SGLDiffusionServer", "inputs": {"base_url": sgld.url, "api_key": ""}}
-        entry = comfy.run(g)
+        entry = comfy.run({
+            "1": {"class_type": "SGLDiffusionServer", "inputs": {"base_url": sgld.url, "api_key": ""}},
+            "10": {"class_type": "SGLDiffusionLoraLoader", "inputs": {"model": ["1", 0], "lora_name": LORA, "strength": 0.8}},
+            "2": {"class_type": "SGLDiffusionDemoTextEncode", "inputs": {"text": "a red circle"}},
+            "4": {"class_type": "SGLDiffusionDemoEmptyLatent", "inputs": {"batch_size": 1}},
+            "5": {"class_type": "SGLDiffusionKSampler", "inputs": {
+                "model": ["10", 0], "seed": 1, "steps": 2, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
+                "positive": ["2", 0], "negative": ["2", 0], "latent_image": ["4", 0], "denoise": 1.0}},
+            "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": "chain"}}})
     finally:
         sgld.stop()
     err = cs.error_message(entry)
-    assert err is not None and err["node_type"] == "SGLDiffusionLoraLoader", err
+    assert err is not None and err["node_type"] == "SGLDiffusionKSampler", err
     message = err["exception_message"]
-    assert "SGLDiffusion Server" in message and "/v1/set_lora" in message and "--lora" in message, message
+    assert "loras[0].name" in message and "--lora-dir" in message and LORA in message, message
     assert "\n" not in message.strip() and "Traceback" not in message

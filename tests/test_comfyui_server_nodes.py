@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pickle
 import time
 
@@ -20,6 +21,7 @@ from comfy_server import error_message, free_port, saved_latent
 from PIL import Image
 from safetensors.torch import load, save
 from test_serve import Server
+from test_serve_loras import write_lora
 
 from engine import EngineConfig, open_engine
 from engine.models.demo import EXAMPLE_PROMPT, load_demo
@@ -30,11 +32,21 @@ DEMO_CHOICE = "sgld-demo (embedded, 64x64)"
 LONG = 10000  # steps: minutes of work, always interrupted
 
 
+REMOTE_LORA = "sgld_remote_style.safetensors"  # in ComfyUI's models/loras and in the server's --lora-dir alike
+
+
+def comfy_files(base):
+    write_lora(os.path.join(base, "models", "loras", REMOTE_LORA), seed=5)
+
+
 @pytest.fixture(scope="module")
 def sgld(tmp_path_factory):
     """The demo's server: its runs take the demo's CPU thread count (engine/threads.py), as ComfyUI's local Model
     Loader's do, so a batch's larger GEMMs (which MKL splits by thread) round alike on both sides."""
-    server = Server(tmp_path_factory.mktemp("sgld") / "serve.log", "--api-key", KEY).wait_ready()
+    folder = tmp_path_factory.mktemp("sgld")
+    os.mkdir(folder / "loras")
+    write_lora(folder / "loras" / REMOTE_LORA, seed=5)
+    server = Server(folder / "serve.log", "--api-key", KEY, "--lora-dir", str(folder / "loras")).wait_ready()
     yield server
     server.stop()
 
@@ -87,6 +99,32 @@ def test_remote_ksampler_equals_local(comfy, sgld):
 
 def local() -> dict:
     return {"class_type": "SGLDiffusionModelLoader", "inputs": {"unet_name": DEMO_CHOICE, "weight_dtype": "default"}}
+
+
+def with_lora_chain(graph: dict) -> dict:
+    """The graph's model through two SGLDiffusion LoRA Loaders (the same file twice: the strengths add)."""
+    graph["20"] = {"class_type": "SGLDiffusionLoraLoader", "inputs": {"model": ["1", 0], "lora_name": REMOTE_LORA,
+                                                                       "strength": 0.5}}
+    graph["21"] = {"class_type": "SGLDiffusionLoraLoader", "inputs": {"model": ["20", 0], "lora_name": REMOTE_LORA,
+                                                                       "strength": 0.3}}
+    graph["5"]["inputs"]["model"] = ["21", 0]
+    return graph
+
+
+def test_the_remote_lora_chain_goes_with_each_run(comfy, sgld):
+    """SGLDiffusion Server -> LoRA Loader x2 -> KSampler: the server applies the chain to that run only (its side
+    path), giving the local Model Loader -> LoRA Loader x2 latent (merged) within 1e-5 relative; the server's own
+    set stays the default (a run without the chain is unchanged)."""
+    remote_entry = comfy.run(with_lora_chain(sample_graph(remote(sgld.url), prefix="remote_lora")))
+    succeeded(remote_entry)
+    local_entry = comfy.run(with_lora_chain(sample_graph(local(), prefix="local_lora")))
+    succeeded(local_entry)
+    plain_entry = comfy.run(sample_graph(remote(sgld.url), prefix="remote_plain"))
+    succeeded(plain_entry)
+    got, want, plain = (saved_latent(comfy, e) for e in (remote_entry, local_entry, plain_entry))
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
+    assert float((got - plain).abs().max() / plain.abs().max()) > 1e-3
+    assert sgld.metric("sgld_lora_forwards_total", lora=REMOTE_LORA) >= 6
 
 
 def second_pass_graph(model_node: dict, *, batch: int, cut=None, mask: bool, denoise: float, sampler: str = "euler",

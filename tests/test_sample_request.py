@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from engine import EngineConfig, SampleRequest, SamplingOptions, open_engine, sample_wire
+from engine import EngineConfig, InputError, SampleRequest, SamplingOptions, open_engine, sample_wire
 from engine.image_parts import DemoParts
 from engine.models.demo import load_demo
 from engine.options import declared
@@ -44,6 +44,17 @@ def test_every_sampling_option_is_a_request_field_and_crosses_the_wire():
         assert name in OTHER_OPTIONS or name in ("seed", "steps", "cfg", "sampler", "scheduler", "shift")
 
 
+def test_a_requests_loras_cross_the_wire_and_a_local_engine_refuses_them(eng):
+    """Per-request LoRAs by name (issue 37): the remote KSampler's chain reaches the route's Job; a local engine takes
+    its LoRAs from Engine.set_loras, so Engine.sample refuses names (never drops them)."""
+    request = SampleRequest(torch.zeros(48, 16, 16), torch.ones(3, 128), seed=1, steps=2, cfg=1.0,
+                            loras=(("style.safetensors", 0.8), ("sub/detail.safetensors", -1.0)))
+    assert Job.of(sample_wire.decode(sample_wire.encode(request))).loras == request.loras
+    with pytest.raises(InputError, match="loras: .*Engine.set_loras"):
+        eng.sample(torch.zeros(1, 48, 16, 16), [torch.ones(3, 128)], None, seed=1, steps=2, cfg=1.0,
+                   loras=(("style.safetensors", 1.0),))
+
+
 @pytest.mark.parametrize("settings, param, code", [
     ({"seed": 0, "steps": 2, "cfg": 1.0, "guidance": 2}, "guidance", "unknown_field"),
     ({"steps": 2, "cfg": 1.0}, "seed", "invalid_value"),
@@ -52,6 +63,8 @@ def test_every_sampling_option_is_a_request_field_and_crosses_the_wire():
     ({"seed": 0, "steps": 2, "cfg": True}, "cfg", "invalid_value"),
     ({"seed": 0, "steps": 2, "cfg": 1.0, "batch_index": [True]}, "batch_index", "invalid_value"),
     ({"seed": 0, "steps": 2, "cfg": 1.0, "cache": "nope"}, "cache", "invalid_value"),
+    ({"seed": 0, "steps": 2, "cfg": 1.0, "loras": [{"name": "a", "strength": "1"}]}, "loras[0].strength", "invalid_value"),
+    ({"seed": 0, "steps": 2, "cfg": 1.0, "loras": {"name": "a"}}, "loras", "invalid_value"),
 ])
 def test_the_wire_refuses_settings_by_name(settings, param, code):
     body = save({"latent": torch.zeros(48, 16, 16), "cond": torch.zeros(4, 128)},

@@ -83,6 +83,11 @@ def add_parser(sub) -> None:
                    help="most open connections; past it a new one gets 503 and is closed")
     s.add_argument("--lora-dir", default=None, help="the folder /v1/set_lora loads LoRA files from (none: no loading)")
     s.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH", help="a LoRA active from the start")
+    s.add_argument("--max-loras-per-forward", type=_positive(int, 1), default=8,
+                   help="most distinct per-request LoRAs (a request's \"loras\") in one DiT forward; requests past it "
+                        "wait for a forward with room")
+    s.add_argument("--lora-cache-mb", type=_positive(int, 1), default=2048,
+                   help="MiB of per-request LoRAs kept read and resident (least recently used out)")
     add_sampling_arguments(s.add_argument_group("defaults of a request without num_inference_steps / guidance_scale"),
                            SAMPLING)
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -149,7 +154,8 @@ def cmd_serve(args) -> None:
         raise ValueError(f"--lora-dir '{args.lora_dir}' is not a folder")
     sock = _listen(args.host, args.port)
     served = served_model(args)
-    batcher = Batcher(served.engine, max_batch=args.max_batch)
+    batcher = Batcher(served.engine, max_batch=args.max_batch, max_loras=args.max_loras_per_forward,
+                      lora_budget_bytes=args.lora_cache_mb << 20)
     settings = ServeSettings(api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
                              request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
                              body_timeout=args.body_timeout, lora_dir=args.lora_dir, loras=args.loras)

@@ -23,6 +23,12 @@ run on the other rows only (the arithmetic of ``DBCacheRunner.__call__``, phase 
 rows): the same latent and step mask as its run alone. ``max_batch`` bounds the samples (CFG branches
 count) of all running jobs together, so no forward holds more.
 
+Per-request LoRAs: a job's ``lora_set`` [(path or LoRAFile, strength)] (None: the engine's own set) is read
+through the batcher's ``RowLoRAs`` cache (engine/features/lora/rows.py) and, minus the engine's merged set, is
+applied on the job's rows only by the side path, the base weights untouched; jobs with different sets share
+each forward. ``max_loras`` bounds the distinct LoRAs of the running jobs together (so of one forward): a job
+that would pass it waits until enough leave (one that alone passes it is refused at submit).
+
 Several ranks (an engine whose forward is ``RankedRunner``): the ranks keep one run at a time, so the
 batcher admits one job at a time there (no batching; same results as ``Engine.sample``).
 
@@ -44,6 +50,9 @@ import torch
 from ..engine import Engine, Run, RunStats
 from ..errors import CacheConfigError, InputError
 from ..features.cache import DBCacheRunner
+from ..features.compile import is_compiled
+from ..features.lora import LoRAError, attach_row_loras, remove_row_loras
+from ..features.lora.rows import DEFAULT_BUDGET_BYTES
 from ..sampling_options import SampleRequest
 from .forward import Call, joint_velocity
 
@@ -56,9 +65,11 @@ class Job(SampleRequest):
     sample) or a list of one per sample (``uncond`` None or ``cfg`` 1: no CFG). ``cache``: this job's Cache-DiT
     (None: the engine's; no environment is read per job). ``on_step(step, total)`` runs after each step's model
     call (``step`` counts from 1) in the job's thread; it may raise to cancel the job (its future gets the error).
-    It must return quickly: the next step of every job waits for it."""
+    It must return quickly: the next step of every job waits for it. ``lora_set``: this job's own LoRAs,
+    [(path or LoRAFile, strength)] (None: the engine's set; []: none)."""
 
     on_step: Optional[Callable[[int, int], None]] = None
+    lora_set: Optional[list] = None
     stats: RunStats = field(default_factory=RunStats, init=False)  # this job's run: step mask, cache summary
 
     @classmethod
@@ -82,6 +93,8 @@ class _Slot:
         self.job, self.future, self.run, self.batched = job, future, run, batched
         self.rows = run.rows
         self.bucket = tuple(run.latent.shape[1:])
+        self.net: list = []  # [(LoRAFile, strength)] its rows get on top of the merged set
+        self.forwards, self.forward_samples = 0, 0  # forwards it was in, and their samples together
         self.runner: Optional[DBCacheRunner] = None  # this job's Cache-DiT (local engine)
         self.remote_run = None  # its run on the ranks (remote engine)
         self.call: Optional[Call] = None  # the model call it waits on
@@ -126,12 +139,16 @@ def _features(value) -> Optional[list]:
 
 
 class Batcher:
-    def __init__(self, engine: Engine, max_batch: int = 8):
-        """``max_batch``: samples (CFG branches count) in flight at once, so at most that many per forward."""
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise InputError(f"max_batch must be an integer >= 1 (got {max_batch!r})")
-        self.engine, self.max_batch = engine, max_batch
+    def __init__(self, engine: Engine, max_batch: int = 8, max_loras: int = 8,
+                 lora_budget_bytes: int = DEFAULT_BUDGET_BYTES):
+        """``max_batch``: samples (CFG branches count) in flight at once, so at most that many per forward;
+        ``max_loras``: distinct per-request LoRAs in flight at once; ``lora_budget_bytes``: their cache's budget."""
+        for name, value in (("max_batch", max_batch), ("max_loras", max_loras), ("lora_budget_bytes", lora_budget_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} must be an integer >= 1 (got {value!r})")
+        self.engine, self.max_batch, self.max_loras = engine, max_batch, max_loras
         self.local = engine.model is not None
+        self._lora_budget, self._loras, self._loras_lock = lora_budget_bytes, None, threading.Lock()
         self._cv = threading.Condition()
         self._queue: deque = deque()
         self._running: List[_Slot] = []
@@ -143,9 +160,21 @@ class Batcher:
         self._loop.start()
 
     # -- the API ---------------------------------------------------------------------------------------
+    @property
+    def loras(self):
+        """The per-request LoRA cache (``RowLoRAs``, attached to the model when first asked for); None on
+        several ranks (they keep one run at a time)."""
+        if not self.local:
+            return None
+        with self._loras_lock:
+            if self._loras is None:
+                self._loras = attach_row_loras(self.engine.model, self._lora_budget)
+            return self._loras
+
     def submit(self, job: Job) -> concurrent.futures.Future:
         """Queue ``job``; its future gets the final latent ([C, h, w] or [B, C, h, w], as the job's; float32, CPU),
-        and ``run_stats`` (model_calls, calls_computed) just before; ``job.stats`` holds its whole run. Bad jobs
+        and ``run_stats`` (model_calls, calls_computed, samples_per_forward: the mean samples of the forwards it was
+        in) just before; ``job.stats`` holds its whole run. Bad jobs
         raise InputError here, before anything is queued."""
         return self.submit_many([job])[0]
 
@@ -175,7 +204,8 @@ class Batcher:
 
     def close(self, cancel_running: bool = True) -> None:
         """Take no more jobs; cancel the queued ones and, with ``cancel_running``, the running ones (else let
-        them finish); then stop the loop thread. Returns once it and the jobs' threads have stopped."""
+        them finish); then stop the loop thread and take the per-request LoRAs off the model. Returns once it and
+        the jobs' threads have stopped."""
         with self._cv:
             self._closed = True
             left = list(self._queue) + (list(self._running) if cancel_running else [])
@@ -187,6 +217,8 @@ class Batcher:
         for slot in left:
             if slot.thread is not None:
                 slot.thread.join()
+        if self._loras is not None:  # the per-request LoRAs' terms off the model (their counters stay readable)
+            remove_row_loras(self.engine.model)
 
     def stats(self) -> dict:
         """queued / running jobs; forwards made; mean samples per forward; steps done (sampler steps of all
@@ -213,13 +245,38 @@ class Batcher:
         if job.on_step is not None and not callable(job.on_step):
             raise InputError(f"a job's on_step must be callable, not {type(job.on_step).__name__}")
         batched = latent.dim() == 4
+        net_set = self.check_loras(job.lora_set)
         try:
             run = self.engine.prepare(dataclasses.replace(job, latent=latent if batched else latent[None],
                                                           cond=_features(job.cond), uncond=_features(job.uncond)))
         except CacheConfigError as e:
             raise InputError(str(e)) from e
         job.stats = run.stats
-        return _Slot(job, concurrent.futures.Future(), run, batched)
+        slot = _Slot(job, concurrent.futures.Future(), run, batched)
+        slot.net = net_set
+        return slot
+
+    def check_loras(self, lora_set) -> list:
+        """What a job's rows need on top of the merged set (engine/features/lora/rows.py ``net``), checked: each
+        LoRA readable and linear-only, their count within ``max_loras`` (InputError naming ``loras``). Blocking
+        (it may read files); ``submit`` calls it, a server may call it first."""
+        if lora_set is None:
+            return []
+        if not self.local:
+            raise InputError("loras: per-request LoRAs need the model in this process (on several ranks set them for "
+                             "every request with /v1/set_lora)")
+        if is_compiled(self.engine.model):
+            raise InputError("loras: per-request LoRAs do not run on a compiled model (--compile); set them for every "
+                             "request with /v1/set_lora")
+        try:
+            net_set = self.loras.job_set(lora_set)
+        except LoRAError as e:
+            raise InputError(f"loras: {e}") from None
+        if len(net_set) > self.max_loras:
+            raise InputError(f"loras: this job needs {len(net_set)} distinct LoRAs on its rows (its own, and the "
+                             f"engine's active ones taken off), more than the {self.max_loras} one forward carries "
+                             "(sgld serve --max-loras-per-forward)")
+        return net_set
 
     def _on_done(self, future) -> None:
         """A future settled or cancelled (by anyone): forget it; a cancelled running job's thread wakes and
@@ -261,7 +318,8 @@ class Batcher:
     @staticmethod
     def _answer(slot: _Slot, out: torch.Tensor) -> None:
         stats = slot.job.stats
-        slot.future.run_stats = {"model_calls": len(stats.step_mask), "calls_computed": stats.calls_computed}
+        slot.future.run_stats = {"model_calls": len(stats.step_mask), "calls_computed": stats.calls_computed,
+                                 "samples_per_forward": slot.forward_samples / slot.forwards if slot.forwards else 0.0}
         _settle(slot.future, out if slot.batched else out[0])
 
     def wait_answer(self, slot: _Slot, call: Call) -> tuple:
@@ -311,6 +369,9 @@ class Batcher:
             busy = sum(s.rows for s in self._running)
             if self._running and (not self.local or busy + slot.rows > self.max_batch):
                 return
+            distinct = {id(lf) for s in self._running + [slot] for lf, _ in s.net}
+            if self._running and len(distinct) > self.max_loras:
+                return  # its LoRAs wait for the next forward with room
             self._queue.popleft()
             if self.local and slot.run.plan is not None:
                 slot.runner = DBCacheRunner(slot.run.plan, branches=2 if slot.run.cfg_batched else 1)
@@ -346,6 +407,9 @@ class Batcher:
                 errors.update({id(s): e for s in group})
                 continue
             answers.update({id(s): answer for s, answer in zip(group, result)})
+            for s in group:
+                s.forwards += 1
+                s.forward_samples += sum(g.rows for g in group)
         with self._cv:
             c = self._counts
             c["forwards"] += len(groups)
@@ -365,7 +429,9 @@ class Batcher:
         (each job's Cache-DiT runner deciding for its own rows), or one job's call on the ranks through its
         own run."""
         if self.local:
-            calls = [Call(s.call.x, s.call.sigma, s.call.text, s.call.lens, s.runner) for s in group]
+            keys = self.loras.use([(lf, s.rows) for s in group for lf, _ in s.net]) if any(s.net for s in group) else {}
+            calls = [Call(s.call.x, s.call.sigma, s.call.text, s.call.lens, s.runner,
+                          {keys[id(lf)]: strength for lf, strength in s.net} or None) for s in group]
             vs = joint_velocity(self.engine.model, calls, self.engine.device)
             return [(v, s.runner is None or bool(s.runner.computed[-1])) for s, v in zip(group, vs)]
         slot, call = group[0], group[0].call

@@ -17,15 +17,20 @@ longer, masked key sequence all round differently at other shapes. So only the r
 
 On this CPU (fp32, MKL, 1 or 2 threads) a job's velocity is then bit-equal to its own forward alone
 (tests/test_batcher.py). On a GPU, cuBLAS picks kernels by M, so expect the tolerance the tests state.
+
+Per-request LoRAs: a call's ``loras`` ({adapter key: strength}, made resident by the batcher) reach its rows
+through the "lora" side path's route (engine/features/lora/rows.py): its own rows in its embed and unembed, its
+span of the joined rows in the blocks (of the rows that run, under Cache-DiT).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..features.cache import DBCacheRunner
+from ..features.lora import routed, row_route
 from ..models import family_of
 from ..sampling import to_timestep
 
@@ -40,6 +45,7 @@ class Call:
     text: torch.Tensor
     lens: torch.Tensor
     runner: Optional[DBCacheRunner] = None  # the job's Cache-DiT (None: every block computed)
+    loras: Optional[Dict[int, float]] = None  # its per-request LoRAs: adapter key -> strength (None: none)
 
 
 class GroupedAttention:
@@ -86,11 +92,12 @@ def _joined_context(model, parts, length: int):
     return family_of(model).join_contexts([c for _, c in parts], length, _attention_groups(parts, parts[0][1].attention))
 
 
-def _blocks_with_caches(model, h: torch.Tensor, parts, runners, length: int) -> torch.Tensor:
+def _blocks_with_caches(model, h: torch.Tensor, parts, runners, length: int, loras) -> torch.Tensor:
     """The block loop over the joined rows with a Cache-DiT runner per job (None: always computed): each
     runner takes its own decision after its first ``fn`` blocks on its own rows (the shapes it has alone); a
     cached job's rows get its saved residual and skip the middle blocks, which run on the other rows only;
-    every row runs the last ``bn`` blocks. ``DBCacheRunner.__call__``'s phases, one job at a time."""
+    every row runs the last ``bn`` blocks. ``DBCacheRunner.__call__``'s phases, one job at a time. ``loras``:
+    each job's per-request LoRAs (the rows that run get theirs)."""
     layers = family_of(model).blocks_of(model)
     n = len(layers)
     spans, row = [], 0
@@ -122,12 +129,15 @@ def _blocks_with_caches(model, h: torch.Tensor, parts, runners, length: int) -> 
         if j == n:
             break
         active = tuple(q for q in range(len(parts)) if not skipping[q])
-        if len(active) == len(parts):
-            h = layers[j](h, contexts.setdefault(active, _joined_context(model, parts, length)))
-        elif active:
-            rows = torch.cat([torch.arange(spans[q][0], spans[q][1], device=h.device) for q in active])
-            ctx = contexts.setdefault(active, _joined_context(model, [parts[q] for q in active], length))
-            h = h.index_copy(0, rows, layers[j](h[rows], ctx))
+        if not active:
+            continue
+        with routed(row_route([(parts[q][0].shape[0], loras[q]) for q in active], h.device)):
+            if len(active) == len(parts):
+                h = layers[j](h, contexts.setdefault(active, _joined_context(model, parts, length)))
+            else:
+                rows = torch.cat([torch.arange(spans[q][0], spans[q][1], device=h.device) for q in active])
+                ctx = contexts.setdefault(active, _joined_context(model, [parts[q] for q in active], length))
+                h = h.index_copy(0, rows, layers[j](h[rows], ctx))
     for runner, decision in zip(runners, decisions):
         if runner is not None:
             runner.record(*decision)
@@ -138,25 +148,35 @@ def joint_velocity(model, calls: Sequence[Call], device: torch.device) -> List[t
     """Flow velocity (float32, on each call's x device) for every call, through one pass over the blocks.
     The latents must have one size (the batcher groups calls by latent size). One call alone is exactly
     ``LocalRunner.velocity`` (with its runner in the model's block-runner slot)."""
-    parts = [model.embed(c.x.to(device), to_timestep(c.sigma).float().to(device), c.text, c.lens) for c in calls]
+    def alone(c: Call):  # a job's own rows: its embed, its unembed
+        return routed(row_route([(c.x.shape[0], c.loras)], device))
+
+    parts = []
+    for c in calls:
+        with alone(c):
+            parts.append(model.embed(c.x.to(device), to_timestep(c.sigma).float().to(device), c.text, c.lens))
     if len(parts) == 1:
         h, ctx = parts[0]
         blocks = calls[0].runner or model.block_runner
-        return [model.unembed(blocks(model, h, ctx), ctx).float().to(calls[0].x.device)]
+        with alone(calls[0]):
+            return [model.unembed(blocks(model, h, ctx), ctx).float().to(calls[0].x.device)]
     order = sorted(range(len(parts)), key=lambda i: (parts[i][0].shape[1], parts[i][1].key_mask is not None))
     ordered = [parts[i] for i in order]
     runners = [calls[i].runner for i in order]
+    loras = [calls[i].loras for i in order]
     length = max(h.shape[1] for h, _ in ordered)
     h = torch.cat([_pad_tokens(h, length) for h, _ in ordered])
     if any(r is not None for r in runners):
-        h = _blocks_with_caches(model, h, ordered, runners, length)
+        h = _blocks_with_caches(model, h, ordered, runners, length, loras)
     else:
-        h = model.block_runner(model, h, _joined_context(model, ordered, length))
+        with routed(row_route([(hi.shape[0], lo) for (hi, _), lo in zip(ordered, loras)], device)):
+            h = model.block_runner(model, h, _joined_context(model, ordered, length))
     out: List[Optional[torch.Tensor]] = [None] * len(parts)
     row = 0
     for i, (hi, ci) in zip(order, ordered):
         rows, s = hi.shape[0], hi.shape[1]
-        out[i] = model.unembed(h[row:row + rows, :s].contiguous(), ci).float().to(calls[i].x.device)
+        with alone(calls[i]):
+            out[i] = model.unembed(h[row:row + rows, :s].contiguous(), ci).float().to(calls[i].x.device)
         row += rows
     return out
 

@@ -16,8 +16,10 @@ MAX_KNOWN = 64  # nicknames remembered with their files; the least recently set 
 
 
 class Loras:
-    def __init__(self, engine, lora_dir: Optional[str], startup: List[Tuple[str, float]]):
-        self.engine, self.lora_dir = engine, lora_dir
+    def __init__(self, engine, lora_dir: Optional[str], startup: List[Tuple[str, float]], cache=None):
+        """``cache``: the batcher's per-request LoRA cache (``RowLoRAs``; None on several ranks): the active set is
+        read through it, so a request naming an active LoRA gets the very file the weights hold."""
+        self.engine, self.lora_dir, self.cache = engine, lora_dir, cache
         self.files: Dict[str, str] = {}  # nickname -> real path
         self.active: Plan = []
         for path, strength in startup:
@@ -69,7 +71,8 @@ class Loras:
         """Blocking (run it off the event loop, with no generation running): the engine's messages about keys
         not applied. A file the model cannot take is a 400 and changes nothing."""
         try:
-            messages = self.engine.set_loras([(path, strength) for _, path, strength in plan])
+            read = self.cache.read if self.cache is not None else (lambda path: path)
+            messages = self.engine.set_loras([(read(path), strength) for _, path, strength in plan])
         except LoRAError as e:
             raise ApiError(400, str(e), param="lora_path", code="invalid_lora") from None
         for nickname, path, _ in plan:
@@ -80,6 +83,23 @@ class Loras:
         for nickname in [n for n in self.files if n not in active][:max(0, len(self.files) - MAX_KNOWN)]:
             del self.files[nickname]
         return messages
+
+    def resolve(self, loras) -> Optional[list]:
+        """A request's loras by name (a nickname /v1/set_lora gave, else a file inside --lora-dir) ->
+        [(real path, strength)]; None: the active set. A 400 naming the entry."""
+        if loras is None:
+            return None
+        out = []
+        for i, (name, strength) in enumerate(loras):
+            real = self.files.get(name)
+            if real is None:
+                try:
+                    real = lora_file(self.lora_dir, name)
+                except ApiError as e:
+                    raise bad_field(f"loras[{i}].name", f"loras[{i}].name '{name:.200}': {e.message} (a file inside "
+                                                        "--lora-dir, or a nickname /v1/set_lora gave)") from None
+            out.append((real, strength))
+        return out
 
     def listing(self) -> dict:
         """SGLang's list_loras answer; paths as given inside --lora-dir."""

@@ -13,7 +13,7 @@ from ..errors import InputError
 from ..features.cache import CacheConfig
 from ..inputs import check_sampling_settings, check_seed
 from ..options import declared
-from ..sample_wire import WireError, cache_setting
+from ..sample_wire import WireError, cache_setting, lora_setting
 from ..sampling_options import SamplingOptions
 
 MAX_IMAGES = 8  # n: OpenAI's dall-e-2 allows 1 to 10; SGLang clips; we refuse past 8
@@ -64,6 +64,7 @@ class _ImageRequestBase(_Strict):
     user: Optional[str] = None  # OpenAI's end-user id: accepted, not used
     cache: Optional[str] = None
     enhance_prompt: bool = False  # the prompt enhancer first (sgld serve --pe); off unless asked: it costs seconds
+    loras: Optional[list] = None  # [{"name", "strength"}]: engine/sample_wire.py's lora_setting (None: the server's)
 
 
 ImageRequest = create_model(  # the base's fields and the declared sampling options' request fields
@@ -96,6 +97,7 @@ class Generation:
     options: SamplingOptions  # the served model's defaults filled in; seed None: a random one per request
     cache: Optional[CacheConfig]  # None: the server's (its flags, else SGLANG_CACHE_DIT_*)
     enhance_prompt: bool = False
+    loras: Optional[Tuple[Tuple[str, float], ...]] = None  # by name (None: the server's active set)
 
 
 def parse(model_class, body):
@@ -128,6 +130,14 @@ def parse_cache(name: Optional[str]) -> Optional[CacheConfig]:
         return cache_setting(name)
     except WireError as e:
         raise bad_field("cache", str(e)) from None
+
+
+def parse_loras(value) -> Optional[Tuple[Tuple[str, float], ...]]:
+    """A request's loras (engine/sample_wire.py's rule, the same for /v1/sample); a 400 naming the entry."""
+    try:
+        return lora_setting(value)
+    except WireError as e:
+        raise bad_field(e.param or "loras", str(e)) from None
 
 
 def parse_generation(body, served) -> Generation:
@@ -163,7 +173,7 @@ def parse_generation(body, served) -> Generation:
     options = SamplingOptions(**{"shift": served.shift, **{k: v for k, v in given.items() if v is not None},
                                  "seed": seed, "steps": steps, "cfg": float(cfg)})
     return Generation(req.prompt, req.negative_prompt, req.n, width, height, latent_shape, options,
-                      parse_cache(req.cache), req.enhance_prompt)
+                      parse_cache(req.cache), req.enhance_prompt, parse_loras(req.loras))
 
 
 def as_list(value) -> list:

@@ -82,6 +82,7 @@ def sample_router(server) -> APIRouter:
             loop.call_soon_threadsafe(events.put_nowait, {"step": step, "total": total})
         job.on_step = on_step
         samples, draws = admitted_samples(job, server.settings)
+        job.lora_set, job.loras = await server.resolve_loras(job.loras), None  # names -> files, checked (400s)
         held = max(samples, draws)  # while prepared: the noise draws batch_index implies, if more than the samples
         server.admit(held)
         shared = server.gate.shared()

@@ -25,6 +25,7 @@ from fastapi import Request
 from PIL import Image
 
 from ..errors import USER_ERRORS, InputError
+from ..features.lora import active_loras
 from ..image_parts import ImageParts
 from ..sampling import DEFAULT_SHIFT, MAX_SEED
 from .batcher import BatcherClosed, Job
@@ -151,8 +152,12 @@ class ImageServer:
         self.in_flight = 0  # images admitted and not answered
         self.capacity = settings.max_batch + settings.max_queue
         self.gate = Gate()
-        self.loras = Loras(served.engine, settings.lora_dir, settings.loras)
-        self.metrics = Metrics(batcher.stats, lambda: self.in_flight)
+        cache = getattr(batcher, "loras", None)  # the per-request LoRA cache (None: several ranks)
+        if cache is not None:
+            for lf, _ in active_loras(served.engine.model):  # --lora's files: requests naming them get these
+                cache.adopt(lf)
+        self.loras = Loras(served.engine, settings.lora_dir, settings.loras, cache)
+        self.metrics = Metrics(batcher.stats, lambda: self.in_flight, cache.metrics if cache is not None else None)
         self.created = int(time.time())
         self._encode_lock = threading.Lock()  # one text-encoder call at a time, even after its request was cancelled
         self._pe_lock = threading.Lock()  # one PE call at a time (its seconds are read under the lock)
@@ -219,6 +224,18 @@ class ImageServer:
         finally:
             stop.set()
 
+    async def resolve_loras(self, loras) -> Optional[list]:
+        """A request's loras by name -> the job's lora_set [(path, strength)] (None: the active set), every file
+        read and checked against the model now (off the event loop): a 400 naming ``loras`` before any work."""
+        lora_set = self.loras.resolve(loras)
+        if lora_set is None:
+            return None
+        try:
+            await asyncio.to_thread(self.batcher.check_loras, lora_set)
+        except USER_ERRORS as e:
+            raise bad_field("loras", str(e)) from None
+        return lora_set
+
     async def submit(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
         """The jobs to the batcher (all checked before any is queued), prepared (checks, noise, mask) in one of
         PREPARE_THREADS threads so the event loop keeps answering; a request that leaves meanwhile has its jobs
@@ -265,6 +282,7 @@ class ImageServer:
         served = self.served
         started = time.perf_counter()
         seed = random.randrange(MAX_SEED + 1) if gen.options.seed is None else gen.options.seed
+        lora_set = await self.resolve_loras(gen.loras)  # its 400 before any work
         revised, pe_s = None, 0.0
         if gen.enhance_prompt:  # once per request (diffusers: once per prompt): every image shows the same text
             revised, pe_s = await self.enhance(gen, seed)
@@ -273,7 +291,7 @@ class ImageServer:
         seeds = [(seed + i) % (MAX_SEED + 1) for i in range(gen.n)]  # image i: the request's seed + i
         latent = torch.zeros(gen.latent_shape)  # [1, C, h, w]: its size checked once, when the request was read
         results = await self.sample([Job.from_options(latent, cond, uncond, dataclasses.replace(gen.options, seed=s),
-                                                      cache=gen.cache) for s in seeds])
+                                                      cache=gen.cache, lora_set=lora_set) for s in seeds])
         images = await asyncio.to_thread(lambda: [_png_b64(served.parts.decode(z)[0]) for z, _ in results])
         self.metrics.images.inc(gen.n)
         stats = [s for _, s in results if s]
@@ -287,10 +305,12 @@ class ImageServer:
         if revised is not None:
             out["pe_time_s"] = round(pe_s, 4)
         if len(stats) == len(results):  # model calls (heun: two a step), not steps; computed: not Cache-DiT reuse
-            for item, s in zip(data, stats):
-                item.update(model_calls=s["model_calls"], calls_computed=s["calls_computed"])
+            for item, s in zip(data, stats):  # samples_per_forward: the mean batch of the forwards it was in
+                item.update(model_calls=s["model_calls"], calls_computed=s["calls_computed"],
+                            samples_per_forward=round(s["samples_per_forward"], 4))
             out["model_calls"] = sum(s["model_calls"] for s in stats)  # all images'
             out["calls_computed"] = sum(s["calls_computed"] for s in stats)
+            out["samples_per_forward"] = round(sum(s["samples_per_forward"] for s in stats) / len(stats), 4)
             out["steps_computed"] = out["calls_computed"]  # its first, wrong name (deprecated): model calls, all images
         return out
 

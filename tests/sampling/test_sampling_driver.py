@@ -89,7 +89,7 @@ def test_denoise_0_answers_the_latent_unchanged(eng, text):
         j = Job(start, text[0][0], text[1], seed=1, steps=5, cfg=3.0, denoise=0.0)
         future = b.submit(j)
         assert torch.equal(future.result(TIMEOUT), start)
-        assert future.run_stats == {"model_calls": 0, "calls_computed": 0}
+        assert future.run_stats == {"model_calls": 0, "calls_computed": 0, "samples_per_forward": 0.0}
         assert j.stats.steps == 0 and "denoise is 0" in j.stats.warnings[0]
         assert b.stats()["forwards"] == 0
     finally:

@@ -48,7 +48,8 @@ def normalize(loras: Optional[Iterable]) -> List[Tuple[object, float]]:
     return out
 
 
-def _file_key(path: str) -> tuple:
+def file_key(path: str) -> tuple:
+    """What identifies a file's content for the caches: (real path, mtime, size)."""
     try:
         st = os.stat(path)
     except OSError as e:
@@ -70,7 +71,7 @@ class LoRAFileCache:
             key = ("memory", id(path))
         else:
             path = os.fspath(path)
-            key = _file_key(path)
+            key = file_key(path)
         source, lf = self._files.pop(key, (None, None))
         if lf is None or (isinstance(path, LoRATensors) and source is not path):
             lf = read_lora(path, model)

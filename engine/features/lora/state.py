@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -37,16 +38,81 @@ class SidePath:
     it); ``low_rank``: (A, B) that the forward adds as ``(x @ A^T) @ B^T``, every part's down stacked
     along the rank, each part's up in its own output rows (zeros elsewhere). ``kron_parts``: target name ->
     (its rows, [(w1, w2), ...]) of LoKr updates (and full ones, w1 = [[s]]), added as ``kron(w1, w2) x`` from the
-    factors; ``krons`` those as one list for the forward."""
+    factors; ``krons`` those as one list for the forward. ``row_terms``: per-request LoRAs (rows.py), adapter
+    key -> (low_rank or None, krons) at strength 1, added only to the rows the forward's ``RowRoute`` gives
+    that adapter, times each row's strength."""
 
     parts: Dict[str, Tuple[Tuple[int, int], torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     low_rank: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
     kron_parts: Dict[str, Tuple[Tuple[int, int], List[Tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=dict)
     krons: Tuple[Tuple[int, int, torch.Tensor, torch.Tensor], ...] = ()
+    row_terms: Dict[int, tuple] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RowRoute:
+    """Which rows of the batch a forward runs on get which per-request LoRA: ``rows`` (the batch's first
+    dimension) and (adapter key, its rows: a slice or an index tensor, their strength: a float or one per
+    row) for each adapter."""
+
+    rows: int
+    groups: Tuple[Tuple[int, object, object], ...]
+
+
+_ROUTE = threading.local()  # the route of the forward running on this thread (the server's batcher loop)
+
+
+@contextlib.contextmanager
+def routed(route: Optional[RowRoute]):
+    """Forwards on this thread inside the block add their rows' per-request LoRAs (None: none)."""
+    before = getattr(_ROUTE, "value", None)
+    _ROUTE.value = route
+    try:
+        yield
+    finally:
+        _ROUTE.value = before
+
+
+def _add_delta(y: torch.Tensor, d: torch.Tensor, start: int, stop: int, out_features: int) -> torch.Tensor:
+    return y + (F.pad(d, (start, out_features - stop)) if stop - start != out_features else d)
+
+
+def _delta(x: torch.Tensor, low_rank, krons, out_features: int, strength) -> torch.Tensor:
+    """One per-request adapter's update of ``x``'s output, each row times its ``strength``."""
+    def scaled(t):
+        if isinstance(strength, torch.Tensor):
+            return t * strength.to(t.dtype).view(-1, *([1] * (t.dim() - 1)))
+        return t * strength
+
+    d = None
+    if low_rank is not None:
+        down, up = low_rank
+        d = F.linear(scaled(F.linear(x, down.to(x.dtype))), up.to(x.dtype))
+    for start, stop, w1, w2 in krons:
+        k = scaled(kron_linear(x, w1.to(x.dtype), w2.to(x.dtype)))
+        d = F.pad(k, (start, out_features - stop)) if d is None else _add_delta(d, k, start, stop, out_features)
+    return d
+
+
+def _add_rows(y: torch.Tensor, x: torch.Tensor, side: SidePath, route: RowRoute, out_features: int) -> torch.Tensor:
+    """The per-request LoRAs of ``route`` on their own rows (grouped by adapter: one pair of GEMMs each)."""
+    if x.shape[0] != route.rows:
+        raise RuntimeError(f"a per-request LoRA route for {route.rows} rows met a batch of {x.shape[0]}")
+    for key, rows, strength in route.groups:
+        terms = side.row_terms.get(key)
+        if terms is None:
+            continue
+        d = _delta(x[rows], *terms, out_features, strength)
+        if isinstance(rows, slice):
+            y[rows] += d
+        else:
+            y.index_add_(0, rows, d)
+    return y
 
 
 def _with_side_path(base: type) -> type:
-    """``base`` (FP8Linear / Int4Linear) whose forward adds the module's LoRA side path."""
+    """``base`` (a linear, FP8Linear / Int4Linear) whose forward adds the module's LoRA side path: the
+    merged set's terms on every row, and the per-request LoRAs' on the rows the thread's route gives them."""
 
     def forward(self, x):
         side = patching.state(self)[FEATURE]
@@ -55,45 +121,96 @@ def _with_side_path(base: type) -> type:
             down, up = side.low_rank
             y = y + F.linear(F.linear(x, down.to(x.dtype)), up.to(x.dtype))
         for start, stop, w1, w2 in side.krons:
-            d = kron_linear(x, w1.to(x.dtype), w2.to(x.dtype))
-            y = y + (F.pad(d, (start, self.out_features - stop)) if stop - start != self.out_features else d)
+            y = _add_delta(y, kron_linear(x, w1.to(x.dtype), w2.to(x.dtype)), start, stop, self.out_features)
+        route = getattr(_ROUTE, "value", None)
+        if route is not None and side.row_terms:
+            y = _add_rows(y, x, side, route, self.out_features)
         return y
 
     return type(base.__name__ + "WithLoRA", (base,), {"forward": forward})
 
 
-def _side_module(target) -> Tuple[nn.Module, Tuple[int, int]]:
+def side_module(target) -> Tuple[nn.Module, Tuple[int, int]]:
     """The module whose forward gets the side path, and the target's output rows in it (a fused part's)."""
     if isinstance(target, RowView):
         return target.module, (target.start, target.stop)
     return target, (0, target.out_features)
 
 
+def low_rank_of(parts, out_features: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of several targets' ((start, stop), down, up) in one module: the downs stacked along the rank,
+    each up in its own output rows of B (zeros elsewhere)."""
+    a = torch.cat([pa for _, pa, _ in parts], 0)
+    b = a.new_zeros(out_features, a.shape[0])
+    r = 0
+    for (start, stop), pa, pb in parts:
+        b[start:stop, r:r + pa.shape[0]] = pb
+        r += pa.shape[0]
+    return a, b
+
+
+def refresh_class(mod: nn.Module) -> None:
+    """The side-path class while the module has any side-path terms; else its class and state as they were."""
+    side = patching.state(mod)[FEATURE]
+    if not side.parts and not side.kron_parts and not side.row_terms:
+        patching.restore_class(mod, FEATURE)
+        patching.clear_state(mod, FEATURE)
+    else:
+        patching.swap_class(mod, FEATURE, _with_side_path)
+
+
 def _install_side(mod: nn.Module) -> None:
     """The module's side path from its parts; none left: its class and state back as they were."""
     side = patching.state(mod)[FEATURE]
-    if not side.parts and not side.kron_parts:
-        patching.restore_class(mod, FEATURE)
-        patching.clear_state(mod, FEATURE)
-        return
     side.krons = tuple((start, stop, w1, w2) for (start, stop), terms in side.kron_parts.values() for w1, w2 in terms)
     if not side.parts:
         side.low_rank = None
-        patching.swap_class(mod, FEATURE, _with_side_path)
+        refresh_class(mod)
         return
-    a = torch.cat([pa for _, pa, _ in side.parts.values()], 0)
-    b = a.new_zeros(mod.out_features, a.shape[0])
-    r = 0
-    for (start, stop), pa, pb in side.parts.values():
-        b[start:stop, r:r + pa.shape[0]] = pb
-        r += pa.shape[0]
+    a, b = low_rank_of(side.parts.values(), mod.out_features)
     old = side.low_rank
     if old is not None and old[0].shape == a.shape and old[1].shape == b.shape:
         old[0].copy_(a)  # same shapes: in place (no new graph under torch.compile)
         old[1].copy_(b)
     else:
         side.low_rank = (a, b)
-    patching.swap_class(mod, FEATURE, _with_side_path)
+    refresh_class(mod)
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """The device the blocks compute on (offload: its device, not the CPU masters)."""
+    off = get_offload(model)
+    if off is not None:
+        return torch.device(off.device)
+    family = family_of(model)  # else where its weights outside the blocks are
+    return next(p.device for n, p in model.named_parameters() if family.split_block_key(n) is None)
+
+
+def side_terms(model: nn.Module, items) -> tuple:
+    """One target's side-path terms for [(entry, strength)], on the compute device in the model's dtype:
+    (down [r, in], up [out, r]) or None, and [(w1, w2), ...] of the Kronecker (and full) updates."""
+    dev = compute_device(model)
+    dtype = model.dtype if hasattr(model, "dtype") else torch.float32
+    downs, ups, krons = [], [], []
+    for e, s in items:
+        if e.diff is not None:  # a full difference: kron([[s]], dW)
+            krons.append((torch.full((1, 1), s * e.scale, device=dev, dtype=dtype),
+                          e.diff.reshape(e.diff.shape[0], -1).to(dev, dtype)))
+            continue
+        if e.lycoris is None:
+            downs.append(e.down.float().flatten(1))
+            ups.append(e.up.float().flatten(1) * (s * e.scale))
+            continue
+        for kind, t1, t2 in e.lycoris.side_terms(dev, s * e.scale):
+            if kind == "low_rank":
+                downs.append(t1)
+                ups.append(t2)
+            else:
+                krons.append((t1.to(dev, dtype), t2.to(dev, dtype)))
+    low_rank = None
+    if downs:
+        low_rank = (torch.cat([d.to(dev) for d in downs], 0).to(dtype), torch.cat([u.to(dev) for u in ups], 1).to(dtype))
+    return low_rank, krons
 
 
 class LoRAState(patching.Patch):
@@ -133,14 +250,6 @@ class LoRAState(patching.Patch):
     def _updating(self):
         off = get_offload(self.model)
         return off.updating() if off is not None else contextlib.nullcontext()
-
-    def _compute_device(self) -> torch.device:
-        # the device blocks compute on (offload: its device, not the CPU masters)
-        off = get_offload(self.model)
-        if off is not None:
-            return torch.device(off.device)
-        family = family_of(self.model)  # else where its weights outside the blocks are
-        return next(p.device for n, p in self.model.named_parameters() if family.split_block_key(n) is None)
 
     def _plan(self, loras, modules) -> Dict[str, List[Tuple[LoRAEntry, float]]]:
         """module name -> [(entry, strength)], checked against the model (nothing is changed here)."""
@@ -228,37 +337,20 @@ class LoRAState(patching.Patch):
         self.applied = ()
 
     def _set_side(self, name: str, target, items) -> None:
-        mod, rows = _side_module(target)
-        dev = self._compute_device()
-        dtype = self.model.dtype if hasattr(self.model, "dtype") else torch.float32
-        downs, ups, krons = [], [], []
-        for e, s in items:
-            if e.diff is not None:  # a full weight difference: the kron term kron([[s]], dW), dW never re-quantized
-                krons.append((torch.full((1, 1), s * e.scale).to(dev, dtype), e.diff.reshape(rows[1] - rows[0], -1).to(dev, dtype)))
-                continue
-            if e.lycoris is None:
-                downs.append(e.down.float().flatten(1))
-                ups.append(e.up.float().flatten(1) * (s * e.scale))
-                continue
-            for kind, t1, t2 in e.lycoris.side_terms(dev, s * e.scale):
-                if kind == "low_rank":
-                    downs.append(t1)
-                    ups.append(t2)
-                else:
-                    krons.append((t1.to(dev, dtype), t2.to(dev, dtype)))
+        mod, rows = side_module(target)
+        low_rank, krons = side_terms(self.model, items)
         self.side_paths[name] = mod  # recorded before the module changes
         side = patching.state(mod).setdefault(FEATURE, SidePath())
         side.parts.pop(name, None)  # this target's terms from an earlier set are replaced
         side.kron_parts.pop(name, None)
-        if downs:
-            side.parts[name] = (rows, torch.cat([d.to(dev) for d in downs], 0).to(dtype),
-                                torch.cat([u.to(dev) for u in ups], 1).to(dtype))
+        if low_rank is not None:
+            side.parts[name] = (rows, *low_rank)
         if krons:
             side.kron_parts[name] = (rows, krons)
         _install_side(mod)
 
     def _remove_side(self, name: str, target) -> None:
-        mod, _ = _side_module(target)
+        mod, _ = side_module(target)
         side = patching.feature_state(mod, FEATURE)
         if side is not None:
             side.parts.pop(name, None)
