@@ -32,6 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import device as device_rt
 from ..config import EngineConfig
 from ..features.cache import apply_cache, remove_cache
 from ..features.cache.config import ResolvedCache
@@ -121,7 +122,7 @@ class WorkerState:
         self.parallel = self.engine = self.run = None
         gc.collect()
         if self.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+            device_rt.empty_cache()
         return True
 
     def cmd_begin(self, text, lens, cfg_batched: bool, plan, branches: int):
@@ -205,7 +206,7 @@ def worker_main(rank: int, world: int, init_method: str, backend: str, conn, err
             torch.set_num_threads(threads)
         device = "cpu"
         if backend == "nccl":
-            torch.cuda.set_device(rank)
+            device_rt.set_device(rank)
             device = f"cuda:{rank}"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))

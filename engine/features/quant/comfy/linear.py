@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .... import device as device_rt
 from ..int8.linear import int_mm_accepts, quantize_tokens
 from ..numerics import frozen
 from ..registry import WeightFormat, register_format
@@ -290,7 +291,7 @@ def _kitchen_block_probe(cls, device) -> Tuple[bool, str]:
         backend, why = N.gpu_backend(device, f"scaled_mm_{cls.FORMAT}")
         if backend is None:
             _probes[key] = (False, why if device.type == "cuda" else "CPU")
-        elif torch.cuda.get_device_capability(device) < (10, 0):
+        elif device_rt.capability(device) < (10, 0):
             _probes[key] = (False, "block-scaled fp4 / mx GEMMs need sm100+ (Blackwell)")
         else:
             try:
