@@ -1,0 +1,152 @@
+"""Predicted peak GPU memory of one engine configuration at the ERNIE-Image 8B release shape (or fewer blocks),
+from a fake-CUDA rehearsal (rehearse.py) through the engine's own ``open_engine`` and ``Engine.sample``.
+
+A ``Setup`` is what a user switches on (the model's sampling mode, weight format, offload, Cache-DiT, LoRA,
+compile); ``predict(setup, pixels)`` builds the DiT with fake weights in the format's real storage dtypes and
+shapes, opens the engine on it with a card of ``card_gb``, samples and returns the peak (weights resident at
+the start included) and where it happened.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from engine import EngineConfig, open_engine  # noqa: E402
+from engine.features.cache import CacheConfig  # noqa: E402
+from engine.features.lora.formats import LoRAEntry, LoRAFile  # noqa: E402
+from engine.features.offload import choose_offload  # noqa: E402
+from engine.features.quant import get_format, parse_format  # noqa: E402
+from engine.loading import estimate_bytes  # noqa: E402
+from engine.models import family_of  # noqa: E402
+from engine.models.ernie_image import ErnieImageTransformer  # noqa: E402
+from engine.models.ernie_image_config import ErnieImageConfig  # noqa: E402
+
+from rehearse import GiB, Rehearsal  # noqa: E402
+
+PROMPT_TOKENS = 256  # a prompt-enhanced ERNIE-Image prompt (the PE writes a paragraph); the negative "" is 1 token
+BASE_CFG, BASE_STEPS = 4.0, 2  # every step of a run has the same memory: two steps show the steady state
+CACHE_MASK = "1010"  # Cache-DiT with a static mask: call 0 computed, call 1 cached, calls 2-3 computed
+PREBUILT = ("q4_k", "q8_0")  # formats whose quantizer is numpy (a real file's bytes): built from their stored shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    label: str
+    model: str = "base"  # "base": CFG batch 2 (prompt + negative); "turbo": cfg 1, batch 1
+    quant: Optional[str] = None  # a weight format name (EngineConfig.quant), or None: bf16
+    offload: str = "none"  # "none" | "layerwise" | "auto"
+    resident_layers: int = 2
+    cache: bool = False
+    lora_rank: int = 0  # a LoRA of this rank on every block linear (a side path on quantized weights)
+    compile: bool = False
+    batch: int = 1
+
+
+@dataclasses.dataclass
+class Prediction:
+    setup: Setup
+    pixels: int
+    peak_bytes: int
+    weights_bytes: int  # device bytes once the engine is open, before the run
+    where: str
+    pinned_host_bytes: int
+    notes: list
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GiB
+
+
+def _build(r: Rehearsal, cfg: ErnieImageConfig, device: str, quant: Optional[str]) -> torch.nn.Module:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with r.all_fake(), torch.device(device):
+            model = ErnieImageTransformer(cfg)
+            if quant in PREBUILT:
+                _prebuild(model, quant)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval().requires_grad_(False)
+
+
+def _prebuild(model: torch.nn.Module, quant: str) -> None:
+    """A GGUF file's layers: the stored uint8 blocks of each block linear, in the format's own module."""
+    name, _ = parse_format(quant)
+    fmt = get_format(name)
+    family = family_of(model)
+    for layer, mod in list(model.named_modules()):
+        if family.is_block_linear(layer) and isinstance(mod, torch.nn.Linear):
+            shape = tuple(mod.weight.shape)
+            raw = torch.empty(fmt.weight_bytes(shape, 0, torch.bfloat16), dtype=torch.uint8)
+            parent, _, leaf = layer.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, fmt.from_stored({"weight": raw, "shape": shape}))
+
+
+def _lora(model: torch.nn.Module, rank: int) -> LoRAFile:
+    """A rank-``rank`` LoRA on every block linear (fake factors in bf16, as files ship)."""
+    family = family_of(model)
+    entries = {}
+    for layer, mod in model.named_modules():
+        if family.is_block_linear(layer) and hasattr(mod, "in_features"):
+            entries[layer] = LoRAEntry(layer, down=torch.empty(rank, mod.in_features, dtype=torch.bfloat16),
+                                       up=torch.empty(mod.out_features, rank, dtype=torch.bfloat16), alpha=float(rank))
+    return LoRAFile("rehearsal-lora.safetensors", entries)
+
+
+def assume_kernels(device: str) -> None:
+    """The fp8 ``_scaled_mm`` and int8 ``_int_mm`` probes as an sm90 GPU answers them (they compare numbers,
+    which fake tensors do not have)."""
+    from engine.features.quant.fp8 import numerics as fp8n
+    from engine.features.quant.int8 import linear as int8l
+
+    fp8n._scaled_mm_probes[str(torch.device(device))] = (True, "torch._scaled_mm row-wise (assumed: sm90)")
+    for rows in (True, False):
+        int8l._int_mm_probes[(str(torch.device(device)), rows, True, True)] = True
+
+
+def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
+            prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
+    cfg = ErnieImageConfig(num_layers=layers)
+    with Rehearsal(int(card_gb * GiB)) as r:
+        decision = None
+        if setup.offload == "auto":  # as the router decides for a file: before loading, from the bytes at rest
+            with r.all_fake():
+                at_rest = estimate_bytes(cfg, torch.bfloat16, setup.quant)
+            decision = choose_offload("auto", "cuda:0", at_rest)
+        offloaded = (decision[0] if decision else setup.offload) == "layerwise"
+        # the router loads a model that will be offloaded into CPU memory; otherwise straight onto the GPU
+        model = _build(r, cfg, "cpu" if offloaded else "cuda", setup.quant)
+        r.name_modules(model)
+        assume_kernels("cuda:0")
+        quant = None if setup.quant in PREBUILT else setup.quant
+        config = EngineConfig(device="cuda:0", attention="sdpa", quant=quant, offload=setup.offload,
+                              resident_layers=setup.resident_layers, compile="static" if setup.compile else False)
+        with r.all_fake():  # a LoRA file's tensors, on the host, named as the checkpoint (before fusing)
+            lora = _lora(model, setup.lora_rank) if setup.lora_rank else None
+        eng = open_engine(model, config, label=setup.label, offload_decision=decision)
+        r.name_modules(model)  # the fused and quantized layers are new modules
+        if lora is not None:
+            eng.set_loras([(lora, 1.0)])
+        weights = r.tracker.live
+        r.tracker.reset_peak()
+        stride = family_of(cfg).latent.stride
+        latent = torch.zeros(setup.batch, cfg.in_channels, pixels // stride, pixels // stride)
+        cond = [torch.zeros(prompt_tokens, cfg.text_in_dim)]
+        base = setup.model == "base"
+        uncond = [torch.zeros(1, cfg.text_in_dim)] if base else None
+        cache = CacheConfig(enabled=True, steps_mask=CACHE_MASK, scm_policy="static") if setup.cache else None
+        steps = len(CACHE_MASK) if setup.cache else BASE_STEPS
+        eng.sample(latent, cond, uncond, steps=steps, cfg=BASE_CFG if base else 1.0, seed=0, cache=cache)
+        if setup.cache:
+            mask = eng.last_run.step_mask
+            assert not all(mask) and any(mask), f"the cached run computed {mask}: expected a cached and a computed call"
+        peak = r.tracker.peak
+        notes = list(eng.warnings) + ([decision[1]] if decision else [])
+        return Prediction(setup, pixels, peak.bytes, weights, f"{peak.module}: {peak.op}", r.tracker.host_peak, notes)
