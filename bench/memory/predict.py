@@ -17,6 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from rehearse import GiB, Rehearsal  # noqa: E402
+
 from engine import EngineConfig, open_engine  # noqa: E402
 from engine.features.cache import CacheConfig  # noqa: E402
 from engine.features.lora.formats import LoRAEntry, LoRAFile  # noqa: E402
@@ -26,8 +28,6 @@ from engine.loading import estimate_bytes  # noqa: E402
 from engine.models import family_of  # noqa: E402
 from engine.models.ernie_image import ErnieImageTransformer  # noqa: E402
 from engine.models.ernie_image_config import ErnieImageConfig  # noqa: E402
-
-from rehearse import GiB, Rehearsal  # noqa: E402
 
 PROMPT_TOKENS = 256  # a prompt-enhanced ERNIE-Image prompt (the PE writes a paragraph); the negative "" is 1 token
 BASE_CFG, BASE_STEPS = 4.0, 2  # every step of a run has the same memory: two steps show the steady state
