@@ -46,6 +46,8 @@ class Setup:
     lora_rank: int = 0  # a LoRA of this rank on every block linear (a side path on quantized weights)
     compile: bool = False
     batch: int = 1
+    tp: int = 1  # tensor parallel degree (the prediction is one rank's)
+    ulysses: int = 1  # Ulysses sequence parallel degree
 
 
 @dataclasses.dataclass
@@ -113,6 +115,8 @@ def assume_kernels(device: str) -> None:
 
 def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
             prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
+    if setup.tp * setup.ulysses > 1:
+        return predict_parallel(setup, pixels, setup.tp, setup.ulysses, layers, prompt_tokens)
     cfg = ErnieImageConfig(num_layers=layers)
     with Rehearsal(int(card_gb * GiB)) as r:
         decision = None
@@ -150,3 +154,66 @@ def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
         peak = r.tracker.peak
         notes = list(eng.warnings) + ([decision[1]] if decision else [])
         return Prediction(setup, pixels, peak.bytes, weights, f"{peak.module}: {peak.op}", r.tracker.host_peak, notes)
+
+
+def predict_parallel(setup: Setup, pixels: int, tp: int = 1, ulysses: int = 1, layers: int = 36,
+                     prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
+    """Rank 0 of ``tp`` x ``ulysses`` ranks (torch's fake process group: collectives shaped, nothing sent): its
+    share of the DiT built as the tensor-parallel load shapes it (``shard_skeleton``), opened like a rank opens it,
+    and one model call through the rank's own commands (``WorkerState.cmd_begin`` / ``cmd_call``: the parallel
+    forward, Ulysses all-to-alls, tensor parallel all-reduces). Peak of that rank."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from engine.features.quant.transform import shard_skeleton
+    from engine.parallel.comm import build_groups, destroy_groups
+    from engine.parallel.forward import ParallelModel
+    from engine.parallel.plan import ParallelPlan
+    from engine.parallel.wire import pack
+    from engine.parallel.worker import WorkerState, worker_config
+
+    cfg = ErnieImageConfig(num_layers=layers)
+    plan = ParallelPlan(tp=tp, ulysses=ulysses)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    worker = WorkerState(0, plan.world_size, "cuda:0")
+    try:
+        with Rehearsal() as r:
+            old = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                with torch.device("meta"):  # real meta tensors: shapes only, as the sharded load starts
+                    model = ErnieImageTransformer(cfg)
+                if tp > 1:
+                    shard_skeleton(model, family_of(model), tp)
+            finally:
+                torch.set_default_dtype(old)
+            with r.all_fake():
+                model = model.to_empty(device="cuda:0").eval().requires_grad_(False)
+                if setup.quant in PREBUILT:
+                    _prebuild(model, setup.quant)
+            assume_kernels("cuda:0")
+            config = EngineConfig(device="cuda:0", attention="sdpa", tp=tp, ulysses_degree=ulysses,
+                                  quant=None if setup.quant in PREBUILT else setup.quant)
+            worker.groups = build_groups(plan, 0)
+            worker.engine = open_engine(model, worker_config(config, "cuda:0"), label=setup.label)
+            worker.parallel = ParallelModel(worker.engine.model, worker.groups)
+            r.name_modules(worker.engine.model)
+            weights = r.tracker.live
+            r.tracker.reset_peak()
+            base = setup.model == "base"
+            rows = 2 * setup.batch if base else setup.batch
+            stride = family_of(cfg).latent.stride
+            text = torch.zeros(rows, prompt_tokens, cfg.text_in_dim)
+            lens = torch.tensor([prompt_tokens] * setup.batch + [1] * (rows - setup.batch))
+            worker.cmd_begin(pack(text), pack(lens), base, None, 2 if base else 1)
+            x = torch.zeros(rows, cfg.in_channels, pixels // stride, pixels // stride)
+            worker.cmd_call(pack(x), pack(torch.full((rows,), 0.5)))
+            worker.cmd_end()
+            peak = r.tracker.peak
+            return Prediction(setup, pixels, peak.bytes, weights, f"{peak.module}: {peak.op}", 0,
+                              list(worker.engine.warnings))
+    finally:
+        if worker.parallel is not None:
+            worker.parallel.close()
+        destroy_groups(worker.groups)
+        dist.destroy_process_group()

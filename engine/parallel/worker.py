@@ -129,7 +129,8 @@ class WorkerState:
         """A run starts: the text (or None, sent with the first call), CFG batching and the cache plan."""
         model = self.engine.model
         runner = cache_runner(ResolvedCache(**plan), branches, self.groups) if plan is not None else None
-        self.run = {"text": unpack(text, model.dtype, self.device), "lens": unpack(lens, torch.long, self.device),
+        # the lengths stay on the host: the model reads "is anything padded" from them without a device sync
+        self.run = {"text": unpack(text, model.dtype, self.device), "lens": unpack(lens, torch.long),
                     "cfg_batched": bool(cfg_batched), "runner": runner}
         if runner is not None:
             apply_cache(model, runner)
@@ -141,7 +142,7 @@ class WorkerState:
         model = self.engine.model
         if text is not None:
             run["text"] = unpack(text, model.dtype, self.device)
-            run["lens"] = unpack(lens, torch.long, self.device)
+            run["lens"] = unpack(lens, torch.long)
         x = unpack(x, None, self.device)
         timestep = to_timestep(unpack(sigma, None, self.device)).float()
         out = self.parallel.forward(x, timestep, run["text"], run["lens"], cfg_batched=run["cfg_batched"]).float()
