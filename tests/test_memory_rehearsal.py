@@ -37,34 +37,26 @@ def test_the_device_seam_is_the_only_caller_of_torch_cuda():
 
 def test_release_shape_bf16_base_1024():
     """8.03B parameters in bf16 resident (fused: the same bytes), CFG batch 2 at 1024² on top, peak inside a block."""
-    p = predict.predict(predict.Setup("bf16"), 1024)
+    p = predict.predict_cached(predict.Setup("bf16"), 1024)
     assert 14.9 * GiB < p.weights_bytes < 15.1 * GiB
     assert p.weights_bytes + 0.5 * GiB < p.peak_bytes < p.weights_bytes + 2 * GiB
     assert p.where.startswith("layers.")
     assert p.pinned_host_bytes == 0
 
 
-_BF16 = {}
-
-
 @pytest.mark.parametrize("setup", [s for s, _ in table.ROWS], ids=lambda s: s.label)
 def test_every_configuration_runs(setup):
+    if setup.label in table.UNTRACEABLE:  # the table prints why instead of a number: the trace names the op
+        with pytest.raises(rehearse.RehearsalError, match="nonzero"):
+            predict.predict(setup, 512, layers=2)
+        return
     p = predict.predict(setup, 512, layers=2)
-    key = (setup.model, setup.batch)
-    if key not in _BF16:
-        _BF16[key] = predict.predict(predict.Setup("bf16", model=setup.model, batch=setup.batch), 512, layers=2)
-    bf16 = _BF16[key]
+    bf16 = predict.predict_cached(predict.Setup("bf16", model=setup.model, batch=setup.batch), 512, layers=2)
     assert p.peak_bytes > p.weights_bytes > 0
     if setup.offload != "none":
         assert p.pinned_host_bytes > 0  # the blocks' masters, on the host side
     if setup.quant and setup.offload == "none":
         assert p.weights_bytes < bf16.weights_bytes
-
-
-def test_offload_keeps_the_8b_blocks_on_the_host_and_fits_8gb():
-    p = predict.predict(predict.Setup("offload 2", offload="layerwise"), 1024)
-    assert p.pinned_host_bytes > 14 * GiB
-    assert p.peak_bytes < 3 * GiB and table.fits(p.peak_bytes, 8)
 
 
 @pytest.mark.parametrize("card", [8, 12, 16, 24])
@@ -73,17 +65,20 @@ def test_auto_offload_fits_each_card(card):
     picks for bf16 Base at 1024² has a predicted peak that fits, with the desktop and the CUDA context kept."""
     p = table.auto_card(card)
     assert table.fits(p.peak_bytes, card), (card, p.peak_gib, p.notes)
-    assert (p.pinned_host_bytes > 0) == (card < 24), p.notes  # offloaded below 24 GB: bf16 is 15 GiB
+    if card < 24:  # bf16 is 15 GiB: offloaded, the blocks in pinned host memory, a few on the card
+        assert p.pinned_host_bytes > 14 * GiB and p.peak_bytes < 3 * GiB, (p.pinned_host_bytes, p.peak_gib)
+    else:
+        assert p.pinned_host_bytes == 0 and p.weights_bytes > 14.9 * GiB
 
 
 def test_a_tensor_on_the_wrong_device_is_named():
     with rehearse.Rehearsal() as r:
         with r.all_fake(), torch.device("cuda"):
-            model = ErnieImageTransformer(ErnieImageConfig(hidden_size=64, num_layers=1, num_attention_heads=2,
-                                                           ffn_hidden_size=128, text_in_dim=32))
+            model = ErnieImageTransformer(ErnieImageConfig(hidden_size=256, num_layers=1, num_attention_heads=2,
+                                                           ffn_hidden_size=512, text_in_dim=32))
         r.name_modules(model)
         with r.all_fake():
-            model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(torch.empty(128, 64), requires_grad=False)
+            model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(torch.empty(512, 256), requires_grad=False)
         x = torch.zeros(1, 128, 4, 4, device="cuda")
         text = torch.zeros(1, 3, 32, device="cuda")
         with pytest.raises(rehearse.RehearsalError) as e, torch.no_grad():
@@ -97,7 +92,7 @@ def test_a_host_read_of_a_device_value_is_named():
         t = torch.zeros(3, device="cuda")
         r.name_modules(torch.nn.Module())
         bool(t.any())
-    assert "_local_scalar_dense" in str(e.value) and "[3]" in str(e.value)
+    assert "_local_scalar_dense" in str(e.value) and "FakeTensor[] bool on cuda:0" in str(e.value)
 
 
 def test_the_tracker_counts_live_bytes_and_the_peak():

@@ -30,7 +30,7 @@ from engine.models.ernie_image import ErnieImageTransformer  # noqa: E402
 from engine.models.ernie_image_config import ErnieImageConfig  # noqa: E402
 
 PROMPT_TOKENS = 256  # a prompt-enhanced ERNIE-Image prompt (the PE writes a paragraph); the negative "" is 1 token
-BASE_CFG, BASE_STEPS = 4.0, 2  # every step of a run has the same memory: two steps show the steady state
+BASE_CFG, BASE_STEPS = 4.0, 1  # every step of a run has the same memory (offload's buffers are made in the first)
 CACHE_MASK = "1010"  # Cache-DiT with a static mask: call 0 computed, call 1 cached, calls 2-3 computed
 PREBUILT = ("q4_k", "q8_0")  # formats whose quantizer is numpy (a real file's bytes): built from their stored shape
 
@@ -111,6 +111,29 @@ def assume_kernels(device: str) -> None:
     fp8n._scaled_mm_probes[str(torch.device(device))] = (True, "torch._scaled_mm row-wise (assumed: sm90)")
     for rows in (True, False):
         int8l._int_mm_probes[(str(torch.device(device)), rows, True, True)] = True
+
+
+def auto_decision(card_free_gib: float, layers: int = 36, quant: Optional[str] = None) -> tuple:
+    """The loader's ``offload="auto"`` for a checkpoint of this shape on a card with this much free memory: the
+    engine's ``choose_offload`` from the bytes at rest, the free memory read through the device seam."""
+    cfg = ErnieImageConfig(num_layers=layers)
+    with Rehearsal(int(card_free_gib * GiB)) as r:
+        with r.all_fake():
+            at_rest = estimate_bytes(cfg, torch.bfloat16, quant)
+        return choose_offload("auto", "cuda:0", at_rest)
+
+
+_cache = {}
+
+
+def predict_cached(setup: Setup, pixels: int, layers: int = 36) -> Prediction:
+    """``predict`` once per configuration (the label aside) in this process: a trace is deterministic."""
+    if setup.offload == "auto":
+        raise ValueError("offload 'auto' depends on the card: decide with auto_decision, then predict its choice")
+    key = (dataclasses.replace(setup, label=""), pixels, layers)
+    if key not in _cache:
+        _cache[key] = predict(setup, pixels, layers)
+    return dataclasses.replace(_cache[key], setup=setup)
 
 
 def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
