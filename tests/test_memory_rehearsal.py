@@ -117,3 +117,19 @@ def test_the_table_regenerates_into_its_page(tmp_path):
     table.write_page(text, str(page))
     doc = page.read_text()
     assert "old" not in doc and "| Base bf16 | 512² |" in doc and doc.endswith("after\n")
+
+
+def test_the_gpu_check_prints_measured_beside_predicted(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
+    import gpu_check_predicted as gp
+
+    page = tmp_path / "memory.md"
+    page.write_text("| Base bf16 | 1024² | 16.04 | 14.96 |\n| Base bf16 | 2048² | 19.06 | 14.96 |\n"
+                    "| Base bf16, offload 2 buffers | 1024² | 2.22 | 0.74 |\n")
+    records = [{"row": "off-bf16", "what": "resident, Base step (CFG, batch 2), bf16", "peak_gib": 16.5},
+               {"row": "off-bf16", "what": "resident, Turbo step (batch 1), bf16", "peak_gib": 15.5},
+               {"row": "off-bf16", "what": "offload, 2 buffers (0 kept), Base step (CFG, batch 2), bf16", "peak_gib": 2.5}]
+    line = gp.beside(records, str(page))
+    assert "Base bf16: measured 16.50 GiB, predicted 16.04 GiB" in line
+    assert "Base bf16, offload 2 buffers: measured 2.50 GiB, predicted 2.22 GiB" in line and "15.5" not in line
+    assert gp.predicted()["Base bf16, offload 2 buffers"] > 0  # the committed page has the rows

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,11 +76,13 @@ def fits(peak_bytes: int, card_gb: int) -> bool:
     return peak_bytes / GiB + DESKTOP_GIB + CONTEXT_GIB <= card_gb
 
 
-def auto_card(card_gb: int, pixels: int = 1024, layers: int = 36, model: str = "base") -> Prediction:
-    """bf16 with ``offload="auto"`` on a card of ``card_gb`` (free memory as the loader sees it: desktop and context
-    taken): the engine's decision, then the predicted peak of what it chose (its ``notes`` end with the why)."""
-    choice, why = auto_decision(card_gb - DESKTOP_GIB - CONTEXT_GIB, layers)
-    p = predict_cached(Setup(f"{model} bf16, offload auto", model=model, offload=choice), pixels, layers)
+def auto_card(card_gb: int, pixels: int = 1024, layers: int = 36, model: str = "base",
+              quant: Optional[str] = None) -> Prediction:
+    """``offload="auto"`` on a card of ``card_gb`` (free memory as the loader sees it: desktop and context taken):
+    the engine's decision, then the predicted peak of what it chose (its ``notes`` end with the why)."""
+    choice, why = auto_decision(card_gb - DESKTOP_GIB - CONTEXT_GIB, layers, quant)
+    p = predict_cached(Setup(f"{model} {quant or 'bf16'}, offload auto", model=model, quant=quant, offload=choice),
+                       pixels, layers)
     p.notes = p.notes + [why]
     return p
 
@@ -108,14 +110,16 @@ def table(layers: int = 36, rows=ROWS, pixels=PIXELS, log=print) -> str:
             p = predict_cached(setup, px, layers=layers)
             lines.append(_row(p, published if px == 1024 else ""))
             log(f"{setup.label} {px}²: {p.peak_gib:.2f} GiB ({time.perf_counter() - t:.1f} s)")
-    lines += ["", "Auto offload (`offload=auto`, bf16, Base, CFG batch 2) by card, free memory = card − "
+    lines += ["", "Auto offload (`offload=auto`, Base, CFG batch 2) by card, free memory = card − "
               f"{DESKTOP_GIB:g} GiB desktop − {CONTEXT_GIB:g} GiB CUDA context:", "",
-              "| card | image | decision | predicted peak GiB | fits |", "|---|---|---|---|---|"]
-    for card in CARDS[:4]:
-        for px in pixels:
-            p = auto_card(card, px, layers=layers)
-            why = p.notes[-1] if p.notes else ""
-            lines.append(f"| {card} GB | {px}² | {why} | {p.peak_gib:.2f} | {'yes' if fits(p.peak_bytes, card) else 'NO'} |")
+              "| card | weights | image | decision | predicted peak GiB | fits |", "|---|---|---|---|---|---|"]
+    for quant in (None, "fp8"):
+        for card in CARDS[:4]:
+            for px in pixels:
+                p = auto_card(card, px, layers=layers, quant=quant)
+                why = p.notes[-1] if p.notes else ""
+                lines.append(f"| {card} GB | {quant or 'bf16'} | {px}² | {why} | {p.peak_gib:.2f} | "
+                             f"{'yes' if fits(p.peak_bytes, card) else 'NO'} |")
     return "\n".join(lines)
 
 
