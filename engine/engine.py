@@ -87,12 +87,13 @@ class RunStats:
 
 
 def pad_text(features: Sequence[torch.Tensor], dtype: torch.dtype, device) -> tuple:
-    """Per-sample [T_i, C] text features -> zero-padded [B, Tmax, C] and lengths [B]."""
+    """Per-sample [T_i, C] text features -> zero-padded [B, Tmax, C] on ``device`` and lengths [B] on the CPU
+    (the model decides "is anything padded" from them without a device sync)."""
     lens = [int(f.shape[0]) for f in features]
     out = torch.zeros(len(features), max(lens), features[0].shape[-1], dtype=dtype, device=device)
     for i, f in enumerate(features):
         out[i, : lens[i]] = f.to(device=device, dtype=dtype)
-    return out, torch.tensor(lens, device=device)
+    return out, torch.tensor(lens)
 
 
 class Engine:

@@ -12,6 +12,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from . import device as device_rt
 from .config import EngineConfig
 from .features import attention as attention_backends
 from .features import quant
@@ -131,8 +132,7 @@ class LocalRunner:
     def release(self) -> int:
         offloader = get_offload(self.model)
         freed = offloader.release_buffers() if offloader is not None else 0
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        device_rt.empty_cache()
         return freed
 
     # -- calls ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import List, Optional, Union
 
 import torch
 
+from . import device as device_rt
 from .errors import Cancelled, CheckpointError, InputError
 from .io.readers import open_file
 from .io.safetensors import load_json_object, refuse_pickle, refuse_pickles_in
@@ -278,8 +279,8 @@ class PromptEnhancer:
         """Free the weights (and the GPU memory they held); the next ``enhance`` loads them again."""
         self.model = None
         gc.collect()
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if self.device.type == "cuda":
+            device_rt.empty_cache()
 
 
 def _stopping(stop: threading.Event):

@@ -66,6 +66,7 @@ import gpu_check_core as core  # noqa: E402  (puts the checkout first on sys.pat
 import torch  # noqa: E402
 from gpu_check_core import Ctx, Report, _count, attention_flops, forward_flops, guarded  # noqa: E402,F401 (tests read these)
 from gpu_check_offload import OFFLOAD_ROWS, offload_rows  # noqa: E402
+from gpu_check_predicted import beside  # noqa: E402
 from gpu_check_rows import opened, row_build, row_diffusers, row_eager, row_fuse_quant, row_turbo, whole_run  # noqa: E402
 from gpu_check_serve import row_comfy, row_lora, row_serve, serve_estimate  # noqa: E402
 from gpu_check_workers import run_worker, worker_main  # noqa: E402
@@ -294,6 +295,8 @@ def main(argv=None):
     with open(os.path.join(args.out, "rerun.txt"), "w", encoding="utf-8") as f:
         f.write(advice + "\n")
     report.footer(advice)
+    if args.size == "8b" and args.height == args.width == 1024:  # the shape of docs/memory.md's predicted table
+        report.footer(beside([r for n in OFFLOAD_ROWS for r in report.rows_named(n)]))
     report.footer(f"wall time {time.perf_counter() - core.T0:.0f} s (python; set-up before it is in gpu_check.log)")
     return 0
 

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from .. import device as device_rt
 from ..features import offload
 from ..features.cache import from_env
 from ..features.quant.registry import FILE_WRITERS, format_of
@@ -77,8 +78,8 @@ def weight_format(eng, config) -> Optional[str]:
 def _reset_peak_memory(dev: torch.device) -> None:
     """Start the peak-memory window of the timed part (the build's peak is not the run's)."""
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+        device_rt.synchronize(dev)
+        device_rt.reset_peak(dev)
 
 
 def run_settings(args) -> dict:
@@ -108,14 +109,14 @@ def cmd_bench(args) -> dict:
     x = torch.randn(1, cfg.in_channels, h, w, generator=g)
     text = torch.randn(args.text_tokens, cfg.text_in_dim, generator=g)
     dev = eng.device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync = (lambda: device_rt.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     with torch.no_grad():
         xt, tb, ln = x.to(dev), torch.tensor([500.0], device=dev), torch.tensor([args.text_tokens], device=dev)
         tt = text[None].to(dev, eng.runner.dtype)
         forward = eng.dit_forward  # parallel: one call through the workers
         forward(xt, tb, tt, ln)
         sync()
-        resident_gb = torch.cuda.memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else None
+        resident_gb = device_rt.allocated_bytes(dev) / 2 ** 30 if dev.type == "cuda" else None
         _reset_peak_memory(dev)  # after the build and the warm-up: the peak of the timed forwards and run
         times = []
         for _ in range(max(1, args.repeat)):
@@ -144,7 +145,7 @@ def cmd_bench(args) -> dict:
     if eng.warnings:
         result["warnings"] = list(eng.warnings)
     if dev.type == "cuda":
-        result["peak_vram_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2 ** 30, 2)
+        result["peak_vram_gb"] = round(device_rt.peak_bytes(dev) / 2 ** 30, 2)
         result["resident_vram_gb"] = round(resident_gb, 2)  # allocated when timing started (weights + buffers)
     if args.json:
         print(json.dumps(result))

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from .. import device as device_rt
 from .. import options
 from ..config import PARALLEL, EngineConfig
 from ..errors import CheckpointError
@@ -97,7 +98,7 @@ def check_common_args(args) -> None:
     except (RuntimeError, ValueError):
         raise ValueError(f"--device '{device}' is not a torch device (cpu, cuda, cuda:N)") from None
     if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = device_rt.device_count()
         if count == 0:
             raise ValueError(f"--device {device}: no CUDA GPU is available here (use --device cpu)")
         if dev.index is not None and dev.index >= count:

@@ -202,7 +202,11 @@ class ErnieImageTransformer(nn.Module):
         t_max = txt.shape[1]
         h = torch.cat([img, txt], dim=1)
 
-        text_lens = torch.as_tensor(text_lens, device=h.device).reshape(-1).to(torch.long)
+        # "is anything padded" is decided where the lengths are: on the host when given there (the engine's
+        # own calls: no device sync per forward, and fake-tensor traces can run it), else on their device
+        lens_given = torch.as_tensor(text_lens).reshape(-1)
+        padded = bool((lens_given < t_max).any())
+        text_lens = lens_given.to(h.device, torch.long)
         if text_lens.numel() == 1 and b > 1:
             text_lens = text_lens.expand(b)
         timestep = torch.as_tensor(timestep, device=h.device).reshape(-1)
@@ -215,7 +219,7 @@ class ErnieImageTransformer(nn.Module):
 
         rope = self.rope(text_lens, t_max, gh, gw, dtype, h.device)
         key_mask = None
-        if bool((text_lens < t_max).any()):
+        if padded:
             key_mask = torch.ones(b, n_img + t_max, dtype=torch.bool, device=h.device)
             key_mask[:, n_img:] = torch.arange(t_max, device=h.device)[None] < text_lens[:, None]
         ctx = BlockContext(modulation, rope, key_mask, self.attention, n_img, (gh, gw), temb)

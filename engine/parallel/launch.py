@@ -29,6 +29,7 @@ from datetime import timedelta
 import torch
 from safetensors.torch import load_file, save_file
 
+from .. import device as device_rt
 from .. import options
 from ..config import PARALLEL, EngineConfig
 from ..errors import ParallelConfigError
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="DiT .safetensors file (ERNIE-Image ...) or diffusers folder (readable on every machine)")
     src.add_argument("--size", help="random model of a named size (tiny, small, medium, 8b)")
     options.add_arguments(p, EngineConfig, {PARALLEL: "parallel: the degrees multiply to torchrun's world size"})
-    p.set_defaults(device="cuda" if torch.cuda.is_available() else "cpu")  # the ranks' device type (index: LOCAL_RANK)
+    p.set_defaults(device="cuda" if device_rt.available() else "cpu")  # the ranks' device type (index: LOCAL_RANK)
     txt = p.add_mutually_exclusive_group(required=True)
     txt.add_argument("--text", help="safetensors file with 'cond' (and 'uncond') text features [T, C]")
     txt.add_argument("--random-text", type=int, help="random text features of this many tokens")
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
                                   "(WORLD_SIZE); make --nnodes x --nproc-per-node equal the product of the degrees")
     check_model(plan, mcfg.num_attention_heads, mcfg.ffn_hidden_size)
     if engine_options["device"].startswith("cuda"):
-        torch.cuda.set_device(local)
+        device_rt.set_device(local)
         device, backend = f"cuda:{local}", "nccl"
     else:
         device, backend = "cpu", "gloo"

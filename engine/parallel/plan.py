@@ -16,8 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-import torch
-
+from .. import device as device_rt
 from ..errors import ParallelConfigError
 
 
@@ -154,7 +153,7 @@ def check_model(plan: ParallelPlan, num_heads: int, ffn_hidden_size: int) -> Non
 
 
 def visible_gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return device_rt.device_count()
 
 
 def cpu_rank_limit() -> int:

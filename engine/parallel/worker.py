@@ -32,6 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import device as device_rt
 from ..config import EngineConfig
 from ..features.cache import apply_cache, remove_cache
 from ..features.cache.config import ResolvedCache
@@ -121,14 +122,15 @@ class WorkerState:
         self.parallel = self.engine = self.run = None
         gc.collect()
         if self.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+            device_rt.empty_cache()
         return True
 
     def cmd_begin(self, text, lens, cfg_batched: bool, plan, branches: int):
         """A run starts: the text (or None, sent with the first call), CFG batching and the cache plan."""
         model = self.engine.model
         runner = cache_runner(ResolvedCache(**plan), branches, self.groups) if plan is not None else None
-        self.run = {"text": unpack(text, model.dtype, self.device), "lens": unpack(lens, torch.long, self.device),
+        # the lengths stay on the host: the model reads "is anything padded" from them without a device sync
+        self.run = {"text": unpack(text, model.dtype, self.device), "lens": unpack(lens, torch.long),
                     "cfg_batched": bool(cfg_batched), "runner": runner}
         if runner is not None:
             apply_cache(model, runner)
@@ -140,7 +142,7 @@ class WorkerState:
         model = self.engine.model
         if text is not None:
             run["text"] = unpack(text, model.dtype, self.device)
-            run["lens"] = unpack(lens, torch.long, self.device)
+            run["lens"] = unpack(lens, torch.long)
         x = unpack(x, None, self.device)
         timestep = to_timestep(unpack(sigma, None, self.device)).float()
         out = self.parallel.forward(x, timestep, run["text"], run["lens"], cfg_batched=run["cfg_batched"]).float()
@@ -205,7 +207,7 @@ def worker_main(rank: int, world: int, init_method: str, backend: str, conn, err
             torch.set_num_threads(threads)
         device = "cpu"
         if backend == "nccl":
-            torch.cuda.set_device(rank)
+            device_rt.set_device(rank)
             device = f"cuda:{rank}"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))

@@ -6,6 +6,7 @@ from typing import Tuple
 
 import torch
 
+from ... import device as device_rt
 from .kernels import attention_op, cuda_half_problem, guarded, package_version
 
 
@@ -22,7 +23,7 @@ def check_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> Tupl
     why = cuda_half_problem(device, dtype, head_dim, 256)
     if why is not None:
         return False, why
-    cap = torch.cuda.get_device_capability(device)
+    cap = device_rt.capability(device)
     if cap < (8, 0):
         return False, f"flash-attn 2 needs sm80+ (GPU is sm{cap[0]}{cap[1]})"
     ok, ver = package_version("flash_attn")

@@ -10,6 +10,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from ... import device as device_rt
 from ...models.family import sdpa  # the model's own attention: the default backend
 from .lse import attention_with_lse, prefix_lengths
 
@@ -113,7 +114,7 @@ def cuda_half_problem(device: torch.device, dtype: torch.dtype, head_dim: int, m
     """Why a CUDA fp16/bf16 kernel that takes head sizes up to ``max_head_dim`` cannot run here, or None."""
     if device.type != "cuda":
         return f"it needs a CUDA GPU (device is {device.type})"
-    if not torch.cuda.is_available():
+    if not device_rt.available():
         return "CUDA is not available"
     if dtype not in HALF_DTYPES:
         return f"it needs fp16/bf16 weights (model is {str(dtype).replace('torch.', '')})"

@@ -10,6 +10,7 @@ from typing import Callable, Dict, FrozenSet, Optional, Tuple
 
 import torch
 
+from ... import device as device_rt
 from ...models.family import sdpa
 from .kernels import attention_op, cuda_half_problem, guarded, installed_version, package_version, warn_once
 from .lse import attention_with_lse, split_tail
@@ -85,7 +86,7 @@ def check_sage(device: torch.device, dtype: torch.dtype, head_dim: int) -> Tuple
     why = cuda_half_problem(device, dtype, head_dim, 128)
     if why is not None:
         return False, why
-    cap = torch.cuda.get_device_capability(device)
+    cap = device_rt.capability(device)
     ok, ver = package_version("sageattention")
     if not ok:
         return False, ver
@@ -106,7 +107,7 @@ _limits_cache: Dict[tuple, SageLimits] = {}
 
 def _current_sage_limits(device: torch.device) -> SageLimits:
     mod = sys.modules.get("sageattention")
-    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    cap = device_rt.capability(device) if device.type == "cuda" else None
     key = (id(mod), getattr(mod, "__version__", None), cap)  # the version too: an id can be reused
     if key not in _limits_cache:
         _limits_cache.clear()

@@ -9,6 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ... import device as device_rt
+
 log = logging.getLogger("sgld.offload")
 
 MODES = ("none", "layerwise", "auto")
@@ -31,7 +33,7 @@ def choose_offload(mode, device, model_bytes: int, free_bytes: Optional[int] = N
                    resident_bytes: int = 0) -> Tuple[str, str]:
     """("none" | "layerwise", why). ``auto``: layer-wise when the device's free memory (plus what the
     model already holds there, ``resident_bytes``) is below ``model_bytes`` + working memory.
-    ``free_bytes`` defaults to ``torch.cuda.mem_get_info``; CPU devices never offload on ``auto``."""
+    ``free_bytes`` defaults to the device's (engine/device.py); CPU devices never offload on ``auto``."""
     if mode not in MODES:  # EngineConfig normalizes the spellings (engine/config.py)
         raise ValueError(f"offload '{mode}' is not supported; choose one of {', '.join(MODES)}")
     if mode != "auto":
@@ -44,9 +46,9 @@ def choose_offload(mode, device, model_bytes: int, free_bytes: Optional[int] = N
 def _choose_auto(device, model_bytes: int, free_bytes: Optional[int], resident_bytes: int) -> Tuple[str, str]:
     dev = torch.device(device)
     if free_bytes is None:
-        if dev.type != "cuda" or not torch.cuda.is_available():
+        free_bytes = device_rt.free_bytes(dev)
+        if free_bytes is None:
             return "none", f"auto: {dev} is not a CUDA GPU, nothing to offload"
-        free_bytes, _ = torch.cuda.mem_get_info(dev)
     available = int(free_bytes) + int(resident_bytes)
     need = int(model_bytes) + working_bytes(model_bytes)
     gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731

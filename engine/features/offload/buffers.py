@@ -4,11 +4,12 @@ events that order the copies (no-ops off CUDA).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import nn
+
+from ... import device as device_rt
 
 ALIGN = 256  # bytes: every parameter view starts on a 256-byte boundary (kernels, inductor alignment)
 
@@ -22,25 +23,27 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 class Streams:
+    """The copy stream and the events of one offloader (engine/device.py; all None off CUDA)."""
+
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
-        self.copy = torch.cuda.Stream(device) if self.cuda else None
+        self.copy = device_rt.new_stream(device) if self.cuda else None
 
     def event(self):
-        return torch.cuda.Event() if self.cuda else None
+        return device_rt.event() if self.cuda else None
 
     def compute(self):
-        return torch.cuda.current_stream(self.device) if self.cuda else None
+        return device_rt.current_stream(self.device) if self.cuda else None
 
     def on_copy(self):
         """Context: work issued inside runs on the copy stream."""
-        return torch.cuda.stream(self.copy) if self.cuda else contextlib.nullcontext()
+        return device_rt.on_stream(self.copy)
 
     def synchronize(self) -> None:
         if self.cuda:
             self.copy.synchronize()
-            torch.cuda.current_stream(self.device).synchronize()
+            device_rt.current_stream(self.device).synchronize()
 
 
 class Slot:
@@ -91,7 +94,7 @@ class BlockStore:
             offset = align(offset + nbytes(p))
         self.nbytes = max(offset, ALIGN)
         with torch.inference_mode(False):  # normal tensors even when applied under inference mode (ComfyUI)
-            self.master = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+            self.master = device_rt.host_buffer(self.nbytes, pin)
             for p, (_, _, off, n) in zip(old, layout):
                 if n:
                     self.master[off:off + n].copy_(p.detach().contiguous().reshape(-1).view(torch.uint8))

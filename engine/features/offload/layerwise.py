@@ -17,6 +17,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ... import device as device_rt
 from ...models.family import family_of
 from .. import patching
 from .auto import GiB
@@ -96,7 +97,7 @@ class LayerwiseOffload(patching.Patch):
         super().__init__(model)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.device = torch.device("cuda", device_rt.current_index())
         family = family_of(model)
         n = len(family.blocks_of(model))
         self.num_slots = min(resident_layers, n)
@@ -105,7 +106,7 @@ class LayerwiseOffload(patching.Patch):
         self.fixed = n if self.num_slots >= n else max(0, self.num_slots - 2)
         self.prefetch_first = prefetch_first
         _keep_transfers_out_of_graphs()
-        self.pin = (self.device.type == "cuda" and torch.cuda.is_available()) if pin is None else bool(pin)
+        self.pin = device_rt.can_pin(self.device) if pin is None else bool(pin)
         self.streams = Streams(self.device)
         self.record = deque(maxlen=100_000)  # block indices in transfer order (tests, stats)
         self.reset_stats()
@@ -135,7 +136,7 @@ class LayerwiseOffload(patching.Patch):
                 raise ValueError(f"block {i} has buffers; layer-wise offload handles parameters only")
             self.stores.append(BlockStore(i, block, self.pin))
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the blocks' old device copies (if the model was on the GPU)
+            device_rt.empty_cache()  # the blocks' old device copies (if the model was on the GPU)
         self.slot_bytes = max(s.nbytes for s in self.stores)
         self.slots = [Slot(k) for k in range(self.num_slots)]
         self._slot_views: Dict[Tuple[int, tuple], List[torch.Tensor]] = {}
@@ -351,7 +352,7 @@ class LayerwiseOffload(patching.Patch):
             s.buf, s.block, s.ready, s.free, s.free_recorded = None, None, None, None, False
         self._slot_views.clear()
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            device_rt.empty_cache()
         return freed
 
     def remove(self) -> None:
@@ -382,9 +383,7 @@ def apply_layerwise_offload(model: nn.Module, device, resident_layers: int = 2, 
 def empty_host_cache() -> None:
     """Return freed pinned host memory to the OS (torch keeps it cached). Call after dropping an
     offloaded engine (e.g. when ComfyUI unloads models) and ``gc.collect()``."""
-    fn = getattr(torch._C, "_host_emptyCache", None)
-    if fn is not None and torch.cuda.is_available():
-        fn()
+    device_rt.empty_host_cache()
 
 
 def get_offload(model: nn.Module) -> Optional[LayerwiseOffload]:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .... import device as device_rt
 from ..int8.linear import int_mm_accepts, quantize_tokens
 from ..numerics import frozen
 from ..registry import WeightFormat, register_format
@@ -325,7 +326,7 @@ def _kitchen_probe(cls, device) -> Tuple[bool, str]:
         backend, why = N.gpu_backend(device, cls.KITCHEN_OP)
         if backend is None:
             _probes[key] = (False, why if device.type == "cuda" else "CPU")
-        elif torch.cuda.get_device_capability(device) < cls.MIN_SM:
+        elif device_rt.capability(device) < cls.MIN_SM:
             _probes[key] = (False, f"{cls.KITCHEN_OP} needs sm{cls.MIN_SM[0]}{cls.MIN_SM[1]}+")
         else:
             try:

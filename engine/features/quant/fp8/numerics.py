@@ -8,6 +8,8 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .... import device as device_rt
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -53,12 +55,12 @@ def fp8_scaled_mm_supported(device) -> Tuple[bool, str]:
         return _scaled_mm_probes[key]
     if os.environ.get("SGLD_FP8_MATMUL", "auto").lower() in ("0", "off", "false", "no"):
         result = (False, "SGLD_FP8_MATMUL=0")
-    elif device.type != "cuda" or not torch.cuda.is_available():
+    elif device.type != "cuda" or not device_rt.available():
         result = (False, "torch._scaled_mm needs a CUDA GPU")
     elif not hasattr(torch, "_scaled_mm"):
         result = (False, "this torch has no torch._scaled_mm")
-    elif torch.cuda.get_device_capability(device) < (8, 9):
-        cap = torch.cuda.get_device_capability(device)
+    elif device_rt.capability(device) < (8, 9):
+        cap = device_rt.capability(device)
         result = (False, f"FP8 tensor cores need sm89+ (GPU is sm{cap[0]}{cap[1]})")
     else:
         try:

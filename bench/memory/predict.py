@@ -1,0 +1,242 @@
+"""Predicted peak GPU memory of one engine configuration at the ERNIE-Image 8B release shape (or fewer blocks),
+from a fake-CUDA rehearsal (rehearse.py) through the engine's own ``open_engine`` and ``Engine.sample``.
+
+A ``Setup`` is what a user switches on (the model's sampling mode, weight format, offload, Cache-DiT, LoRA,
+compile); ``predict(setup, pixels)`` builds the DiT with fake weights in the format's real storage dtypes and
+shapes, opens the engine on it with a card of ``card_gb``, samples and returns the peak (weights resident at
+the start included) and where it happened.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from rehearse import GiB, Rehearsal  # noqa: E402
+
+from engine import EngineConfig, open_engine  # noqa: E402
+from engine.features.cache import CacheConfig  # noqa: E402
+from engine.features.lora.formats import LoRAEntry, LoRAFile  # noqa: E402
+from engine.features.offload import choose_offload  # noqa: E402
+from engine.features.quant import get_format, parse_format  # noqa: E402
+from engine.loading import estimate_bytes  # noqa: E402
+from engine.models import family_of  # noqa: E402
+from engine.models.ernie_image import ErnieImageTransformer  # noqa: E402
+from engine.models.ernie_image_config import ErnieImageConfig  # noqa: E402
+
+PROMPT_TOKENS = 256  # a prompt-enhanced ERNIE-Image prompt (the PE writes a paragraph); the negative "" is 1 token
+BASE_CFG, BASE_STEPS = 4.0, 1  # every step of a run has the same memory (offload's buffers are made in the first)
+CACHE_MASK = "1010"  # Cache-DiT with a static mask: call 0 computed, call 1 cached, calls 2-3 computed
+PREBUILT = ("q4_k", "q8_0")  # formats whose quantizer is numpy (a real file's bytes): built from their stored shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    label: str
+    model: str = "base"  # "base": CFG batch 2 (prompt + negative); "turbo": cfg 1, batch 1
+    quant: Optional[str] = None  # a weight format name (EngineConfig.quant), or None: bf16
+    offload: str = "none"  # "none" | "layerwise" | "auto"
+    resident_layers: int = 2
+    cache: bool = False
+    lora_rank: int = 0  # a LoRA of this rank on every block linear (a side path on quantized weights)
+    compile: bool = False
+    batch: int = 1
+    tp: int = 1  # tensor parallel degree (the prediction is one rank's)
+    ulysses: int = 1  # Ulysses sequence parallel degree
+
+
+@dataclasses.dataclass
+class Prediction:
+    setup: Setup
+    pixels: int
+    peak_bytes: int
+    weights_bytes: int  # device bytes once the engine is open, before the run
+    where: str
+    pinned_host_bytes: int
+    notes: list
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GiB
+
+
+def _build(r: Rehearsal, cfg: ErnieImageConfig, device: str, quant: Optional[str]) -> torch.nn.Module:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with r.all_fake(), torch.device(device):
+            model = ErnieImageTransformer(cfg)
+            if quant in PREBUILT:
+                _prebuild(model, quant)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval().requires_grad_(False)
+
+
+def _prebuild(model: torch.nn.Module, quant: str) -> None:
+    """A GGUF file's layers: the stored uint8 blocks of each block linear, in the format's own module."""
+    name, _ = parse_format(quant)
+    fmt = get_format(name)
+    family = family_of(model)
+    for layer, mod in list(model.named_modules()):
+        if family.is_block_linear(layer) and isinstance(mod, torch.nn.Linear):
+            shape = tuple(mod.weight.shape)
+            raw = torch.empty(fmt.weight_bytes(shape, 0, torch.bfloat16), dtype=torch.uint8)
+            parent, _, leaf = layer.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, fmt.from_stored({"weight": raw, "shape": shape}))
+
+
+def _lora(model: torch.nn.Module, rank: int) -> LoRAFile:
+    """A rank-``rank`` LoRA on every block linear (fake factors in bf16, as files ship)."""
+    family = family_of(model)
+    entries = {}
+    for layer, mod in model.named_modules():
+        if family.is_block_linear(layer) and hasattr(mod, "in_features"):
+            entries[layer] = LoRAEntry(layer, down=torch.empty(rank, mod.in_features, dtype=torch.bfloat16),
+                                       up=torch.empty(mod.out_features, rank, dtype=torch.bfloat16), alpha=float(rank))
+    return LoRAFile("rehearsal-lora.safetensors", entries)
+
+
+def assume_kernels(device: str) -> None:
+    """The fp8 ``_scaled_mm`` and int8 ``_int_mm`` probes as an sm90 GPU answers them (they compare numbers,
+    which fake tensors do not have)."""
+    from engine.features.quant.fp8 import numerics as fp8n
+    from engine.features.quant.int8 import linear as int8l
+
+    fp8n._scaled_mm_probes[str(torch.device(device))] = (True, "torch._scaled_mm row-wise (assumed: sm90)")
+    for rows in (True, False):
+        int8l._int_mm_probes[(str(torch.device(device)), rows, True, True)] = True
+
+
+def auto_decision(card_free_gib: float, layers: int = 36, quant: Optional[str] = None) -> tuple:
+    """The loader's ``offload="auto"`` for a checkpoint of this shape on a card with this much free memory: the
+    engine's ``choose_offload`` from the bytes at rest, the free memory read through the device seam."""
+    cfg = ErnieImageConfig(num_layers=layers)
+    with Rehearsal(int(card_free_gib * GiB)) as r:
+        with r.all_fake():
+            at_rest = estimate_bytes(cfg, torch.bfloat16, quant)
+        return choose_offload("auto", "cuda:0", at_rest)
+
+
+_cache = {}
+
+
+def predict_cached(setup: Setup, pixels: int, layers: int = 36) -> Prediction:
+    """``predict`` once per configuration (the label aside) in this process: a trace is deterministic."""
+    if setup.offload == "auto":
+        raise ValueError("offload 'auto' depends on the card: decide with auto_decision, then predict its choice")
+    key = (dataclasses.replace(setup, label=""), pixels, layers)
+    if key not in _cache:
+        _cache[key] = predict(setup, pixels, layers)
+    return dataclasses.replace(_cache[key], setup=setup)
+
+
+def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
+            prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
+    if setup.tp * setup.ulysses > 1:
+        return predict_parallel(setup, pixels, setup.tp, setup.ulysses, layers, prompt_tokens)
+    cfg = ErnieImageConfig(num_layers=layers)
+    with Rehearsal(int(card_gb * GiB)) as r:
+        decision = None
+        if setup.offload == "auto":  # as the router decides for a file: before loading, from the bytes at rest
+            with r.all_fake():
+                at_rest = estimate_bytes(cfg, torch.bfloat16, setup.quant)
+            decision = choose_offload("auto", "cuda:0", at_rest)
+        offloaded = (decision[0] if decision else setup.offload) == "layerwise"
+        # the router loads a model that will be offloaded into CPU memory; otherwise straight onto the GPU
+        model = _build(r, cfg, "cpu" if offloaded else "cuda", setup.quant)
+        r.name_modules(model)
+        assume_kernels("cuda:0")
+        quant = None if setup.quant in PREBUILT else setup.quant
+        config = EngineConfig(device="cuda:0", attention="sdpa", quant=quant, offload=setup.offload,
+                              resident_layers=setup.resident_layers, compile="static" if setup.compile else False)
+        with r.all_fake():  # a LoRA file's tensors, on the host, named as the checkpoint (before fusing)
+            lora = _lora(model, setup.lora_rank) if setup.lora_rank else None
+        eng = open_engine(model, config, label=setup.label, offload_decision=decision)
+        r.name_modules(model)  # the fused and quantized layers are new modules
+        if lora is not None:
+            eng.set_loras([(lora, 1.0)])
+        weights = r.tracker.live
+        r.tracker.reset_peak()
+        stride = family_of(cfg).latent.stride
+        latent = torch.zeros(setup.batch, cfg.in_channels, pixels // stride, pixels // stride)
+        cond = [torch.zeros(prompt_tokens, cfg.text_in_dim)]
+        base = setup.model == "base"
+        uncond = [torch.zeros(1, cfg.text_in_dim)] if base else None
+        cache = CacheConfig(enabled=True, steps_mask=CACHE_MASK, scm_policy="static") if setup.cache else None
+        steps = len(CACHE_MASK) if setup.cache else BASE_STEPS
+        eng.sample(latent, cond, uncond, steps=steps, cfg=BASE_CFG if base else 1.0, seed=0, cache=cache)
+        if setup.cache:
+            mask = eng.last_run.step_mask
+            assert not all(mask) and any(mask), f"the cached run computed {mask}: expected a cached and a computed call"
+        peak = r.tracker.peak
+        notes = list(eng.warnings) + ([decision[1]] if decision else [])
+        return Prediction(setup, pixels, peak.bytes, weights, f"{peak.module}: {peak.op}", r.tracker.host_peak, notes)
+
+
+def predict_parallel(setup: Setup, pixels: int, tp: int = 1, ulysses: int = 1, layers: int = 36,
+                     prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
+    """Rank 0 of ``tp`` x ``ulysses`` ranks (torch's fake process group: collectives shaped, nothing sent): its
+    share of the DiT built as the tensor-parallel load shapes it (``shard_skeleton``), opened like a rank opens it,
+    and one model call through the rank's own commands (``WorkerState.cmd_begin`` / ``cmd_call``: the parallel
+    forward, Ulysses all-to-alls, tensor parallel all-reduces). Peak of that rank."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from engine.features.quant.transform import shard_skeleton
+    from engine.parallel.comm import build_groups, destroy_groups
+    from engine.parallel.forward import ParallelModel
+    from engine.parallel.plan import ParallelPlan
+    from engine.parallel.wire import pack
+    from engine.parallel.worker import WorkerState, worker_config
+
+    cfg = ErnieImageConfig(num_layers=layers)
+    plan = ParallelPlan(tp=tp, ulysses=ulysses)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    worker = WorkerState(0, plan.world_size, "cuda:0")
+    try:
+        with Rehearsal() as r:
+            old = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                with torch.device("meta"):  # real meta tensors: shapes only, as the sharded load starts
+                    model = ErnieImageTransformer(cfg)
+                if tp > 1:
+                    shard_skeleton(model, family_of(model), tp)
+            finally:
+                torch.set_default_dtype(old)
+            with r.all_fake():
+                model = model.to_empty(device="cuda:0").eval().requires_grad_(False)
+                if setup.quant in PREBUILT:
+                    _prebuild(model, setup.quant)
+            assume_kernels("cuda:0")
+            config = EngineConfig(device="cuda:0", attention="sdpa", tp=tp, ulysses_degree=ulysses,
+                                  quant=None if setup.quant in PREBUILT else setup.quant)
+            worker.groups = build_groups(plan, 0)
+            worker.engine = open_engine(model, worker_config(config, "cuda:0"), label=setup.label)
+            worker.parallel = ParallelModel(worker.engine.model, worker.groups)
+            r.name_modules(worker.engine.model)
+            weights = r.tracker.live
+            r.tracker.reset_peak()
+            base = setup.model == "base"
+            rows = 2 * setup.batch if base else setup.batch
+            stride = family_of(cfg).latent.stride
+            text = torch.zeros(rows, prompt_tokens, cfg.text_in_dim)
+            lens = torch.tensor([prompt_tokens] * setup.batch + [1] * (rows - setup.batch))
+            worker.cmd_begin(pack(text), pack(lens), base, None, 2 if base else 1)
+            x = torch.zeros(rows, cfg.in_channels, pixels // stride, pixels // stride)
+            worker.cmd_call(pack(x), pack(torch.full((rows,), 0.5)))
+            worker.cmd_end()
+            peak = r.tracker.peak
+            return Prediction(setup, pixels, peak.bytes, weights, f"{peak.module}: {peak.op}", 0,
+                              list(worker.engine.warnings))
+    finally:
+        if worker.parallel is not None:
+            worker.parallel.close()
+        destroy_groups(worker.groups)
+        dist.destroy_process_group()

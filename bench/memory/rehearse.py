@@ -1,0 +1,337 @@
+"""The engine rehearsed on fake CUDA tensors at the release shape, and its peak GPU memory from the trace.
+
+A fake tensor (``torch._subclasses.fake_tensor``) has a device, a dtype and a shape but no memory and no
+FLOPs, so the 8B DiT runs here, on a CPU-only torch, through the engine's own entry points (``open_engine``,
+``Engine.sample``) in seconds. What the rehearsal replaces, and only that:
+
+- the device seam (``engine/device.py``): ``FakeRuntime`` answers as a card of ``card_bytes`` (free memory for
+  offload "auto", sm90 capability, streams and events that order nothing, page-locked host buffers that are
+  fake CPU tensors counted on the host side);
+- where the CUDA dispatcher would pick a kernel the fake device cannot see: PyTorch SDPA on a GPU runs its
+  flash kernel (no mask) or its memory-efficient one (a key mask), never the math path that materializes the
+  [B, heads, S, S] scores, so ``_FusedSDPA`` calls those kernels' own ops; the fp8 ``_scaled_mm`` and int8
+  ``_int_mm`` probes (a numeric comparison, which fake tensors cannot make) are answered "runs" as sm90 would;
+- host reads: a device tensor copied to the CPU arrives as zeros (the sampling loop goes on), and a host read
+  of a device value (``.item()``, ``bool(t)``) fails naming the op, the tensor and the module, as does any op
+  given tensors on two devices or a kernel with no fake implementation.
+
+``Tracker`` counts the live CUDA bytes after every op (each storage once, rounded up to the caching
+allocator's 512-byte blocks, freed when its last tensor dies) and keeps the peak and where it happened (op,
+module). It cannot see allocator fragmentation, cuBLAS / attention workspaces, or the CUDA context: see
+docs/memory.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from engine import device as device_rt
+
+GiB = 2 ** 30
+ALLOC_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
+_FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+_TO_COPY = torch.ops.aten._to_copy.default
+_SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default)
+
+
+class RehearsalError(RuntimeError):
+    """Something that would not run on the GPU (or that a trace cannot see), with the op, tensors and module."""
+
+
+def describe_tensor(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{type(t).__name__}{list(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}"
+    return repr(t)[:60]
+
+
+def _round(n: int) -> int:
+    return (n + ALLOC_BLOCK - 1) // ALLOC_BLOCK * ALLOC_BLOCK
+
+
+@dataclasses.dataclass
+class Peak:
+    bytes: int = 0
+    op: str = ""
+    module: str = ""
+
+
+class Tracker:
+    """Live fake-CUDA bytes over time (and pinned host bytes), with the peak and where it happened."""
+
+    def __init__(self):
+        self.live = 0
+        self.peak = Peak()
+        self.host = 0  # page-locked host bytes alive (offload's block masters)
+        self.host_peak = 0
+        self._seen = {}  # id(storage) -> rounded bytes
+        self.modules: List[str] = []  # the module stack (names), for "where"
+        self.op = ""
+
+    def _gone(self, key: int, host: bool) -> None:
+        n = self._seen.pop(key, 0)
+        if host:
+            self.host -= n
+        else:
+            self.live -= n
+
+    def track(self, out, op: str) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, FakeTensor) and t.device.type == "cuda":
+                self._add(t, host=False, op=op)
+
+    def track_host(self, t: torch.Tensor) -> None:
+        self._add(t, host=True, op="pinned host buffer")
+
+    def _add(self, t, host: bool, op: str) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._seen:
+            return
+        n = _round(st.nbytes())
+        self._seen[key] = n
+        weakref.finalize(st, self._gone, key, host)
+        if host:
+            self.host += n
+            self.host_peak = max(self.host_peak, self.host)
+            return
+        self.live += n
+        if self.live > self.peak.bytes:
+            self.peak = Peak(self.live, op, self.modules[-1] if self.modules else "")
+
+    def reset_peak(self) -> None:
+        self.peak = Peak(self.live, "(start)", "")
+
+
+class _Dispatch(TorchDispatchMode):
+    """Fake where a CUDA device (or a fake tensor, or ``forcing``) is involved, real CPU ops otherwise."""
+
+    def __init__(self, rehearsal: "Rehearsal"):
+        super().__init__()
+        self.r = rehearsal
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = tree_flatten((args, kwargs))[0]
+        fake = self.r.forcing or any(isinstance(a, FakeTensor) for a in flat) or _names_cuda(kwargs.get("device"))
+        if not fake:
+            with _without_fake():
+                return func(*args, **kwargs)
+        if func is _TO_COPY and not self.r.forcing and isinstance(args[0], FakeTensor) and args[0].device.type == "cuda" \
+                and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
+            with _without_fake():  # a device -> host copy: the host gets zeros of the shape (the loop goes on)
+                return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        if func in _SCALAR_READS:
+            raise RehearsalError(f"{func}: a host read of a device value ({', '.join(describe_tensor(a) for a in flat if isinstance(a, torch.Tensor))}) "
+                                 f"in {self.r.where()}: a device sync on the GPU, and a trace cannot know the value")
+        try:
+            out = func(*args, **kwargs)
+        except RehearsalError:
+            raise
+        except Exception as e:  # a device / dtype mismatch, a kernel with no fake implementation
+            tensors = ", ".join(describe_tensor(a) for a in flat if isinstance(a, torch.Tensor))
+            raise RehearsalError(f"{func} failed in {self.r.where()} on [{tensors}]: {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''}") from e
+        self.r.tracker.track(out, str(func))
+        return out
+
+
+def _names_cuda(device) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+@contextlib.contextmanager
+def _without_fake():
+    mode = torch._C._unset_dispatch_mode(_FAKE_KEY)
+    try:
+        yield
+    finally:
+        if mode is not None:
+            torch._C._set_dispatch_mode(mode)
+
+
+class _FusedSDPA(TorchFunctionMode):
+    """SDPA on fake CUDA tensors as the GPU runs it: the flash kernel without a mask, the memory-efficient one
+    with a mask (their own ops, whose fake kernels allocate what the kernels allocate), never the math path."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and isinstance(args[0], FakeTensor) and args[0].device.type == "cuda":
+            q, k, v = args[:3]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            if mask is None:
+                return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[0]
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, False)[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _data_keeps_device():
+    """``p.data = v`` (offload binds a block's parameters to a device buffer that way) swaps a fake tensor's
+    storage but not the device it reports (a Python attribute of FakeTensor): carry it over while rehearsing."""
+    base = torch._C.TensorBase.data
+
+    def set_data(self, new):
+        base.__set__(self, new)
+        if isinstance(new, FakeTensor):
+            self.fake_device = new.fake_device
+
+    FakeTensor.data = property(base.__get__, set_data)
+    try:
+        yield
+    finally:
+        del FakeTensor.data
+
+
+class FakeStream:
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or FakeEvent()
+
+
+class FakeEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class FakeRuntime:
+    """engine/device.py's runtime for a rehearsal: a CUDA card of ``card_bytes`` (what ``free_bytes`` starts from),
+    compute capability ``capability``, ``count`` devices."""
+
+    def __init__(self, rehearsal: "Rehearsal", card_bytes: int, capability: Tuple[int, int] = (9, 0), count: int = 1):
+        self.r, self.card_bytes, self.cap, self.count = rehearsal, int(card_bytes), capability, count
+
+    def available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return self.count
+
+    def current_index(self) -> int:
+        return 0
+
+    def set_device(self, index: int) -> None:
+        pass
+
+    def capability(self, device) -> Tuple[int, int]:
+        return self.cap
+
+    def free_bytes(self, device) -> Optional[int]:
+        return self.card_bytes - self.r.tracker.live if torch.device(device).type == "cuda" else None
+
+    def new_stream(self, device):
+        return FakeStream()
+
+    def event(self):
+        return FakeEvent()
+
+    def current_stream(self, device):
+        return FakeStream()
+
+    def on_stream(self, stream):
+        return contextlib.nullcontext()
+
+    def can_pin(self, device) -> bool:
+        return torch.device(device).type == "cuda"
+
+    def host_buffer(self, nbytes: int, pin: bool) -> torch.Tensor:
+        with self.r.all_fake():
+            t = torch.empty(nbytes, dtype=torch.uint8)
+        if pin:
+            self.r.tracker.track_host(t)
+        return t
+
+    def empty_cache(self) -> None:
+        pass
+
+    def empty_host_cache(self) -> None:
+        pass
+
+    def synchronize(self, device=None) -> None:
+        pass
+
+    def reset_peak(self, device) -> None:
+        self.r.tracker.reset_peak()
+
+    def allocated_bytes(self, device) -> int:
+        return self.r.tracker.live
+
+    def peak_bytes(self, device) -> int:
+        return self.r.tracker.peak.bytes
+
+
+class Rehearsal:
+    """``with Rehearsal(card_bytes) as r:`` everything CUDA inside is fake and counted in ``r.tracker``."""
+
+    def __init__(self, card_bytes: int = 80 * GiB, capability: Tuple[int, int] = (9, 0)):
+        self.tracker = Tracker()
+        self.runtime = FakeRuntime(self, card_bytes, capability)
+        self.forcing = False
+        self._stack = contextlib.ExitStack()
+        self._names = {}
+
+    def name_modules(self, model: torch.nn.Module, prefix: str = "") -> None:
+        """Name ``model``'s modules in "where" reports (the peak's module, errors)."""
+        self._names.update({id(m): (prefix + n) or type(m).__name__ for n, m in model.named_modules()})
+
+    def where(self) -> str:
+        return self.tracker.modules[-1] if self.tracker.modules else "(outside any module)"
+
+    @contextlib.contextmanager
+    def all_fake(self):
+        """Every op fake, CPU ones too (weights of the 8B shape built on the host: no real 16 GB)."""
+        old, self.forcing = self.forcing, True
+        try:
+            yield
+        finally:
+            self.forcing = old
+
+    def __enter__(self) -> "Rehearsal":
+        s = self._stack
+        s.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        s.enter_context(_Dispatch(self))
+        s.enter_context(_FusedSDPA())
+        s.enter_context(device_rt.using(self.runtime))
+        s.enter_context(_data_keeps_device())
+        from torch.nn.modules import module as nn_module
+
+        def pre(mod, args):
+            self.tracker.modules.append(self._names.get(id(mod), type(mod).__name__))
+
+        def post(mod, args, out):
+            if self.tracker.modules:
+                self.tracker.modules.pop()
+
+        s.callback(nn_module.register_module_forward_pre_hook(pre).remove)
+        s.callback(nn_module.register_module_forward_hook(post, always_call=True).remove)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()

@@ -1,0 +1,151 @@
+"""Regenerate the predicted-peak table of docs/memory.md (between its ``<!-- predicted:start/end -->`` markers):
+
+    .venv/bin/python bench/memory/table.py            # the 8B release shape, every row (a few minutes on 2 cores)
+    .venv/bin/python bench/memory/table.py --print    # print the table instead of writing the page
+
+One row per configuration and resolution (predict.py), with the cards it fits and the published figures.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import List, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from predict import Prediction, Setup, auto_decision, predict_cached  # noqa: E402  (puts the project root on sys.path)
+from rehearse import GiB  # noqa: E402
+
+from engine.io.atomic import atomic_write  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PAGE = os.path.join(ROOT, "docs", "memory.md")
+START, END = "<!-- predicted:start -->", "<!-- predicted:end -->"
+CARDS = (8, 12, 16, 24, 32, 80)  # GB cards (their memory is GiB: an "8 GB" card has 8192 MiB)
+DESKTOP_GIB = 1.0  # kept for the desktop / other programs
+CONTEXT_GIB = 0.5  # the CUDA context (not a tensor: invisible to the trace, added here)
+PIXELS = (1024, 2048)
+
+SEED_BF16 = "seeds: 8B bf16 about 16 GB"
+OFFLOAD_8GB = "SGLang's ERNIE article: 8 GB (RTX 3070) with layer-wise offload; SGLang: Qwen-Image offloaded at 8.5 GB"
+
+# (setup, published figure beside it)
+ROWS: List[Tuple[Setup, str]] = [
+    (Setup("Base bf16"), SEED_BF16 + "; model card: runs on 24 GB consumer GPUs"),
+    (Setup("Base fp8", quant="fp8"), ""),
+    (Setup("Base int8 W8A8", quant="int8"), ""),
+    (Setup("Base int4 (g128)", quant="int4"), ""),
+    (Setup("Base GGUF Q8_0", quant="q8_0"), ""),
+    (Setup("Base GGUF Q4_K", quant="q4_k"), ""),
+    (Setup("Base ComfyUI nvfp4", quant="nvfp4"), ""),
+    (Setup("Base ComfyUI mxfp8", quant="mxfp8"), ""),
+    (Setup("Base ComfyUI int8 tensorwise", quant="int8-tensorwise"), ""),
+    (Setup("Base bf16, offload 2 buffers", offload="layerwise", resident_layers=2), OFFLOAD_8GB),
+    (Setup("Base bf16, offload 8 buffers", offload="layerwise", resident_layers=8), ""),
+    (Setup("Base fp8, offload 2 buffers", quant="fp8", offload="layerwise"), ""),
+    (Setup("Base GGUF Q4_K, offload 2 buffers", quant="q4_k", offload="layerwise"),
+     "stable-diffusion.cpp: ERNIE-Image on 4 GB with --offload-to-cpu"),
+    (Setup("Base bf16, Cache-DiT", cache=True), ""),
+    (Setup("Base bf16, offload 2, Cache-DiT", offload="layerwise", cache=True), ""),
+    (Setup("Base bf16, LoRA r32 (merged)", lora_rank=32), ""),
+    (Setup("Base fp8, LoRA r32 (side path)", quant="fp8", lora_rank=32), ""),
+    (Setup("Base bf16, compile (eager fallback)", compile=True), ""),
+    (Setup("Base bf16, TP 2 (per rank)", tp=2), ""),
+    (Setup("Base bf16, TP 4 (per rank)", tp=4), ""),
+    (Setup("Base bf16, Ulysses 2 (per rank)", ulysses=2), ""),
+    (Setup("Base bf16, Ulysses 4 (per rank)", ulysses=4), ""),
+    (Setup("Base bf16, TP 2 x Ulysses 2 (per rank)", tp=2, ulysses=2), ""),
+    (Setup("Turbo bf16", model="turbo"), ""),
+    (Setup("Turbo fp8", model="turbo", quant="fp8"), ""),
+    (Setup("Turbo ComfyUI nvfp4", model="turbo", quant="nvfp4"), "community: Turbo NVFP4 in about 4.8 GB"),
+    (Setup("Turbo GGUF Q4_K, offload 2 buffers", model="turbo", quant="q4_k", offload="layerwise"), ""),
+    (Setup("Turbo bf16, batch 4", model="turbo", batch=4), "SGLang's ERNIE article: RTX 4090 24 GB, Batch=4 (Turbo)"),
+    (Setup("Turbo fp8, batch 4", model="turbo", quant="fp8", batch=4), ""),
+]
+
+
+# configurations a trace cannot run, and why (the table says so instead of a number)
+UNTRACEABLE = {"Base bf16, LoRA r32 (merged)": (
+    "not traced: the merge keeps the positions of the bf16 values it changed (its bit-exact restore, "
+    "engine/features/lora/records.py: `nonzero`), a size only the data knows; a device sync on the GPU too")}
+
+
+def fits(peak_bytes: int, card_gb: int) -> bool:
+    return peak_bytes / GiB + DESKTOP_GIB + CONTEXT_GIB <= card_gb
+
+
+def auto_card(card_gb: int, pixels: int = 1024, layers: int = 36, model: str = "base",
+              quant: Optional[str] = None) -> Prediction:
+    """``offload="auto"`` on a card of ``card_gb`` (free memory as the loader sees it: desktop and context taken):
+    the engine's decision, then the predicted peak of what it chose (its ``notes`` end with the why)."""
+    choice, why = auto_decision(card_gb - DESKTOP_GIB - CONTEXT_GIB, layers, quant)
+    p = predict_cached(Setup(f"{model} {quant or 'bf16'}, offload auto", model=model, quant=quant, offload=choice),
+                       pixels, layers)
+    p.notes = p.notes + [why]
+    return p
+
+
+def _row(p: Prediction, published: str) -> str:
+    s = p.setup
+    marks = " | ".join("yes" if fits(p.peak_bytes, c) else "-" for c in CARDS)
+    host = f"{p.pinned_host_bytes / GiB:.1f}" if p.pinned_host_bytes else ""
+    return (f"| {s.label} | {p.pixels}² | {p.peak_gib:.2f} | {p.weights_bytes / GiB:.2f} | {marks} | {host} | "
+            f"`{p.where}` | {published} |")
+
+
+def table(layers: int = 36, rows=ROWS, pixels=PIXELS, log=print) -> str:
+    head = ("| configuration | image | predicted peak GiB | weights + buffers GiB | "
+            + " | ".join(f"{c} GB" for c in CARDS) + " | pinned host GiB | peak at | published |\n"
+            "|---|---|---|---|" + "---|" * len(CARDS) + "---|---|---|")
+    lines = [head]
+    for setup, published in rows:
+        for px in pixels:
+            if setup.label in UNTRACEABLE:
+                lines.append(f"| {setup.label} | {px}² | – | – | " + " | ".join("?" for _ in CARDS)
+                             + f" | | | {UNTRACEABLE[setup.label]} |")
+                continue
+            t = time.perf_counter()
+            p = predict_cached(setup, px, layers=layers)
+            lines.append(_row(p, published if px == 1024 else ""))
+            log(f"{setup.label} {px}²: {p.peak_gib:.2f} GiB ({time.perf_counter() - t:.1f} s)")
+    lines += ["", "Auto offload (`offload=auto`, Base, CFG batch 2) by card, free memory = card − "
+              f"{DESKTOP_GIB:g} GiB desktop − {CONTEXT_GIB:g} GiB CUDA context:", "",
+              "| card | weights | image | decision | predicted peak GiB | fits |", "|---|---|---|---|---|---|"]
+    for quant in (None, "fp8"):
+        for card in CARDS[:4]:
+            for px in pixels:
+                p = auto_card(card, px, layers=layers, quant=quant)
+                why = p.notes[-1] if p.notes else ""
+                lines.append(f"| {card} GB | {quant or 'bf16'} | {px}² | {why} | {p.peak_gib:.2f} | "
+                             f"{'yes' if fits(p.peak_bytes, card) else 'NO'} |")
+    return "\n".join(lines)
+
+
+def write_page(text: str, page: str = PAGE) -> None:
+    with open(page, encoding="utf-8") as f:
+        doc = f.read()
+    if START not in doc or END not in doc:
+        raise SystemExit(f"{page} has no {START} ... {END} markers")
+    before, rest = doc.split(START, 1)
+    after = rest.split(END, 1)[1]
+    with atomic_write(page) as f:
+        f.write(f"{before}{START}\n{text}\n{END}{after}".encode("utf-8"))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=36, help="DiT blocks (36: the release)")
+    ap.add_argument("--print", action="store_true", help="print the table, leave docs/memory.md alone")
+    args = ap.parse_args(argv)
+    text = table(args.layers, log=lambda m: print(m, file=sys.stderr))
+    if args.print:
+        print(text)
+    else:
+        write_page(text)
+        print(f"wrote {PAGE}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
