@@ -347,3 +347,27 @@ def test_compiled_blocks_run_the_int8_layers():
     with torch.inference_mode():
         compiled = model(*x)
     assert Q.relative_error(compiled, eager) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_activation_rows_quantized_in_chunks_are_the_same_bits(monkeypatch, fmt):
+    """Per-token activation quantization runs over chunks of rows (its float32 copies bounded: the fp8 / int8 peak
+    at 2048², docs/memory.md); row-wise, so every chunking gives the bits of one call, and only chunks that size."""
+    from engine.features.quant import numerics as N
+    from engine.features.quant.fp8 import numerics as F8
+
+    quantize, dtype = ((I8._quantize_tokens, torch.int8) if fmt == "int8"
+                       else (F8._quantize_activation_rows, F8.FP8_DTYPE))
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
+    want_q, want_s = quantize(x)
+    sizes = []
+    monkeypatch.setattr(N, "ROW_CHUNK_ELEMENTS", 10 * 64)  # 10 rows a chunk
+
+    def counted(rows):
+        sizes.append(rows.shape[0])
+        return quantize(rows)
+
+    got_q, got_s = N.quantize_rows(x, counted, dtype)
+    assert sizes == [10, 10, 10, 7]
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got_s, want_s)
+    assert got_q.dtype == dtype and got_s.shape == (37, 1)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .... import device as device_rt
+from ..numerics import quantize_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -32,8 +33,7 @@ def fp8_scaled_mm_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     """FP8 GEMM on tensor cores: activations quantized to e4m3 per row (dynamic), weight scale per column."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-    xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    xq, x_scale = quantize_rows(x2, _quantize_activation_rows, FP8_DTYPE)
     n = w.shape[0]
     ws = w_scale.float().reshape(1, -1).expand(1, n).contiguous()
     wq = w if w.dtype == FP8_DTYPE else w.to(FP8_DTYPE)
@@ -42,6 +42,12 @@ def fp8_scaled_mm_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     if isinstance(y, tuple):  # torch < 2.5 returned (out, amax)
         y = y[0]
     return y.reshape(*shape[:-1], n)
+
+
+def _quantize_activation_rows(x2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[rows, in] -> (e4m3 [rows, in], float32 scale [rows, 1]), one scale per row (token)."""
+    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    return (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), x_scale
 
 
 _scaled_mm_probes: Dict[str, Tuple[bool, str]] = {}

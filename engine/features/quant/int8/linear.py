@@ -20,7 +20,7 @@ from torch import nn
 
 from ....errors import CheckpointError
 from ....io.safetensors import DTYPE_NAMES
-from ..numerics import scaled_linear
+from ..numerics import quantize_rows, scaled_linear
 from ..registry import WeightFormat, register_format
 
 log = logging.getLogger("sgld.quant")
@@ -44,6 +44,10 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 def quantize_tokens(x2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """[tokens, in] -> (int8 [tokens, in], float32 scale [tokens, 1]): dynamic, one scale per token (row)."""
+    return quantize_rows(x2, _quantize_tokens, torch.int8)
+
+
+def _quantize_tokens(x2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     xf = x2.float()
     amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=TINY)
     q = (xf * (INT8_MAX / amax)).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
