@@ -123,3 +123,19 @@ def text_features(seed, tokens):
     import comfy_server as cs
 
     return cs.load_test_pack().text_features(seed, tokens, cs.text_dim())[0]
+
+
+COMFY_LORA_TARGETS = ("layers.0.self_attention.to_q", "layers.1.mlp.linear_fc2", "layers.0.mlp.up_proj")
+
+
+def write_comfy_lora(path, state_dict, names=COMFY_LORA_TARGETS, rank=2, seed=7) -> None:
+    """A LoRA in ComfyUI's key format (``diffusion_model.`` prefix, lora_down / lora_up / alpha) on the block
+    linears ``names`` of the checkpoint whose tensors ``state_dict`` holds (their shapes)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name in names:
+        out_f, in_f = state_dict[name + ".weight"].shape
+        sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(rank, in_f, generator=g) * 0.3
+        sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(out_f, rank, generator=g) * 0.3
+        sd[f"diffusion_model.{name}.alpha"] = torch.tensor(1.0)
+    save_file(sd, path)

@@ -10,11 +10,11 @@ import dataclasses
 import os
 import sys
 
-import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
 import comfy_server as cs  # noqa: E402
+import lora_files  # noqa: E402
 from comfy_quant_files import write_comfy  # noqa: E402
 from test_comfyui_gguf import close  # noqa: E402
 
@@ -32,14 +32,7 @@ LORA = "comfy-quant-lora.safetensors"
 
 def write_lora(path: str) -> None:
     """A LoRA in ComfyUI's key format on three quantized block linears."""
-    g = torch.Generator().manual_seed(7)
-    sd = {}
-    for name in ("layers.0.self_attention.to_q", "layers.1.mlp.linear_fc2", "layers.0.mlp.up_proj"):
-        out_f, in_f = SD[name + ".weight"].shape
-        sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(2, in_f, generator=g) * 0.3
-        sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(out_f, 2, generator=g) * 0.3
-        sd[f"diffusion_model.{name}.alpha"] = torch.tensor(1.0)
-    save_file(sd, path)
+    lora_files.write_comfy_lora(path, SD)
 
 
 def comfy_files(base):

@@ -12,11 +12,11 @@ import dataclasses
 import os
 import sys
 
-import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
 import comfy_server as cs  # noqa: E402
+import lora_files  # noqa: E402
 from gguf_files import ALL_TYPES, CFG, mixed_types, reference_state, write_gguf  # noqa: E402
 
 from engine.models.random_weights import random_state_dict  # noqa: E402
@@ -31,14 +31,7 @@ LORA = "gguf-lora.safetensors"
 
 def write_lora(path: str) -> None:
     """A LoRA in ComfyUI's key format on block linears of two GGUF types and on a dense one."""
-    g = torch.Generator().manual_seed(7)
-    sd = {}
-    for name in ("layers.0.self_attention.to_q", "layers.1.mlp.linear_fc2", "layers.0.mlp.up_proj"):
-        out_f, in_f = SD[name + ".weight"].shape
-        sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(2, in_f, generator=g) * 0.3
-        sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(out_f, 2, generator=g) * 0.3
-        sd[f"diffusion_model.{name}.alpha"] = torch.tensor(1.0)
-    save_file(sd, path)
+    lora_files.write_comfy_lora(path, SD)
 
 
 # The module's ComfyUI server is tests/conftest.py's `comfy` fixture with the shared base folder; this adds

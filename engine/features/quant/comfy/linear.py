@@ -330,17 +330,27 @@ def _kitchen_probe(cls, device) -> Tuple[bool, str]:
             _probes[key] = (False, f"{cls.KITCHEN_OP} needs sm{cls.MIN_SM[0]}{cls.MIN_SM[1]}+")
         else:
             try:
-                g = torch.Generator().manual_seed(0)
-                layer = cls.from_dense(torch.randn(128, 256, generator=g)).to(device)
-                x = torch.randn(64, 256, generator=g).to(device, torch.bfloat16)
-                ref = F.linear(x.float(), layer.dequantize())
-                out = layer.kitchen_forward(x, None).float()
-                err = ((out - ref).norm() / ref.norm()).item()
+                err = _probe_error(device, cls.from_dense, lambda layer, x: layer.kitchen_forward(x, None))
                 _probes[key] = (err < cls.PROBE_ERROR, f"comfy-kitchen {backend}, probe rel. error {err:.3f} "
                                                        "(activations quantized too)")
             except Exception as e:  # a kernel this GPU or build does not run
-                _probes[key] = (False, f"{cls.KITCHEN_OP} failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+                _probes[key] = (False, _failed(cls.KITCHEN_OP, e))
     return _probes[key]
+
+
+def _probe_error(device, from_dense, run) -> float:
+    """A random [128, 256] layer made by ``from_dense`` on ``device``, ``run(layer, x)`` on bf16 inputs: its
+    relative error against the dequantized weight's float32 product."""
+    g = torch.Generator().manual_seed(0)
+    layer = from_dense(torch.randn(128, 256, generator=g)).to(device)
+    x = torch.randn(64, 256, generator=g).to(device, torch.bfloat16)
+    ref = F.linear(x.float(), layer.dequantize())
+    out = run(layer, x).float()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _failed(op: str, e: Exception) -> str:
+    return f"{op} failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
 
 def _kitchen_int8_probe(device) -> Tuple[bool, str]:
@@ -354,15 +364,11 @@ def _kitchen_int8_probe(device) -> Tuple[bool, str]:
         result = (False, "comfy-kitchen has no GPU int8 kernel here" if device.type == "cuda" else "CPU")
     else:
         try:
-            g = torch.Generator().manual_seed(0)
-            w = Int8TensorwiseLinear.from_dense(torch.randn(128, 256, generator=g)).to(device)
-            x = torch.randn(64, 256, generator=g).to(device, torch.bfloat16)
-            ref = F.linear(x.float(), w.dequantize())
-            out = ck.int8_linear(x, w.weight, w.weight_scale, None, x.dtype).float()
-            err = ((out - ref).norm() / ref.norm()).item()
+            err = _probe_error(device, Int8TensorwiseLinear.from_dense,
+                               lambda w, x: ck.int8_linear(x, w.weight, w.weight_scale, None, x.dtype))
             result = (err < 0.05, f"comfy-kitchen {gpu[0]}, probe rel. error {err:.3f}")
         except Exception as e:  # a kernel this GPU does not run
-            result = (False, f"comfy-kitchen int8_linear failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+            result = (False, _failed("comfy-kitchen int8_linear", e))
     _probes[str(device)] = result
     return result
 
