@@ -146,7 +146,8 @@ def test_cpu_rehearsal_runs_every_row_of_the_gpu_check(tmp_path):
     assert "pinned" in by_name["off-bf16"][2]["notes"] and "remove()" in by_name["off-bf16-8buf"][0]["notes"]
     # LoRA and the HTTP server
     assert {"apply_s", "switch_s", "remove_s"} <= set(by_name["lora"][0])
-    assert [r["clients"] for r in by_name["serve"]] == [1, 4, 8] and all(r["images_per_s"] > 0 for r in by_name["serve"])
+    assert [r["clients"] for r in by_name["serve"]] == [1, 4, 8, 8] and all(r["images_per_s"] > 0 for r in by_name["serve"])
+    assert by_name["serve"][-1]["loras"] == 8  # 8 clients, each its own LoRA, through the server
     assert recs[-2].get("footer", "").startswith("rerun: nothing left")
     assert recs[-1].get("footer", "").startswith("wall time")
     assert (tmp_path / "out" / "rerun.txt").read_text().startswith("rerun: nothing left")

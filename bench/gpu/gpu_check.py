@@ -37,12 +37,13 @@ from the measured eager forward.
     off-bf16, off-bf16-8buf, off-fp8, off-engine   layer-wise offload (bench/gpu/gpu_check_offload.py)         56
     lora           rank-32 LoRA apply / strength / switch / remove on the 8B model (gpu_check_serve.py)      9
     serve          the real HTTP server (create_app + uvicorn, POST /v1/sample) on the file, Turbo 1024^2:
-                   1 / 4 / 8 concurrent clients vs the same requests one after another                     47
+                   1 / 4 / 8 concurrent clients vs the same requests one after another, then 8 clients
+                   each with its own LoRA (per-request `loras`) in the same batched forwards               57
     comfy          ComfyUI's KSampler on comfy_model vs SGLDiffusion KSampler: n/a (ComfyUI is not carried) 0
     all-on         [subprocess] fp8 + the best attention + compiled, Turbo with all of it (or 1.3x the
                    compiled row's compile time when this run measured it)                                 150
     flash          FlashAttention 2 when installed (PyPI has only its sdist: normally n/a)                  0
-  about 731 s of rows + ~20 s of set-up: more than one 540 s run (rows 1-23, 474 s, fit); the first run
+  about 741 s of rows + ~20 s of set-up: more than one 540 s run (rows 1-23, 474 s, fit); the first run
   answers the headline rows, and $OUT/rerun.txt names the command for the rest (bench/RESULTS.md: the
   15-minute plan).
 A row that would not fit the budget left is skipped with that reason; a failing row is reported with its

@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -35,6 +36,7 @@ SERVE_NEEDS = ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "
                "requests")
 CLIENTS = (1, 4, 8)
 REQUESTS = 8  # per scenario: 8 clients send one each
+LORA_RANK = 16  # the per-request scenario: each of the 8 clients names its own LoRA of this rank
 
 
 # -- LoRA ----------------------------------------------------------------------------------------------------------
@@ -69,18 +71,20 @@ def row_lora(ctx):
 def serve_estimate(ctx) -> float:
     f = ctx.forward_estimate
     startup = 8 + ctx.model_bytes() / (2e9 if ctx.dev.type == "cuda" else 1e12)
-    return ctx.checkpoint_estimate("serve") + startup + 1.2 * 8 * f() * (1 + REQUESTS * len(CLIENTS))
+    return ctx.checkpoint_estimate("serve") + startup + 10 + 1.2 * 8 * f() * (1 + REQUESTS * (len(CLIENTS) + 1))
 
 
 def missing_for_serve():
     return [m for m in SERVE_NEEDS if importlib.util.find_spec(m) is None]
 
 
-def request_body(ctx, seed: int) -> bytes:
+def request_body(ctx, seed: int, lora: str = "") -> bytes:
     g = torch.Generator().manual_seed(seed)
     tensors = {"latent": torch.zeros(ctx.cfg.in_channels, ctx.args.height // 16, ctx.args.width // 16),
                "cond": torch.randn(ctx.args.text_tokens, ctx.cfg.text_in_dim, generator=g)}
     settings = {"seed": seed, "steps": 8, "cfg": 1.0, "cache": "off"}
+    if lora:
+        settings["loras"] = [{"name": lora, "strength": 0.8}]
     return save(tensors, metadata={"sgld": json.dumps(settings)})
 
 
@@ -109,9 +113,14 @@ def row_serve(ctx):
                        "as wheels: bash scripts/gpu_wheels.sh puts fastapi, starlette, pydantic, uvicorn in .whl/)")
         return
     path = ctx.checkpoint()
+    loras = tempfile.mkdtemp(prefix="gpu_check_serve_loras_")  # 0700, ours
+    model = ctx.model()
+    for i in range(REQUESTS):
+        save_file(lora_state_dict(model, LORA_RANK, 100 + i), os.path.join(loras, f"client{i}.safetensors"))
+    del model
     ctx.release()  # the GPU to the server process
     cmd = [sys.executable, "-u", os.path.abspath(__file__), "--serve", path, "--device", str(ctx.dev),
-           "--max-batch", str(max(CLIENTS))]
+           "--max-batch", str(max(CLIENTS)), "--lora-dir", loras]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     try:
         url, log = _wait_ready(proc, timeout=max(30.0, ctx.left()))
@@ -133,8 +142,22 @@ def row_serve(ctx):
                            f"{statistics.median(p):.2f} s, p95 {p[min(len(p) - 1, int(0.95 * len(p)))]:.2f} s; "
                            f"server: engine/serve's app + Batcher(max_batch {max(CLIENTS)}) under uvicorn",
                            images_per_s=round(REQUESTS / wall, 3), clients=clients)
+        # per-request LoRAs: the same 8 clients, each naming its own LoRA; one batched forward carries them all
+        bodies = [request_body(ctx, i, f"client{i}.safetensors") for i in range(REQUESTS)]
+        post_sample(url, bodies[0])  # warm-up: reads the first file
+        s = time.perf_counter()
+        with ThreadPoolExecutor(REQUESTS) as pool:
+            list(pool.map(lambda b: post_sample(url, b), bodies))
+        wall = time.perf_counter() - s
+        plain = results[max(CLIENTS)][0]
+        ctx.report.row("serve", "measured", f"POST /v1/sample as above, {REQUESTS} clients each with its own rank-{LORA_RANK} "
+                       "LoRA (per-request `loras`)", None, wall / REQUESTS, None, None,
+                       f"{REQUESTS / wall:.2f} images/s (**{plain / wall:.2f}x of the same clients without LoRA**; "
+                       "the files are read in the run)", images_per_s=round(REQUESTS / wall, 3), clients=REQUESTS,
+                       loras=REQUESTS)
     finally:
         _stop(proc)
+        shutil.rmtree(loras, ignore_errors=True)
 
 
 def _wait_ready(proc, timeout):
@@ -209,7 +232,8 @@ def serve_main(args):
 
     served = ServedModel("gpu-check-random", eng, LatentsOnly(), 8, 1.0, args.serve)
     batcher = Batcher(eng, max_batch=args.max_batch)
-    app = create_app(served, batcher, ServeSettings(max_batch=args.max_batch, max_body_bytes=256 << 20))
+    app = create_app(served, batcher, ServeSettings(max_batch=args.max_batch, max_body_bytes=256 << 20,
+                                                    lora_dir=args.lora_dir))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)  # connections wait in the backlog until uvicorn accepts them
@@ -233,4 +257,5 @@ if __name__ == "__main__":
     ap.add_argument("--serve", required=True)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--lora-dir", default=None)
     sys.exit(serve_main(ap.parse_args()))
