@@ -16,7 +16,7 @@ import torch
 from ..numerics import frozen
 from ..registry import WeightFormat, register_format
 from . import numerics as N
-from .linear import KITCHEN_LINEARS, _ComfyLinear, _tagged, split_step
+from .linear import KITCHEN_LINEARS, ComfyLinear, split_step, with_tag
 from .reader import read_layers
 
 
@@ -29,7 +29,7 @@ def _meta(shape, dtype=torch.float32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-class ConvRotW4A4Linear(_ComfyLinear):
+class ConvRotW4A4Linear(ComfyLinear):
     """Signed int4 weights (rotated), one F32 scale a row. ComfyUI's kernel also quantizes the rotated activations
     to int4 per token (``linear_dtype`` int4, or int8), an int4 GEMM (CUDA sm75+)."""
 
@@ -68,7 +68,7 @@ class ConvRotW4A4Linear(_ComfyLinear):
         return ConvRotW4A4Linear(weight, self.weight_scale[rows].clone(), self.rotation, self.linear_dtype, self.bias)
 
 
-class W4A8Linear(_ComfyLinear):
+class W4A8Linear(ComfyLinear):
     """ConvRot-rotated 4-bit codes (a 16-level codebook, or uniform) or 6-bit ones, a relative scale per group
     (``weight_s_rel``) and an F32 scale a row (``weight_s_channel``): ComfyUI decodes them to int8 and runs a
     W8A8 GEMM on the rotated activations (CUDA sm80+)."""
@@ -121,7 +121,7 @@ class W4A8Linear(_ComfyLinear):
                           self.group, self.rotation, self.bias)
 
 
-class AWQW4A16Linear(_ComfyLinear):
+class AWQW4A16Linear(ComfyLinear):
     """Unsigned int4 weights, a scale and a zero point per group of inputs and output ([in / group, out], the
     compute dtype): w = (q - 8) * scale + zero; weight-only. Offline-calibrated (comfy-kitchen has no quantizer)."""
 
@@ -201,7 +201,7 @@ def _quantize(cls, unit: int):
 
 def _stored(build):
     """A layer from a file's tensors (``p``: QuantPlan.stored), tagged with the file's full_precision_matrix_mult."""
-    return lambda p: _tagged(build(p, p.get("params") or {}), p)
+    return lambda p: with_tag(build(p, p.get("params") or {}), p)
 
 
 _W4A4 = _stored(lambda p, q: ConvRotW4A4Linear(p["weight"], p["weight_scale"], q["rotation"], q["linear_dtype"]))

@@ -4,7 +4,7 @@ in numerics.py). A layer keeps the stored bytes and scales as frozen parameters 
 paths see a quantized layer) and computes as ComfyUI does: nvfp4 and mxfp8 dequantized per forward by
 comfy-kitchen, then a dense GEMM; int8_tensorwise W8A8 (activations quantized per token, an int8 GEMM; with
 ConvRot, rotated first) unless the layer's tag says ``full_precision_matrix_mult``. Also what every ComfyUI layer
-shares (``_ComfyLinear``, the GPU kernels' probe in ``prepare_comfy``, ``split_step``); the 4-bit integer layers:
+shares (``ComfyLinear``, the GPU kernels' probe in ``prepare_comfy``, ``split_step``); the 4-bit integer layers:
 int4.py. Why and the limits: docs/quantization.md ("ComfyUI's quantized files")."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from .reader import read_layers
 log = logging.getLogger("sgld.quant")
 
 
-class _ComfyLinear(nn.Module):
+class ComfyLinear(nn.Module):
     """What ComfyUI's layers share: logical [out, in], bias, the per-forward dequantized path, and comfy-kitchen's
     GPU kernel ``KITCHEN_OP`` (``kitchen_forward``) where ``prepare`` found it runs on this device (``MIN_SM`` and
     up) and agrees with the dequantized path within ``PROBE_ERROR`` (its activations are quantized too)."""
@@ -56,7 +56,7 @@ class _ComfyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, ComfyUI {self.FORMAT}"
 
 
-class NVFP4Linear(_ComfyLinear):
+class NVFP4Linear(ComfyLinear):
     """e2m1 values in blocks of 16, an e4m3 scale a block and an F32 scale a tensor (``pre_quant_scale``: a
     per-input factor folded into the weight, as ComfyUI multiplies the input by it)."""
 
@@ -88,7 +88,7 @@ class NVFP4Linear(_ComfyLinear):
         return (w * self.pre_quant_scale.float()).to(dtype)
 
 
-class MXFP8Linear(_ComfyLinear):
+class MXFP8Linear(ComfyLinear):
     """e4m3 values in blocks of 32 with a power-of-two (e8m0) scale a block."""
 
     FORMAT = "mxfp8"
@@ -111,7 +111,7 @@ class MXFP8Linear(_ComfyLinear):
         return N.dequantize_mxfp8(self.weight, self.weight_scale, (self.out_features, self.in_features), dtype)
 
 
-class Int8TensorwiseLinear(_ComfyLinear):
+class Int8TensorwiseLinear(ComfyLinear):
     """int8 weights with one F32 scale (or one a row). W8A8 as ComfyUI computes it: each token's activations
     quantized to int8 (absmax / 127), an int8 x int8 -> int32 GEMM, the sums scaled back; ``full_precision``
     (the tag's ``full_precision_matrix_mult``): dequantized weight and a dense GEMM instead. ``rotation``
@@ -162,18 +162,18 @@ class Int8TensorwiseLinear(_ComfyLinear):
 
 
 # -- the table's entries ------------------------------------------------------------------------------------------
-def _tagged(layer: _ComfyLinear, p) -> _ComfyLinear:
+def with_tag(layer: ComfyLinear, p) -> ComfyLinear:
     layer.full_precision = bool((p.get("config") or {}).get("full_precision_matrix_mult", False))
     return layer
 
 
 def _nvfp4_from_stored(p) -> NVFP4Linear:
-    return _tagged(NVFP4Linear(p["weight"], p["weight_scale"], p["weight_scale_2"], p["shape"],
+    return with_tag(NVFP4Linear(p["weight"], p["weight_scale"], p["weight_scale_2"], p["shape"],
                                pre_quant_scale=p.get("pre_quant_scale")), p)
 
 
 def _mxfp8_from_stored(p) -> MXFP8Linear:
-    return _tagged(MXFP8Linear(p["weight"], p["weight_scale"], p["shape"]), p)
+    return with_tag(MXFP8Linear(p["weight"], p["weight_scale"], p["shape"]), p)
 
 
 def _int8_from_stored(p) -> Int8TensorwiseLinear:
@@ -292,7 +292,7 @@ def prepare_comfy(modules) -> List[str]:
     """int8_tensorwise: comfy-kitchen's ``int8_linear`` where it has a GPU kernel (CUDA / HIP) and agrees with the
     dequantized path on a probe; on CPU the engine's own ``torch._int_mm`` path (faster there, docs/quantization.md).
     The others (``KITCHEN_LINEARS``): their GPU kernel after ``_kitchen_probe``, else their ``CPU_PATH``. Notes."""
-    layers = [m for m in modules if isinstance(m, _ComfyLinear)]
+    layers = [m for m in modules if isinstance(m, ComfyLinear)]
     if not layers:
         return []
     notes = []
