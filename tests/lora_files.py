@@ -139,3 +139,20 @@ def write_comfy_lora(path, state_dict, names=COMFY_LORA_TARGETS, rank=2, seed=7)
         sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(out_f, rank, generator=g) * 0.3
         sd[f"diffusion_model.{name}.alpha"] = torch.tensor(1.0)
     save_file(sd, path)
+
+
+def check_compiled_side_path(eng, ref, path, x, y0, counters, graphs_before) -> None:
+    """``path`` applied at strengths 1, 0.5, 1 to a compiled engine ``eng`` equals the eager ``ref`` each time, with
+    one more block graph for the side path (strengths reuse it), and its removal gives ``y0`` back exactly."""
+    ys = {}
+    for s in (1.0, 0.5, 1.0):
+        eng.set_loras([(path, s)])
+        ref.set_loras([(path, s)])
+        with torch.no_grad():
+            ys[s] = eng.model(*x)
+            torch.testing.assert_close(ys[s], ref.model(*x), rtol=1e-4, atol=1e-5)
+    assert counters.graph_count() == graphs_before + 1
+    assert not torch.equal(ys[1.0], y0) and not torch.equal(ys[0.5], ys[1.0])
+    eng.set_loras([])
+    with torch.no_grad():
+        assert torch.equal(eng.model(*x), y0)

@@ -14,6 +14,7 @@ from lora_files import (
     FORMATS,
     MODULES,
     H,
+    check_compiled_side_path,
     close_to_reference,
     inputs,
     make_pairs,
@@ -278,18 +279,7 @@ def test_compiled_quantized_blocks_see_the_side_path(tmp_path):
     g0 = C.graph_count()
     a = write_lora(tmp_path / "a.safetensors", make_pairs(BLOCK_LINEARS, seed=11), "diffusers")
     ref = tiny_engine(torch.float32, quant="fp8")
-    ys = {}
-    for s in (1.0, 0.5, 1.0):
-        eng.set_loras([(a, s)])
-        ref.set_loras([(a, s)])
-        with torch.no_grad():
-            ys[s] = eng.model(*x)
-            torch.testing.assert_close(ys[s], ref.model(*x), rtol=1e-4, atol=1e-5)
-    assert C.graph_count() == g0 + 1  # one more block graph for the side path; strengths reuse it
-    assert not torch.equal(ys[1.0], y0) and not torch.equal(ys[0.5], ys[1.0])
-    eng.set_loras([])
-    with torch.no_grad():
-        assert torch.equal(eng.model(*x), y0)
+    check_compiled_side_path(eng, ref, a, x, y0, C, g0)
     assert C.graph_count() == g0 + 1  # back to the first graph
 
 

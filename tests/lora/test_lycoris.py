@@ -5,7 +5,7 @@ ComfyUI runs nodes. Trainer layouts, ComfyUI's own adapters and the node: test_l
 import pytest
 import torch
 import torch.nn.functional as F
-from lora_files import CFG, close_to_reference, inputs, shape_of, tiny_engine, weights_hash
+from lora_files import CFG, check_compiled_side_path, close_to_reference, inputs, shape_of, tiny_engine, weights_hash
 from lycoris_files import ALPHA, CONV, KINDS, LINEARS, factors, lycoris_file, merged_reference, reference_delta
 from safetensors.torch import save_file
 
@@ -128,18 +128,7 @@ def test_compiled_quantized_blocks_see_the_lokr_side_path_and_strengths_reuse_th
     g0 = C.graph_count()
     blocks = [f"layers.{i}.{n}" for i in range(CFG.num_layers) for n in ("self_attention.to_q", "mlp.linear_fc2")]
     path, _ = lycoris_file(tmp_path / "k.safetensors", "lokr_decomposed", blocks, seed=3)
-    ys = {}
-    for s in (1.0, 0.5, 1.0):
-        eng.set_loras([(path, s)])
-        ref.set_loras([(path, s)])
-        with torch.no_grad():
-            ys[s] = eng.model(*x)
-            torch.testing.assert_close(ys[s], ref.model(*x), rtol=1e-4, atol=1e-5)
-    assert C.graph_count() == g0 + 1  # one more block graph for the side path; strengths reuse it
-    assert not torch.equal(ys[1.0], y0) and not torch.equal(ys[0.5], ys[1.0])
-    eng.set_loras([])
-    with torch.no_grad():
-        assert torch.equal(eng.model(*x), y0)
+    check_compiled_side_path(eng, ref, path, x, y0, C, g0)
 
 
 # -- bad files --------------------------------------------------------------------------------------------------
