@@ -26,7 +26,7 @@ LOKR_PARTS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr
 LOHA_PARTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
 SUFFIXES: Tuple[Tuple[str, str], ...] = tuple(("." + p, p) for p in LOKR_PARTS + LOHA_PARTS)
 # OneTrainer's legacy key conversion writes LyCORIS keys of flat (underscored) names without the dot
-# ("lora_unet_layers_0_mlp_gate_proj_hada_w1_a"); read only where the whole key has no dot
+# ("lora_unet_<module path, dots as underscores>_hada_w1_a"); read only where the whole key has no dot
 FLAT_SUFFIXES: Tuple[Tuple[str, str], ...] = tuple(("_" + p, p) for p in LOKR_PARTS + LOHA_PARTS)
 PARTS = frozenset(LOKR_PARTS + LOHA_PARTS)
 # keys a trainer writes beside the adapters that carry nothing to apply (musubi-tuner's LoKr factor)

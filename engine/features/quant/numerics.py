@@ -35,7 +35,7 @@ def quantize_rows(x2: torch.Tensor, quantize: Callable[[torch.Tensor], Tuple[tor
                   dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-row dynamic quantization ``quantize`` of [rows, in] (-> (q in ``dtype``, float32 scale [rows, 1])),
     run over chunks of rows: its float32 copies stay ~64 MiB instead of several of the whole activation, which
-    at the 8B MLP's input for a 2048² CFG batch are 1.6 GB each and set the fp8 / int8 peak (docs/memory.md).
+    at the 8B model's widest block input for a 2048² CFG batch are 1.6 GB each and set the fp8 / int8 peak (docs/memory.md).
     Row-wise, so the result is the same bits as one call. Compiled graphs fuse these ops: one call there."""
     rows, cols = x2.shape
     step = max(1, ROW_CHUNK_ELEMENTS // max(cols, 1))

@@ -1,6 +1,6 @@
 """``sgld quantize --format nvfp4|mxfp8|int8-tensorwise|convrot-w4a4|asym-w4a8-int8|float8-e4m3fn``: a DiT
-checkpoint's block linears (attention and MLP;
-the modulation, norms and embedders keep the compute dtype, the community files' policy) written with
+checkpoint's block linears (those the model family's description names; every other layer keeps the compute
+dtype, the community files' policy) written with
 comfy-kitchen's quantizers in ComfyUI's layout: each layer's tensors as ComfyUI's loader pops them
 (comfy/ops.py ``_load_quantized_module``) and its ``X.comfy_quant`` tag, so ComfyUI loads the file as its own."""
 from __future__ import annotations
