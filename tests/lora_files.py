@@ -129,16 +129,24 @@ COMFY_LORA_TARGETS = ("layers.0.self_attention.to_q", "layers.1.mlp.linear_fc2",
 
 
 def write_comfy_lora(path, state_dict, names=COMFY_LORA_TARGETS, rank=2, seed=7) -> None:
-    """A LoRA in ComfyUI's key format (``diffusion_model.`` prefix, lora_down / lora_up / alpha) on the block
-    linears ``names`` of the checkpoint whose tensors ``state_dict`` holds (their shapes)."""
+    """A LoRA in ComfyUI's key format on the block linears ``names`` of the checkpoint whose tensors
+    ``state_dict`` holds (their shapes), with alpha 1."""
+    shapes = {name: tuple(state_dict[name + ".weight"].shape) for name in names}
+    write_comfy_lora_shapes(path, shapes, rank=rank, seed=seed, scale=0.3, alpha=1.0)
+
+
+def write_comfy_lora_shapes(path, shapes, rank=2, seed=7, scale=0.3, alpha=None) -> str:
+    """A LoRA in ComfyUI's key format (``diffusion_model.`` prefix, lora_down / lora_up, an optional alpha) on
+    the modules of ``shapes`` ({name: (out, in)}), random N(0, scale²) factors of ``rank``; its path."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
-    for name in names:
-        out_f, in_f = state_dict[name + ".weight"].shape
-        sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(rank, in_f, generator=g) * 0.3
-        sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(out_f, rank, generator=g) * 0.3
-        sd[f"diffusion_model.{name}.alpha"] = torch.tensor(1.0)
-    save_file(sd, path)
+    for name, (out_f, in_f) in shapes.items():
+        sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(rank, in_f, generator=g) * scale
+        sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(out_f, rank, generator=g) * scale
+        if alpha is not None:
+            sd[f"diffusion_model.{name}.alpha"] = torch.tensor(alpha)
+    save_file(sd, str(path))
+    return str(path)
 
 
 def check_compiled_side_path(eng, ref, path, x, y0, counters, graphs_before) -> None:

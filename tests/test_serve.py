@@ -24,8 +24,9 @@ import psutil
 import pytest
 import requests
 import torch
+from lora_files import write_comfy_lora_shapes
 from PIL import Image
-from safetensors.torch import save, save_file
+from safetensors.torch import save
 
 from engine.models.demo import EXAMPLE_PROMPT, load_demo
 from tools.demo import judge
@@ -130,13 +131,8 @@ def pixels(b64: str) -> np.ndarray:
 
 def demo_lora(path, scale: float = 0.5) -> str:
     """A LoRA in ComfyUI's key format on two of the demo DiT's linears (hidden 384, text features 128)."""
-    g = torch.Generator().manual_seed(3)
-    sd = {}
-    for name, (out_f, in_f) in {"layers.0.self_attention.to_q": (384, 384), "text_proj": (384, 128)}.items():
-        sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(2, in_f, generator=g) * scale
-        sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(out_f, 2, generator=g) * scale
-    save_file(sd, str(path))
-    return str(path)
+    return write_comfy_lora_shapes(path, {"layers.0.self_attention.to_q": (384, 384), "text_proj": (384, 128)}, seed=3,
+                                   scale=scale)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import requests
 import torch
+from lora_files import write_comfy_lora_shapes
 from PIL import Image
-from safetensors.torch import load, save, save_file
+from safetensors.torch import load, save
 from test_serve import PROMPTS, ROOT, Server, client, pixels
 
 pytestmark = [pytest.mark.server]
@@ -30,13 +31,7 @@ LAYERS = {"layers.0.self_attention.to_q": (384, 384), "layers.1.self_attention.t
 
 def write_lora(path, seed: int, layers=LAYERS, scale: float = 0.4) -> str:
     """A LoRA in ComfyUI's key format on some of the demo DiT's linears."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, (out_f, in_f) in layers.items():
-        sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(2, in_f, generator=g) * scale
-        sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(out_f, 2, generator=g) * scale
-    save_file(sd, str(path))
-    return str(path)
+    return write_comfy_lora_shapes(path, layers, seed=seed, scale=scale)
 
 
 @pytest.fixture(scope="module")
