@@ -371,3 +371,33 @@ def test_activation_rows_quantized_in_chunks_are_the_same_bits(monkeypatch, fmt)
     assert sizes == [10, 10, 10, 7]
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got_s, want_s)
     assert got_q.dtype == dtype and got_s.shape == (37, 1)
+
+
+@pytest.mark.parametrize("layer", ["int8", "int8_tensorwise", "int8_convrot"])
+@pytest.mark.parametrize("rows,chunks", [(168, [64, 64, 40]), (150, [64, 86]), (90, [90])])
+def test_w8a8_products_in_chunks_of_rows_are_the_same_bits(monkeypatch, layer, rows, chunks):
+    """The W8A8 GEMM's int32 sums and float32 rescale run over chunks of rows (their temporaries bounded: the
+    int8 peak at 2048², docs/memory.md): the bits of one call, a short tail joined to the chunk before (cuBLAS's
+    int8 GEMM refuses 16 rows or fewer), under inference_mode as ComfyUI runs it."""
+    from engine.features.quant import numerics as N
+    from engine.features.quant.comfy import Int8TensorwiseLinear
+    from engine.features.quant.comfy import numerics as CN
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 256, generator=g) / 16
+    bias = torch.randn(64, generator=g)
+    if layer == "int8":
+        mod = Q.Int8Linear.from_dense(w, bias)
+    else:  # ComfyUI's int8_tensorwise, plain or with its inputs rotated per group of 64 (ConvRot)
+        mod = Int8TensorwiseLinear(*CN.quantize_int8_tensorwise(w), bias, rotation=64 if layer == "int8_convrot" else 0)
+    x = (torch.randn(rows, 256, generator=g) * 2).to(torch.bfloat16)
+    with torch.inference_mode():
+        whole = mod(x)
+        sizes = []
+        real = torch._int_mm
+        monkeypatch.setattr(torch, "_int_mm", lambda a, b: sizes.append(a.shape[0]) or real(a, b))
+        monkeypatch.setattr(N, "GEMM_CHUNK_ELEMENTS", 64 * 64)
+        monkeypatch.setattr(N, "GEMM_CHUNK_ALIGN", 32)
+        chunked = mod(x)
+    assert sizes == chunks
+    assert chunked.dtype == torch.bfloat16 and torch.equal(chunked.view(torch.int16), whole.view(torch.int16))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .... import device as device_rt
-from ..int8.linear import int_mm_accepts, quantize_tokens
+from ..int8.linear import int_mm_accepts, w8a8
 from ..numerics import frozen
 from ..registry import WeightFormat, register_format
 from . import numerics as N
@@ -148,9 +148,8 @@ class Int8TensorwiseLinear(ComfyLinear):
         x2 = x.reshape(-1, self.in_features)
         if not int_mm_accepts(x2.device, x2.shape[0], self.in_features, self.out_features):
             return F.linear(x, self.dequantize(x.dtype), bias)  # the int8 GEMM refuses this shape here
-        xq, xs = quantize_tokens(N.rotate_inputs(x2, self.rotation) if self.rotation else x2)
-        y = (torch._int_mm(xq, self.weight.t()) * xs).mul_(self.weight_scale)  # float32 [tokens, out]
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        rotate = (lambda rows: N.rotate_inputs(rows, self.rotation)) if self.rotation else None
+        y = w8a8(x2, self.weight, self.weight_scale, x.dtype, prepare=rotate).reshape(*x.shape[:-1], self.out_features)
         return y if bias is None else y + bias
 
     def layout_tag(self) -> dict:
