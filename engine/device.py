@@ -34,11 +34,13 @@ class CudaRuntime:
         return torch.cuda.get_device_capability(device)
 
     def free_bytes(self, device) -> Optional[int]:
-        """Free memory of a CUDA device (None: not a CUDA device, or none here)."""
+        """Memory this process can still allocate on a CUDA device: the driver's free memory and what PyTorch's
+        caching allocator holds unused (None: not a CUDA device, or none here)."""
         dev = torch.device(device)
         if dev.type != "cuda" or not self.available():
             return None
-        return int(torch.cuda.mem_get_info(dev)[0])
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return int(torch.cuda.mem_get_info(dev)[0]) + max(int(cached), 0)
 
     # -- streams and events (None off CUDA: callers then copy synchronously) ---------------------------
     def new_stream(self, device):

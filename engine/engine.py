@@ -181,8 +181,15 @@ class Engine:
         """One DiT forward, like ``model(x, timestep, text, lens)`` (benchmarks; no cache)."""
         return self.runner.dit(x, timestep, text, lens)
 
+    def make_room(self, x_shape, text_tokens: int) -> Optional[str]:
+        """Before a run (or a call outside one) on latents of ``x_shape`` [rows, C, h, w] (CFG rows counted) with
+        ``text_tokens``: offload "auto" moves a resident model's blocks to host memory when this size's activations
+        would not fit beside them (``LocalRunner.make_room``). Returns the message when it did."""
+        return self.runner.make_room(x_shape, text_tokens)
+
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, text: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """One model call outside any run (no cache, ``last_run`` untouched): the flow velocity in float32."""
+        self.make_room(x.shape, text.shape[1])
         run = self.runner.run(None, cfg_batched=False)
         try:
             return run.call(x, sigma, text, lens)[0]
@@ -326,6 +333,10 @@ class Engine:
         self.last_run = prepared.stats
         if not prepared.steps:
             return prepared.latent.clone()
+        tokens = max(int(t.shape[0]) for t in prepared.cond + (prepared.uncond or []))
+        moved = self.make_room((prepared.rows,) + tuple(prepared.latent.shape[1:]), tokens)
+        if moved:
+            prepared.stats.warnings.append(moved)
         with torch_threads(self.threads):
             prepared.stats.threads = torch.get_num_threads()
             return self.loop(prepared, self.runner.run(prepared.plan, cfg_batched=prepared.cfg_batched), callback)

@@ -20,7 +20,7 @@ from .features.cache import DBCacheRunner, apply_cache, remove_cache
 from .features.compile import compile_blocks, is_compiled
 from .features.fuse import fuse_projections, fused_groups
 from .features.lora import LoRAFileCache, active_loras, apply_loras
-from .features.offload import apply_layerwise_offload, choose_offload, get_offload
+from .features.offload import apply_layerwise_offload, choose_call_offload, choose_offload, get_offload
 from .loading import plan_load
 from .models import family_of
 from .sampling import to_timestep
@@ -58,6 +58,7 @@ class LocalRunner:
         self.warnings: List[str] = []
         self.notes: List[str] = []
         self.lora_files = LoRAFileCache()  # LoRA files read against this model
+        self._calls_that_fit = set()  # (x shape, text tokens) that offload "auto" found room for
         if self.config.quant:
             self.warnings += quant.apply_quant(model, self.config.quant).warnings
         fuse_projections(model)  # q/k/v and gate/up as one GEMM each (after quantization: rows concatenate exactly)
@@ -90,6 +91,37 @@ class LocalRunner:
         if choice == "layerwise":
             offloader = apply_layerwise_offload(self.model, self.config.device, self.config.resident_layers)
             self.notes.append(offloader.summary())
+
+    def make_room(self, x_shape, text_tokens: int) -> Optional[str]:
+        """Before a call on ``x_shape`` [rows, C, h, w] with ``text_tokens``: offload "auto" kept the model resident
+        at load, when the image size was unknown; a call whose activations (the family's estimate) would not fit
+        beside it moves the blocks to host memory first (layer-wise offload, for good: as ComfyUI frees memory for
+        a larger sampling run). Returns what it did (None: nothing to do). Between runs only: no run is attached."""
+        if self.config.offload != "auto" or get_offload(self.model) is not None or self.device.type != "cuda":
+            return None
+        key = (tuple(int(n) for n in x_shape), int(text_tokens))
+        if key in self._calls_that_fit:
+            return None
+        need = family_of(self.model).activation_bytes(self.model.config, key[0], key[1], self.dtype)
+        choice, why = choose_call_offload(self.device, need)
+        if choice == "none":
+            self._calls_that_fit.add(key)
+            return None
+        if is_compiled(self.model):  # offload would rebind the compiled blocks' weights: said, not done
+            msg = (f"offload {why}: the compiled model stays resident (this call may run out of memory); "
+                   "load it with offload 'layerwise' for images this size")
+            self._calls_that_fit.add(key)
+            self.warnings.append(msg)
+            return msg
+        loras = active_loras(self.model)  # merged into the resident weights: off while the blocks move, then on again
+        apply_loras(self.model, [])
+        try:
+            offloader = apply_layerwise_offload(self.model, self.config.device, self.config.resident_layers)
+        finally:
+            apply_loras(self.model, loras)
+        msg = f"offload {why}: switched to layer-wise offload ({offloader.summary()})"
+        self.notes.append(msg)
+        return msg
 
     # -- what it is ----------------------------------------------------------------------------------------
     @property

@@ -190,8 +190,11 @@ class ComfyRun:
         engine = self.engine
         if self.calls is None:
             self.branches = branches
+            moved = engine.make_room(x.shape, text.shape[1])
             self.calls = engine.begin_run(self.sigmas, self.sampler, cfg_batched=branches == 2, cache=self.cache)
             engine.last_run.threads = torch.get_num_threads()
+            if moved:
+                engine.last_run.warnings.append(moved)
         if branches != self.branches:  # ComfyUI split the CFG batch (low memory): this call bypasses the cache
             self.split_calls += 1
             return engine.velocity(x, sigma, text, lens)

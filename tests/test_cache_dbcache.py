@@ -188,7 +188,7 @@ def toy_family():
         name="toy-dbcache", title="Toy", config_class=ToyConfig, model_class=Toy, context_class=torch.Tensor,
         signature_keys=("layers.0.k",), blocks="layers", block_linears=(), shard_dims={}, partial_sum_modules=(),
         heads_module="", fuse_groups={}, latent=family.Latent(channels=4, stride=1, name="the toy latent"),
-        join_contexts=None, chunk_context=None))
+        join_contexts=None, chunk_context=None, activation_bytes=None))
     yield
     family.unregister("toy-dbcache")
 

@@ -17,7 +17,8 @@ import predict  # noqa: E402
 import rehearse  # noqa: E402
 import table  # noqa: E402
 
-from engine.models.ernie_image import ErnieImageTransformer  # noqa: E402
+from engine.features.offload.auto import call_working_bytes  # noqa: E402
+from engine.models.ernie_image import FAMILY, ErnieImageTransformer  # noqa: E402
 from engine.models.ernie_image_config import ErnieImageConfig  # noqa: E402
 
 GiB = 2 ** 30
@@ -46,29 +47,75 @@ def test_release_shape_bf16_base_1024():
 
 @pytest.mark.parametrize("setup", [s for s, _ in table.ROWS], ids=lambda s: s.label)
 def test_every_configuration_runs(setup):
+    """Each row at 1024² on two blocks of the release width; a resident single-rank run's activations (its peak
+    over the weights) are within the working memory offload "auto" keeps for the family's estimate."""
     if setup.label in table.UNTRACEABLE:  # the table prints why instead of a number: the trace names the op
         with pytest.raises(rehearse.RehearsalError, match="nonzero"):
             predict.predict(setup, 512, layers=2)
         return
-    p = predict.predict(setup, 512, layers=2)
-    bf16 = predict.predict_cached(predict.Setup("bf16", model=setup.model, batch=setup.batch), 512, layers=2)
+    p = predict.predict(setup, 1024, layers=2)
+    bf16 = predict.predict_cached(predict.Setup("bf16", model=setup.model, batch=setup.batch), 1024, layers=2)
     assert p.peak_bytes > p.weights_bytes > 0
     if setup.offload != "none":
         assert p.pinned_host_bytes > 0  # the blocks' masters, on the host side
     if setup.quant and setup.offload == "none":
         assert p.weights_bytes < bf16.weights_bytes
+    if setup.offload == "none" and setup.tp * setup.ulysses == 1:
+        rows = setup.batch * (2 if setup.model == "base" else 1)
+        estimate = FAMILY.activation_bytes(ErnieImageConfig(), (rows, 128, 64, 64), predict.PROMPT_TOKENS, torch.bfloat16)
+        assert p.peak_bytes - p.weights_bytes <= call_working_bytes(estimate), (p.peak_gib, estimate / GiB)
 
 
-@pytest.mark.parametrize("card", [8, 12, 16, 24])
-def test_auto_offload_fits_each_card(card):
-    """The loader's ``offload="auto"`` (its working-memory budget) on a card of this size: the configuration it
-    picks for bf16 Base at 1024² has a predicted peak that fits, with the desktop and the CUDA context kept."""
-    p = table.auto_card(card)
+AUTO_CASES = [(card, None, 1024) for card in (8, 12, 16, 24)] + [(card, "fp8", 2048) for card in (8, 12, 16, 24)] \
+    + [(12, "fp8", 1024)]
+
+
+@pytest.mark.parametrize("card,quant,pixels", AUTO_CASES, ids=lambda v: str(v))
+def test_auto_offload_fits_each_card(card, quant, pixels):
+    """The loader's ``offload="auto"`` on a card of this size (36 blocks: the real bytes), decided at load and
+    again at the run's image size: the run's predicted peak fits with the desktop and the CUDA context kept,
+    and a model that fits stays resident (no offload's slow-down where none is needed)."""
+    p = table.auto_card(card, pixels, quant=quant)
     assert table.fits(p.peak_bytes, card), (card, p.peak_gib, p.notes)
-    if card < 24:  # bf16 is 15 GiB: offloaded, the blocks in pinned host memory, a few on the card
-        assert p.pinned_host_bytes > 14 * GiB and p.peak_bytes < 3 * GiB, (p.pinned_host_bytes, p.peak_gib)
-    else:
-        assert p.pinned_host_bytes == 0 and p.weights_bytes > 14.9 * GiB
+    offloaded = p.pinned_host_bytes > 0
+    if quant is None:  # bf16 is 15 GiB: offloaded at load below 24 GB, the blocks in pinned host memory
+        assert offloaded == (card < 24) and not table.auto_switched(p), p.notes
+        assert p.peak_bytes < 3 * GiB if offloaded else p.weights_bytes > 14.9 * GiB
+    else:  # fp8 (7.7 GiB) stays resident at load from 12 GB on; a 2048² run on 12 GB moves it to host memory
+        assert offloaded == (card == 8 or (card == 12 and pixels == 2048)), p.notes
+        assert table.auto_switched(p) == (card == 12 and pixels == 2048), p.notes
+
+
+def test_auto_moves_a_resident_model_for_a_larger_image_with_its_lora():
+    """The switch itself on two blocks of the release width and a 4 GiB card: resident at load; a 2048² call
+    needs more than is left, so the blocks move to host memory first (a LoRA side path on fp8 re-attached); the
+    next, smaller call finds it offloaded. A compiled model is not moved: a warning says what to set."""
+    from engine import EngineConfig, open_engine
+    from engine.features.lora import active_loras
+    from engine.features.offload import get_offload
+
+    with rehearse.Rehearsal(4 * GiB) as r:
+        cfg = ErnieImageConfig(num_layers=2)
+        model = predict._build(r, cfg, "cuda", None)
+        predict.assume_kernels("cuda:0")
+        with r.all_fake():
+            lora = predict._lora(model, 8)
+        eng = open_engine(model, EngineConfig(device="cuda:0", attention="sdpa", quant="fp8", offload="auto"))
+        eng.set_loras([(lora, 1.0)])
+        assert get_offload(eng.model) is None and len(active_loras(eng.model)) == 1
+        assert eng.make_room((2, 128, 64, 64), 256) is None  # 1024²: fits beside the weights
+        with torch.inference_mode():
+            moved = eng.make_room((2, 128, 128, 128), 256)
+        assert moved.startswith("offload auto: this call needs 5.9 GiB") and "switched to layer-wise" in moved
+        assert get_offload(eng.model) is not None and len(active_loras(eng.model)) == 1
+        assert r.tracker.host > 0 and r.tracker.live < 1 * GiB
+        assert eng.make_room((2, 128, 128, 128), 256) is None
+
+        model = predict._build(r, cfg, "cuda", None)
+        eng = open_engine(model, EngineConfig(device="cuda:0", attention="sdpa", offload="auto", compile="static"))
+        msg = eng.make_room((2, 128, 128, 128), 256)
+        assert "compiled model stays resident" in msg and "'layerwise'" in msg and get_offload(eng.model) is None
+        assert msg in eng.warnings
 
 
 def test_a_tensor_on_the_wrong_device_is_named():

@@ -201,6 +201,9 @@ TOY = Family(
     fuse_groups={ToyAttention: ("wqkv", ("wq", "wk", "wv"))},
     latent=Latent(channels=4, stride=8, name="the toy latent"),
     join_contexts=join_contexts, chunk_context=chunk_context, max_layers=64,
+    # the residual, the FFN input, its hidden layer and its activation per token row
+    activation_bytes=lambda cfg, x_shape, text_tokens, dtype: (
+        x_shape[0] * (x_shape[2] * x_shape[3] + text_tokens) * (2 * cfg.hidden_size + 2 * cfg.ffn_hidden_size) * 4),
 )
 CFG = ToyConfig()
 LORA_TARGETS = ("attn.wq", "attn.wo", "ffn.w1")

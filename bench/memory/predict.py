@@ -175,7 +175,8 @@ def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
             mask = eng.last_run.step_mask
             assert not all(mask) and any(mask), f"the cached run computed {mask}: expected a cached and a computed call"
         peak = r.tracker.peak
-        notes = list(eng.warnings) + ([decision[1]] if decision else [])
+        # the load's decision first, then what a call changed (offload "auto" at the image's size)
+        notes = ([decision[1]] if decision else []) + list(eng.warnings) + list(eng.last_run.warnings)
         return Prediction(setup, pixels, peak.bytes, weights, f"{peak.module}: {peak.op}", r.tracker.host_peak, notes)
 
 

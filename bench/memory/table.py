@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from predict import Prediction, Setup, auto_decision, predict_cached  # noqa: E402  (puts the project root on sys.path)
+from predict import Prediction, Setup, predict, predict_cached  # noqa: E402  (puts the project root on sys.path)
 from rehearse import GiB  # noqa: E402
 
 from engine.io.atomic import atomic_write  # noqa: E402
@@ -72,6 +72,9 @@ UNTRACEABLE = {"Base bf16, LoRA r32 (merged)": (
     "engine/features/lora/records.py: `nonzero`), a size only the data knows; a device sync on the GPU too")}
 
 
+AUTO_FORMATS = (None, "fp8", "int8", "q4_k")  # offload "auto" by card for these weights (None: bf16)
+
+
 def fits(peak_bytes: int, card_gb: int) -> bool:
     return peak_bytes / GiB + DESKTOP_GIB + CONTEXT_GIB <= card_gb
 
@@ -79,12 +82,15 @@ def fits(peak_bytes: int, card_gb: int) -> bool:
 def auto_card(card_gb: int, pixels: int = 1024, layers: int = 36, model: str = "base",
               quant: Optional[str] = None) -> Prediction:
     """``offload="auto"`` on a card of ``card_gb`` (free memory as the loader sees it: desktop and context taken):
-    the engine's decision, then the predicted peak of what it chose (its ``notes`` end with the why)."""
-    choice, why = auto_decision(card_gb - DESKTOP_GIB - CONTEXT_GIB, layers, quant)
-    p = predict_cached(Setup(f"{model} {quant or 'bf16'}, offload auto", model=model, quant=quant, offload=choice),
-                       pixels, layers)
-    p.notes = p.notes + [why]
-    return p
+    the engine decides at load and again before the run at this image size; the predicted peak of the run (its
+    ``notes``: the load's why first, then a switch made for the image, if any)."""
+    setup = Setup(f"{model} {quant or 'bf16'}, offload auto", model=model, quant=quant, offload="auto")
+    return predict(setup, pixels, layers, card_gb=card_gb - DESKTOP_GIB - CONTEXT_GIB)
+
+
+def auto_switched(p: Prediction) -> bool:
+    """Did the run move the blocks to host memory for its image (offload "auto" at the call)?"""
+    return any("switched to layer-wise offload" in n for n in p.notes)
 
 
 def _row(p: Prediction, published: str) -> str:
@@ -112,13 +118,15 @@ def table(layers: int = 36, rows=ROWS, pixels=PIXELS, log=print) -> str:
             log(f"{setup.label} {px}²: {p.peak_gib:.2f} GiB ({time.perf_counter() - t:.1f} s)")
     lines += ["", "Auto offload (`offload=auto`, Base, CFG batch 2) by card, free memory = card − "
               f"{DESKTOP_GIB:g} GiB desktop − {CONTEXT_GIB:g} GiB CUDA context:", "",
-              "| card | weights | image | decision | predicted peak GiB | fits |", "|---|---|---|---|---|---|"]
-    for quant in (None, "fp8"):
+              "| card | weights | image | at load | at the run | predicted peak GiB | fits |",
+              "|---|---|---|---|---|---|---|"]
+    for quant in AUTO_FORMATS:
         for card in CARDS[:4]:
             for px in pixels:
                 p = auto_card(card, px, layers=layers, quant=quant)
-                why = p.notes[-1] if p.notes else ""
-                lines.append(f"| {card} GB | {quant or 'bf16'} | {px}² | {why} | {p.peak_gib:.2f} | "
+                at_run = "layer-wise offload (" + p.notes[-1].split(": switched")[0].removeprefix("offload auto: ") + ")" \
+                    if auto_switched(p) else "as loaded"
+                lines.append(f"| {card} GB | {quant or 'bf16'} | {px}² | {p.notes[0]} | {at_run} | {p.peak_gib:.2f} | "
                              f"{'yes' if fits(p.peak_bytes, card) else 'NO'} |")
     return "\n".join(lines)
 

@@ -264,6 +264,18 @@ def run_all_blocks(model: ErnieImageTransformer, h: torch.Tensor, ctx: BlockCont
 
 
 # -- what the generic layers know of ERNIE-Image (engine/models/family.py) ------------------------------------
+def activation_bytes(cfg: ErnieImageConfig, x_shape: Sequence[int], text_tokens: int, dtype: torch.dtype) -> int:
+    """A forward's device bytes besides the weights at its peak, inside a block's GeGLU: per token row the
+    residual stream and the MLP input (2 x hidden), the fused gate/up output, GELU(gate) and their product
+    (4 x ffn), and one ffn width more for the per-format temporaries (row chunks of quantized activations,
+    RoPE, the key mask). The fake-CUDA trace of the 8B release shape (docs/memory.md) is within it for every
+    weight format at 1024² and 2048² (tests/test_memory_rehearsal.py)."""
+    rows, _, height, width = x_shape
+    tokens = (height // cfg.patch_size) * (width // cfg.patch_size) + int(text_tokens)
+    itemsize = torch.empty(0, dtype=dtype, device="meta").element_size()
+    return int(rows) * tokens * (2 * cfg.hidden_size + 5 * cfg.ffn_hidden_size) * itemsize
+
+
 def _pad_tokens(t: torch.Tensor, length: int) -> torch.Tensor:
     """[rows, S, ...] zero-padded to [rows, length, ...]."""
     if t.shape[1] == length:
@@ -303,7 +315,7 @@ FAMILY = register(Family(
     fuse_groups={Attention: ("qkv", ("to_q", "to_k", "to_v")), GeGLU: ("gate_up", ("gate_proj", "up_proj"))},
     latent=Latent(channels=128, stride=16, name="the Flux2 latent", comfy_format="Flux2",
                   makers="EmptyFlux2LatentImage or SGLDiffusion Empty Latent (ERNIE)"),
-    join_contexts=join_contexts, chunk_context=chunk_context,
+    join_contexts=join_contexts, chunk_context=chunk_context, activation_bytes=activation_bytes,
     config_metadata_key="ernie_image_config",
     checkpoint_prefixes=("model.diffusion_model.", "diffusion_model.", "transformer."),
     diffusers_class="ErnieImageTransformer2DModel", gguf_architecture="wan",  # as the community's GGUF files say

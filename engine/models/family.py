@@ -68,6 +68,9 @@ class Family:
     latent: Latent
     join_contexts: Callable  # (contexts, length, attention) -> one context over their rows, each padded to ``length``
     chunk_context: Callable  # (ctx, pad, chunk slice, attention, valid_tokens) -> the context of one rank's chunk
+    # (config, x shape [rows, C, h, w], text tokens, dtype) -> the device bytes one forward holds besides the
+    # weights at its peak (offload "auto" decides per call with it; checked against the fake-CUDA trace)
+    activation_bytes: Callable
     config_metadata_key: str = ""  # a safetensors metadata entry that may carry the config as JSON
     checkpoint_prefixes: Tuple[str, ...] = ()  # prefixes other tools put before the keys (stripped on load)
     diffusers_class: str = ""  # the diffusers transformer class of this family, for engine.accelerate

@@ -226,6 +226,10 @@ class RankedRunner:
         return int(self.info.get("params_per_rank", self.num_params) * self.dtype.itemsize * self.plan.world_size)
 
     # -- the model calls ---------------------------------------------------------------------------------
+    def make_room(self, x_shape, text_tokens: int) -> None:
+        """Offload is decided on the ranks when they load (each holds its share): nothing to move per call."""
+        return None
+
     def run(self, plan, cfg_batched: bool) -> RankedRun:
         if self.plan.cfg > 1 and not cfg_batched and not self._warned_cfg:
             self._warned_cfg = True

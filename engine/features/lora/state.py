@@ -74,7 +74,11 @@ def routed(route: Optional[RowRoute]):
 
 
 def _add_delta(y: torch.Tensor, d: torch.Tensor, start: int, stop: int, out_features: int) -> torch.Tensor:
-    return y + (F.pad(d, (start, out_features - stop)) if stop - start != out_features else d)
+    """``d`` added to output columns ``start:stop`` of ``y``, in place (``y`` is the layer's fresh output)."""
+    if stop - start == out_features:
+        return y.add_(d)
+    y[..., start:stop] += d
+    return y
 
 
 def _delta(x: torch.Tensor, low_rank, krons, out_features: int, strength) -> torch.Tensor:
@@ -119,7 +123,7 @@ def _with_side_path(base: type) -> type:
         y = base.forward(self, x)
         if side.low_rank is not None:
             down, up = side.low_rank
-            y = y + F.linear(F.linear(x, down.to(x.dtype)), up.to(x.dtype))
+            y = y.add_(F.linear(F.linear(x, down.to(x.dtype)), up.to(x.dtype)))  # in place: no third [tokens, out] copy
         for start, stop, w1, w2 in side.krons:
             y = _add_delta(y, kron_linear(x, w1.to(x.dtype), w2.to(x.dtype)), start, stop, self.out_features)
         route = getattr(_ROUTE, "value", None)

@@ -1,5 +1,10 @@
 """``offload="auto"``: layer-wise when the free memory of the CUDA device is below the model's bytes plus
 the working memory (activations, other models); and the size of a checkpoint at rest, from its header.
+
+Decided twice: at load from the model's bytes (the image size is not known yet: a budget for a 1024² CFG
+batch), and again before a call whose image is larger (``choose_call_offload``: the family's estimate of that
+call's activations against the free memory then), as ComfyUI frees memory per sampling run: fp8 at 2048² on a
+12 GB card is resident at 1024² and offloaded at 2048² (docs/memory.md).
 """
 from __future__ import annotations
 
@@ -20,6 +25,13 @@ GiB = 2 ** 30
 # Override with SGLD_OFFLOAD_WORKING_GB.
 MIN_WORKING_BYTES = 2 * GiB
 WORKING_FRACTION = 0.15
+
+
+# A call's working memory: the family's estimate of its activations plus this share (Cache-DiT's kept residuals,
+# a LoRA side path's terms, the caching allocator's rounding) plus a workspace (one layer's weight dequantized,
+# cuBLAS's workspace); the fake-CUDA trace of every format is within it (docs/memory.md).
+CALL_MARGIN = 0.25
+CALL_WORKSPACE_BYTES = GiB // 2
 
 
 def working_bytes(model_bytes: int) -> int:
@@ -56,3 +68,24 @@ def _choose_auto(device, model_bytes: int, free_bytes: Optional[int], resident_b
         return "layerwise", f"auto: {gib(available)} free on {dev} < model {gib(model_bytes)} + working {gib(need - model_bytes)}"
     return "none", f"auto: {gib(available)} free on {dev} >= model {gib(model_bytes)} + working {gib(need - model_bytes)}"
 
+
+def call_working_bytes(activation_bytes: int) -> int:
+    """What offload "auto" keeps free for a call whose activations the model family estimates at this."""
+    return int(activation_bytes * (1 + CALL_MARGIN)) + CALL_WORKSPACE_BYTES
+
+
+def choose_call_offload(device, activation_bytes: int, free_bytes: Optional[int] = None) -> Tuple[str, str]:
+    """("none" | "layerwise", why) for a call of a model that ``auto`` kept resident: layer-wise when the call's
+    working memory (``call_working_bytes``, or SGLD_OFFLOAD_WORKING_GB) exceeds the device's
+    free memory now (the weights are already in use there)."""
+    dev = torch.device(device)
+    if free_bytes is None:
+        free_bytes = device_rt.free_bytes(dev)
+        if free_bytes is None:
+            return "none", ""
+    env = os.environ.get("SGLD_OFFLOAD_WORKING_GB")
+    need = int(float(env) * GiB) if env else call_working_bytes(activation_bytes)
+    gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
+    if free_bytes < need:
+        return "layerwise", f"auto: this call needs {gib(need)} of working memory, {gib(free_bytes)} free on {dev}"
+    return "none", f"auto: this call needs {gib(need)} of working memory, {gib(free_bytes)} free on {dev}"
