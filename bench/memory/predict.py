@@ -8,6 +8,7 @@ the start included) and where it happened.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -44,6 +45,10 @@ class Setup:
     resident_layers: int = 2
     cache: bool = False
     lora_rank: int = 0  # a LoRA of this rank on every block linear (a side path on quantized weights)
+    # SGLD_LORA_RESTORE for a merged LoRA: "copy" (host copies of the originals); the default compact record
+    # stores the positions where a bit difference does not fit in a byte (``nonzero``: a size only the data
+    # knows, which a trace cannot run); both records live in host memory, so the GPU peak is the same
+    lora_restore: str = ""
     compile: bool = False
     batch: int = 1
     tp: int = 1  # tensor parallel degree (the prediction is one rank's)
@@ -123,6 +128,19 @@ def auto_decision(card_free_gib: float, layers: int = 36, quant: Optional[str] =
         return choose_offload("auto", "cuda:0", at_rest)
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """``name`` set to ``value`` inside (unset value: left alone)."""
+    old = os.environ.get(name)
+    if value:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value:
+            os.environ.pop(name) if old is None else os.environ.__setitem__(name, old)
+
+
 _cache = {}
 
 
@@ -160,7 +178,8 @@ def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
         eng = open_engine(model, config, label=setup.label, offload_decision=decision)
         r.name_modules(model)  # the fused and quantized layers are new modules
         if lora is not None:
-            eng.set_loras([(lora, 1.0)])
+            with _env("SGLD_LORA_RESTORE", setup.lora_restore):
+                eng.set_loras([(lora, 1.0)])
         weights = r.tracker.live
         r.tracker.reset_peak()
         stride = family_of(cfg).latent.stride

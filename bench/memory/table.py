@@ -49,7 +49,7 @@ ROWS: List[Tuple[Setup, str]] = [
      "stable-diffusion.cpp: ERNIE-Image on 4 GB with --offload-to-cpu"),
     (Setup("Base bf16, Cache-DiT", cache=True), ""),
     (Setup("Base bf16, offload 2, Cache-DiT", offload="layerwise", cache=True), ""),
-    (Setup("Base bf16, LoRA r32 (merged)", lora_rank=32), ""),
+    (Setup("Base bf16, LoRA r32 (merged, restore copy)", lora_rank=32, lora_restore="copy"), ""),
     (Setup("Base fp8, LoRA r32 (side path)", quant="fp8", lora_rank=32), ""),
     (Setup("Base bf16, compile (eager fallback)", compile=True), ""),
     (Setup("Base bf16, TP 2 (per rank)", tp=2), ""),
@@ -64,12 +64,6 @@ ROWS: List[Tuple[Setup, str]] = [
     (Setup("Turbo bf16, batch 4", model="turbo", batch=4), "SGLang's ERNIE article: RTX 4090 24 GB, Batch=4 (Turbo)"),
     (Setup("Turbo fp8, batch 4", model="turbo", quant="fp8", batch=4), ""),
 ]
-
-
-# configurations a trace cannot run, and why (the table says so instead of a number)
-UNTRACEABLE = {"Base bf16, LoRA r32 (merged)": (
-    "not traced: the merge keeps the positions of the bf16 values it changed (its bit-exact restore, "
-    "engine/features/lora/records.py: `nonzero`), a size only the data knows; a device sync on the GPU too")}
 
 
 AUTO_FORMATS = (None, "fp8", "int8", "q4_k")  # offload "auto" by card for these weights (None: bf16)
@@ -108,10 +102,6 @@ def table(layers: int = 36, rows=ROWS, pixels=PIXELS, log=print) -> str:
     lines = [head]
     for setup, published in rows:
         for px in pixels:
-            if setup.label in UNTRACEABLE:
-                lines.append(f"| {setup.label} | {px}² | – | – | " + " | ".join("?" for _ in CARDS)
-                             + f" | | | {UNTRACEABLE[setup.label]} |")
-                continue
             t = time.perf_counter()
             p = predict_cached(setup, px, layers=layers)
             lines.append(_row(p, published if px == 1024 else ""))
