@@ -1,7 +1,8 @@
-"""Regenerate the predicted-peak table of docs/memory.md (between its ``<!-- predicted:start/end -->`` markers):
+"""Regenerate the predicted-peak table of docs/memory.md and bench/RESULTS.md (between their
+``<!-- predicted:start/end -->`` markers):
 
     .venv/bin/python bench/memory/table.py            # the 8B release shape, every row (a few minutes on 2 cores)
-    .venv/bin/python bench/memory/table.py --print    # print the table instead of writing the page
+    .venv/bin/python bench/memory/table.py --print    # print the table instead of writing the pages
 
 One row per configuration and resolution (predict.py), with the cards it fits and the published figures.
 """
@@ -22,6 +23,7 @@ from engine.io.atomic import atomic_write  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "docs", "memory.md")
+PAGES = (PAGE, os.path.join(ROOT, "bench", "RESULTS.md"))
 START, END = "<!-- predicted:start -->", "<!-- predicted:end -->"
 CARDS = (8, 12, 16, 24, 32, 80)  # GB cards (their memory is GiB: an "8 GB" card has 8192 MiB)
 DESKTOP_GIB = 1.0  # kept for the desktop / other programs
@@ -135,14 +137,15 @@ def write_page(text: str, page: str = PAGE) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=36, help="DiT blocks (36: the release)")
-    ap.add_argument("--print", action="store_true", help="print the table, leave docs/memory.md alone")
+    ap.add_argument("--print", action="store_true", help="print the table, leave the pages alone")
     args = ap.parse_args(argv)
     text = table(args.layers, log=lambda m: print(m, file=sys.stderr))
     if args.print:
         print(text)
-    else:
-        write_page(text)
-        print(f"wrote {PAGE}", file=sys.stderr)
+        return
+    for page in PAGES:
+        write_page(text, page)
+        print(f"wrote {page}", file=sys.stderr)
 
 
 if __name__ == "__main__":
