@@ -21,6 +21,7 @@ from .features.compile import compile_blocks, is_compiled
 from .features.fuse import fuse_projections, fused_groups
 from .features.lora import LoRAFileCache, active_loras, apply_loras
 from .features.offload import apply_layerwise_offload, choose_call_offload, choose_offload, get_offload
+from .features.offload.auto import CALL_WORKSPACE_BYTES
 from .loading import plan_load
 from .models import family_of
 from .sampling import to_timestep
@@ -102,8 +103,7 @@ class LocalRunner:
         key = (tuple(int(n) for n in x_shape), int(text_tokens))
         if key in self._calls_that_fit:
             return None
-        need = family_of(self.model).activation_bytes(self.model.config, key[0], key[1], self.dtype)
-        choice, why = choose_call_offload(self.device, need)
+        choice, why = choose_call_offload(self.device, self.activation_bytes(*key))
         if choice == "none":
             self._calls_that_fit.add(key)
             return None
@@ -122,6 +122,21 @@ class LocalRunner:
         msg = f"offload {why}: switched to layer-wise offload ({offloader.summary()})"
         self.notes.append(msg)
         return msg
+
+    def activation_bytes(self, x_shape, text_tokens: int) -> int:
+        """The model family's estimate of a call's device bytes besides the weights (engine/models/family.py)."""
+        return family_of(self.model).activation_bytes(self.model.config, tuple(int(n) for n in x_shape),
+                                                      int(text_tokens), self.dtype)
+
+    def activation_room(self) -> Optional[int]:
+        """Device bytes calls may fill with activations now: the free memory, less the layer buffers offload makes
+        at the next forward and offload "auto"'s workspace (the server's batcher admits jobs within it). None off
+        CUDA: no bound."""
+        free = device_rt.free_bytes(self.device)
+        if free is None:
+            return None
+        offloader = get_offload(self.model)
+        return free - (offloader.unallocated_bytes() if offloader is not None else 0) - CALL_WORKSPACE_BYTES
 
     # -- what it is ----------------------------------------------------------------------------------------
     @property

@@ -129,6 +129,30 @@ def test_max_batch_bounds_the_samples_in_flight(eng, text):
         b.close()
 
 
+def test_jobs_wait_for_device_memory_beside_the_running_batch(eng, text):
+    """On a GPU the batcher also admits jobs by bytes: their activations (the model family's estimate, with offload
+    "auto"'s margin) within the memory free beside the weights at its start (``LocalRunner.activation_room``).
+    This CPU has no device memory to read (the room is None: no byte bound), so the test sets the room to what a
+    small card would leave, two jobs' worth: three CFG jobs under max_batch 8 then run two, then one (the
+    rehearsal on fake CUDA tensors checks the room itself: tests/test_memory_rehearsal.py)."""
+    b = Batcher(eng, max_batch=8)
+    assert b.activation_room is None
+    try:
+        with torch.inference_mode():
+            jobs = [job(text, k, steps=4) for k in range(3)]
+            tokens = max(max(j.cond.shape[0], j.uncond.shape[0]) for j in jobs)
+            one = eng.runner.activation_bytes((2, 48, 16, 16), tokens) * 1.25
+            b.activation_room = int(2.5 * one)
+            got = [f.result(JOIN_TIMEOUT) for f in b.submit_many(jobs)]
+            refs = [solo(eng, j) for j in jobs]
+        assert max(rel_err(g, r) for g, r in zip(got, refs)) <= TOLERANCE
+        stats = b.stats()
+        assert stats["forwards"] == 8 and stats["samples_per_forward"] == 3.0  # 4 ticks of 4 samples, 4 of 2
+        assert stats["waited_for_memory"] == 1
+    finally:
+        b.close()
+
+
 def test_two_latent_sizes_never_share_a_forward(eng, text, batcher):
     with torch.inference_mode():
         jobs = [job(text, 0, steps=5), job(text, 1, steps=5, size=(8, 12)), job(text, 2, steps=5, size=(8, 12))]

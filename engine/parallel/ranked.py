@@ -230,6 +230,10 @@ class RankedRunner:
         """Offload is decided on the ranks when they load (each holds its share): nothing to move per call."""
         return None
 
+    def activation_room(self) -> None:
+        """No bound here: the ranks keep one run at a time (the server's batcher admits one job)."""
+        return None
+
     def run(self, plan, cfg_batched: bool) -> RankedRun:
         if self.plan.cfg > 1 and not cfg_batched and not self._warned_cfg:
             self._warned_cfg = True

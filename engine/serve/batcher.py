@@ -21,7 +21,10 @@ mask over its own model calls, its residuals, its TaylorSeer table). In the join
 for its job's rows after its first ``fn`` blocks; the rows of a job whose step is cached get its saved residual and skip the middle blocks, which
 run on the other rows only (the arithmetic of ``DBCacheRunner.__call__``, phase by phase, on the job's own
 rows): the same latent and step mask as its run alone. ``max_batch`` bounds the samples (CFG branches
-count) of all running jobs together, so no forward holds more.
+count) of all running jobs together, so no forward holds more; on a GPU their activations together (the model
+family's estimate of each job's, with offload "auto"'s margin) stay within the memory free beside the weights
+when the batcher starts (``LocalRunner.activation_room``): a job waits for room, one that alone needs more runs
+alone.
 
 Per-request LoRAs: a job's ``lora_set`` [(path or LoRAFile, strength)] (None: the engine's own set) is read
 through the batcher's ``RowLoRAs`` cache (engine/features/lora/rows.py) and, minus the engine's merged set, is
@@ -53,6 +56,7 @@ from ..features.cache import DBCacheRunner
 from ..features.compile import is_compiled
 from ..features.lora import LoRAError, attach_row_loras, remove_row_loras
 from ..features.lora.rows import DEFAULT_BUDGET_BYTES
+from ..features.offload.auto import CALL_MARGIN
 from ..sampling_options import SampleRequest
 from .forward import Call, joint_velocity
 
@@ -93,6 +97,7 @@ class _Slot:
         self.job, self.future, self.run, self.batched = job, future, run, batched
         self.rows = run.rows
         self.bucket = tuple(run.latent.shape[1:])
+        self.working = 0  # its activations' device bytes (with offload auto's margin): what admission counts
         self.net: list = []  # [(LoRAFile, strength)] its rows get on top of the merged set
         self.forwards, self.forward_samples = 0, 0  # forwards it was in, and their samples together
         self.runner: Optional[DBCacheRunner] = None  # this job's Cache-DiT (local engine)
@@ -101,6 +106,7 @@ class _Slot:
         self.answer = None  # (velocity, computed) from the loop
         self.error: Optional[BaseException] = None  # its forward failed
         self.cancelled = False
+        self.waited_for_memory = False
         self.done = False
         self.thread: Optional[threading.Thread] = None
 
@@ -148,13 +154,14 @@ class Batcher:
                 raise InputError(f"{name} must be an integer >= 1 (got {value!r})")
         self.engine, self.max_batch, self.max_loras = engine, max_batch, max_loras
         self.local = engine.model is not None
+        self.activation_room = engine.runner.activation_room() if self.local else None  # None: no byte bound
         self._lora_budget, self._loras, self._loras_lock = lora_budget_bytes, None, threading.Lock()
         self._cv = threading.Condition()
         self._queue: deque = deque()
         self._running: List[_Slot] = []
         self._slots: Dict[concurrent.futures.Future, _Slot] = {}
         self._closed = False
-        self._counts = dict(forwards=0, samples=0, steps_done=0, calls_computed=0, calls_total=0)
+        self._counts = dict(forwards=0, samples=0, steps_done=0, calls_computed=0, calls_total=0, waited_for_memory=0)
         self._threads = engine.threads or torch.get_num_threads()  # engine/threads.py: the demo 1, else the caller's
         self._loop = threading.Thread(target=self._serve, name="sgld-batcher", daemon=True)
         self._loop.start()
@@ -222,14 +229,15 @@ class Batcher:
 
     def stats(self) -> dict:
         """queued / running jobs; forwards made; mean samples per forward; steps done (sampler steps of all
-        jobs); model calls whose DiT was computed (the rest: Cache-DiT reuse) and all model calls."""
+        jobs); model calls whose DiT was computed (the rest: Cache-DiT reuse) and all model calls; jobs that
+        waited for device memory (not for ``max_batch``)."""
         with self._cv:
             c = dict(self._counts)
             running = sum(not s.future.done() for s in self._running)  # a finished job may not have left yet
             return {"queued": len(self._queue), "running": running, "forwards": c["forwards"],
                     "samples_per_forward": c["samples"] / c["forwards"] if c["forwards"] else 0.0,
                     "steps_done": c["steps_done"], "calls_computed": c["calls_computed"],
-                    "calls_total": c["calls_total"]}
+                    "calls_total": c["calls_total"], "waited_for_memory": c["waited_for_memory"]}
 
     # -- checks at submit ------------------------------------------------------------------------------
     def _prepare(self, job: Job) -> _Slot:
@@ -254,6 +262,10 @@ class Batcher:
         job.stats = run.stats
         slot = _Slot(job, concurrent.futures.Future(), run, batched)
         slot.net = net_set
+        if self.activation_room is not None and run.steps:
+            tokens = max(int(t.shape[0]) for t in run.cond + (run.uncond or []))
+            estimate = self.engine.runner.activation_bytes((run.rows,) + tuple(run.latent.shape[1:]), tokens)
+            slot.working = int(estimate * (1 + CALL_MARGIN))
         return slot
 
     def check_loras(self, lora_set) -> list:
@@ -362,12 +374,19 @@ class Batcher:
                 _settle(slot.future, error=fault)
 
     def _admit(self) -> None:
-        """Queued jobs join FIFO while their samples fit in ``max_batch`` (one that alone exceeds it runs when
-        nothing else does); one job at a time on several ranks."""
+        """Queued jobs join FIFO while their samples fit in ``max_batch`` and their activations in the device
+        memory beside the weights (one that alone exceeds either runs when nothing else does); one job at a time
+        on several ranks."""
         while self._queue and not self._closed:
             slot = self._queue[0]
             busy = sum(s.rows for s in self._running)
             if self._running and (not self.local or busy + slot.rows > self.max_batch):
+                return
+            if self._running and self.activation_room is not None and \
+                    sum(s.working for s in self._running) + slot.working > self.activation_room:
+                if not slot.waited_for_memory:
+                    slot.waited_for_memory = True
+                    self._counts["waited_for_memory"] += 1
                 return
             distinct = {id(lf) for s in self._running + [slot] for lf, _ in s.net}
             if self._running and len(distinct) > self.max_loras:

@@ -50,6 +50,8 @@ class _BatcherCollector:
         yield CounterMetricFamily("sgld_model_calls", "model calls of the schedules, computed or cached", value=s["calls_total"])
         yield CounterMetricFamily("sgld_model_calls_computed", "model calls computed (the rest cached by Cache-DiT)",
                                   value=s["calls_computed"])
+        yield CounterMetricFamily("sgld_jobs_waited_for_memory", "jobs that waited for GPU memory beside the running "
+                                  "batch (not for --max-batch)", value=s["waited_for_memory"])
         if self.loras is not None:
             yield from self._lora_metrics()
 

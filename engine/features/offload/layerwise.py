@@ -168,6 +168,10 @@ class LayerwiseOffload(patching.Patch):
         """Bytes this model holds on the compute device now: non-block weights + allocated slots."""
         return self.nonblock_bytes() + sum(nbytes(s.buf) for s in self.slots if s.buf is not None)
 
+    def unallocated_bytes(self) -> int:
+        """Device bytes its slots will take at the next forward that they do not hold now (made lazily)."""
+        return sum(self.slot_bytes for s in self.slots if s.buf is None)
+
     def reset_stats(self) -> None:
         self.transfers = 0
         self.bytes_transferred = 0
