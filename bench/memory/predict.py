@@ -46,8 +46,11 @@ class Setup:
     lora_rank: int = 0  # a LoRA of this rank on every block linear (a side path on quantized weights)
     compile: bool = False
     batch: int = 1
+    served: int = 0  # > 0: this many jobs submitted together to the server's batcher (joined in its forwards)
     tp: int = 1  # tensor parallel degree (the prediction is one rank's)
     ulysses: int = 1  # Ulysses sequence parallel degree
+    ring: int = 1  # Ring attention sequence parallel degree
+    cfg_parallel: int = 1  # 2: a rank holds one CFG branch
 
 
 @dataclasses.dataclass
@@ -113,6 +116,14 @@ def assume_kernels(device: str) -> None:
         int8l._int_mm_probes[(str(torch.device(device)), rows, True, True)] = True
 
 
+def assume_ring_kernel(device: str, head_dim: int) -> None:
+    """Ring attention's block kernel as an sm90 GPU picks it: sdpa's (torch's flash kernel with its log-sum-exp;
+    its once-per-process probe compares numbers against a reference, which fake tensors cannot)."""
+    from engine.features.attention import backends, lse
+
+    backends._LSE_KERNELS[("sdpa", torch.device(device).type, torch.bfloat16, head_dim)] = lse._flash_cuda
+
+
 def auto_decision(card_free_gib: float, layers: int = 36, quant: Optional[str] = None) -> tuple:
     """The loader's ``offload="auto"`` for a checkpoint of this shape on a card with this much free memory: the
     engine's ``choose_offload`` from the bytes at rest, the free memory read through the device seam."""
@@ -138,8 +149,8 @@ def predict_cached(setup: Setup, pixels: int, layers: int = 36) -> Prediction:
 
 def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
             prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
-    if setup.tp * setup.ulysses > 1:
-        return predict_parallel(setup, pixels, setup.tp, setup.ulysses, layers, prompt_tokens)
+    if setup.tp * setup.ulysses * setup.ring * setup.cfg_parallel > 1:
+        return predict_parallel(setup, pixels, layers, prompt_tokens)
     cfg = ErnieImageConfig(num_layers=layers)
     with Rehearsal(int(card_gb * GiB)) as r:
         decision = None
@@ -170,7 +181,10 @@ def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
         uncond = [torch.zeros(1, cfg.text_in_dim)] if base else None
         cache = CacheConfig(enabled=True, steps_mask=CACHE_MASK, scm_policy="static") if setup.cache else None
         steps = len(CACHE_MASK) if setup.cache else BASE_STEPS
-        eng.sample(latent, cond, uncond, steps=steps, cfg=BASE_CFG if base else 1.0, seed=0, cache=cache)
+        if setup.served:
+            _serve(eng, setup.served, latent[0], cond[0], uncond[0] if uncond else None, steps, base)
+        else:
+            eng.sample(latent, cond, uncond, steps=steps, cfg=BASE_CFG if base else 1.0, seed=0, cache=cache)
         if setup.cache:
             mask = eng.last_run.step_mask
             assert not all(mask) and any(mask), f"the cached run computed {mask}: expected a cached and a computed call"
@@ -179,12 +193,30 @@ def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
         return Prediction(setup, pixels, peak.bytes, weights, f"{peak.module}: {peak.op}", r.tracker.host_peak, notes)
 
 
-def predict_parallel(setup: Setup, pixels: int, tp: int = 1, ulysses: int = 1, layers: int = 36,
-                     prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
-    """Rank 0 of ``tp`` x ``ulysses`` ranks (torch's fake process group: collectives shaped, nothing sent): its
-    share of the DiT built as the tensor-parallel load shapes it (``shard_skeleton``), opened like a rank opens it,
-    and one model call through the rank's own commands (``WorkerState.cmd_begin`` / ``cmd_call``: the parallel
-    forward, Ulysses all-to-alls, tensor parallel all-reduces). Peak of that rank."""
+def _serve(eng, jobs: int, latent, cond, uncond, steps: int, base: bool) -> None:
+    """``jobs`` runs submitted at once to the server's ``Batcher`` (its default ``max_batch`` 8, CFG branches
+    counted), as ``sgld serve`` runs them: each job's sampling loop in a thread of its own, their model calls
+    joined in one forward (``joint_velocity``) by the batcher's loop thread. Asserts they were joined."""
+    from engine.serve.batcher import Batcher, Job
+
+    batcher = Batcher(eng, max_batch=8)
+    try:
+        futures = batcher.submit_many([Job(latent, cond, uncond, seed=i, steps=steps, cfg=BASE_CFG if base else 1.0)
+                                       for i in range(jobs)])
+        for f in futures:
+            f.result()
+        joined = futures[0].run_stats["samples_per_forward"]
+        assert joined == jobs * (2 if base else 1), f"{jobs} jobs were joined {joined} samples a forward"
+    finally:
+        batcher.close()
+
+
+def predict_parallel(setup: Setup, pixels: int, layers: int = 36, prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
+    """Rank 0 of the setup's CFG x Ring x Ulysses x TP ranks (torch's fake process group: collectives and Ring's
+    point-to-point K/V passing shaped, nothing sent): its share of the DiT built as the tensor-parallel load shapes
+    it (``shard_skeleton``), opened like a rank opens it, and one model call through the rank's own commands
+    (``WorkerState.cmd_begin`` / ``cmd_call``: the parallel forward, Ulysses all-to-alls, Ring's isend / irecv,
+    tensor parallel all-reduces, CFG parallel's all-gather). Peak of that rank."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -196,7 +228,8 @@ def predict_parallel(setup: Setup, pixels: int, tp: int = 1, ulysses: int = 1, l
     from engine.parallel.worker import WorkerState, worker_config
 
     cfg = ErnieImageConfig(num_layers=layers)
-    plan = ParallelPlan(tp=tp, ulysses=ulysses)
+    tp = setup.tp
+    plan = ParallelPlan(tp=tp, ulysses=setup.ulysses, ring=setup.ring, cfg=setup.cfg_parallel)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     worker = WorkerState(0, plan.world_size, "cuda:0")
     try:
@@ -215,7 +248,10 @@ def predict_parallel(setup: Setup, pixels: int, tp: int = 1, ulysses: int = 1, l
                 if setup.quant in PREBUILT:
                     _prebuild(model, setup.quant)
             assume_kernels("cuda:0")
-            config = EngineConfig(device="cuda:0", attention="sdpa", tp=tp, ulysses_degree=ulysses,
+            if plan.ring > 1:
+                assume_ring_kernel("cuda:0", cfg.hidden_size // cfg.num_attention_heads)
+            config = EngineConfig(device="cuda:0", attention="sdpa", tp=tp, ulysses_degree=plan.ulysses,
+                                  ring_degree=plan.ring, cfg_parallel=plan.cfg > 1,
                                   quant=None if setup.quant in PREBUILT else setup.quant)
             worker.groups = build_groups(plan, 0)
             worker.engine = open_engine(model, worker_config(config, "cuda:0"), label=setup.label)
