@@ -47,6 +47,7 @@ class Setup:
     compile: bool = False
     batch: int = 1
     served: int = 0  # > 0: this many jobs submitted together to the server's batcher (joined in its forwards)
+    comfy: bool = False  # one model call of ComfyUI's sampler on the Model Loader's MODEL (nodes/comfy_model.py)
     tp: int = 1  # tensor parallel degree (the prediction is one rank's)
     ulysses: int = 1  # Ulysses sequence parallel degree
     ring: int = 1  # Ring attention sequence parallel degree
@@ -181,7 +182,10 @@ def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
         uncond = [torch.zeros(1, cfg.text_in_dim)] if base else None
         cache = CacheConfig(enabled=True, steps_mask=CACHE_MASK, scm_policy="static") if setup.cache else None
         steps = len(CACHE_MASK) if setup.cache else BASE_STEPS
-        if setup.served:
+        reads = []
+        if setup.comfy:
+            reads = _comfy_call(r, eng, latent, cond[0], uncond[0] if uncond else None)
+        elif setup.served:
             _serve(eng, setup.served, latent[0], cond[0], uncond[0] if uncond else None, steps, base)
         else:
             eng.sample(latent, cond, uncond, steps=steps, cfg=BASE_CFG if base else 1.0, seed=0, cache=cache)
@@ -189,8 +193,80 @@ def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
             mask = eng.last_run.step_mask
             assert not all(mask) and any(mask), f"the cached run computed {mask}: expected a cached and a computed call"
         peak = r.tracker.peak
-        notes = list(eng.warnings) + ([decision[1]] if decision else [])
+        notes = list(eng.warnings) + ([decision[1]] if decision else []) + [f"host read answered: {x}" for x in reads]
         return Prediction(setup, pixels, peak.bytes, weights, f"{peak.module}: {peak.op}", r.tracker.host_peak, notes)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACK = "sgld_rehearsal_pack"
+
+
+def comfy_model_module():
+    """nodes/comfy_model.py with the installed ComfyUI (.cache/ComfyUI, CPU mode) imported in-process. The node
+    module is loaded under a stand-in package for the pack root (as tests/pack_modules.py does), whose
+    ``engine`` is this process's ``engine`` (the same modules: one family registry for the engine the rehearsal
+    opened and the node's checks)."""
+    import importlib
+    import types
+
+    comfy_dir = os.environ.get("SGLD_COMFYUI_DIR", os.path.join(ROOT, ".cache", "ComfyUI"))
+    if not os.path.exists(os.path.join(comfy_dir, "comfy", "model_base.py")):
+        raise FileNotFoundError(f"ComfyUI is not installed in {comfy_dir} (scripts/comfyui.sh)")
+    if comfy_dir not in sys.path:
+        sys.path.insert(0, comfy_dir)
+    from comfy.cli_args import args
+    args.cpu = True
+    for name in ("engine.inputs", "engine.loading", "engine.models.demo.codec", "engine.sampling", "engine.threads",
+                 "engine.features.cache", "engine.features.lora", "engine.io.safetensors"):
+        importlib.import_module(name)
+    for name, path in ((PACK, ROOT), (PACK + ".nodes", os.path.join(ROOT, "nodes"))):
+        if name not in sys.modules:
+            mod = types.ModuleType(name)
+            mod.__path__ = [path]
+            sys.modules[name] = mod
+    for name, mod in list(sys.modules.items()):
+        if name == "engine" or name.startswith("engine."):
+            sys.modules.setdefault(f"{PACK}.{name}", mod)
+    return importlib.import_module(PACK + ".nodes.comfy_model")
+
+
+def _comfy_call(r: Rehearsal, eng, latent, cond, uncond) -> list:
+    """One model call of ComfyUI's sampler on our MODEL in a registered run (``outer_sample`` registers a
+    ``ComfyRun``; ``EngineCall.forward`` is the diffusion model ComfyUI's ``BaseModel._apply_model`` calls), with
+    what ComfyUI passes: on the device x and the text in the model's dtype (the text zero-padded by
+    ``PaddedText``) and the timesteps; ``text_lens`` as ``TextLengths.concat`` makes them (host ints: ComfyUI
+    moves every tensor it passes to the device, and lengths read there are a sync a call); transformer_options with the call's ``sigmas`` and ``cond_or_uncond`` ([1, 0]: negative first, with CFG).
+    The run's first call of a branch order also checks the inputs' values (a reduction read on the host: a
+    sync once per run, by design); the call rehearsed is a later one. Every call then reads one value on the
+    host: the engine's check that the velocity is finite (``ModelCalls``: on the engine's own path the velocity
+    is on the host by then; ComfyUI's sampler keeps it on the device). The trace answers it "finite" and
+    returns the reads it answered."""
+    cm = comfy_model_module()
+    call = cm.EngineCall(None, eng)
+    order = [1, 0] if uncond is not None else [0]
+    texts = ([uncond] if uncond is not None else []) + [cond]
+    b = latent.shape[0]
+    dev = eng.device
+    longest = max(t.shape[0] for t in texts)
+    context = torch.cat([torch.nn.functional.pad(t, (0, 0, 0, longest - t.shape[0]))[None].expand(b, -1, -1)
+                         for t in texts]).to(dev, call.dtype)
+    lens = cm.TextLengths(torch.tensor([t.shape[0] for t in texts for _ in range(b)])).concat([])
+    x = torch.zeros((b * len(texts),) + tuple(latent.shape[1:]), device=dev, dtype=call.dtype)
+    sigma = torch.full((b * len(texts),), 0.5, device=dev)
+    run = cm.ComfyRun(eng, torch.tensor([1.0, 0.0]), "euler", None)
+    run.values_checked.add(tuple(order))
+    with cm._runs_lock:
+        run_id = next(cm._run_ids)
+        cm._runs[run_id] = run
+    try:
+        options = {"sigmas": sigma, "cond_or_uncond": order, cm.RUN_OPTION: run_id}
+        with r.answering() as reads:
+            call(x, sigma * 1000.0, context=context, transformer_options=options, text_lens=lens)
+        return reads
+    finally:
+        with cm._runs_lock:
+            cm._runs.pop(run_id, None)
+        run.finish()
 
 
 def _serve(eng, jobs: int, latent, cond, uncond, steps: int, base: bool) -> None:
