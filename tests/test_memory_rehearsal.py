@@ -1,5 +1,6 @@
 """The engine rehearsed on fake CUDA tensors (bench/memory/, docs/memory.md): every configuration of the table
-runs through ``open_engine`` + ``Engine.sample`` (2 blocks where the test is about the mechanism), the 8B release
+runs through ``open_engine`` + ``Engine.sample``, the server's batcher, ComfyUI's MODEL call or a parallel rank's
+commands (2 blocks where the test is about the mechanism), the 8B release
 shape gives the known byte counts, ``offload="auto"`` on each card size gives a configuration whose predicted
 peak fits (36 blocks: the number), and what would not run on a GPU fails naming the op, tensor and module.
 No stub: fake tensors are torch's own; only the CUDA runtime (engine/device.py's) is swapped, as on purpose."""
