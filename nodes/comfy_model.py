@@ -100,6 +100,16 @@ class PaddedText(comfy.conds.CONDRegular):
         return torch.cat([torch.nn.functional.pad(c, (0, 0, 0, longest - c.shape[1])) for c in conds])
 
 
+class TextLengths(comfy.conds.CONDRegular):
+    """The text's real token counts [B], kept on the host: ComfyUI moves every tensor it passes to the diffusion
+    model onto the GPU, and the DiT reads "is anything padded" from the lengths; read from the GPU, that is a
+    device sync every model call. Batched, they reach ``EngineCall`` as a tuple of ints (not a tensor: ComfyUI
+    leaves it where it is)."""
+
+    def concat(self, others):
+        return tuple(int(n) for n in torch.cat([self.cond] + [o.cond for o in others]).tolist())
+
+
 def _model_class(base):
     class SGLDiffusionModel(base):
         """ComfyUI's model object; its diffusion model is the engine (``EngineCall``)."""
@@ -113,7 +123,7 @@ def _model_class(base):
             text = kwargs.get("cross_attn")
             if text is not None:
                 out["c_crossattn"] = PaddedText(text)
-                out["text_lens"] = comfy.conds.CONDRegular(torch.full((text.shape[0],), text.shape[1], dtype=torch.long))
+                out["text_lens"] = TextLengths(torch.full((text.shape[0],), text.shape[1], dtype=torch.long))
             return out
 
     return SGLDiffusionModel
@@ -153,8 +163,12 @@ class EngineCall(torch.nn.Module):
             sigma = to_sigma(timesteps.float())
         else:
             sigma = sigma.float().repeat(x.shape[0] // sigma.shape[0])
+        # the lengths on the host (TextLengths; the text's own length without them): the engine decides "is
+        # anything padded" from them without a device sync
         if text_lens is None:
-            text_lens = torch.full((x.shape[0],), context.shape[1], dtype=torch.long, device=x.device)
+            text_lens = torch.full((x.shape[0],), context.shape[1], dtype=torch.long)
+        else:
+            text_lens = torch.as_tensor(text_lens, dtype=torch.long)
         order = options.get("cond_or_uncond") or [0]
         with _runs_lock:
             run = _runs.get(options.get(RUN_OPTION))
@@ -168,7 +182,7 @@ class EngineCall(torch.nn.Module):
         chunk = x.shape[0] // len(order)
         perm = torch.cat([torch.arange(i * chunk, (i + 1) * chunk) for i in sorted(range(len(order)), key=lambda i: order[i])])
         inverse = torch.argsort(perm)
-        args = (x[perm], sigma[perm], context[perm], text_lens[perm].to(torch.long))
+        args = (x[perm], sigma[perm], context[perm], text_lens[perm])
         v = run.call(len(set(order)), *args) if run is not None else self.handle.engine().velocity(*args)
         return v[inverse]  # float32: ComfyUI takes x - v * sigma in float32
 

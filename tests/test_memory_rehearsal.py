@@ -1,5 +1,6 @@
 """The engine rehearsed on fake CUDA tensors (bench/memory/, docs/memory.md): every configuration of the table
-runs through ``open_engine`` + ``Engine.sample`` (2 blocks where the test is about the mechanism), the 8B release
+runs through ``open_engine`` + ``Engine.sample``, the server's batcher, ComfyUI's MODEL call or a parallel rank's
+commands (2 blocks where the test is about the mechanism), the 8B release
 shape gives the known byte counts, ``offload="auto"`` on each card size gives a configuration whose predicted
 peak fits (36 blocks: the number), and what would not run on a GPU fails naming the op, tensor and module.
 No stub: fake tensors are torch's own; only the CUDA runtime (engine/device.py's) is swapped, as on purpose."""
@@ -184,3 +185,71 @@ def test_the_gpu_check_prints_measured_beside_predicted(tmp_path):
     assert "Base bf16: measured 16.50 GiB, predicted 16.04 GiB" in line
     assert "Base bf16, offload 2 buffers: measured 2.50 GiB, predicted 2.22 GiB" in line and "15.5" not in line
     assert gp.predicted()["Base bf16, offload 2 buffers"] > 0  # the committed page has the rows
+
+
+def test_a_served_batch_is_joined_and_costs_what_the_same_batch_costs():
+    """The server's Batcher under the rehearsal (its loop and job threads on the fake device): 4 Turbo jobs are
+    joined in one forward (``_serve`` asserts 4 samples a forward) and cost about Turbo at batch 4 (each job's
+    own embed and unembed on top), more than one job."""
+    served = predict.predict(predict.Setup("served", model="turbo", served=4), 512, layers=2)
+    batch = predict.predict_cached(predict.Setup("bf16", model="turbo", batch=4), 512, layers=2)
+    one = predict.predict_cached(predict.Setup("bf16", model="turbo"), 512, layers=2)
+    assert served.weights_bytes == batch.weights_bytes
+    assert batch.peak_bytes <= served.peak_bytes < batch.peak_bytes + 0.1 * GiB, (served.peak_gib, batch.peak_gib)
+    assert served.peak_bytes > one.peak_bytes + 0.2 * GiB
+
+
+def test_threads_started_in_a_rehearsal_run_on_its_fake_device():
+    """Several threads allocating on the fake device at once (the batcher's jobs): every tensor is fake CUDA and
+    counted, under inference_mode too (there ``Tensor.to`` reaches the modes as ``aten.to``)."""
+    import threading
+
+    out = []
+    with rehearse.Rehearsal() as r:
+        def job():
+            with torch.inference_mode():
+                for _ in range(50):
+                    t = torch.zeros(4, 256, dtype=torch.bfloat16, device="cuda")
+                    t[0] = torch.ones(256).to(device="cuda", dtype=torch.bfloat16)
+                    out.append(t.device.type)
+        threads = [threading.Thread(target=job) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert r.tracker.peak.bytes >= 2048
+    assert out == ["cuda"] * 150
+
+
+def test_the_comfyui_model_call_reads_only_its_finite_check_on_the_host():
+    """One call of ComfyUI's sampler on our MODEL (nodes/comfy_model.py EngineCall in a registered ComfyRun, x and
+    the text on the device): the text lengths reach the engine on the host (ComfyUI moves tensors to the device;
+    ``TextLengths`` hands them over as ints), so the one host read is the engine's per-call finite check; the
+    peak is Base's CFG batch 2."""
+    p = predict.predict(predict.Setup("comfy", comfy=True), 512, layers=2)
+    base = predict.predict_cached(predict.Setup("bf16"), 512, layers=2)
+    reads = [n for n in p.notes if n.startswith("host read answered")]
+    assert len(reads) == 1 and "bool on cuda:0 in EngineCall" in reads[0], p.notes
+    assert base.peak_bytes <= p.peak_bytes < base.peak_bytes + 0.05 * GiB, (p.peak_gib, base.peak_gib)
+
+
+def test_comfyuis_apply_model_leaves_the_text_lengths_on_the_host():
+    """ComfyUI's own ``BaseModel._apply_model`` casts every tensor extra cond to the device; the lengths our
+    model's ``extra_conds`` adds come out of ComfyUI's batching as host ints, which it passes as they are."""
+    cm = predict.comfy_model_module()
+    import comfy.model_base
+
+    lens = cm.TextLengths(torch.tensor([256, 256])).concat([cm.TextLengths(torch.tensor([1, 1]))])
+    assert lens == (256, 256, 1, 1)
+    assert comfy.model_base.convert_tensor(lens, torch.bfloat16, torch.device("meta")) is lens
+
+
+@pytest.mark.parametrize("kw", [dict(ring=2), dict(ring=2, ulysses=2), dict(cfg_parallel=2)], ids=str)
+def test_ring_and_cfg_parallel_ranks_hold_less_activation(kw):
+    """Ring passes K/V point-to-point (torch's fake process group shapes isend / irecv) and reads its blocks'
+    valid lengths from the host copy of the key mask (CFG's padded negative: no device read); a CFG-parallel
+    rank holds one branch. Every rank keeps all the weights; its peak is below the single GPU's."""
+    p = predict.predict(predict.Setup("sp", **kw), 512, layers=2)
+    one = predict.predict_cached(predict.Setup("bf16"), 512, layers=2)
+    assert p.weights_bytes == one.weights_bytes
+    assert p.weights_bytes < p.peak_bytes < one.peak_bytes, (p.peak_gib, one.peak_gib)

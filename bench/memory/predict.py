@@ -51,8 +51,12 @@ class Setup:
     lora_restore: str = ""
     compile: bool = False
     batch: int = 1
+    served: int = 0  # > 0: this many jobs submitted together to the server's batcher (joined in its forwards)
+    comfy: bool = False  # one model call of ComfyUI's sampler on the Model Loader's MODEL (nodes/comfy_model.py)
     tp: int = 1  # tensor parallel degree (the prediction is one rank's)
     ulysses: int = 1  # Ulysses sequence parallel degree
+    ring: int = 1  # Ring attention sequence parallel degree
+    cfg_parallel: int = 1  # 2: a rank holds one CFG branch
 
 
 @dataclasses.dataclass
@@ -118,6 +122,14 @@ def assume_kernels(device: str) -> None:
         int8l._int_mm_probes[(str(torch.device(device)), rows, True, True)] = True
 
 
+def assume_ring_kernel(device: str, head_dim: int) -> None:
+    """Ring attention's block kernel as an sm90 GPU picks it: sdpa's (torch's flash kernel with its log-sum-exp;
+    its once-per-process probe compares numbers against a reference, which fake tensors cannot)."""
+    from engine.features.attention import backends, lse
+
+    backends._LSE_KERNELS[("sdpa", torch.device(device).type, torch.bfloat16, head_dim)] = lse._flash_cuda
+
+
 def auto_decision(card_free_gib: float, layers: int = 36, quant: Optional[str] = None) -> tuple:
     """The loader's ``offload="auto"`` for a checkpoint of this shape on a card with this much free memory: the
     engine's ``choose_offload`` from the bytes at rest, the free memory read through the device seam."""
@@ -156,8 +168,8 @@ def predict_cached(setup: Setup, pixels: int, layers: int = 36) -> Prediction:
 
 def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
             prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
-    if setup.tp * setup.ulysses > 1:
-        return predict_parallel(setup, pixels, setup.tp, setup.ulysses, layers, prompt_tokens)
+    if setup.tp * setup.ulysses * setup.ring * setup.cfg_parallel > 1:
+        return predict_parallel(setup, pixels, layers, prompt_tokens)
     cfg = ErnieImageConfig(num_layers=layers)
     with Rehearsal(int(card_gb * GiB)) as r:
         decision = None
@@ -189,22 +201,119 @@ def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
         uncond = [torch.zeros(1, cfg.text_in_dim)] if base else None
         cache = CacheConfig(enabled=True, steps_mask=CACHE_MASK, scm_policy="static") if setup.cache else None
         steps = len(CACHE_MASK) if setup.cache else BASE_STEPS
-        eng.sample(latent, cond, uncond, steps=steps, cfg=BASE_CFG if base else 1.0, seed=0, cache=cache)
+        reads = []
+        if setup.comfy:
+            reads = _comfy_call(r, eng, latent, cond[0], uncond[0] if uncond else None)
+        elif setup.served:
+            _serve(eng, setup.served, latent[0], cond[0], uncond[0] if uncond else None, steps, base)
+        else:
+            eng.sample(latent, cond, uncond, steps=steps, cfg=BASE_CFG if base else 1.0, seed=0, cache=cache)
         if setup.cache:
             mask = eng.last_run.step_mask
             assert not all(mask) and any(mask), f"the cached run computed {mask}: expected a cached and a computed call"
         peak = r.tracker.peak
         # the load's decision first, then what a call changed (offload "auto" at the image's size)
-        notes = ([decision[1]] if decision else []) + list(eng.warnings) + list(eng.last_run.warnings)
+        notes = ([decision[1]] if decision else []) + list(eng.warnings) + list(eng.last_run.warnings) \
+            + [f"host read answered: {x}" for x in reads]
         return Prediction(setup, pixels, peak.bytes, weights, f"{peak.module}: {peak.op}", r.tracker.host_peak, notes)
 
 
-def predict_parallel(setup: Setup, pixels: int, tp: int = 1, ulysses: int = 1, layers: int = 36,
-                     prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
-    """Rank 0 of ``tp`` x ``ulysses`` ranks (torch's fake process group: collectives shaped, nothing sent): its
-    share of the DiT built as the tensor-parallel load shapes it (``shard_skeleton``), opened like a rank opens it,
-    and one model call through the rank's own commands (``WorkerState.cmd_begin`` / ``cmd_call``: the parallel
-    forward, Ulysses all-to-alls, tensor parallel all-reduces). Peak of that rank."""
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACK = "sgld_rehearsal_pack"
+
+
+def comfy_model_module():
+    """nodes/comfy_model.py with the installed ComfyUI (.cache/ComfyUI, CPU mode) imported in-process. The node
+    module is loaded under a stand-in package for the pack root (as tests/pack_modules.py does), whose
+    ``engine`` is this process's ``engine`` (the same modules: one family registry for the engine the rehearsal
+    opened and the node's checks)."""
+    import importlib
+    import types
+
+    comfy_dir = os.environ.get("SGLD_COMFYUI_DIR", os.path.join(ROOT, ".cache", "ComfyUI"))
+    if not os.path.exists(os.path.join(comfy_dir, "comfy", "model_base.py")):
+        raise FileNotFoundError(f"ComfyUI is not installed in {comfy_dir} (scripts/comfyui.sh)")
+    if comfy_dir not in sys.path:
+        sys.path.insert(0, comfy_dir)
+    from comfy.cli_args import args
+    args.cpu = True
+    for name in ("engine.inputs", "engine.loading", "engine.models.demo.codec", "engine.sampling", "engine.threads",
+                 "engine.features.cache", "engine.features.lora", "engine.io.safetensors"):
+        importlib.import_module(name)
+    for name, path in ((PACK, ROOT), (PACK + ".nodes", os.path.join(ROOT, "nodes"))):
+        if name not in sys.modules:
+            mod = types.ModuleType(name)
+            mod.__path__ = [path]
+            sys.modules[name] = mod
+    for name, mod in list(sys.modules.items()):
+        if name == "engine" or name.startswith("engine."):
+            sys.modules.setdefault(f"{PACK}.{name}", mod)
+    return importlib.import_module(PACK + ".nodes.comfy_model")
+
+
+def _comfy_call(r: Rehearsal, eng, latent, cond, uncond) -> list:
+    """One model call of ComfyUI's sampler on our MODEL in a registered run (``outer_sample`` registers a
+    ``ComfyRun``; ``EngineCall.forward`` is the diffusion model ComfyUI's ``BaseModel._apply_model`` calls), with
+    what ComfyUI passes: on the device x and the text in the model's dtype (the text zero-padded by
+    ``PaddedText``) and the timesteps; ``text_lens`` as ``TextLengths.concat`` makes them (host ints: ComfyUI
+    moves every tensor it passes to the device, and lengths read there are a sync a call); transformer_options with the call's ``sigmas`` and ``cond_or_uncond`` ([1, 0]: negative first, with CFG).
+    The run's first call of a branch order also checks the inputs' values (a reduction read on the host: a
+    sync once per run, by design); the call rehearsed is a later one. Every call then reads one value on the
+    host: the engine's check that the velocity is finite (``ModelCalls``: on the engine's own path the velocity
+    is on the host by then; ComfyUI's sampler keeps it on the device). The trace answers it "finite" and
+    returns the reads it answered."""
+    cm = comfy_model_module()
+    call = cm.EngineCall(None, eng)
+    order = [1, 0] if uncond is not None else [0]
+    texts = ([uncond] if uncond is not None else []) + [cond]
+    b = latent.shape[0]
+    dev = eng.device
+    longest = max(t.shape[0] for t in texts)
+    context = torch.cat([torch.nn.functional.pad(t, (0, 0, 0, longest - t.shape[0]))[None].expand(b, -1, -1)
+                         for t in texts]).to(dev, call.dtype)
+    lens = cm.TextLengths(torch.tensor([t.shape[0] for t in texts for _ in range(b)])).concat([])
+    x = torch.zeros((b * len(texts),) + tuple(latent.shape[1:]), device=dev, dtype=call.dtype)
+    sigma = torch.full((b * len(texts),), 0.5, device=dev)
+    run = cm.ComfyRun(eng, torch.tensor([1.0, 0.0]), "euler", None)
+    run.values_checked.add(tuple(order))
+    with cm._runs_lock:
+        run_id = next(cm._run_ids)
+        cm._runs[run_id] = run
+    try:
+        options = {"sigmas": sigma, "cond_or_uncond": order, cm.RUN_OPTION: run_id}
+        with r.answering() as reads:
+            call(x, sigma * 1000.0, context=context, transformer_options=options, text_lens=lens)
+        return reads
+    finally:
+        with cm._runs_lock:
+            cm._runs.pop(run_id, None)
+        run.finish()
+
+
+def _serve(eng, jobs: int, latent, cond, uncond, steps: int, base: bool) -> None:
+    """``jobs`` runs submitted at once to the server's ``Batcher`` (its default ``max_batch`` 8, CFG branches
+    counted), as ``sgld serve`` runs them: each job's sampling loop in a thread of its own, their model calls
+    joined in one forward (``joint_velocity``) by the batcher's loop thread. Asserts they were joined."""
+    from engine.serve.batcher import Batcher, Job
+
+    batcher = Batcher(eng, max_batch=8)
+    try:
+        futures = batcher.submit_many([Job(latent, cond, uncond, seed=i, steps=steps, cfg=BASE_CFG if base else 1.0)
+                                       for i in range(jobs)])
+        for f in futures:
+            f.result()
+        joined = futures[0].run_stats["samples_per_forward"]
+        assert joined == jobs * (2 if base else 1), f"{jobs} jobs were joined {joined} samples a forward"
+    finally:
+        batcher.close()
+
+
+def predict_parallel(setup: Setup, pixels: int, layers: int = 36, prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
+    """Rank 0 of the setup's CFG x Ring x Ulysses x TP ranks (torch's fake process group: collectives and Ring's
+    point-to-point K/V passing shaped, nothing sent): its share of the DiT built as the tensor-parallel load shapes
+    it (``shard_skeleton``), opened like a rank opens it, and one model call through the rank's own commands
+    (``WorkerState.cmd_begin`` / ``cmd_call``: the parallel forward, Ulysses all-to-alls, Ring's isend / irecv,
+    tensor parallel all-reduces, CFG parallel's all-gather). Peak of that rank."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -216,7 +325,8 @@ def predict_parallel(setup: Setup, pixels: int, tp: int = 1, ulysses: int = 1, l
     from engine.parallel.worker import WorkerState, worker_config
 
     cfg = ErnieImageConfig(num_layers=layers)
-    plan = ParallelPlan(tp=tp, ulysses=ulysses)
+    tp = setup.tp
+    plan = ParallelPlan(tp=tp, ulysses=setup.ulysses, ring=setup.ring, cfg=setup.cfg_parallel)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     worker = WorkerState(0, plan.world_size, "cuda:0")
     try:
@@ -235,7 +345,10 @@ def predict_parallel(setup: Setup, pixels: int, tp: int = 1, ulysses: int = 1, l
                 if setup.quant in PREBUILT:
                     _prebuild(model, setup.quant)
             assume_kernels("cuda:0")
-            config = EngineConfig(device="cuda:0", attention="sdpa", tp=tp, ulysses_degree=ulysses,
+            if plan.ring > 1:
+                assume_ring_kernel("cuda:0", cfg.hidden_size // cfg.num_attention_heads)
+            config = EngineConfig(device="cuda:0", attention="sdpa", tp=tp, ulysses_degree=plan.ulysses,
+                                  ring_degree=plan.ring, cfg_parallel=plan.cfg > 1,
                                   quant=None if setup.quant in PREBUILT else setup.quant)
             worker.groups = build_groups(plan, 0)
             worker.engine = open_engine(model, worker_config(config, "cuda:0"), label=setup.label)

@@ -15,6 +15,11 @@ FLOPs, so the 8B DiT runs here, on a CPU-only torch, through the engine's own en
   of a device value (``.item()``, ``bool(t)``) fails naming the op, the tensor and the module, as does any op
   given tensors on two devices or a kernel with no fake implementation.
 
+- threads: torch's dispatch modes are per thread, a CUDA device is per process, so a thread started inside the
+  rehearsal (the server's batcher: its loop and a thread per job) runs under the same modes and tracker; the
+  fake mode keeps state while it runs an op, so torch calls take turns (a lock), and a fake tensor reports
+  its kernel-time "meta" device only to the thread running the op.
+
 ``Tracker`` counts the live CUDA bytes after every op (each storage once, rounded up to the caching
 allocator's 512-byte blocks, freed when its last tensor dies) and keeps the peak and where it happened (op,
 module). It cannot see allocator fragmentation, cuBLAS / attention workspaces, or the CUDA context: see
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import weakref
 from typing import List, Optional, Tuple
 
@@ -40,6 +46,8 @@ GiB = 2 ** 30
 ALLOC_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
 _FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
 _TO_COPY = torch.ops.aten._to_copy.default
+_TO_DEVICE = torch.ops.aten.to.device
+_TO_DTYPE_LAYOUT = torch.ops.aten.to.dtype_layout
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default)
 
 
@@ -75,13 +83,15 @@ class Tracker:
         self._seen = {}  # id(storage) -> rounded bytes
         self.modules: List[str] = []  # the module stack (names), for "where"
         self.op = ""
+        self._lock = threading.Lock()  # the batcher's threads allocate and free too
 
     def _gone(self, key: int, host: bool) -> None:
-        n = self._seen.pop(key, 0)
-        if host:
-            self.host -= n
-        else:
-            self.live -= n
+        with self._lock:
+            n = self._seen.pop(key, 0)
+            if host:
+                self.host -= n
+            else:
+                self.live -= n
 
     def track(self, out, op: str) -> None:
         for t in tree_flatten(out)[0]:
@@ -94,18 +104,19 @@ class Tracker:
     def _add(self, t, host: bool, op: str) -> None:
         st = t.untyped_storage()
         key = id(st)
-        if key in self._seen:
-            return
-        n = _round(st.nbytes())
-        self._seen[key] = n
-        weakref.finalize(st, self._gone, key, host)
-        if host:
-            self.host += n
-            self.host_peak = max(self.host_peak, self.host)
-            return
-        self.live += n
-        if self.live > self.peak.bytes:
-            self.peak = Peak(self.live, op, self.modules[-1] if self.modules else "")
+        with self._lock:
+            if key in self._seen:
+                return
+            n = _round(st.nbytes())
+            self._seen[key] = n
+            weakref.finalize(st, self._gone, key, host)
+            if host:
+                self.host += n
+                self.host_peak = max(self.host_peak, self.host)
+                return
+            self.live += n
+            if self.live > self.peak.bytes:
+                self.peak = Peak(self.live, op, self.modules[-1] if self.modules else "")
 
     def reset_peak(self) -> None:
         self.peak = Peak(self.live, "(start)", "")
@@ -121,19 +132,28 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat = tree_flatten((args, kwargs))[0]
-        fake = self.r.forcing or any(isinstance(a, FakeTensor) for a in flat) or _names_cuda(kwargs.get("device"))
+        fake = self.r.forcing or any(isinstance(a, FakeTensor) or _names_cuda(a) for a in flat)
         if not fake:
             with _without_fake():
                 return func(*args, **kwargs)
-        if func is _TO_COPY and not self.r.forcing and isinstance(args[0], FakeTensor) and args[0].device.type == "cuda" \
-                and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
+        with self.r.lock:  # FakeTensorMode keeps per-instance state while it runs an op: one thread at a time
+            return self._fake(func, flat, args, kwargs)
+
+    def _fake(self, func, flat, args, kwargs):
+        target = _copy_target(func, args, kwargs)
+        if target is not None and not self.r.forcing and isinstance(args[0], FakeTensor) and args[0].device.type == "cuda" \
+                and torch.device(target[0]).type == "cpu":
             with _without_fake():  # a device -> host copy: the host gets zeros of the shape (the loop goes on)
-                return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+                return torch.zeros(args[0].shape, dtype=target[1] or args[0].dtype)
+        if func in _SCALAR_READS and self.r.answers is not None:  # a read the caller expects and accepts
+            self.r.answers.append(f"{func} of {', '.join(describe_tensor(a) for a in flat if isinstance(a, torch.Tensor))} "
+                                  f"in {self.r.where()}")
+            return True
         if func in _SCALAR_READS:
             raise RehearsalError(f"{func}: a host read of a device value ({', '.join(describe_tensor(a) for a in flat if isinstance(a, torch.Tensor))}) "
                                  f"in {self.r.where()}: a device sync on the GPU, and a trace cannot know the value")
-        try:
-            out = func(*args, **kwargs)
+        try:  # Tensor.to under inference_mode: its composite, so the fake mode sees the _to_copy it is
+            out = func.decompose(*args, **kwargs) if target is not None and func is not _TO_COPY else func(*args, **kwargs)
         except RehearsalError:
             raise
         except Exception as e:  # a device / dtype mismatch, a kernel with no fake implementation
@@ -144,8 +164,21 @@ class _Dispatch(TorchDispatchMode):
         return out
 
 
-def _names_cuda(device) -> bool:
-    return device is not None and torch.device(device).type == "cuda"
+def _names_cuda(a) -> bool:
+    return isinstance(a, torch.device) and a.type == "cuda"
+
+
+def _copy_target(func, args, kwargs) -> Optional[tuple]:
+    """(device, dtype) a copy op sends its tensor to, or None. Under ``inference_mode`` (the batcher's threads)
+    ``Tensor.to`` reaches the mode as ``aten.to`` with positional arguments, not as ``_to_copy``."""
+    if func is _TO_COPY or func is _TO_DTYPE_LAYOUT:
+        device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    elif func is _TO_DEVICE:
+        device = args[1] if len(args) > 1 else kwargs.get("device")
+        dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    else:
+        return None
+    return None if device is None else (device, dtype)
 
 
 @contextlib.contextmanager
@@ -162,8 +195,15 @@ class _FusedSDPA(TorchFunctionMode):
     """SDPA on fake CUDA tensors as the GPU runs it: the flash kernel without a mask, the memory-efficient one
     with a mask (their own ops, whose fake kernels allocate what the kernels allocate), never the math path."""
 
+    def __init__(self, lock=None):
+        super().__init__()
+        self.lock = lock or contextlib.nullcontext()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        with self.lock:  # threads take turns per torch call: a fake tensor reports "meta" while any thread's op runs
+            return self._call(func, args, kwargs or {})
+
+    def _call(self, func, args, kwargs):
         if func is F.scaled_dot_product_attention and isinstance(args[0], FakeTensor) and args[0].device.type == "cuda":
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -191,6 +231,25 @@ def _data_keeps_device():
         yield
     finally:
         del FakeTensor.data
+
+
+@contextlib.contextmanager
+def _device_per_thread(lock):
+    """A fake tensor reports device "meta" while its mode runs a kernel (a flag of the mode, not of a thread):
+    another thread reading ``t.device`` meanwhile would get "meta". Only the thread running the op (it holds
+    the rehearsal's lock) sees that."""
+    prop = FakeTensor.__dict__["device"]
+
+    def device(self):
+        if self.fake_mode.in_kernel_invocation and lock._is_owned():
+            return torch.device("meta")
+        return self.fake_device
+
+    FakeTensor.device = property(device)
+    try:
+        yield
+    finally:
+        FakeTensor.device = prop
 
 
 class FakeStream:
@@ -294,6 +353,8 @@ class Rehearsal:
         self.tracker = Tracker()
         self.runtime = FakeRuntime(self, card_bytes, capability)
         self.forcing = False
+        self.answers: Optional[List[str]] = None  # see answering()
+        self.lock = threading.RLock()
         self._stack = contextlib.ExitStack()
         self._names = {}
 
@@ -305,6 +366,17 @@ class Rehearsal:
         return self.tracker.modules[-1] if self.tracker.modules else "(outside any module)"
 
     @contextlib.contextmanager
+    def answering(self):
+        """Host reads of a device value answered True (a check that finds nothing wrong) instead of failing,
+        each listed in the yielded list: for a path whose checks read the device by design, so that the
+        trace goes on and says which reads it answered."""
+        old, self.answers = self.answers, []
+        try:
+            yield self.answers
+        finally:
+            self.answers = old
+
+    @contextlib.contextmanager
     def all_fake(self):
         """Every op fake, CPU ones too (weights of the 8B shape built on the host: no real 16 GB)."""
         old, self.forcing = self.forcing, True
@@ -313,13 +385,35 @@ class Rehearsal:
         finally:
             self.forcing = old
 
+    @contextlib.contextmanager
+    def _modes(self):
+        with self._fake, _Dispatch(self), _FusedSDPA(self.lock):
+            yield
+
+    @contextlib.contextmanager
+    def _threads_inherit(self):
+        """Threads started inside the rehearsal run under its modes (they are thread-local in torch)."""
+        run = threading.Thread.run
+        rehearsal = self
+
+        def run_rehearsed(thread):
+            with rehearsal._modes():
+                run(thread)
+
+        threading.Thread.run = run_rehearsed
+        try:
+            yield
+        finally:
+            threading.Thread.run = run
+
     def __enter__(self) -> "Rehearsal":
         s = self._stack
-        s.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        s.enter_context(_Dispatch(self))
-        s.enter_context(_FusedSDPA())
+        self._fake = FakeTensorMode(allow_non_fake_inputs=True)
+        s.enter_context(self._modes())
+        s.enter_context(self._threads_inherit())
         s.enter_context(device_rt.using(self.runtime))
         s.enter_context(_data_keeps_device())
+        s.enter_context(_device_per_thread(self.lock))
         from torch.nn.modules import module as nn_module
 
         def pre(mod, args):

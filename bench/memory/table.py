@@ -54,17 +54,26 @@ ROWS: List[Tuple[Setup, str]] = [
     (Setup("Base bf16, LoRA r32 (merged, restore copy)", lora_rank=32, lora_restore="copy"), ""),
     (Setup("Base fp8, LoRA r32 (side path)", quant="fp8", lora_rank=32), ""),
     (Setup("Base bf16, compile (eager fallback)", compile=True), ""),
+    (Setup("Base bf16, ComfyUI MODEL call (CFG batch 2)", comfy=True), ""),
     (Setup("Base bf16, TP 2 (per rank)", tp=2), ""),
     (Setup("Base bf16, TP 4 (per rank)", tp=4), ""),
     (Setup("Base bf16, Ulysses 2 (per rank)", ulysses=2), ""),
     (Setup("Base bf16, Ulysses 4 (per rank)", ulysses=4), ""),
     (Setup("Base bf16, TP 2 x Ulysses 2 (per rank)", tp=2, ulysses=2), ""),
+    (Setup("Base bf16, Ring 2 (per rank)", ring=2), ""),
+    (Setup("Base bf16, Ring 4 (per rank)", ring=4), ""),
+    (Setup("Base bf16, Ring 2 x Ulysses 2 (per rank)", ring=2, ulysses=2), ""),
+    (Setup("Base bf16, CFG parallel 2 (per rank)", cfg_parallel=2), ""),
     (Setup("Turbo bf16", model="turbo"), ""),
     (Setup("Turbo fp8", model="turbo", quant="fp8"), ""),
     (Setup("Turbo ComfyUI nvfp4", model="turbo", quant="nvfp4"), "community: Turbo NVFP4 in about 4.8 GB"),
     (Setup("Turbo GGUF Q4_K, offload 2 buffers", model="turbo", quant="q4_k", offload="layerwise"), ""),
     (Setup("Turbo bf16, batch 4", model="turbo", batch=4), "SGLang's ERNIE article: RTX 4090 24 GB, Batch=4 (Turbo)"),
     (Setup("Turbo fp8, batch 4", model="turbo", quant="fp8", batch=4), ""),
+    (Setup("Turbo bf16, served batch of 4 jobs", model="turbo", served=4), ""),
+    (Setup("Turbo bf16, served batch of 8 jobs (sgld serve's --max-batch)", model="turbo", served=8), ""),
+    (Setup("Base bf16, served 4 jobs (CFG: 8 rows)", served=4), ""),
+    (Setup("Base fp8, served 4 jobs (CFG: 8 rows)", quant="fp8", served=4), ""),
 ]
 
 
@@ -116,8 +125,9 @@ def table(layers: int = 36, rows=ROWS, pixels=PIXELS, log=print) -> str:
         for card in CARDS[:4]:
             for px in pixels:
                 p = auto_card(card, px, layers=layers, quant=quant)
-                at_run = "layer-wise offload (" + p.notes[-1].split(": switched")[0].removeprefix("offload auto: ") + ")" \
-                    if auto_switched(p) else "as loaded"
+                switched = [n for n in p.notes if "switched to layer-wise offload" in n]
+                at_run = ("layer-wise offload (" + switched[0].split(": switched")[0].removeprefix("offload auto: ") + ")"
+                          if switched else "as loaded")
                 lines.append(f"| {card} GB | {quant or 'bf16'} | {px}² | {p.notes[0]} | {at_run} | {p.peak_gib:.2f} | "
                              f"{'yes' if fits(p.peak_bytes, card) else 'NO'} |")
     return "\n".join(lines)

@@ -109,6 +109,9 @@ class BlockContext:
     # tokens of this rank's sequence chunk that are real (sequence parallel pads the sequence to a multiple
     # of the ranks; the cache's distance leaves the padding out); None = all
     valid_tokens: Optional[int] = None
+    # key_mask on the host when the lengths were given there (ring attention reads its blocks' valid lengths
+    # from it without a device sync); None otherwise
+    key_mask_host: Optional[torch.Tensor] = None
 
 
 def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -218,11 +221,16 @@ class ErnieImageTransformer(nn.Module):
         modulation = (mod[0], 1 + mod[1], mod[2], mod[3], 1 + mod[4], mod[5])
 
         rope = self.rope(text_lens, t_max, gh, gw, dtype, h.device)
-        key_mask = None
-        if padded:
+        key_mask = key_mask_host = None
+        if padded and lens_given.device.type == "cpu":  # made on the host, copied: no read of a device value
+            key_mask_host = torch.ones(b, n_img + t_max, dtype=torch.bool)
+            key_mask_host[:, n_img:] = torch.arange(t_max)[None] < lens_given.long().expand(b)[:, None]
+            key_mask = key_mask_host.to(h.device)
+        elif padded:
             key_mask = torch.ones(b, n_img + t_max, dtype=torch.bool, device=h.device)
             key_mask[:, n_img:] = torch.arange(t_max, device=h.device)[None] < text_lens[:, None]
-        ctx = BlockContext(modulation, rope, key_mask, self.attention, n_img, (gh, gw), temb)
+        ctx = BlockContext(modulation, rope, key_mask, self.attention, n_img, (gh, gw), temb,
+                           key_mask_host=key_mask_host)
         return h, ctx
 
     def rope(self, text_lens: torch.Tensor, t_max: int, gh: int, gw: int, dtype, device) -> tuple:
@@ -299,7 +307,7 @@ def chunk_context(ctx: BlockContext, pad: int, chunk: slice, attention: Callable
     tokens, ``attention`` over the whole sequence (it holds the key mask)."""
     cos, sin = (F.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t for t in ctx.rope)
     return replace(ctx, rope=(cos[:, chunk], sin[:, chunk]), key_mask=None, attention=attention,
-                   valid_tokens=valid_tokens)
+                   valid_tokens=valid_tokens, key_mask_host=None)
 
 
 FAMILY = register(Family(

@@ -13,7 +13,8 @@ A family's model follows one contract (ERNIE-Image's is the reference, engine/mo
   as ``block(h, ctx)`` and its attention calls ``ctx.attention(q, k, v, ctx.key_mask)`` ([B, S, H, D]);
   ``model.attention`` is the callable embed puts in the context, ``model.dtype`` the compute dtype;
 * ``ctx`` (``context_class``) has the fields the generic layers read: ``key_mask``, ``attention``,
-  ``valid_tokens``; ``join_contexts`` makes one context for several jobs' rows (served batching) and
+  ``valid_tokens`` (and, optionally, ``key_mask_host``: the key mask on the host, from which sequence
+  parallel's Ring reads its blocks' lengths without a device sync); ``join_contexts`` makes one context for several jobs' rows (served batching) and
   ``chunk_context`` the context of one rank's chunk of the sequence (sequence parallel).
 """
 from __future__ import annotations

@@ -108,7 +108,7 @@ class ParallelModel:
             patching.detach(self.model, TP)
             self.tp = None
 
-    def _sp_attention(self, full_mask: Optional[torch.Tensor], chunk: int):
+    def _sp_attention(self, full_mask: Optional[torch.Tensor], chunk: int, host_mask: Optional[torch.Tensor] = None):
         plan, g = self.plan, self.groups
         ulysses, ring = plan.ulysses, plan.ring
         ring_index = g.coords[1]
@@ -116,7 +116,9 @@ class ParallelModel:
         backend = AttentionBackend.chosen(self.model)  # ring's blocks: its kernel with log-sum-exp, where it has one
         span = ulysses * chunk  # tokens of one ring position (a ulysses group's sequence)
         masks = [None if full_mask is None else full_mask[:, j * span:(j + 1) * span] for j in range(ring)]
-        blocks = [block_lens(m) for m in masks] if ring > 1 else None
+        # each ring position's valid keys, from the host copy of the mask when the family gives one (else a sync)
+        read = masks if host_mask is None else [host_mask[:, j * span:(j + 1) * span] for j in range(ring)]
+        blocks = [block_lens(m) for m in read] if ring > 1 else None
 
         @torch.compiler.disable
         def attention(q, k, v, key_mask=None):
@@ -161,14 +163,18 @@ class ParallelModel:
         chunk = math.ceil(seq / plan.sp)
         pad = chunk * plan.sp - seq
         full_mask = ctx.key_mask
+        host_mask = getattr(ctx, "key_mask_host", None) if full_mask is not None else None
         if pad:
             h = F.pad(h, (0, 0, 0, pad))
             if full_mask is None:
                 full_mask = torch.ones(b, seq, dtype=torch.bool, device=h.device)
+                host_mask = torch.ones(b, seq, dtype=torch.bool)
             full_mask = F.pad(full_mask, (0, pad), value=False)
+            if host_mask is not None:
+                host_mask = F.pad(host_mask, (0, pad), value=False)
         k = g.coords[1] * plan.ulysses + g.coords[2]
         sl = slice(k * chunk, (k + 1) * chunk)
-        local_ctx = family_of(model).chunk_context(ctx, pad, sl, self._sp_attention(full_mask, chunk),
+        local_ctx = family_of(model).chunk_context(ctx, pad, sl, self._sp_attention(full_mask, chunk, host_mask),
                                                    max(0, min(chunk, seq - k * chunk)))
         h_local = model.block_runner(model, h[:, sl].contiguous(), local_ctx)
         parts = [torch.empty_like(h_local) for _ in range(plan.sp)]
