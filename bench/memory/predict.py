@@ -58,6 +58,15 @@ class Setup:
     ring: int = 1  # Ring attention sequence parallel degree
     cfg_parallel: int = 1  # 2: a rank holds one CFG branch
 
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.ulysses * self.ring * self.cfg_parallel
+
+    @property
+    def rows(self) -> int:
+        """Samples in one forward on one process (CFG branches count): a served batch's jobs joined, or the batch."""
+        return (self.served or self.batch) * (2 if self.model == "base" else 1)
+
 
 @dataclasses.dataclass
 class Prediction:
@@ -168,7 +177,7 @@ def predict_cached(setup: Setup, pixels: int, layers: int = 36) -> Prediction:
 
 def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
             prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
-    if setup.tp * setup.ulysses * setup.ring * setup.cfg_parallel > 1:
+    if setup.ranks > 1:
         return predict_parallel(setup, pixels, layers, prompt_tokens)
     cfg = ErnieImageConfig(num_layers=layers)
     with Rehearsal(int(card_gb * GiB)) as r:
