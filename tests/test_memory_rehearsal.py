@@ -91,6 +91,18 @@ def test_auto_offload_fits_each_card(card, quant, pixels):
         assert table.auto_switched(p) == (card == 12 and pixels == 2048), p.notes
 
 
+@pytest.mark.parametrize("pixels", [1024, 2048])
+def test_the_server_admits_what_fits_a_24_gb_card(pixels):
+    """``sgld serve`` (max batch 8) on a 24 GB card with bf16 weights and eight Turbo jobs at once: at 1024² all
+    eight share each forward; at 2048² (eight would need 32 GiB) the batcher admits by bytes, so fewer share a
+    forward and the peak fits the card (36 blocks: the real bytes)."""
+    setup = next(s for s, _ in table.ROWS if s.card_free_gib)
+    p = predict.predict(setup, pixels)
+    assert table.fits(p.peak_bytes, 24), (p.peak_gib, p.notes)
+    held = [n for n in p.notes if n.startswith("admission by bytes")]
+    assert bool(held) == (pixels == 2048), p.notes
+
+
 def test_auto_moves_a_resident_model_for_a_larger_image_with_its_lora():
     """The switch itself on two blocks of the release width and a 4 GiB card: resident at load; a 2048² call
     needs more than is left, so the blocks move to host memory first (a LoRA side path on fp8 re-attached); the

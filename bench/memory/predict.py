@@ -57,6 +57,7 @@ class Setup:
     ulysses: int = 1  # Ulysses sequence parallel degree
     ring: int = 1  # Ring attention sequence parallel degree
     cfg_parallel: int = 1  # 2: a rank holds one CFG branch
+    card_free_gib: float = 0.0  # the fake card's free memory (0: predict's ``card_gb``); "auto" and admission read it
 
     @property
     def ranks(self) -> int:
@@ -180,7 +181,7 @@ def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
     if setup.ranks > 1:
         return predict_parallel(setup, pixels, layers, prompt_tokens)
     cfg = ErnieImageConfig(num_layers=layers)
-    with Rehearsal(int(card_gb * GiB)) as r:
+    with Rehearsal(int((setup.card_free_gib or card_gb) * GiB)) as r:
         decision = None
         if setup.offload == "auto":  # as the router decides for a file: before loading, from the bytes at rest
             with r.all_fake():
@@ -212,18 +213,20 @@ def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
         steps = len(CACHE_MASK) if setup.cache else BASE_STEPS
         reads = []
         if setup.comfy:
-            reads = _comfy_call(r, eng, latent, cond[0], uncond[0] if uncond else None)
+            reads = [f"host read answered: {x}" for x in _comfy_call(r, eng, latent, cond[0], uncond[0] if uncond else None)]
         elif setup.served:
-            _serve(eng, setup.served, latent[0], cond[0], uncond[0] if uncond else None, steps, base)
+            joined = _serve(eng, setup.served, latent[0], cond[0], uncond[0] if uncond else None, steps, base)
+            assert setup.card_free_gib or joined == setup.rows, f"{setup.served} jobs were joined {joined} samples a forward"
+            reads = [] if joined == setup.rows else [f"admission by bytes: {joined:g} samples a forward (of {setup.rows})"]
         else:
             eng.sample(latent, cond, uncond, steps=steps, cfg=BASE_CFG if base else 1.0, seed=0, cache=cache)
         if setup.cache:
             mask = eng.last_run.step_mask
             assert not all(mask) and any(mask), f"the cached run computed {mask}: expected a cached and a computed call"
         peak = r.tracker.peak
-        # the load's decision first, then what a call changed (offload "auto" at the image's size)
-        notes = ([decision[1]] if decision else []) + list(eng.warnings) + list(eng.last_run.warnings) \
-            + [f"host read answered: {x}" for x in reads]
+        # the load's decision first, then what a call changed (offload "auto" at the image's size), what the
+        # trace answered or the server's admission did
+        notes = ([decision[1]] if decision else []) + list(eng.warnings) + list(eng.last_run.warnings) + reads
         return Prediction(setup, pixels, peak.bytes, weights, f"{peak.module}: {peak.op}", r.tracker.host_peak, notes)
 
 
@@ -302,7 +305,8 @@ def _comfy_call(r: Rehearsal, eng, latent, cond, uncond) -> list:
 def _serve(eng, jobs: int, latent, cond, uncond, steps: int, base: bool) -> None:
     """``jobs`` runs submitted at once to the server's ``Batcher`` (its default ``max_batch`` 8, CFG branches
     counted), as ``sgld serve`` runs them: each job's sampling loop in a thread of its own, their model calls
-    joined in one forward (``joint_velocity``) by the batcher's loop thread. Asserts they were joined."""
+    joined in one forward (``joint_velocity``) by the batcher's loop thread, as many as its admission (``max_batch``,
+    the device memory beside the weights) lets in. Returns the mean samples a forward."""
     from engine.serve.batcher import Batcher, Job
 
     batcher = Batcher(eng, max_batch=8)
@@ -311,8 +315,7 @@ def _serve(eng, jobs: int, latent, cond, uncond, steps: int, base: bool) -> None
                                        for i in range(jobs)])
         for f in futures:
             f.result()
-        joined = futures[0].run_stats["samples_per_forward"]
-        assert joined == jobs * (2 if base else 1), f"{jobs} jobs were joined {joined} samples a forward"
+        return batcher.stats()["samples_per_forward"]
     finally:
         batcher.close()
 

@@ -74,6 +74,8 @@ ROWS: List[Tuple[Setup, str]] = [
     (Setup("Turbo bf16, served batch of 8 jobs (sgld serve's --max-batch)", model="turbo", served=8), ""),
     (Setup("Base bf16, served 4 jobs (CFG: 8 rows)", served=4), ""),
     (Setup("Base fp8, served 4 jobs (CFG: 8 rows)", quant="fp8", served=4), ""),
+    (Setup("Turbo bf16, served 8 jobs on a 24 GB card (admission by bytes)", model="turbo", served=8,
+           card_free_gib=24 - 1.5), ""),  # the card less the desktop and the CUDA context (DESKTOP_GIB, CONTEXT_GIB)
 ]
 
 
