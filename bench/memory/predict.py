@@ -25,6 +25,7 @@ from engine.features.cache import CacheConfig  # noqa: E402
 from engine.features.lora.formats import LoRAEntry, LoRAFile  # noqa: E402
 from engine.features.offload import choose_offload  # noqa: E402
 from engine.features.quant import get_format, parse_format  # noqa: E402
+from engine.features.quant.comfy.int4 import rotation_for  # noqa: E402
 from engine.loading import estimate_bytes  # noqa: E402
 from engine.models import family_of  # noqa: E402
 from engine.models.ernie_image import ErnieImageTransformer  # noqa: E402
@@ -33,7 +34,9 @@ from engine.models.ernie_image_config import ErnieImageConfig  # noqa: E402
 PROMPT_TOKENS = 256  # a prompt-enhanced ERNIE-Image prompt (the PE writes a paragraph); the negative "" is 1 token
 BASE_CFG, BASE_STEPS = 4.0, 1  # every step of a run has the same memory (offload's buffers are made in the first)
 CACHE_MASK = "1010"  # Cache-DiT with a static mask: call 0 computed, call 1 cached, calls 2-3 computed
-PREBUILT = ("q4_k", "q8_0")  # formats whose quantizer is numpy (a real file's bytes): built from their stored shape
+# formats built from a file's stored tensors (their shapes and dtypes): GGUF's quantizer is numpy; comfy-kitchen's
+# W4A8 picks its codebook from the data; AWQ has no quantizer at all (calibrated offline: files only)
+PREBUILT = ("q4_k", "q8_0", "asym-w4a8-int8", "awq-w4a16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,16 +101,32 @@ def _build(r: Rehearsal, cfg: ErnieImageConfig, device: str, quant: Optional[str
 
 
 def _prebuild(model: torch.nn.Module, quant: str) -> None:
-    """A GGUF file's layers: the stored uint8 blocks of each block linear, in the format's own module."""
-    name, _ = parse_format(quant)
+    """A quantized file's layers: each block linear as the format's module over the tensors a file stores."""
+    try:
+        name, _ = parse_format(quant)
+    except ValueError:  # a format only files have (no quantize option: AWQ)
+        name = quant
     fmt = get_format(name)
     family = family_of(model)
     for layer, mod in list(model.named_modules()):
         if family.is_block_linear(layer) and isinstance(mod, torch.nn.Linear):
-            shape = tuple(mod.weight.shape)
-            raw = torch.empty(fmt.weight_bytes(shape, 0, torch.bfloat16), dtype=torch.uint8)
             parent, _, leaf = layer.rpartition(".")
-            setattr(model.get_submodule(parent), leaf, fmt.from_stored({"weight": raw, "shape": shape}))
+            setattr(model.get_submodule(parent), leaf, fmt.from_stored(_stored(name, tuple(mod.weight.shape))))
+
+
+def _stored(name: str, shape: tuple) -> dict:
+    """What a file of format ``name`` stores for one [out, in] layer (docs/quantization.md), as the reader hands it over."""
+    out, cols = shape
+    if name == "asym-w4a8-int8":  # 4-bit values, an fp8 scale per 16 inputs, a channel scale, a 16-entry codebook
+        return {"weight": torch.empty(out, cols // 2, dtype=torch.int8),
+                "weight_s_rel": torch.empty(out, cols // 16, dtype=torch.float8_e4m3fn),
+                "weight_s_channel": torch.empty(out), "weight_codebook": torch.empty(16),
+                "params": {"group": 16, "rotation": rotation_for(cols)}}
+    if name == "awq-w4a16":  # 4-bit values, a scale and a zero point per 64 inputs and output
+        return {"weight": torch.empty(out, cols // 2, dtype=torch.int8), "weight_scale": torch.empty(cols // 64, out),
+                "weight_zeros": torch.empty(cols // 64, out), "params": {"group": 64}}
+    fmt = get_format(name)  # GGUF: the stored uint8 blocks
+    return {"weight": torch.empty(fmt.weight_bytes(shape, 0, torch.bfloat16), dtype=torch.uint8), "shape": shape}
 
 
 def _lora(model: torch.nn.Module, rank: int) -> LoRAFile:
