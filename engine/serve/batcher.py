@@ -15,22 +15,13 @@ each sample with the shapes it has alone) and hands every job its velocity. So a
 ``Engine.sample`` of the same job alone, bit for bit on this CPU, also while batched (tests/test_batcher.py
 measures it; on a GPU the batched GEMMs may round differently: fp32 tolerance, stated there).
 
-Per-request Cache-DiT: a job whose cache is on (its ``cache``, else the engine's: the server's flags', else
-the SGLANG_CACHE_DIT_* environment as it was at the start) gets its own ``DBCacheRunner`` (its preset's step
-mask over its own model calls, its residuals, its TaylorSeer table). In the joined forward each runner decides
-for its job's rows after its first ``fn`` blocks; the rows of a job whose step is cached get its saved residual and skip the middle blocks, which
-run on the other rows only (the arithmetic of ``DBCacheRunner.__call__``, phase by phase, on the job's own
-rows): the same latent and step mask as its run alone. ``max_batch`` bounds the samples (CFG branches
-count) of all running jobs together, so no forward holds more; on a GPU their activations together (the model
-family's estimate of each job's, with offload "auto"'s margin) stay within the memory free beside the weights
-when the batcher starts (``LocalRunner.activation_room``): a job waits for room, one that alone needs more runs
-alone.
-
-Per-request LoRAs: a job's ``lora_set`` [(path or LoRAFile, strength)] (None: the engine's own set) is read
-through the batcher's ``RowLoRAs`` cache (engine/features/lora/rows.py) and, minus the engine's merged set, is
-applied on the job's rows only by the side path, the base weights untouched; jobs with different sets share
-each forward. ``max_loras`` bounds the distinct LoRAs of the running jobs together (so of one forward): a job
-that would pass it waits until enough leave (one that alone passes it is refused at submit).
+Per-request Cache-DiT: a job whose cache is on (its ``cache``, else the engine's) gets its own ``DBCacheRunner``,
+which decides for its job's rows inside the joined forward: the same latent and step mask as its run alone.
+Per-request LoRAs: a job's ``lora_set`` (None: the engine's own set), minus the merged set, runs on its rows only
+by the side path (``RowLoRAs``, engine/features/lora/rows.py). Admission, FIFO: ``max_batch`` bounds the samples
+(CFG branches count) of the running jobs, ``max_loras`` their distinct LoRAs, and on a GPU the model family's
+estimate of their activations the memory free beside the weights (``LocalRunner.activation_room``); a job waits
+for room, one that alone passes a bound runs alone (or, for LoRAs, is refused at submit). docs/serve.md has more.
 
 Several ranks (an engine whose forward is ``RankedRunner``): the ranks keep one run at a time, so the
 batcher admits one job at a time there (no batching; same results as ``Engine.sample``).
