@@ -333,8 +333,7 @@ class Engine:
         self.last_run = prepared.stats
         if not prepared.steps:
             return prepared.latent.clone()
-        tokens = max(int(t.shape[0]) for t in prepared.cond + (prepared.uncond or []))
-        moved = self.make_room((prepared.rows,) + tuple(prepared.latent.shape[1:]), tokens)
+        moved = self.make_room(prepared.call_shape, prepared.text_tokens)
         if moved:
             prepared.stats.warnings.append(moved)
         with torch_threads(self.threads):
@@ -369,6 +368,16 @@ class Run:
     def rows(self) -> int:
         """Samples in each model call (CFG branches count)."""
         return self.latent.shape[0] * (2 if self.cfg_batched else 1)
+
+    @property
+    def call_shape(self) -> tuple:
+        """The x of each model call: [rows, C, h, w]."""
+        return (self.rows,) + tuple(self.latent.shape[1:])
+
+    @property
+    def text_tokens(self) -> int:
+        """The padded text length of each model call (the longest prompt or negative)."""
+        return max(int(t.shape[0]) for t in self.cond + (self.uncond or []))
 
 
 class ModelCalls:

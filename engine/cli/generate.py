@@ -307,7 +307,7 @@ def check_generate_args(args) -> tuple:
     run = from_flags(args, model_source(args), SAMPLING)
     shift = release_shift(args)
     if args.shift is None and shift is not None:
-        run["shift"] = shift  # the release's scheduler config, as ErnieImagePipeline reads it
+        run["shift"] = shift  # the release's scheduler config, as the family's diffusers pipeline reads it
     check_pe_args(args)
     if args.out is None:
         args.out = output_name(args, run) if args.save_output else DEFAULT_OUT

@@ -222,13 +222,12 @@ class ErnieImageTransformer(nn.Module):
 
         rope = self.rope(text_lens, t_max, gh, gw, dtype, h.device)
         key_mask = key_mask_host = None
-        if padded and lens_given.device.type == "cpu":  # made on the host, copied: no read of a device value
-            key_mask_host = torch.ones(b, n_img + t_max, dtype=torch.bool)
-            key_mask_host[:, n_img:] = torch.arange(t_max)[None] < lens_given.long().expand(b)[:, None]
-            key_mask = key_mask_host.to(h.device)
-        elif padded:
-            key_mask = torch.ones(b, n_img + t_max, dtype=torch.bool, device=h.device)
-            key_mask[:, n_img:] = torch.arange(t_max, device=h.device)[None] < text_lens[:, None]
+        if padded:  # made where the lengths are, then copied (from the host: no read of a device value)
+            where = lens_given.device
+            mask = torch.ones(b, n_img + t_max, dtype=torch.bool, device=where)
+            mask[:, n_img:] = torch.arange(t_max, device=where)[None] < lens_given.long().expand(b)[:, None]
+            key_mask = mask.to(h.device)
+            key_mask_host = mask if where.type == "cpu" else None
         ctx = BlockContext(modulation, rope, key_mask, self.attention, n_img, (gh, gw), temb,
                            key_mask_host=key_mask_host)
         return h, ctx

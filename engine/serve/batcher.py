@@ -47,7 +47,7 @@ from ..features.cache import DBCacheRunner
 from ..features.compile import is_compiled
 from ..features.lora import LoRAError, attach_row_loras, remove_row_loras
 from ..features.lora.rows import DEFAULT_BUDGET_BYTES
-from ..features.offload.auto import CALL_MARGIN
+from ..features.offload.auto import with_margin
 from ..sampling_options import SampleRequest
 from .forward import Call, joint_velocity
 
@@ -254,9 +254,7 @@ class Batcher:
         slot = _Slot(job, concurrent.futures.Future(), run, batched)
         slot.net = net_set
         if self.activation_room is not None and run.steps:
-            tokens = max(int(t.shape[0]) for t in run.cond + (run.uncond or []))
-            estimate = self.engine.runner.activation_bytes((run.rows,) + tuple(run.latent.shape[1:]), tokens)
-            slot.working = int(estimate * (1 + CALL_MARGIN))
+            slot.working = with_margin(self.engine.runner.activation_bytes(run.call_shape, run.text_tokens))
         return slot
 
     def check_loras(self, lora_set) -> list:

@@ -138,7 +138,7 @@ class DBCacheRunner:
         """Begin a model call on hidden states ``h``; returns its index (a new shape starts the state afresh)."""
         i = self.call
         self.call += 1
-        self.valid_tokens, self.device = getattr(ctx, "valid_tokens", None), h.device  # a BlockContext field
+        self.valid_tokens, self.device = getattr(ctx, "valid_tokens", None), h.device  # a field of the family's block context
         if self.shape is not None and tuple(h.shape) != self.shape:  # cannot reuse across shapes
             calls = self.call
             self.reset()

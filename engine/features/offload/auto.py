@@ -69,23 +69,25 @@ def _choose_auto(device, model_bytes: int, free_bytes: Optional[int], resident_b
     return "none", f"auto: {gib(available)} free on {dev} >= model {gib(model_bytes)} + working {gib(need - model_bytes)}"
 
 
+def with_margin(activation_bytes: int) -> int:
+    """A call's activations as the model family estimates them, with ``CALL_MARGIN``."""
+    return int(activation_bytes * (1 + CALL_MARGIN))
+
+
 def call_working_bytes(activation_bytes: int) -> int:
     """What offload "auto" keeps free for a call whose activations the model family estimates at this."""
-    return int(activation_bytes * (1 + CALL_MARGIN)) + CALL_WORKSPACE_BYTES
+    return with_margin(activation_bytes) + CALL_WORKSPACE_BYTES
 
 
-def choose_call_offload(device, activation_bytes: int, free_bytes: Optional[int] = None) -> Tuple[str, str]:
+def choose_call_offload(device, activation_bytes: int) -> Tuple[str, str]:
     """("none" | "layerwise", why) for a call of a model that ``auto`` kept resident: layer-wise when the call's
     working memory (``call_working_bytes``, or SGLD_OFFLOAD_WORKING_GB) exceeds the device's
     free memory now (the weights are already in use there)."""
     dev = torch.device(device)
+    free_bytes = device_rt.free_bytes(dev)
     if free_bytes is None:
-        free_bytes = device_rt.free_bytes(dev)
-        if free_bytes is None:
-            return "none", ""
+        return "none", ""
     env = os.environ.get("SGLD_OFFLOAD_WORKING_GB")
     need = int(float(env) * GiB) if env else call_working_bytes(activation_bytes)
-    gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
-    if free_bytes < need:
-        return "layerwise", f"auto: this call needs {gib(need)} of working memory, {gib(free_bytes)} free on {dev}"
-    return "none", f"auto: this call needs {gib(need)} of working memory, {gib(free_bytes)} free on {dev}"
+    why = f"auto: this call needs {need / GiB:.1f} GiB of working memory, {free_bytes / GiB:.1f} GiB free on {dev}"
+    return ("layerwise" if free_bytes < need else "none"), why

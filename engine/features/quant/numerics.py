@@ -1,7 +1,6 @@
 """What every weight format's layer shares: frozen parameters, the 8-bit scaled GEMM of the dequantized path
 (fp8 and both int8 layers), per-row activation quantization and row-wise products in chunks, and the relative
-error the tests and benchmarks report. Each format's own numerics
-live in its package (fp8/, int4/, int8/, gguf/)."""
+error the tests and benchmarks report. Each format's own numerics live in its package (fp8/, int4/, int8/, gguf/)."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
