@@ -413,6 +413,11 @@ def test_sample_and_generations_share_one_admission(strict):
         with pytest.raises(openai.RateLimitError) as e:
             generate(strict, "x", 2, 4, api_key=KEY)
         assert e.value.code == "queue_full"
+        # the cheap check first (issue 44 item 6): a full server's 429 comes before any LoRA is named or read
+        more = save({"latent": torch.zeros(48, 16, 16), "cond": cond}, metadata={"sgld": json.dumps(
+            {"seed": 1, "steps": 2, "cfg": 1.0, "loras": [{"name": "style.safetensors"}]})})
+        r = requests.post(strict.base + "/sample", data=more, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
     finally:
         stream.close()
     strict.wait_metric("sgld_images_in_flight", 0, timeout=30)

@@ -123,6 +123,8 @@ BAD = [('"a.safetensors"', "loras"), ('[{"strength": 1}]', "loras[0]"),
        ('[{"name": "a.safetensors", "strength": true}]', "loras[0].strength"),
        ('[{"name": ""}]', "loras[0].name"), ('[{"name": "a.safetensors"}, {"name": "nope.safetensors"}]', "loras[1].name"),
        ('[{"name": "../serve.log"}]', "loras[0].name"), ('[{"name": "a.safetensors"}, {"name": "a.safetensors"}]', "loras"),
+       ('[{"name": "a.safetensors", "strength": 100}, {"name": "./a.safetensors", "strength": 100}]', "loras"),
+       ('[{"name": "a.safetensors"}, {"name": ".//a.safetensors"}]', "loras"),
        (json.dumps([{"name": f"{i}.safetensors"} for i in range(9)]), "loras"),
        ('[{"name": "wrong.safetensors"}]', "loras"),
        (json.dumps([{"name": f"{n}.safetensors"} for n in "abcd"]), "loras")]
@@ -143,3 +145,12 @@ def test_bad_loras_are_400_naming_the_field(server, loras, param):
                       timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert server.healthy()
+
+
+def test_a_nickname_is_never_the_name_of_a_file_in_the_lora_dir(server):
+    """Issue 44 item 10: a nickname ``b.safetensors`` for another file would shadow b.safetensors for every later
+    request: refused, naming lora_nickname; the file's name keeps meaning the file."""
+    r = server.post("/v1/set_lora", {"lora_nickname": "b.safetensors", "lora_path": "c.safetensors"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_nickname", r.text
+    assert "b.safetensors" not in [a["nickname"] for a in requests.get(server.base + "/list_loras", timeout=10)
+                                   .json()["loaded_adapters"]]

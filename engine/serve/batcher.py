@@ -18,10 +18,11 @@ measures it; on a GPU the batched GEMMs may round differently: fp32 tolerance, s
 Per-request Cache-DiT: a job whose cache is on (its ``cache``, else the engine's) gets its own ``DBCacheRunner``,
 which decides for its job's rows inside the joined forward: the same latent and step mask as its run alone.
 Per-request LoRAs: a job's ``lora_set`` (None: the engine's own set), minus the merged set, runs on its rows only
-by the side path (``RowLoRAs``, engine/features/lora/rows.py). Admission, FIFO: ``max_batch`` bounds the samples
-(CFG branches count) of the running jobs, ``max_loras`` their distinct LoRAs, and on a GPU the model family's
-estimate of their activations the memory free beside the weights (``LocalRunner.activation_room``); a job waits
-for room, one that alone passes a bound runs alone (or, for LoRAs, is refused at submit). docs/serve.md has more.
+by the side path (engine/serve/job_loras.py). Admission, in order: ``max_batch`` bounds the samples (CFG branches
+count) of the running jobs, ``max_loras`` their distinct LoRAs, and on a GPU the model family's estimate of their
+activations (and their LoRAs' terms) the memory free beside the weights (``LocalRunner.activation_room``); a job
+waits for room, one that alone passes a bound runs alone (or, for LoRAs, is refused at submit); jobs pass one
+waiting for LoRA room, a bounded number of times. docs/serve.md has more.
 
 Several ranks (an engine whose forward is ``RankedRunner``): the ranks keep one run at a time, so the
 batcher admits one job at a time there (no batching; same results as ``Engine.sample``).
@@ -44,12 +45,11 @@ import torch
 from ..engine import Engine, Run, RunStats
 from ..errors import CacheConfigError, InputError
 from ..features.cache import DBCacheRunner
-from ..features.compile import is_compiled
-from ..features.lora import LoRAError, attach_row_loras, remove_row_loras
 from ..features.lora.rows import DEFAULT_BUDGET_BYTES
 from ..features.offload.auto import with_margin
 from ..sampling_options import SampleRequest
 from .forward import Call, joint_velocity
+from .job_loras import JobLoRAs
 
 
 @dataclass
@@ -89,7 +89,7 @@ class _Slot:
         self.rows = run.rows
         self.bucket = tuple(run.latent.shape[1:])
         self.working = 0  # its activations' device bytes (with offload auto's margin): what admission counts
-        self.net: list = []  # [(LoRAFile, strength)] its rows get on top of the merged set
+        self.net: list = []  # [(CachedLoRA, strength)] its rows get on top of the merged set
         self.forwards, self.forward_samples = 0, 0  # forwards it was in, and their samples together
         self.runner: Optional[DBCacheRunner] = None  # this job's Cache-DiT (local engine)
         self.remote_run = None  # its run on the ranks (remote engine)
@@ -98,6 +98,7 @@ class _Slot:
         self.error: Optional[BaseException] = None  # its forward failed
         self.cancelled = False
         self.waited_for_memory = False
+        self.passed = 0  # jobs admitted before it while it waited for LoRA room
         self.done = False
         self.thread: Optional[threading.Thread] = None
 
@@ -146,7 +147,7 @@ class Batcher:
         self.engine, self.max_batch, self.max_loras = engine, max_batch, max_loras
         self.local = engine.model is not None
         self.activation_room = engine.runner.activation_room() if self.local else None  # None: no byte bound
-        self._lora_budget, self._loras, self._loras_lock = lora_budget_bytes, None, threading.Lock()
+        self._loras = JobLoRAs(engine, max_loras, lora_budget_bytes)
         self._cv = threading.Condition()
         self._queue: deque = deque()
         self._running: List[_Slot] = []
@@ -162,12 +163,14 @@ class Batcher:
     def loras(self):
         """The per-request LoRA cache (``RowLoRAs``, attached to the model when first asked for); None on
         several ranks (they keep one run at a time)."""
-        if not self.local:
-            return None
-        with self._loras_lock:
-            if self._loras is None:
-                self._loras = attach_row_loras(self.engine.model, self._lora_budget)
-            return self._loras
+        return self._loras.cache
+
+    def check_loras(self, lora_set) -> Optional[list]:
+        """A job's [(path or LoRAFile, strength)] as the cache's entries, each named once, checked (from its
+        header: linear-only, within the budget) and read, their count within ``max_loras`` (InputError naming
+        ``loras``). Blocking; a server calls it first and gives its answer as the job's ``lora_set``: ``submit``
+        reads nothing again, and the job holds entries, not the files' data."""
+        return self._loras.check(lora_set)
 
     def submit(self, job: Job) -> concurrent.futures.Future:
         """Queue ``job``; its future gets the final latent ([C, h, w] or [B, C, h, w], as the job's; float32, CPU),
@@ -215,8 +218,7 @@ class Batcher:
         for slot in left:
             if slot.thread is not None:
                 slot.thread.join()
-        if self._loras is not None:  # the per-request LoRAs' terms off the model (their counters stay readable)
-            remove_row_loras(self.engine.model)
+        self._loras.close()
 
     def stats(self) -> dict:
         """queued / running jobs; forwards made; mean samples per forward; steps done (sampler steps of all
@@ -244,7 +246,7 @@ class Batcher:
         if job.on_step is not None and not callable(job.on_step):
             raise InputError(f"a job's on_step must be callable, not {type(job.on_step).__name__}")
         batched = latent.dim() == 4
-        net_set = self.check_loras(job.lora_set)
+        net_set = self._loras.net(job.lora_set)
         try:
             run = self.engine.prepare(dataclasses.replace(job, latent=latent if batched else latent[None],
                                                           cond=_features(job.cond), uncond=_features(job.uncond)))
@@ -256,28 +258,6 @@ class Batcher:
         if self.activation_room is not None and run.steps:
             slot.working = with_margin(self.engine.runner.activation_bytes(run.call_shape, run.text_tokens))
         return slot
-
-    def check_loras(self, lora_set) -> list:
-        """What a job's rows need on top of the merged set (engine/features/lora/rows.py ``net``), checked: each
-        LoRA readable and linear-only, their count within ``max_loras`` (InputError naming ``loras``). Blocking
-        (it may read files); ``submit`` calls it, a server may call it first."""
-        if lora_set is None:
-            return []
-        if not self.local:
-            raise InputError("loras: per-request LoRAs need the model in this process (on several ranks set them for "
-                             "every request with /v1/set_lora)")
-        if is_compiled(self.engine.model):
-            raise InputError("loras: per-request LoRAs do not run on a compiled model (--compile); set them for every "
-                             "request with /v1/set_lora")
-        try:
-            net_set = self.loras.job_set(lora_set)
-        except LoRAError as e:
-            raise InputError(f"loras: {e}") from None
-        if len(net_set) > self.max_loras:
-            raise InputError(f"loras: this job needs {len(net_set)} distinct LoRAs on its rows (its own, and the "
-                             f"engine's active ones taken off), more than the {self.max_loras} one forward carries "
-                             "(sgld serve --max-loras-per-forward)")
-        return net_set
 
     def _on_done(self, future) -> None:
         """A future settled or cancelled (by anyone): forget it; a cancelled running job's thread wakes and
@@ -363,29 +343,41 @@ class Batcher:
                 _settle(slot.future, error=fault)
 
     def _admit(self) -> None:
-        """Queued jobs join FIFO while their samples fit in ``max_batch`` and their activations in the device
-        memory beside the weights (one that alone exceeds either runs when nothing else does); one job at a time
-        on several ranks."""
-        while self._queue and not self._closed:
-            slot = self._queue[0]
+        """Queued jobs join in order while their samples fit in ``max_batch`` and their activations (and their
+        LoRAs' terms) in the device memory beside the weights (one that alone exceeds either runs when nothing
+        else does); one job at a time on several ranks. A job waiting for LoRA room (``max_loras``) lets the jobs
+        behind it join when they fit, at most ``max_batch`` of them: then it is first again (no starvation)."""
+        i = 0
+        while i < len(self._queue) and not self._closed:
+            slot = self._queue[i]
             busy = sum(s.rows for s in self._running)
             if self._running and (not self.local or busy + slot.rows > self.max_batch):
                 return
             if self._running and self.activation_room is not None and \
-                    sum(s.working for s in self._running) + slot.working > self.activation_room:
+                    self._working(self._running + [slot]) > self.activation_room:
                 if not slot.waited_for_memory:
                     slot.waited_for_memory = True
                     self._counts["waited_for_memory"] += 1
                 return
-            distinct = {id(lf) for s in self._running + [slot] for lf, _ in s.net}
-            if self._running and len(distinct) > self.max_loras:
-                return  # its LoRAs wait for the next forward with room
-            self._queue.popleft()
+            if self._running and not self._loras.fits([s.net for s in self._running + [slot]]):
+                if slot.passed >= self.max_batch:
+                    return  # it has waited long enough: nothing passes it now
+                i += 1
+                continue  # its LoRAs wait for a forward with room; the next job may fit
+            del self._queue[i]
+            for waiting in list(self._queue)[:i]:
+                waiting.passed += 1
+            i = 0  # those waiting for LoRA room first again: one may have been passed enough now
             if self.local and slot.run.plan is not None:
                 slot.runner = DBCacheRunner(slot.run.plan, branches=2 if slot.run.cfg_batched else 1)
             slot.thread = threading.Thread(target=self._run_job, args=(slot,), name="sgld-job", daemon=True)
             self._running.append(slot)
             slot.thread.start()
+
+    def _working(self, slots: List[_Slot]) -> int:
+        """The device bytes the jobs' forwards need beside the weights: their activations, and their LoRAs' terms
+        with those resident already."""
+        return sum(s.working for s in slots) + self._loras.device_bytes([s.net for s in slots])
 
     def _next_tick(self) -> Optional[List[_Slot]]:
         """Under the lock: wait until every running job has posted its next model call; the jobs of the tick,
@@ -414,10 +406,12 @@ class Batcher:
             except Exception as e:  # noqa: BLE001 - fails the jobs of this forward only
                 errors.update({id(s): e for s in group})
                 continue
-            answers.update({id(s): answer for s, answer in zip(group, result)})
-            for s in group:
+            live = [s for s, answer in zip(group, result) if not isinstance(answer, BaseException)]
+            for s, answer in zip(group, result):
+                (errors if isinstance(answer, BaseException) else answers)[id(s)] = answer
+            for s in live:
                 s.forwards += 1
-                s.forward_samples += sum(g.rows for g in group)
+                s.forward_samples += sum(g.rows for g in live)
         with self._cv:
             c = self._counts
             c["forwards"] += len(groups)
@@ -432,16 +426,18 @@ class Batcher:
                 c["calls_computed"] += int(s.answer[1])
             self._cv.notify_all()
 
-    def _forward(self, group: List[_Slot]) -> List[tuple]:
-        """(velocity, whether the DiT was computed) for each job of one forward: the joined forward locally
-        (each job's Cache-DiT runner deciding for its own rows), or one job's call on the ranks through its
-        own run."""
+    def _forward(self, group: List[_Slot]) -> list:
+        """(velocity, whether the DiT was computed) for each job of one forward, or the error of a job whose LoRAs
+        could not be made ready (the others' forward runs without it): the joined forward locally (each job's
+        Cache-DiT runner deciding for its own rows), or one job's call on the ranks through its own run."""
         if self.local:
-            keys = self.loras.use([(lf, s.rows) for s in group for lf, _ in s.net]) if any(s.net for s in group) else {}
+            keys, bad = self._loras.ready([(s.net, s.rows) for s in group])
             calls = [Call(s.call.x, s.call.sigma, s.call.text, s.call.lens, s.runner,
-                          {keys[id(lf)]: strength for lf, strength in s.net} or None) for s in group]
-            vs = joint_velocity(self.engine.model, calls, self.engine.device)
-            return [(v, s.runner is None or bool(s.runner.computed[-1])) for s, v in zip(group, vs)]
+                          {keys[e.ident]: strength for e, strength in s.net} or None)
+                     for i, s in enumerate(group) if i not in bad]
+            vs = iter(joint_velocity(self.engine.model, calls, self.engine.device) if calls else ())
+            return [bad[i] if i in bad else (next(vs), s.runner is None or bool(s.runner.computed[-1]))
+                    for i, s in enumerate(group)]
         slot, call = group[0], group[0].call
         if slot.remote_run is None:
             slot.remote_run = self.engine.runner.run(slot.run.plan, cfg_batched=slot.run.cfg_batched)

@@ -1,5 +1,6 @@
 """The LoRA endpoints' state: nicknames and their files (only from --lora-dir, or the --lora flags the server
-started with) and which are active. A change is planned and checked first, then applied whole through
+started with; a nickname is never the name of a file in --lora-dir, so a file's name always means that file)
+and which are active. A change is planned and checked first, then applied whole through
 ``Engine.set_loras`` (which applies the full list or nothing), then recorded."""
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ class Loras:
                 raise bad_field(field, f"{field} has {len(values)} entries for {len(nicknames)} lora_nickname(s)")
         plan = []
         for nickname, path, strength in zip(nicknames, paths, strengths):
+            shadowed = self._file(nickname)
+            if shadowed is not None and (path is None or lora_file(self.lora_dir, path) != shadowed):
+                raise bad_field("lora_nickname", f"lora_nickname '{nickname:.80}' is the name of a file in --lora-dir, "
+                                                 "which requests naming it always get: choose another nickname")
             if path is None:
                 if nickname not in self.files:
                     raise bad_field("lora_path", f"LoRA '{nickname:.80}' is not loaded yet: give its lora_path "
@@ -91,7 +96,7 @@ class Loras:
             return None
         out = []
         for i, (name, strength) in enumerate(loras):
-            real = self.files.get(name)
+            real = self._file(name) or self.files.get(name)  # a file's name always means that file
             if real is None:
                 try:
                     real = lora_file(self.lora_dir, name)
@@ -100,6 +105,13 @@ class Loras:
                                                         "--lora-dir, or a nickname /v1/set_lora gave)") from None
             out.append((real, strength))
         return out
+
+    def _file(self, name: str) -> Optional[str]:
+        """The real path of the file ``name`` names inside --lora-dir, or None (no such file)."""
+        try:
+            return lora_file(self.lora_dir, name) if self.lora_dir else None
+        except ApiError:
+            return None
 
     def listing(self) -> dict:
         """SGLang's list_loras answer; paths as given inside --lora-dir."""

@@ -82,11 +82,11 @@ def sample_router(server) -> APIRouter:
             loop.call_soon_threadsafe(events.put_nowait, {"step": step, "total": total})
         job.on_step = on_step
         samples, draws = admitted_samples(job, server.settings)
-        job.lora_set, job.loras = await server.resolve_loras(job.loras), None  # names -> files, checked (400s)
         held = max(samples, draws)  # while prepared: the noise draws batch_index implies, if more than the samples
-        server.admit(held)
+        server.admit(held)  # a full server's 429 before any file is read
         shared = server.gate.shared()
         try:
+            job.lora_set, job.loras = await server.resolve_loras(job.loras), None  # names -> entries, checked (400s)
             await shared.__aenter__()
             try:
                 future, = await server.submit([job])  # prepared off the event loop

@@ -225,16 +225,16 @@ class ImageServer:
             stop.set()
 
     async def resolve_loras(self, loras) -> Optional[list]:
-        """A request's loras by name -> the job's lora_set [(path, strength)] (None: the active set), every file
-        read and checked against the model now (off the event loop): a 400 naming ``loras`` before any work."""
+        """A request's loras by name -> the job's lora_set (None: the active set): the cache's entries, each
+        checked from its header, then read, against the model now (off the event loop): a 400 naming ``loras``
+        before any work. The job holds the entries, not the files' data."""
         lora_set = self.loras.resolve(loras)
         if lora_set is None:
             return None
         try:
-            await asyncio.to_thread(self.batcher.check_loras, lora_set)
+            return await asyncio.to_thread(self.batcher.check_loras, lora_set)
         except USER_ERRORS as e:
             raise bad_field("loras", str(e)) from None
-        return lora_set
 
     async def submit(self, jobs: List[Job]) -> List[concurrent.futures.Future]:
         """The jobs to the batcher (all checked before any is queued), prepared (checks, noise, mask) in one of

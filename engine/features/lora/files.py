@@ -1,5 +1,6 @@
 """Which LoRAs a caller asked for: ``FILE:STRENGTH`` specs and (path, strength) pairs, checked; and the
-files read against one model, cached by (file, mtime, size) so that asking again before every run is cheap.
+files read against one model, cached by what identifies the file (formats.file_key) so that asking again
+before every run is cheap.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from torch import nn
 
 from ...errors import LoRAError
-from .formats import LoRAFile, LoRATensors, read_lora
+from .formats import LoRAFile, LoRATensors, file_key, read_lora
 
 MAX_CACHED_FILES = 8
 
@@ -46,15 +47,6 @@ def normalize(loras: Optional[Iterable]) -> List[Tuple[object, float]]:
             raise LoRAError(f"{name}: LoRA strength {strength} is not a finite number")
         out.append((path if isinstance(path, (LoRAFile, LoRATensors)) else os.fspath(path), strength))
     return out
-
-
-def file_key(path: str) -> tuple:
-    """What identifies a file's content for the caches: (real path, mtime, size)."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise LoRAError(f"{path}: cannot read the LoRA file ({e.strerror})") from None
-    return (os.path.realpath(path), st.st_mtime_ns, st.st_size)
 
 
 class LoRAFileCache:

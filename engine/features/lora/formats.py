@@ -103,6 +103,7 @@ class LoRAFile:
     formats: Tuple[str, ...] = ()
     metadata: Dict[str, str] = field(default_factory=dict)
     nbytes: int = 0
+    file_key: Optional[tuple] = None  # what identifies the file read (files.file_key); None: held in memory
 
     @property
     def name(self) -> str:
@@ -150,6 +151,9 @@ class LoRATensors:
 
     def shape(self, key) -> tuple:
         return tuple(self.weights[key].shape)
+
+    def dtype(self, key) -> torch.dtype:
+        return self.weights[key].dtype
 
 
 def target_modules(model: nn.Module) -> Dict[str, nn.Module]:
@@ -207,20 +211,38 @@ def _guess_architecture(keys: Sequence[str]) -> str:
 
 
 def _open(source):
-    """(name for messages, reader with keys() / tensors() / metadata, key -> the user's spelling)."""
+    """(name for messages, reader with keys() / tensors() / metadata, key -> the user's spelling, file key)."""
     if isinstance(source, LoRATensors):
-        return source.name, source, lambda k: source.origin.get(k, k)
+        return source.name, source, lambda k: source.origin.get(k, k), None
     path = os.fspath(source)
     try:
-        return path, open_file(path), lambda k: k
+        key = file_key(path) if os.path.isfile(path) else None  # before the read: a file replaced meanwhile
+        return path, open_file(path), lambda k: k, key  # gets a new key next time
     except CheckpointError as e:
         raise LoRAError(str(e)) from None
 
 
-def read_lora(source, model: nn.Module) -> LoRAFile:
+def file_key(path: str) -> tuple:
+    """What identifies a file's content for the caches: its device and inode (every name of it: a link, another
+    spelling of its path), and its times and size (a file replaced, by a rename or by ``cp -p`` keeping its
+    mtime, gets a new inode or ctime)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise LoRAError(f"{path}: cannot read the LoRA file ({e.strerror})") from None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+
+
+def _header_tensors(f, keys) -> Dict[str, torch.Tensor]:
+    """Meta tensors of the header's shapes and dtypes: what a LoRA costs, with no data read."""
+    return {k: torch.empty(f.shape(k), dtype=f.dtype(k), device="meta") for k in keys}
+
+
+def read_lora(source, model: nn.Module, header_only: bool = False) -> LoRAFile:
     """Read a LoRA against ``model``: a .safetensors path, or a ``LoRATensors`` held in memory (tensors stay
-    on the CPU in their dtype)."""
-    path, f, user = _open(source)
+    on the CPU in their dtype). ``header_only``: every check the header allows and the tensors as meta tensors
+    of their shapes and dtypes (alphas unread), so what it costs is known before any data is read."""
+    path, f, user, key = _open(source)
     keys = list(f.keys())
     if not keys:
         raise LoRAError(f"{path}: this LoRA file holds no tensors")
@@ -266,8 +288,9 @@ def read_lora(source, model: nn.Module) -> LoRAFile:
         _check_shapes(path, g, mod_name, wshape, f.shape, user)
         if set(g) & lycoris.PARTS:
             g["lycoris"] = lycoris.check(path, g, mod_name, wshape, f.shape, user)
+    wanted = [k for g in matched.values() for part, k in g.items() if part not in ("fmt", "lycoris")]
     try:
-        tensors = dict(f.tensors([k for g in matched.values() for part, k in g.items() if part not in ("fmt", "lycoris")]))
+        tensors = _header_tensors(f, wanted) if header_only else dict(f.tensors(wanted))
     except CheckpointError as e:
         raise LoRAError(str(e)) from None
     entries: Dict[str, LoRAEntry] = {}
@@ -276,24 +299,24 @@ def read_lora(source, model: nn.Module) -> LoRAFile:
     for prefix, g in matched.items():
         mod_name = kmap[prefix]
         e = LoRAEntry(mod_name)
-        if "alpha" in g:
+        wshape = full_shape(weight_shape(modules[mod_name]), layer_cut(model, mod_name))
+        if "alpha" in g and not header_only:
             e.alpha = float(tensors[g["alpha"]].float().reshape(()))
             if not math.isfinite(e.alpha):
                 raise LoRAError(f"{path}: '{user(g['alpha'])}' is {e.alpha}: a LoRA alpha must be a finite number")
-        if "diff" in g:
-            e.diff, e.fmt = tensors[g["diff"]], "diff"
+        if "diff" in g:  # stored in any shape of the layer's size ([192, 768], flat): as the layer's weight
+            e.diff, e.fmt = tensors[g["diff"]].reshape(wshape), "diff"
         if "up" in g:
             e.up, e.down, e.fmt = tensors[g["up"]], tensors[g["down"]], g.get("fmt", "")
         if "lycoris" in g:
             kind, rank = g["lycoris"]
             parts = {p: tensors[k] for p, k in g.items() if p in lycoris.PARTS}
-            wshape = full_shape(weight_shape(modules[mod_name]), layer_cut(model, mod_name))
             e.lycoris, e.fmt = lycoris.build(kind, rank, parts, e.alpha, wshape), kind
         if e.up is None and e.diff is None and e.lycoris is None:  # an alpha alone
             unmatched.append(user(g["alpha"]))
             continue
         for part, k in g.items():
-            if part in DELTA_PARTS and not all_finite(tensors[k]):
+            if part in DELTA_PARTS and not header_only and not all_finite(tensors[k]):
                 raise LoRAError(f"{path}: '{user(k)}' holds NaN or infinite values: the LoRA file is damaged "
                                 "(a LoRA trained with a diverged loss?)")
         formats.add(e.fmt)
@@ -308,7 +331,9 @@ def read_lora(source, model: nn.Module) -> LoRAFile:
             if e.alpha is None and e.up is not None:
                 e.alpha = peft_alpha(pcfg, e.module)
                 e.rslora = bool(pcfg.get("use_rslora"))
-    lf = LoRAFile(path, entries, sorted(unmatched), unsupported, tuple(sorted(formats)), dict(f.metadata), nbytes)
+    lf = LoRAFile(path, entries, sorted(unmatched), unsupported, tuple(sorted(formats)), dict(f.metadata), nbytes, key)
+    if header_only:
+        return lf
     log.info("LoRA %s", lf.describe())
     for msg in lf.report():
         log.warning("%s", msg)

@@ -190,10 +190,11 @@ def compute_device(model: nn.Module) -> torch.device:
     return next(p.device for n, p in model.named_parameters() if family.split_block_key(n) is None)
 
 
-def side_terms(model: nn.Module, items) -> tuple:
-    """One target's side-path terms for [(entry, strength)], on the compute device in the model's dtype:
-    (down [r, in], up [out, r]) or None, and [(w1, w2), ...] of the Kronecker (and full) updates."""
-    dev = compute_device(model)
+def side_terms(model: nn.Module, items, device=None) -> tuple:
+    """One target's side-path terms for [(entry, strength)], on the compute device (or ``device``: "meta" for
+    what they would cost) in the model's dtype: (down [r, in], up [out, r]) or None, and [(w1, w2), ...] of the
+    Kronecker (and full) updates."""
+    dev = torch.device(device) if device is not None else compute_device(model)
     dtype = model.dtype if hasattr(model, "dtype") else torch.float32
     downs, ups, krons = [], [], []
     for e, s in items:
