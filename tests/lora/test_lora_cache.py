@@ -305,3 +305,32 @@ def test_a_file_replaced_with_its_times_kept_is_read_again(tmp_path, many):
             batcher.close()
     for old, new in ((first, second), (engine_first, engine_second)):
         assert not torch.equal(old.entries[BLOCKS[0]].up, new.entries[BLOCKS[0]].up)
+
+
+def test_admission_by_bytes_counts_the_loras_terms(many):
+    """Item 4, on a GPU's admission by bytes (the room set here as a card's would be): B's activations fit beside
+    A's, its LoRA's terms do not: B waits for memory (before: admitted, its terms outside the count)."""
+    eng = engine()
+    with torch.inference_mode():
+        probe = Batcher(eng)
+        try:
+            terms = probe.loras.entry(many[15]).terms_cost
+        finally:
+            probe.close()
+        batcher = Batcher(eng, max_batch=8)
+        batcher.activation_room = 1  # a card: every job's activations counted
+        working = batcher._prepare(plain(0, steps=1)).working  # one job's (not queued)
+        batcher.activation_room = 2 * working + terms + terms // 2  # two jobs and one LoRA's terms, not two
+        hold = Hold()
+        try:
+            a = batcher.submit(plain(1, steps=3, on_step=hold, lora_set=[(many[14], 1.0)]))
+            assert hold.reached.wait(WAIT)
+            b = batcher.submit(plain(2, steps=3, lora_set=[(many[15], 1.0)]))
+            time.sleep(0.2)
+            assert batcher.stats()["queued"] == 1 and batcher.stats()["waited_for_memory"] == 1
+            hold.go.set()
+            a.result(WAIT)
+            b.result(WAIT)
+        finally:
+            hold.go.set()
+            batcher.close()
