@@ -29,6 +29,7 @@ MAX_CFG = 100.0
 MAX_SHIFT = 100.0
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's largest value
 MAX_IMAGE_SIDE = 4096  # pixels, any family (ERNIE-Image files: twice the largest documented size)
+MAX_TEXT_TOKENS = 2048  # a prompt's tokens: the text encoder reads at most this many (models/external.py)
 MAX_BATCH = 4096  # latents in an empty batch (ComfyUI's empty-latent nodes allow 1..4096)
 MAX_INPUT_VALUE = 1e6  # |value| of a latent or text feature: beyond it the DiT's sums overflow (NaN, not a picture)
 MAX_BATCH_INDEX = 4095  # a LATENT's batch_index: noise is drawn for every index up to the largest (ImageFromBatch's limit)

@@ -13,13 +13,14 @@ from .. import device as device_rt
 from ..features import offload
 from ..features.cache import from_env
 from ..features.quant.registry import FILE_WRITERS, format_of
+from ..inputs import empty_latent_shape
 from ..loading import estimate_bytes
 from ..models import family_of
 from ..models.random_weights import SIZES, random_checkpoint, random_model_on_device
 from ..router import open_engine
-from ..sampling import cfg_on
+from ..sampling import MAX_IMAGE_SIDE, MAX_TEXT_TOKENS, cfg_on
 from ..sampling_options import from_flags
-from .common import add_engine_arguments, add_sampling_arguments, engine_config, use_threads
+from .common import add_engine_arguments, add_sampling_arguments, check_image_sides, engine_config, use_threads
 
 SAMPLING = ("steps", "cfg")  # the sampling options of the whole-run timing
 
@@ -32,10 +33,10 @@ def add_parser(sub) -> None:
     src = b.add_mutually_exclusive_group()
     src.add_argument("--model", help="DiT .safetensors file (ERNIE-Image ...) or diffusers folder")
     src.add_argument("--size", default="tiny", help="random model of a named size: tiny, small, medium, 8b (the release shape; for GPUs)")
-    b.add_argument("--width", type=int, default=None, help="image width in pixels (latent = width / the family's latent stride, 16 for "
-                   "ERNIE-Image; default 1024 for 8b, 256 otherwise)")
-    b.add_argument("--height", type=int, default=None, help="image height in pixels")
-    b.add_argument("--text-tokens", type=int, default=64, help="prompt length in tokens")
+    b.add_argument("--width", type=int, default=None, help="image width in pixels, a multiple of the family's latent stride "
+                   f"(16 for ERNIE-Image) up to {MAX_IMAGE_SIDE}; default 1024 for 8b, 256 otherwise")
+    b.add_argument("--height", type=int, default=None, help="image height in pixels (as --width)")
+    b.add_argument("--text-tokens", type=int, default=64, help=f"prompt length in tokens, 1 to {MAX_TEXT_TOKENS}")
     add_sampling_arguments(b, SAMPLING)
     b.add_argument("--repeat", type=int, default=3, help="timed forwards (after one warm-up)")
     b.add_argument("--json", action="store_true", help="print one line of JSON")
@@ -82,6 +83,27 @@ def _reset_peak_memory(dev: torch.device) -> None:
         device_rt.reset_peak(dev)
 
 
+def check_bench_args(args) -> None:
+    """The sizes, before anything loads (ValueError / InputError naming the flag): --width / --height as generate
+    takes them (for a random model, of its family's stride too: a model file's is checked once it is open),
+    --text-tokens from 1 to what the text encoder reads."""
+    check_image_sides(args)
+    if not 1 <= args.text_tokens <= MAX_TEXT_TOKENS:
+        raise ValueError(f"--text-tokens must be an integer from 1 to {MAX_TEXT_TOKENS} (got {args.text_tokens}; the "
+                         f"text encoder reads at most {MAX_TEXT_TOKENS})")
+    if not args.model and args.size in SIZES:
+        latent_sides(args, family_of(SIZES[args.size]))
+
+
+def latent_sides(args, family) -> tuple:
+    """(height, width) of the latent for --height / --width (default 1024 pixels for 8b, 256 otherwise) in
+    ``family``'s latent: each a multiple of its stride up to MAX_IMAGE_SIDE (inputs.empty_latent_shape)."""
+    default = 1024 if args.size == "8b" else 256
+    width, height = (default if v is None else v for v in (args.width, args.height))  # --width 0 is refused, not 256
+    _, _, h, w = empty_latent_shape(family, width, height, 1, names={"width": "--width", "height": "--height"})
+    return h, w
+
+
 def run_settings(args) -> dict:
     """The whole run's steps and cfg (the flags', else the model's); {"steps": 0}: --steps 0, no run."""
     if args.steps == 0:
@@ -91,6 +113,7 @@ def run_settings(args) -> dict:
 
 def cmd_bench(args) -> dict:
     t0 = time.perf_counter()
+    check_bench_args(args)
     run = run_settings(args)
     config = engine_config(args, cache=from_env())  # SGLANG_CACHE_DIT_*, read once here (bench has no --cache flags)
     if args.model:
@@ -102,9 +125,7 @@ def cmd_bench(args) -> dict:
         eng = _random_engine(args.size, config.dtype, args.device, config)
     load_s = time.perf_counter() - t0
     cfg = eng.model_config
-    default_px = 1024 if args.size == "8b" else 256
-    stride = family_of(cfg).latent.stride
-    h, w = (args.height or default_px) // stride, (args.width or default_px) // stride
+    h, w = latent_sides(args, family_of(cfg))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, cfg.in_channels, h, w, generator=g)
     text = torch.randn(args.text_tokens, cfg.text_in_dim, generator=g)

@@ -14,6 +14,7 @@ from ..config import PARALLEL, EngineConfig
 from ..errors import CheckpointError
 from ..features.cache import CacheConfig
 from ..prompt_enhancer import MAX_NEW_TOKENS_CAP, PromptEnhancer
+from ..sampling import MAX_IMAGE_SIDE
 from ..sampling_options import SamplingOptions
 
 MAX_THREADS = 1024  # --threads: generous; more only oversubscribes the cores
@@ -79,6 +80,16 @@ def check_output_path(option: str, path: str, extensions: tuple) -> None:
         raise ValueError(f"{option} '{path}': '{existing}' is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{option} '{path}': the folder '{existing}' is not writable")
+
+
+def check_image_sides(args) -> None:
+    """--width / --height (None: the command's default) from 1 to MAX_IMAGE_SIDE pixels, before anything loads;
+    the multiple of the model's latent stride is checked where its family is known (inputs.empty_latent_shape)."""
+    for name in ("width", "height"):
+        value = getattr(args, name)
+        if value is not None and not 1 <= value <= MAX_IMAGE_SIDE:
+            raise ValueError(f"--{name} must be from 1 to {MAX_IMAGE_SIDE} pixels (got {value}; ERNIE-Image's "
+                             "largest documented size is 2048x2048)")
 
 
 def check_common_args(args) -> None:

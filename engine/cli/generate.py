@@ -37,6 +37,7 @@ from .common import (
     add_release_arguments,
     add_sampling_arguments,
     cache_config,
+    check_image_sides,
     check_output_path,
     check_pe_args,
     engine_config,
@@ -293,11 +294,7 @@ def check_generate_args(args) -> tuple:
     what is allowed). Returns the run's sampling settings (``SAMPLING``): the flags', else the model's defaults."""
     external = uses_ernie_files(args)
     if external:
-        for name in ("width", "height"):
-            value = getattr(args, name)
-            if value is not None and not 1 <= value <= MAX_IMAGE_SIDE:
-                raise ValueError(f"--{name} must be from 1 to {MAX_IMAGE_SIDE} pixels (got {value}; ERNIE-Image's "
-                                 "largest documented size is 2048x2048)")
+        check_image_sides(args)
     else:
         for name in ("width", "height"):
             value = getattr(args, name)

@@ -1,10 +1,19 @@
 """Whole-or-nothing file writes: a reader (or the next run) sees the old file or the complete new one,
-never a part, whatever happens during the write (full disk, Ctrl-C, two writers on one path)."""
+never a part, whatever happens during the write (full disk, Ctrl-C, SIGTERM, two writers on one path). A writer
+holds a lock (flock) on its part file while it writes; the next write of the same output removes the part files
+no live writer holds, those a killed run (SIGKILL, power loss) left behind."""
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import stat
 import tempfile
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; part files are not locked, and stale ones are not swept
+    fcntl = None
 
 
 def _umask() -> int:
@@ -13,25 +22,89 @@ def _umask() -> int:
     return mask
 
 
+def check_output_not_input(src: str, dst: str) -> None:
+    """Refuse an output whose write would replace the input or a file inside it: ``src`` under another name (a
+    link to it, a link it is, a folder reached through a link, a hard link) or a file inside the folder ``src``.
+    ValueError naming both paths."""
+    src, dst = os.fspath(src), os.fspath(dst)
+    written = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(dst))), os.path.basename(dst))
+    source = os.path.realpath(src)
+    if written == source or (os.path.exists(src) and os.path.exists(dst) and os.path.samefile(src, dst)):
+        raise ValueError(f"output '{dst}' is the input '{src}' (the same file): the output must differ from the input")
+    if os.path.isdir(source) and written.startswith(os.path.join(source, "")):
+        raise ValueError(f"output '{dst}' is inside the input folder '{src}': write it outside that folder")
+
+
+def _remove_if_stale(part: str) -> None:
+    """Remove ``part`` if it is a regular file of this user that no live writer holds locked."""
+    with contextlib.suppress(OSError):  # gone, not ours to open, or locked (BlockingIOError): leave it
+        fd = os.open(part, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.path.samestat(os.stat(part, follow_symlinks=False), st):  # still that file under that name
+                    os.unlink(part)
+        finally:
+            os.close(fd)
+
+
+def _new_part(path: str, suffix: str):
+    """(fd, name) of a new part file for ``path`` in its folder (the same file system, so the rename is atomic),
+    locked for as long as the fd is open; stale part files of ``path`` are removed first."""
+    folder, base = os.path.split(os.path.abspath(path))
+    prefix = f".{base}."
+    if fcntl is not None:
+        own = re.compile(re.escape(prefix) + "[a-z0-9_]{8}" + re.escape(suffix))  # mkstemp's 8 random characters
+        with contextlib.suppress(OSError):
+            for name in filter(own.fullmatch, os.listdir(folder)):
+                _remove_if_stale(os.path.join(folder, name))
+    while True:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=suffix)
+        if fcntl is None:
+            return fd, tmp
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.stat(tmp), os.fstat(fd)):  # another run's sweep did not take it before the lock
+                return fd, tmp
+        os.close(fd)
+
+
 @contextlib.contextmanager
-def atomic_write(path: str, suffix: str = ".part"):
-    """Yield a binary file under a unique temporary name in ``path``'s folder (the same file system, so the
-    rename is atomic); on success it replaces ``path``, on any failure or interrupt it is removed and
-    ``path`` keeps its old content. The new file gets the usual permissions (0666 less the umask)."""
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
-                               suffix=suffix)
+def _part_file(path: str, suffix: str):
+    """Yield (fd, name) of a locked part file; on success it is synced and replaces ``path`` (before the lock is
+    let go), on any failure or interrupt it is removed and ``path`` keeps its old content. The new file gets the
+    usual permissions (0666 less the umask), not mkstemp's 0600."""
+    fd, tmp = _new_part(path, suffix)
     try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        yield fd, tmp
+        os.fsync(fd)
         os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
+        if fcntl is None:  # Windows renames only a closed file (and there is no lock to keep)
+            fd = _close(fd)
+        os.replace(tmp, path)  # with the lock still held: no other run's sweep takes it first
     except BaseException:
+        fd = _close(fd)  # first: Windows removes only a closed file
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    finally:
+        _close(fd)
+
+
+def _close(fd: int) -> int:
+    if fd >= 0:
+        os.close(fd)
+    return -1
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, suffix: str = ".part"):
+    """Yield a binary file under a unique temporary name in ``path``'s folder; on success it replaces ``path``,
+    on any failure or interrupt it is removed and ``path`` keeps its old content."""
+    path = os.fspath(path)
+    with _part_file(path, suffix) as (fd, _), open(fd, "wb", closefd=False) as f:
+        yield f
 
 
 @contextlib.contextmanager
@@ -40,19 +113,8 @@ def atomic_path(path: str, suffix: str = ".part"):
     temporary path in ``path``'s folder; on success it is synced and replaces ``path``, on any failure it is
     removed."""
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
-                               suffix=suffix)
-    os.close(fd)
-    try:
+    with _part_file(path, suffix) as (_, tmp):
         yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def private_dir(name: str) -> str:

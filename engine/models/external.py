@@ -32,6 +32,7 @@ from ..io.checkpoint import read_json_file
 from ..io.readers import SAFETENSORS
 from ..io.safetensors import refuse_pickle
 from ..io.shapes import check_counts, check_sizes, on_meta, read_header
+from ..sampling import MAX_TEXT_TOKENS
 
 BN_EPS = 1e-5  # the pipeline's trained value; vae/config.json says 1e-4
 
@@ -183,7 +184,7 @@ class TextEncoder:
         return cls(model.to(device).eval(), tokenizer, device)
 
     def token_ids(self, prompt: str) -> torch.Tensor:
-        ids = self.tokenizer(prompt, add_special_tokens=True, truncation=True, max_length=2048)["input_ids"]
+        ids = self.tokenizer(prompt, add_special_tokens=True, truncation=True, max_length=MAX_TEXT_TOKENS)["input_ids"]
         bos = self.tokenizer.bos_token_id
         if bos is not None and (not ids or ids[0] != bos):  # some tokenizer builds do not add BOS
             ids = [bos] + ids

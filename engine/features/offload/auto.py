@@ -9,6 +9,7 @@ call's activations against the free memory then), as ComfyUI frees memory per sa
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Optional, Tuple
 
@@ -22,9 +23,11 @@ MODES = ("none", "layerwise", "auto")
 GiB = 2 ** 30
 # Working memory that "auto" keeps free besides the weights: activations of a 1024^2 CFG batch of the
 # 8B model (~1-2 GiB with memory-efficient attention), the CUDA context and the allocator's slack.
-# Override with SGLD_OFFLOAD_WORKING_GB.
+# Override with SGLD_OFFLOAD_WORKING_GB (GiB, 0 to MAX_WORKING_GB).
 MIN_WORKING_BYTES = 2 * GiB
 WORKING_FRACTION = 0.15
+WORKING_ENV = "SGLD_OFFLOAD_WORKING_GB"
+MAX_WORKING_GB = 1024.0  # more than any device holds
 
 
 # A call's working memory: the family's estimate of its activations plus this share (Cache-DiT's kept residuals,
@@ -34,11 +37,27 @@ CALL_MARGIN = 0.25
 CALL_WORKSPACE_BYTES = GiB // 2
 
 
+def working_override() -> Optional[int]:
+    """SGLD_OFFLOAD_WORKING_GB in bytes, None when unset. A value that is not a finite number of GiB from 0 to
+    MAX_WORKING_GB is refused (ValueError naming it): a negative one would switch the safety margin off."""
+    raw = os.environ.get(WORKING_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= MAX_WORKING_GB):
+        raise ValueError(f"environment variable {WORKING_ENV}={raw!r} is not valid: it must be a number of GiB from 0 to "
+                         f"{MAX_WORKING_GB:g} (unset: at least {MIN_WORKING_BYTES / GiB:g} GiB or "
+                         f"{WORKING_FRACTION:.0%} of the model); fix or unset it")
+    return int(value * GiB)
+
+
 def working_bytes(model_bytes: int) -> int:
-    env = os.environ.get("SGLD_OFFLOAD_WORKING_GB")
-    if env:
-        return int(float(env) * GiB)
-    return max(MIN_WORKING_BYTES, int(WORKING_FRACTION * model_bytes))
+    """The working memory offload "auto" keeps free at load, besides the model's bytes."""
+    override = working_override()
+    return max(MIN_WORKING_BYTES, int(WORKING_FRACTION * model_bytes)) if override is None else override
 
 
 def choose_offload(mode, device, model_bytes: int, free_bytes: Optional[int] = None,
@@ -87,7 +106,7 @@ def choose_call_offload(device, activation_bytes: int) -> Tuple[str, str]:
     free_bytes = device_rt.free_bytes(dev)
     if free_bytes is None:
         return "none", ""
-    env = os.environ.get("SGLD_OFFLOAD_WORKING_GB")
-    need = int(float(env) * GiB) if env else call_working_bytes(activation_bytes)
+    override = working_override()
+    need = call_working_bytes(activation_bytes) if override is None else override
     why = f"auto: this call needs {need / GiB:.1f} GiB of working memory, {free_bytes / GiB:.1f} GiB free on {dev}"
     return ("layerwise" if free_bytes < need else "none"), why

@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ...io.atomic import check_output_not_input
 from ...io.checkpoint import check_architecture, open_checkpoint, parse_dtype
 from ...io.load import checkpoint_shapes
 from ...io.safetensors import write_safetensors_streaming
@@ -30,8 +31,7 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
         raise ValueError("--format must be one of " + ", ".join(choices()))
     target = get_format(kind)
     make = quantize or (lambda w: target.quantize(w, None, group))
-    if os.path.abspath(src) == os.path.abspath(dst):
-        raise ValueError("the output file must differ from the input")
+    check_output_not_input(src, dst)
     ckpt = open_checkpoint(src)
     cfg = check_architecture(ckpt)
     family, expected = ckpt.family, checkpoint_shapes(cfg)  # the model's shapes: a block linear's [out, in]

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import torch
 
-from ....io.atomic import atomic_path
+from ....io.atomic import atomic_path, check_output_not_input
 from ....io.checkpoint import check_architecture, open_checkpoint, parse_dtype
 from ....models.family import CONFIG_FIELDS
 from ..prequantized import QuantPlan
@@ -78,8 +78,7 @@ def quantize_gguf_file(src: str, dst: str, fmt: str, dtype: Union[None, str, tor
     qtype = gguf_type(fmt)
     if qtype is None:
         raise ValueError(f"--format '{fmt}' is not a GGUF type; choose one of {', '.join(GGUF_FORMATS)}")
-    if os.path.abspath(src) == os.path.abspath(dst):
-        raise ValueError("the output file must differ from the input")
+    check_output_not_input(src, dst)
     ckpt = open_checkpoint(src)
     cfg = check_architecture(ckpt)
     plan = QuantPlan(ckpt)
