@@ -9,7 +9,7 @@ from typing import List, Optional
 import torch
 
 from .errors import InputError
-from .models import Family, families, family_of
+from .models import Family, demo, families, family_of
 from .models.demo import codec
 from .sampling import (
     DEFAULT_SHIFT,
@@ -114,9 +114,10 @@ def check_sampling_settings(*, steps, cfg, denoise=1.0, shift=DEFAULT_SHIFT, nam
 def latent_hint(channels: int) -> str:
     """Which latent a model of ``channels`` latent channels takes (and the ComfyUI node that makes it),
     for the wrong-latent error: the demo model's 48-channel pixel latent, or a registered family's own."""
-    if channels == codec.LATENT_CHANNELS:
-        return (f" (the demo model's latent: the image as {codec.LATENT_CHANNELS} channels at 1/{codec.FACTOR} of its "
-                "size; use SGLDiffusion Demo Empty Latent)")
+    if channels == codec.LATENT_CHANNELS:  # one size only: a latent of another size is not a way to get one
+        side = demo.IMAGE_SIZE
+        return (f" (the demo model makes {side}x{side} pictures only, from a latent of {codec.LATENT_CHANNELS} channels at "
+                f"{demo.LATENT_SIZE}x{demo.LATENT_SIZE}: use SGLDiffusion Demo Empty Latent)")
     for family in families():
         latent = family.latent
         if channels == latent.channels:

@@ -43,19 +43,27 @@ class SGLDiffusionDemoTextEncode:
         return ([[features[None], {WARNINGS_KEY: [warning]} if warning else {}]],)
 
 
+DEMO_SIZE = f"{demo_model.IMAGE_SIZE}x{demo_model.IMAGE_SIZE}"  # the one picture size the demo makes
+
+
 class SGLDiffusionDemoEmptyLatent:
-    DESCRIPTION = "An empty latent for the demo model: 64x64 pixels as 48 channels at 16x16."
+    DESCRIPTION = (f"An empty latent for the demo model, which makes {DEMO_SIZE} pictures only "
+                   f"({demo_model.LATENT_CHANNELS} channels at {demo_model.LATENT_SIZE}x{demo_model.LATENT_SIZE}).")
     CATEGORY = "SGLDiffusion/demo"
     RETURN_TYPES = ("LATENT",)
-    OUTPUT_TOOLTIPS = ("An empty demo latent [batch_size, 48, 16, 16], for SGLDiffusion KSampler's latent_image.",)
+    OUTPUT_TOOLTIPS = (f"An empty demo latent [batch_size, {demo_model.LATENT_CHANNELS}, {demo_model.LATENT_SIZE}, "
+                       f"{demo_model.LATENT_SIZE}], for SGLDiffusion KSampler's latent_image.",)
     FUNCTION = "generate"
 
     @classmethod
     def INPUT_TYPES(cls):
+        """``size``: a list of one, so the node shows the size it makes (optional: graphs saved without it still run)."""
         return {"required": {"batch_size": ("INT", {"default": 1, "min": 1, "max": 64,
-                                                    "tooltip": "How many 64x64 pictures to make at once."})}}
+                                                    "tooltip": f"How many {DEMO_SIZE} pictures to make at once."})},
+                "optional": {"size": ([DEMO_SIZE], {"default": DEMO_SIZE,
+                                                    "tooltip": f"The demo model makes {DEMO_SIZE} pictures only."})}}
 
-    def generate(self, batch_size):
+    def generate(self, batch_size, size=DEMO_SIZE):
         return ({"samples": demo_model.DemoModel.empty_latent(batch_size)},)
 
 

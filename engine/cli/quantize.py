@@ -19,7 +19,7 @@ def _writes() -> str:
 
 
 def add_parser(sub) -> None:
-    suffixes = " or ".join(w.suffix for w in FILE_WRITERS.values())
+    suffixes = " or ".join(dict.fromkeys(w.suffix for w in FILE_WRITERS.values()))  # two writers share .safetensors
     q = sub.add_parser("quantize", help=f"write a quantized copy of a model file ({suffixes})",
                        description="Quantize the DiT blocks' linear layers of an ERNIE-Image checkpoint (bf16/fp16/fp32, "
                                    f"or already quantized) and write a file ({suffixes}) that the loader (and the "

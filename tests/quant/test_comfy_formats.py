@@ -180,7 +180,7 @@ def test_without_comfy_kitchen_a_comfy_file_names_the_package(files, monkeypatch
     monkeypatch.setitem(sys.modules, "comfy_kitchen", None)
     monkeypatch.setattr(N, "_kitchen", None)
     with pytest.raises(CheckpointError, match=r"ernie-nvfp4-tensor.safetensors: tensor '.*layers.0.mlp.gate_proj.weight': "
-                                              r".*package 'comfy-kitchen'.*pip install 'comfyui-sgldiffusion\[kitchen\]'"):
+                                              r".*package 'comfy-kitchen'.*python -m pip install comfy-kitchen"):
         load_model(files["nvfp4", "tensor"])
     load_model(files["nvfp4", "dense"])  # files without ComfyUI's layers need nothing
 

@@ -187,5 +187,7 @@ class QuantPlan:
         return [layer for layer, info in self.layers.items() if get_format(info["kind"]).split is None]
 
     def describe(self) -> str:
-        kinds = sorted({v["kind"] for v in self.layers.values()})
-        return f"{len(self.layers)} {'/'.join(kinds) or 'no'} layers ({', '.join(sorted(self.sources)) or 'plain'})"
+        """What the file holds, for the load log: "120 q4_k/q6_k layers (gguf)", or "dense weights"."""
+        kinds = "/".join(sorted({v["kind"] for v in self.layers.values()}))
+        held = f"{len(self.layers)} {kinds} layers" if self.layers else "dense weights"
+        return held + (f" ({', '.join(sorted(self.sources))})" if self.sources else "")

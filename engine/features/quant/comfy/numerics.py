@@ -1,7 +1,8 @@
 """ComfyUI's quantized formats computed by comfy-kitchen (PyPI ``comfy-kitchen``, ComfyUI's own kernel library):
 its quantizers and dequantizers define the bytes (nibble order, the cuBLAS tile swizzle of the block scales), so
-this engine reads the files exactly as ComfyUI does. Imported on first use: a missing package is named with
-the extra that brings it (``pip install 'comfyui-sgldiffusion[kitchen]'``) instead of failing the engine's import.
+this engine reads the files exactly as ComfyUI does. Imported on first use: a missing package is named with the
+command that installs it (``INSTALL``, right for a cloned pack and a pip install alike) instead of failing the
+engine's import.
 
 Shapes (ComfyUI pads a layer to whole tiles; comfy_kitchen/tensor/*.py):
 - nvfp4: ``weight`` U8 [out16, in16 / 2] (two e2m1 values a byte, the even one in the high nibble),
@@ -26,7 +27,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 PACKAGE = "comfy-kitchen"
-INSTALL = "pip install 'comfyui-sgldiffusion[kitchen]'"
+# a pack cloned into custom_nodes has no package to add an extra to: the package itself, into ComfyUI's Python
+INSTALL = "python -m pip install comfy-kitchen"
 NVFP4_BLOCK, MXFP8_BLOCK = 16, 32
 W4A4_GROUP = 64  # ConvRot W4A4's int4 GEMM tile (ComfyUI's loader fixes quant_group_size to it)
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
@@ -34,7 +36,7 @@ _kitchen = None
 
 
 def kitchen_missing() -> Optional[str]:
-    """None when comfy-kitchen imports, else why not (the message users read, naming the package and the extra)."""
+    """None when comfy-kitchen imports, else why not (the message users read, naming the package and how to install it)."""
     try:
         kitchen()
     except ImportError as e:
@@ -50,7 +52,8 @@ def kitchen():
             import comfy_kitchen
         except ImportError as e:
             raise ImportError(f"ComfyUI's quantized layers (nvfp4, mxfp8, int8, 4-bit) are computed by the package "
-                              f"'{PACKAGE}', which does not import here ({e}); install it: {INSTALL}") from None
+                              f"'{PACKAGE}', which does not import here ({e}); install it with the Python that runs "
+                              f"ComfyUI (or sgld): {INSTALL}") from None
         _kitchen = comfy_kitchen
     return _kitchen
 
