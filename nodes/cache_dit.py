@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from ..engine.features.cache import ALIASES, MEASURED_PATH, CacheConfig, CacheConfigError, mask_str, preset_mask
+from ..engine.features.cache import ALIASES, MEASURED_PATH, USER_PRESETS, CacheConfig, CacheConfigError
 from ..engine.options import from_widgets, node_inputs
 
 NODE = "SGLDiffusion Cache-DiT"
@@ -29,58 +29,54 @@ def preset_benchmarks(path: str = MEASURED_PATH) -> dict:
     return out
 
 
-def _bench_line(preset: str, bench: dict) -> str:
-    """"preset: model A: 50 steps 1.67x, PSNR 46.9 dB, SSIM 0.995; 8 steps ... | model B: ..." """
-    by_model = {}
-    for r in bench.get(preset) or []:
-        q = ["?" if r["speedup"] is None else f"{r['speedup']:.2f}x"]
-        if r.get("same_image"):
-            q.append("same image")
-        elif r["psnr"] is not None:
-            q.append(f"PSNR {r['psnr']:.1f} dB")
-        if r["ssim"] is not None and not r.get("same_image"):
-            q.append(f"SSIM {r['ssim']:.3f}")
-        if r["judge"] is not None:
-            q.append(f"judge {r['judge']:.0f}%")
-        by_model.setdefault(r["model"], []).append(f"{r['steps']} steps " + ", ".join(q))
-    name = preset + (f" (= {ALIASES[preset]})" if preset in ALIASES else "")
-    parts = [f"{m}: " + "; ".join(v) for m, v in by_model.items()]
-    return f"{name}: " + (" | ".join(parts) if parts else "not measured")
+def _speed(rows: list, steps: int, label: str) -> str:
+    """The measured speedups at ``steps`` steps over the models measured: "1.6-2.1x faster at 50 steps" (``label``:
+    the words after the figure), "every step runs at 8" when the preset caches none there, "" when not measured."""
+    rows = [r for r in rows if r["steps"] == steps and r["speedup"] is not None]
+    if rows and all(r.get("computed") == steps for r in rows):
+        return f"every step runs at {steps}"
+    got = sorted({round(r["speedup"], 1) for r in rows})
+    return "" if not got else f"{got[0]:g}x {label}" if len(got) == 1 else f"{got[0]:g}-{got[-1]:g}x {label}"
 
 
-TARGETS_50 = {"quality": 1.67, "balanced": 2.0, "fast": 2.69, "medium": 1.67}  # design targets, 50 steps
+def _closeness(rows: list) -> str:
+    """How close to the uncached picture, in words, from the worst PSNR measured (same picture: no cached step)."""
+    psnr = [r["psnr"] for r in rows if not r.get("same_image") and r["psnr"] is not None]
+    if not psnr:
+        return "the same picture as uncached"
+    worst = min(psnr)
+    return ("hard to tell from the uncached picture" if worst >= 45 else "close to the uncached picture" if worst >= 35
+            else "some visible differences from the uncached picture")
+
+
+def _preset_line(preset: str, bench: dict) -> str:
+    """One line a user reads: "balanced: 1.7-2.1x faster at 50 steps, 1.1-1.2x at 8; close to the uncached picture"."""
+    rows = bench.get(preset) or []
+    if not rows:
+        target = f" (aim: {TARGETS_50[preset]:g}x faster at 50 steps)" if preset in TARGETS_50 else ""
+        return f"{preset}: not measured yet{target}"
+    speed = ", ".join(filter(None, [_speed(rows, 50, "faster at 50 steps"), _speed(rows, 8, "at 8")]))
+    return f"{preset}: {speed}; {_closeness(rows)}"
+
+
+TARGETS_50 = {"quality": 1.67, "balanced": 2.0, "fast": 2.69}  # design targets, 50 steps
+MORE = "Other presets, the step masks and how these were measured: docs/cache_dit.md"
 
 
 def preset_tooltip(bench: dict = None) -> str:
-    """The preset widget's tooltip: what each preset does, then one line per preset ("name: ...") with the
-    benchmark's speedup and quality (the web extension marks the selected preset's line)."""
+    """The preset widget's tooltip, a few lines a user reads: what a preset does, one line per preset to use ("name:
+    ...", the measured speedup and closeness in words; the web extension marks the selected one), and where the rest is
+    (docs/cache_dit.md: cache-dit's other names, the masks, the benchmark's figures)."""
     bench = preset_benchmarks() if bench is None else bench
-    head = ("Which steps are computed. quality / balanced / fast (cache-dit's medium = quality; slow and ultra "
-            "are the gentlest and the most aggressive). none: no mask, the threshold decides (advanced). "
-            "Balanced: " + _preview("balanced"))
-    presets = [p for p in preset_choices() if p != "none"]
-    if not bench:
-        lines = [f"{p}: not measured yet" + (f" (target at 50 steps: {TARGETS_50[p]:.2f}x)" if p in TARGETS_50 else "")
-                 for p in presets]
-        return (head + "\nMeasured speedup and quality per preset: no benchmark table yet (python bench/speed/cache_bench.py "
-                "writes engine/features/cache/measured.json).\n" + "\n".join(lines))
-    lines = [_bench_line(p, bench) for p in presets]
-    kinds = {r["speedup_kind"] for rows in bench.values() for r in rows}
-    kind = ("model calls priced at the run's own computed calls" if kinds == {"in-run"}
-            else "wall clock of sampling vs uncached")
-    return (head + f"\nMeasured (bench/speed/cache_bench.py; speedup = {kind}; PSNR/SSIM vs the uncached image):\n"
-            + "\n".join(lines))
+    presets = [p for p in preset_choices() if p in USER_PRESETS]
+    lines = [_preset_line(p, bench) for p in presets]
+    return "\n".join(["Which sampling steps run the whole model; the others reuse its cached work.", *lines,
+                      "none: no fixed steps; the advanced threshold decides.", MORE])
 
 
 def preset_choices() -> list:
     """The preset widget's list (balanced, the default, first; none last), as CacheConfig declares it."""
     return node_inputs(CacheConfig)["required"]["preset"][0]
-
-
-def _preview(preset: str) -> str:
-    """The preset's mask at 8 and 20 steps (1 = computed), and how many of 50 calls it computes."""
-    m50 = preset_mask(preset, 50)
-    return "; ".join(f"{n} steps: {mask_str(preset_mask(preset, n))}" for n in (8, 20)) + f"; 50 steps: {sum(m50)} of 50 computed"
 
 
 class SGLDiffusionCacheDiT:

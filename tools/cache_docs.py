@@ -1,8 +1,10 @@
 """Writes docs/cache_dit.md from the code: ``python -m tools.cache_docs [out.md]``."""
 from __future__ import annotations
 
+import json
 import sys
 
+from engine.features.cache import MEASURED_PATH
 from engine.features.cache.config import DEFAULTS, PRESET_KNOBS
 from engine.features.cache.masks import ALIASES, PRESETS, mask_note, mask_str, preset_mask
 
@@ -19,6 +21,22 @@ def mask_table() -> str:
             m = preset_mask(p, n)
             cells.append(f"`{mask_str(m)}` ({sum(m)}/{n})")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def measured_table(path: str = MEASURED_PATH) -> str:
+    """The presets' measured figures (what the node's tooltip sums up in a line each), one row per model and steps."""
+    with open(path, encoding="utf-8") as f:
+        presets = json.load(f)["presets"]
+    lines = ["| preset | model | steps | computed | speedup | PSNR | SSIM | judge |", "|---|---|---|---|---|---|---|---|"]
+    for preset, rows in presets.items():
+        for r in rows:
+            same = r.get("same_image")
+            psnr = "same picture" if same else "-" if r["psnr"] is None else f"{r['psnr']:.1f} dB"
+            ssim = "1" if same else "-" if r["ssim"] is None else f"{r['ssim']:.3f}"
+            judge = "-" if r["judge"] is None else f"{r['judge']:.0f}%"
+            lines.append(f"| {preset} | {r['model']} | {r['steps']} | {r['computed']:.0f} | {r['speedup']:.2f}x | {psnr} "
+                         f"| {ssim} | {judge} |")
     return "\n".join(lines)
 
 
@@ -95,6 +113,18 @@ at most two steps there, in the second half. {' '.join(notes)}
 
 Targets at 50 steps (wall clock of sampling): quality 1.67x, balanced 2.0x, fast 2.69x; measured
 figures are in `bench/RESULTS.md` (`python bench/speed/cache_bench.py`).
+
+### What the preset tooltip says, and the figures behind it
+
+Hovering the Cache-DiT node's `preset` shows one line per preset to use (balanced, quality, fast; the selected one
+marked) and `none`: the speedup measured at 50 and at 8 steps, as a range over the models measured, and how close
+the picture stays to the uncached one, in words from the worst PSNR measured ("the same picture" where no step is
+cached). The figures are `engine/features/cache/measured.json`, written by `bench/speed/cache_bench.py` (the speedup
+prices the model calls of the run itself; `random tiny (36 blocks)`: random weights with ERNIE-Image's 36 blocks at a
+tiny width; `demo (4 blocks)`: the embedded demo model, whose judge (`tools/demo/judge.py`) gives the pass rate on
+its captions):
+
+{measured_table()}
 """
 
 

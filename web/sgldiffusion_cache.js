@@ -4,8 +4,8 @@
 // * Its advanced fields (Fn, Bn, ..., steps_mask) are shown only while `advanced` is on: a preset needs three
 //   widgets, not fourteen. Frontends that know `widget.hidden` (1.32 and later) leave a hidden widget out of
 //   drawing and clicks; in older ones the fields stay visible. A field fed by a link stays visible.
-// * Hovering the preset widget shows the speedup and quality measured per preset
-//   (engine/features/cache/measured.json, put into the tooltip by the node), the selected preset marked.
+// * Hovering the preset widget shows a line per preset to use (its measured speedup and how close the picture stays,
+//   from engine/features/cache/measured.json, put into the tooltip by the node), the selected preset marked.
 //
 // Only stable extension APIs: app.registerExtension (beforeRegisterNodeDef), onNodeCreated, onConfigure and
 // a widget's callback.
@@ -56,18 +56,9 @@ function showAdvancedFields(node, fit = false) {
 }
 
 // -- the preset's tooltip --------------------------------------------------------------------------------------
-function presetTooltip(base, value, presets) {
-  // nodes/cache_dit.py writes one line per preset ("balanced: ...", "medium (= quality): ..."): the
-  // measurements come first, the selected preset's line on top and marked, the explanation after them
-  const lines = String(base ?? "").split("\n");
-  const isPreset = (line, p) => line.startsWith(`${p}:`) || line.startsWith(`${p} (=`);
-  const perPreset = lines.filter((l) => presets.some((p) => isPreset(l, p)));
-  if (!perPreset.length) return base;
-  const head = lines.filter((l) => l.startsWith("Measured"));
-  const rest = lines.filter((l) => !perPreset.includes(l) && !head.includes(l));
-  const selected = perPreset.filter((l) => isPreset(l, value));
-  const others = perPreset.filter((l) => !selected.includes(l));
-  return [...head, ...selected.map((l) => `▶ ${l}`), ...others, "", ...rest].join("\n");
+// nodes/cache_dit.py writes a few lines, one per preset to use ("balanced: ..."): the selected preset's is marked.
+function presetTooltip(base, value) {
+  return String(base ?? "").split("\n").map((line) => (line.startsWith(`${value}:`) ? `▶ ${line}` : line)).join("\n");
 }
 
 // -- extension -------------------------------------------------------------------------------------------------
@@ -102,7 +93,7 @@ app.registerExtension({
         Object.defineProperty(w, "tooltip", {
           configurable: true,
           enumerable: true,
-          get: () => presetTooltip(base, w.value, (w.options?.values ?? []).filter((v) => v !== "none")),
+          get: () => presetTooltip(base, w.value),
           set: () => {},
         });
       }
