@@ -3,7 +3,8 @@ ComfyUI 0.3.75 (frontend 1.32.x; the fixtures and helpers of tests/test_web_exte
 browser of this module's own): nothing lies where the KSampler's panel grows, computed from the workflow
 files and measured in the page with the panel at its largest; a graph loaded again under the same workflow
 id but changed shows no run of the old one; the Cache-DiT node shows its advanced fields only when
-`advanced` is on. Screenshots go to test-artifacts/."""
+`advanced` is on; no node's source badge lies on another node and every title is whole (issue 49 item 5).
+Screenshots go to test-artifacts/."""
 from __future__ import annotations
 
 import contextlib
@@ -158,6 +159,49 @@ def test_saved_view_shows_every_node_clear_of_the_header_and_sidebar(comfy, page
     assert outside == [], (outside, free)
     covered = [(n["type"], sel) for n in out["nodes"] for sel, r in out["chrome"].items() if overlap(n["rect"], r)]
     assert covered == [], (covered, out["chrome"])
+
+
+# A workflow opened as saved, at the page's size: every node's rectangle (title bar included), the rectangle of the
+# badges the frontend draws above its title bar (the pack's name on each of our nodes: LGraphNode.drawBadges), and
+# whether its title is drawn whole (drawTitleText cuts it to the node's width less a title bar's height each side).
+BADGES_AND_TITLES = """async ([wf, name]) => {
+  const app = window.app, T = window.LiteGraph.NODE_TITLE_HEIGHT, GAP = 2;
+  await app.loadGraphData(wf, true, true, name);
+  await new Promise((r) => setTimeout(r, 600));
+  const ctx = app.canvas.canvas.getContext("2d");
+  return app.graph._nodes.map((n) => {
+    const badges = (n.badges ?? []).map((b) => (typeof b === "function" ? b() : b)).filter((b) => b && b.visible !== false);
+    const widths = badges.map((b) => b.getWidth(ctx) + GAP), total = widths.reduce((a, b) => a + b, 0);
+    const left = n.pos[0] + (n.badgePosition === "top-left" ? 0 : n.size[0] - total);
+    const top = n.pos[1] - T - GAP - Math.max(0, ...badges.map((b) => b.height));
+    ctx.font = n.titleFontStyle;
+    const title = String(n.getTitle?.() ?? n.title);
+    return {id: n.id, type: n.comfyClass ?? n.type, title, badge: badges.map((b) => b.text).join(" "),
+            rect: [n.pos[0], n.pos[1] - T, n.pos[0] + n.size[0], n.pos[1] + n.size[1]],
+            badgeRect: total ? [left, top, left + total, n.pos[1] - T - GAP] : null,
+            titleWidth: ctx.measureText(title).width, titleRoom: n.size[0] - 2 * T};
+  });
+}"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
+def test_badges_lie_on_no_node_and_titles_are_whole(comfy, page, path):
+    """Issue 49 item 5: in a shipped workflow as the frontend draws it, no node's source badge (the pack's name above
+    its title bar) lies on another node (Cache-DiT's and Apply Cache-DiT's were over the loader's cfg_parallel row),
+    and every title is drawn whole ("SGLDiffusion Demo Decode" was cut)."""
+    with open(path) as f:
+        wf = json.load(f)
+    with viewport(page, 1600, 1000):
+        nodes = page.evaluate(BADGES_AND_TITLES, [wf, os.path.basename(path)])
+        close_error_dialog(page)  # the ERNIE-Image workflows' missing models
+        screenshot(page, f"web_badges_{os.path.splitext(os.path.basename(path))[0]}.png")
+    ours = [n for n in nodes if n["badgeRect"]]
+    assert ours and all("SGLDiffusion" in n["badge"] for n in ours), nodes  # the badges are there to be checked
+    covered = [(n["type"], o["type"]) for n in ours for o in nodes if o["id"] != n["id"] and overlap(n["badgeRect"], o["rect"])]
+    assert covered == [], covered
+    cut = [(n["title"], round(n["titleWidth"]), n["titleRoom"]) for n in nodes if n["titleWidth"] > n["titleRoom"]]
+    assert cut == [], cut
 
 
 # The longest realistic run record: 50 steps with CFG (100 calls), every field at its widest.
