@@ -334,3 +334,29 @@ def test_admission_by_bytes_counts_the_loras_terms(many):
         finally:
             hold.go.set()
             batcher.close()
+
+
+def test_a_forwards_loras_replace_the_last_ones_within_the_budget(many, monkeypatch):
+    """Item 3, inside a forward: the last forward's resident LoRAs leave before this one's are made resident, so the
+    cache's bytes never pass the budget while they change (before: both forwards' terms at once)."""
+    eng = engine()
+    seen = []
+    real = rows_module.RowLoRAs._install
+
+    def install(self, entry):
+        real(self, entry)
+        seen.append(self.metrics()["bytes"])
+    monkeypatch.setattr(rows_module.RowLoRAs, "_install", install)
+    with torch.inference_mode():
+        probe = Batcher(eng)
+        try:
+            budget = 2 * max(probe.loras.entry(p).cost for p in many[:4]) + 1
+        finally:
+            probe.close()
+        batcher = Batcher(eng, max_batch=1, lora_budget_bytes=budget)
+        try:
+            for i in range(2):
+                batcher.submit(plain(i, lora_set=[(many[2 * i], 1.0), (many[2 * i + 1], 1.0)])).result(WAIT)
+        finally:
+            batcher.close()
+    assert len(seen) == 4 and max(seen) <= budget, (seen, budget)

@@ -223,6 +223,8 @@ class RowLoRAs(patching.Patch):
                 entry = entries.setdefault(entry.ident, self._entries.setdefault(entry.ident, entry))
                 entry.pinned = True
                 rows[entry.ident] = rows.get(entry.ident, 0) + n
+            coming = sum(e.terms_cost + (0 if e.lf is not None else e.file_cost) for e in entries.values() if not e.modules)
+            self._shrink(keep=set(entries), coming=coming)  # the last forward's out before this one's come in
         ready, failed = {}, {}
         try:
             for ident, entry in entries.items():
@@ -287,12 +289,12 @@ class RowLoRAs(patching.Patch):
         held = entry.lf is not None and entry.ident not in merged
         return entry.terms_bytes + (entry.lf.nbytes if held else 0)
 
-    def _shrink(self, keep: Optional[set]) -> None:
-        """Least recently used out while over the budget: resident terms only from the forward's thread (``keep``:
-        this forward's LoRAs, which stay), data from any (``keep`` None); the merged set's data stays (the
-        weights hold it). Then entries without data past MAX_ENTRIES are forgotten."""
+    def _shrink(self, keep: Optional[set], coming: int = 0) -> None:
+        """Least recently used out while over the budget (less ``coming``: bytes about to be added): resident terms
+        only from the forward's thread (``keep``: this forward's LoRAs, which stay), data from any (``keep`` None);
+        the merged set's data stays (the weights hold it). Then entries without data past MAX_ENTRIES go."""
         merged = {identity(lf) for lf, _ in active_loras(self.model)}
-        total = sum(self._counted(e, merged) for e in self._entries.values())
+        total = sum(self._counted(e, merged) for e in self._entries.values()) + coming
         for ident in list(self._entries):
             if total <= self.budget:
                 break
