@@ -40,7 +40,8 @@ COMPAT_NOTICE = compat.notice(COMPAT_FOUND, compat.version())
 install_memory_hooks()
 
 
-WORKFLOWS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workflows")
+PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # its name is the templates' module in ComfyUI
+WORKFLOWS = os.path.join(PACK_DIR, "workflows")
 
 
 def template_descriptions(folder: str = WORKFLOWS) -> dict:
@@ -66,7 +67,9 @@ def _add_routes() -> None:
     POST /sgldiffusion/last_runs {"workflow": id, "prompt": the API prompt of the graph shown}: the same, only
     the runs of that graph's content (another graph under the same id shows nothing of them), and "compat" only
     for what that graph needs (compat.graph_notice: "" for the demo's graph).
-    GET /sgldiffusion/templates: {"templates": {workflow name: its template card's description}}."""
+    GET /sgldiffusion/templates: {"templates": {workflow name: its template card's description}, "module": the name
+    ComfyUI lists them under (this pack's folder), "pack": the pack's name (its nodes' category), which the web
+    extension gives them as a tag so the template browser's search finds them by it}."""
     try:
         from aiohttp import web
         from server import PromptServer
@@ -82,7 +85,8 @@ def _add_routes() -> None:
 
         @server.routes.get("/sgldiffusion/templates")
         async def sgld_templates(request):
-            return web.json_response({"templates": template_descriptions()})
+            return web.json_response({"templates": template_descriptions(), "module": os.path.basename(PACK_DIR),
+                                      "pack": SGLDiffusionKSampler.CATEGORY})
 
         @server.routes.get("/sgldiffusion/last_runs")
         async def sgld_last_runs(request):

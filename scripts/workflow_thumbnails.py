@@ -3,8 +3,8 @@
 ComfyUI's frontend shows a pack's workflows as template cards with the image
 ``/api/workflow_templates/<pack folder>/<name>.jpg`` (always .jpg for custom-node templates, frontend
 1.32 to 1.58) and the file name as title and description. The demo workflow's card is the demo's
-real output for the workflow's own prompt and settings (64x64, enlarged 8x without smoothing); the
-ERNIE-Image workflows' cards are plain text cards (no sample picture: the weights are not here).
+real output for the workflow's own prompt and settings (64x64, enlarged 8x without smoothing); each
+ERNIE-Image workflow's card is a text card headed by its own name (the weights are not here to draw a picture).
 
     .venv/bin/python scripts/workflow_thumbnails.py     # rewrites every thumbnail
 """
@@ -68,7 +68,7 @@ def font(path: str, size: int):
 
 
 def text_card(title: str, lines: list):
-    """A dark card with the model's name and what the workflow needs; no picture of any kind."""
+    """A dark card with the workflow's name and what it runs and needs."""
     from PIL import Image, ImageDraw
 
     img = Image.new("RGB", (SIZE, SIZE), (28, 33, 43))
@@ -82,8 +82,17 @@ def text_card(title: str, lines: list):
     for line in lines:
         d.text((40, y), line, font=font(FONT, 24), fill=(175, 185, 200))
         y += 36
-    d.text((40, SIZE - 60), "SGLDiffusion for ComfyUI", font=font(FONT, 22), fill=(110, 170, 255))
+    d.text((40, 44), "SGLDiffusion for ComfyUI", font=font(FONT, 22), fill=(110, 170, 255))  # the bottom: the card's tag
     return img
+
+
+def card_text(name: str, wf: dict) -> tuple:
+    """(title, lines) of an ERNIE-Image workflow's card: headed by the workflow's own name (its file's, as the
+    template browser titles the card), then the model it runs, its settings and sampler, and what it needs."""
+    model = wf["extra"]["sgldiffusion"]
+    sampler = "ComfyUI KSampler + Cache-DiT" if "sampler" in model else "SGLDiffusion KSampler"  # MODEL path or ours
+    return name.replace(" ", "\n", 1), [model["model"], f"{model['steps']} steps, cfg {model['cfg']:g}, 1024 x 1024",
+                                        sampler, "needs the ERNIE-Image model files"]
 
 
 def thumbnail(path: str):
@@ -91,15 +100,11 @@ def thumbnail(path: str):
 
     with open(path) as f:
         wf = json.load(f)
-    name = os.path.basename(path)
+    name = os.path.splitext(os.path.basename(path))[0]
     if "demo" in name:
         pixels = demo_image(demo_settings(wf))
         return Image.fromarray(pixels).resize((SIZE, SIZE), Image.NEAREST)
-    model = wf["extra"]["sgldiffusion"]
-    variant = model["model"].replace("ERNIE-Image", "").strip() or "Base"
-    how = ["ComfyUI KSampler + Cache-DiT"] if "sampler" in model else []  # the MODEL path, not SGLDiffusion KSampler
-    return text_card(f"ERNIE-Image\n{variant}", [f"{model['steps']} steps, cfg {model['cfg']:g}, 1024 x 1024", *how,
-                                                 "needs the ERNIE-Image model files", "(no sample image)"])
+    return text_card(*card_text(name, wf))
 
 
 def main() -> int:
