@@ -158,6 +158,7 @@ class LocalRunner:
         return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "params": sum(p.numel() for p in model.parameters()), "model": model.config.to_dict(),
                 "attention": self.attention_backend, "quant": quant.model_quant_format(model),
+                "weights": quant.weights_format(model),  # by name for people: "gguf q4_k + q6_k", not "mixed"
                 "fused_projections": [fused, groups], "offload": None if offloader is None else offloader.describe(),
                 "compile": self.config.compile if is_compiled(model) else None, "parallel": None}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 
@@ -123,7 +124,7 @@ def send_run_event(data: dict, workflow: str = "") -> None:
 
 def run_stats(engine, node_id, warnings=()) -> dict:
     """What the engine says about itself and its last run (``Engine.describe``), for the node's UI output and
-    the web extension. ``warnings``: the engine's (load), the inputs' (``warnings``) and the run's, each once."""
+    the web extension (its run panel says what ran: the weights, the CPU threads, the LoRAs). ``warnings``: the engine's (load), the inputs' (``warnings``) and the run's, each once."""
     described = engine.describe()
     stats = dict(described["last_run"])
     stats["attention"] = described["attention"]
@@ -142,6 +143,11 @@ def run_stats(engine, node_id, warnings=()) -> dict:
         mode = engine.config.offload
         stats["offload"] = "none" if mode == "none" else f"none ({mode})"
     stats["quant"] = described["quant"] or "none"  # what the blocks really hold (pre-quantized files too)
+    # the panel says what ran: the weights' format by name ("gguf q4_k + q6_k"; the dtype when none is quantized), the
+    # device (its CPU threads are the run's ``threads``), the active LoRAs by file name with their strengths
+    stats["weights"] = described.get("weights") or described["dtype"]
+    stats["device"] = described["device"]
+    stats["loras"] = [[os.path.basename(str(path)), strength] for path, strength in described["loras"]]
     if described["parallel"] is not None:
         stats["parallel"] = described["parallel"]["world_size"]
     return stats

@@ -59,6 +59,8 @@ def test_either_input_gives_both_outputs_with_the_lora(comfy):
         entry = comfy.run(g)
         assert entry["status"]["status_str"] == "success", cs.error_message(entry)
         runs[key] = cs.saved_latent(comfy, entry)
+        if not comfy_ks:  # the run panel says which LoRAs ran, by file name with their strengths (issue 49 item 2)
+            assert entry["outputs"]["5"]["sgld_stats"][0]["loras"] == ([] if source is None else [[LORA, 0.8]])
     assert torch.equal(runs["sgld_in"], runs["comfy_in"])  # the comfy_model input: the same LoRA'd model
     assert not torch.equal(runs["sgld_in"], runs["plain"])
     # ComfyUI's KSampler on the comfy_model output samples the same LoRA'd model (its own sampler loop)

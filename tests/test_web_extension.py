@@ -339,7 +339,10 @@ def test_timeline_after_a_cached_run(comfy, page):
     assert f"{stats['speedup']:.2f}x wall clock" in text, text  # measured on this machine's clock: said so
     assert f"{stats['calls_computed']}/{stats['model_calls']} computed" in text, text
     assert f"{stats['calls_computed']} computed" in text and f"{panel['cached']} cached" in text
-    assert f"attention {stats['attention']}" in text and "offload none" in text and "quant none" in text
+    assert f"attention {stats['attention']}" in text and "offload none" in text, text
+    # issue 49 item 2: what ran, said by name: the weights' format, the CPU threads, the LoRAs (none here)
+    assert stats["weights"] and f"weights {stats['weights']}" in text and stats["loras"] == [], (stats, text)
+    assert stats["device"] == "cpu" and f"{stats['threads']} CPU thread" in text, (stats, text)
     assert f"Cache-DiT {ids['preset']}" in text, text
     # the server's own message carried the same statistics
     done = [e["detail"] for e in events(page) if e["type"] == "sgldiffusion.run" and e["detail"].get("state") == "done"]
@@ -517,18 +520,38 @@ def test_run_warnings_on_the_panel(comfy, page):
     assert panel["scroll"][0] <= panel["scroll"][1] + 1, panel
 
 
+CANCEL = ".actionbar-container button[aria-label='Cancel current run']"  # frontend 1.32's Cancel, as a user presses it
+
+
+def cancel_when_running(page, node, steps):
+    """Once ``node``'s panel shows its run's live progress ("step k of n", k >= 2), press the frontend's Cancel; the
+    panel as it was just before."""
+    page.wait_for_function(f"""() => /step ([2-9]|\\d\\d+) of {steps}$/m.test(
+      document.querySelector('.sgld-run[data-node-id="{node}"]')?.innerText ?? "")""", timeout=60_000)
+    running = page.evaluate(PANEL, node)
+    page.locator(CANCEL).first.click()
+    return running
+
+
+def status_kinds(entry):
+    return [kind for kind, _ in entry["status"]["messages"]]
+
+
 @pytest.mark.browser
 def test_interrupted_run_clears_the_timeline(comfy, page):
+    """Issue 49 item 2: a running panel shows "step k of n" as the run goes (it said "running… 10000 steps"), and Cancel
+    is reported as ComfyUI reports an interruption (execution_interrupted at the node, no error), which is what ComfyUI's
+    own KSampler gives (test_comfyuis_own_ksampler_on_comfy_model_gets_the_panel compares the two)."""
     ks, cache = ids_from_first_test()
     pid = page.evaluate(QUEUE_VARIANT, [ks, cache, {"ksampler": {"steps": 10000}}])
-    page.wait_for_function(f"""() => (window.__sgld || []).some((e) => e.type === "progress" && String(e.detail.node) === "{ks}"
-                                                                     && e.detail.value >= 2)""", timeout=60_000)
-    running = page.evaluate(PANEL, ks)
+    running = cancel_when_running(page, ks, 10000)
     assert running["state"] == "running" and running["mask"] == "", running
-    page.evaluate("() => window.comfyAPI.api.api.interrupt()")
     panel = wait_state(page, ks, "interrupted", 60_000)
     entry = comfy.wait(pid, 30)
-    assert cs.error_message(entry)["kind"] == "execution_interrupted"
+    err = cs.error_message(entry)
+    assert err["kind"] == "execution_interrupted" and err["node_type"] == KSAMPLER, err
+    assert entry["status"]["status_str"] == "error" and "execution_error" not in status_kinds(entry), entry["status"]
+    SHARED["cancelled"] = status_kinds(entry)
     assert panel["mask"] == "" and "interrupted" in panel["text"] and "of 10000" in panel["text"], panel
     states = [e["detail"]["state"] for e in events(page) if e["type"] == "sgldiffusion.run"]
     assert states == ["running", "interrupted"], states
@@ -611,6 +634,16 @@ def test_comfyuis_own_ksampler_on_comfy_model_gets_the_panel(comfy, page):
         wf = page.evaluate("() => window.app.graph.id")
         runs = requests.post(comfy.url + "/sgldiffusion/last_runs", json={"workflow": wf, "prompt": prompt}, timeout=10).json()["runs"]
         assert runs[k]["step_mask"] == done[-1]["step_mask"], runs
+        # Cancel: the same report as SGLDiffusion KSampler's cancelled run (ComfyUI's own KSampler's code raised it here)
+        page.evaluate("(id) => { window.app.graph.getNodeById(Number(id)).widgets.find((w) => w.name === 'steps').value = 10000; }", k)
+        page.evaluate(QUEUE_UI)
+        pid = prompt_id(page)
+        cancel_when_running(page, k, 10000)
+        wait_state(page, k, "interrupted", 60_000)
+        entry = comfy.wait(pid, 30)
+        err = cs.error_message(entry)
+        assert err["kind"] == "execution_interrupted" and err["node_type"] == "KSampler", err
+        assert status_kinds(entry) == SHARED.get("cancelled", status_kinds(entry)), (status_kinds(entry), SHARED)
     finally:
         page.evaluate(REMOVE_NODES, added["added"])
     assert not SHARED["errors"], SHARED["errors"]

@@ -207,7 +207,9 @@ def test_badges_lie_on_no_node_and_titles_are_whole(comfy, page, path):
 # The longest realistic run record: 50 steps with CFG (100 calls), every field at its widest.
 LONGEST_RUN = {"state": "done", "model_calls": 100, "calls_computed": 57, "speedup": 12.34, "sampling_seconds": 3599.4,
                "timeline": [i % 7 not in (1, 3, 5) for i in range(100)], "cache": {"preset": "balanced"}, "attention": "sageattention",
-               "offload": "layerwise", "offload_detail": "12/36 blocks resident", "quant": "fp8_e4m3fn", "parallel": 8,
+               "offload": "layerwise", "offload_detail": "12/36 blocks resident", "quant": "mixed", "parallel": 8,
+               "weights": "gguf q4_k + q6_k", "device": "cpu", "threads": 16,
+               "loras": [["a-long-style-name_v2.safetensors", 0.85], ["detail.safetensors", 1]],
                "warnings": ["steps_mask has 2 entries for a run of 100 model calls: padded with 1 (computed) to 100"]}
 
 # A sampler node (ComfyUI's own KSampler or ours) at its default width, in the graph, its panel showing `record` as the
@@ -249,7 +251,8 @@ PANEL_TEXT = """async ([type, record]) => {
 def test_run_panel_cuts_no_text_on_a_narrow_sampler(comfy, page, node_type):
     """Issue 33 item 10c: on ComfyUI's own KSampler (narrower than ours) the panel cut its text mid-number ("wall
     clock · 11."): with the longest realistic record every piece of text lies whole inside the panel, no number is
-    split from itself or its unit across lines, and all of it is there (the panel wraps at the separators)."""
+    split from itself or its unit across lines, and all of it is there (the panel wraps at the separators), what ran
+    included (issue 49 item 2: the weights' format by name, the CPU threads, the LoRAs with their strengths)."""
     out = page.evaluate(PANEL_TEXT, [node_type, LONGEST_RUN])
     screenshot(page, f"web_panel_narrow_{node_type}.png")
     page.evaluate("(id) => window.app.graph.remove(window.app.graph.getNodeById(id))", out["id"])
@@ -257,8 +260,9 @@ def test_run_panel_cuts_no_text_on_a_narrow_sampler(comfy, page, node_type):
     assert out["cut"] == [] and out["split"] == [], out
     text = " ".join(out["text"].split())
     for part in ("57/100 computed", "12.34x wall clock", "59 min 59 s", "57 computed", "43 cached", "Cache-DiT balanced",
-                 "attention sageattention", "offload layerwise (12/36 blocks resident)", "quant fp8_e4m3fn", "8 GPUs",
-                 LONGEST_RUN["warnings"][0]):
+                 "attention sageattention", "offload layerwise (12/36 blocks resident)", "8 GPUs",
+                 "weights gguf q4_k + q6_k", "16 CPU threads", "LoRA a-long-style-name_v2.safetensors (strength 0.85)",
+                 "LoRA detail.safetensors (strength 1)", LONGEST_RUN["warnings"][0]):
         assert part in text, (part, out["text"])
 
 

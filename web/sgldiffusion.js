@@ -1,9 +1,9 @@
 // SGLDiffusion web extension: shows on the graph what the engine did.
 //
-// * SGLDiffusion KSampler: after a run, a panel under the widgets with the step timeline (one cell per
-//   model call: filled = computed, hollow = cached by Cache-DiT), computed / total calls, the speedup measured
-//   on the wall clock, the sampling
-//   time, the attention backend, the offload and quantization modes and the run's warnings. Data: the
+// * SGLDiffusion KSampler: while it runs, "step k of n"; after a run, a panel under the widgets with the step
+//   timeline (one cell per model call: filled = computed, hollow = cached by Cache-DiT), computed / total calls, the
+//   speedup measured on the wall clock, the sampling time, what ran (web/sgldiffusion_text.js: the weights' format by
+//   name, the attention backend, the offload, the CPU threads, the active LoRAs) and the run's warnings. Data: the
 //   node's UI output `sgld_stats` (onExecuted) and the `sgldiffusion.run` PromptServer messages (state
 //   running / done / failed / interrupted). ComfyUI sends neither for a KSampler whose cached output it
 //   reuses, and a reloaded page has none: then the panel asks the pack for the node's last run of this
@@ -17,6 +17,8 @@
 //
 // Only stable extension APIs: app.registerExtension (beforeRegisterNodeDef, nodeCreated), onExecuted,
 // api.addEventListener, node.addDOMWidget. Works in the frontend of ComfyUI 0.3.75 (1.32.x) and later ones.
+
+import { fmtSeconds, h, items, whatRan } from "./sgldiffusion_text.js";
 
 const comfyAPI = window.comfyAPI ?? {};
 const app = comfyAPI.app?.app ?? (await import("../../scripts/app.js")).app;
@@ -55,38 +57,6 @@ function addStyle() {
   el.id = "sgld-run-style";
   el.textContent = STYLE;
   document.head.appendChild(el);
-}
-
-// -- helpers ---------------------------------------------------------------------------------------------------
-function h(tag, cls, text) {
-  const el = document.createElement(tag);
-  if (cls) el.className = cls;
-  if (text !== undefined) el.textContent = text;
-  return el;
-}
-
-function fmtSeconds(s) {
-  if (typeof s !== "number" || !isFinite(s)) return "";
-  return s < 10 ? `${s.toFixed(2)} s` : s < 120 ? `${s.toFixed(1)} s` : `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
-}
-
-// Text as nodes where each number and the word after it ("11.2 s", "12/36 blocks") are one unbreakable span.
-function glued(text) {
-  return text.split(/(\d[\d.,/]*x?\s\S+)/).map((t, i) => (i % 2 ? h("span", "sgld-nb", t) : t)).filter((t) => t !== "");
-}
-
-// Items joined by " · ", each an inline block: a line breaks between items, and inside one only when it is longer
-// than the line (at a space, never inside a number or between it and its unit), so a narrow node (ComfyUI's own
-// KSampler) cuts no text.
-function items(tag, cls, parts) {
-  const el = h(tag, cls);
-  parts.filter((p) => p !== null && p !== undefined && p !== "").forEach((p, i) => {
-    if (i) el.append(" · ");
-    const item = h("span", "sgld-item");
-    item.append(...(Array.isArray(p) ? p : [p]).flatMap((x) => (typeof x === "string" ? glued(x) : [x])));
-    el.append(item);
-  });
-  return el;
 }
 
 function timelineOf(stats) {
@@ -167,6 +137,13 @@ class RunPanel {
     }
   }
 
+  // a running run's progress, from ComfyUI's progress messages for this node: "step k of n"
+  showProgress(value, max) {
+    this.progress = { value, max };
+    const steps = this.body.querySelector(".sgld-steps");
+    if (steps) steps.textContent = `step ${value} of ${max}`;
+  }
+
   set(state, stats, extra = {}) {
     this.state = state;
     if (stats !== undefined) this.stats = stats;
@@ -245,13 +222,13 @@ class RunPanel {
       };
       el.append(items("div", "sgld-legend", [[sw("sgld-computed"), `${computed} computed`],
         [sw("sgld-cached"), `${cached} cached`], s.cache ? `Cache-DiT ${s.cache.preset ?? s.cache.config ?? "on"}` : "Cache-DiT off"]));
-      const meta = [`attention ${s.attention ?? "?"}`, `offload ${s.offload ?? "?"}${s.offload_detail ? ` (${s.offload_detail})` : ""}`,
-        `quant ${s.quant ?? "?"}`];
-      if (s.parallel) meta.push(`${s.parallel} GPUs`);
-      const m = items("div", "sgld-meta", meta);
-      m.title = meta.join("\n");
+      const ran = whatRan(s);
+      const m = items("div", "sgld-meta", ran.meta);
+      m.title = ran.meta.join("\n");
       el.append(m);
       height += 36;
+      if (ran.loras.length) el.append(items("div", "sgld-loras", ran.loras));
+      height += 15 * ran.loras.length;
       for (const w of s.warnings ?? []) {
         el.append(h("div", "sgld-warn", `⚠ ${w}`));
         height += 15 * Math.max(1, Math.ceil(w.length / 45));
@@ -389,7 +366,7 @@ app.registerExtension({
     api.addEventListener(RUN_EVENT, (e) => onRunEvent(e.detail));
     api.addEventListener("progress", (e) => {
       const panel = panelOf(findNode(e.detail?.node), false);
-      if (panel && panel.state === "running") panel.progress = { value: e.detail.value, max: e.detail.max };
+      if (panel && panel.state === "running") panel.showProgress(e.detail.value, e.detail.max);
     });
     api.addEventListener("execution_start", (e) => {
       currentPrompt = e.detail?.prompt_id ?? null;

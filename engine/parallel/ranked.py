@@ -158,7 +158,7 @@ class RankedRunner:
         ranks = {k: v for k, v in self.info.items() if k not in ("warnings", "notes")}
         return {"device": str(self.config.device), "dtype": str(self.dtype).replace("torch.", ""), "params": self.num_params,
                 "model": self.model_config.to_dict(), "attention": self.attention_backend, "quant": ranks.get("quant"),
-                "fused_projections": ranks.get("fused_projections"), "offload": ranks.get("offload"),
+                "weights": ranks.get("weights"), "fused_projections": ranks.get("fused_projections"), "offload": ranks.get("offload"),
                 "compile": ranks.get("compile"), "parallel": {"plan": self.plan.describe(), "world_size": self.plan.world_size,
                                                               "backend": self.backend, "worker_pids": self.pids}}
 

@@ -114,7 +114,7 @@ class WorkerState:
         described = self.engine.describe()
         return {"attention": self.engine.attention_backend, "warnings": list(self.engine.warnings),
                 "notes": list(self.engine.notes), "params_per_rank": described["params"],
-                **{k: described[k] for k in ("quant", "fused_projections", "offload", "compile")}}
+                **{k: described[k] for k in ("quant", "weights", "fused_projections", "offload", "compile")}}
 
     def cmd_unload(self):
         if self.parallel is not None:

@@ -170,3 +170,16 @@ def test_reshaped_tensors_dequantize_to_their_shape_and_reshaped_block_linears_a
     with pytest.raises(CheckpointError, match=r"bad.gguf: tensor 'layers.0.mlp.gate_proj.weight': a Q8_0 block linear "
                                               r"stored reshaped as \[256, 512\] \(its shape is \[512, 256\]\)"):
         load_model(bad)
+
+
+def test_the_engine_names_a_q4_k_m_files_weights(tmp_path):
+    """Issue 49 item 2: a Q4_K_M-style file (most layers q4_k, the rest q6_k) is described by its formats' names, most
+    layers first ("gguf q4_k + q6_k"), where the quant patch says "mixed"; the run panel shows this name."""
+    types = types_for(SD, GQ.Q4_K)
+    for k in [k for k in sorted(types) if types[k] == GQ.Q4_K and ".mlp." in k][:2]:
+        types[k] = GQ.Q6_K
+    path = write_gguf(tmp_path / "q4_k_m.gguf", SD, types, "comfy")
+    described = open_engine(path, EngineConfig(device="cpu", dtype="fp32")).describe()
+    assert described["weights"] == "gguf q4_k + q6_k" and described["quant"] == "mixed", described
+    assert open_engine(_pair(tmp_path, types_for(SD, GQ.F16), "comfy")[0],
+                       EngineConfig(device="cpu", dtype="fp32")).describe()["weights"] is None  # dense: the dtype says it

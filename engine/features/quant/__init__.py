@@ -25,6 +25,7 @@ from .modules import (
                   remove_quant,
                   stored_tensors,
                   weight_bytes,
+                  weights_format,
 )
 from .numerics import relative_error
 from .prequantized import QuantPlan
@@ -64,4 +65,4 @@ __all__ = ["FILE_WRITERS", "FORMATS", "FORMAT_TABLE", "FileWriter", "describe_fo
            "get_format", "int4_group", "make_quant_linear", "model_quant_format",
            "parse_format", "prepare_fast_paths", "quant_modules", "quantize_file", "quantize_fp8",
            "quantize_int4", "register_format", "relative_error", "remove_quant", "stored_tensors", "tensor_parallel_shard", "unpack_int4",
-           "unregister_format", "weight_bytes"]
+           "unregister_format", "weight_bytes", "weights_format"]

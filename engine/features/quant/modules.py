@@ -6,6 +6,7 @@ paths: docs/quantization.md."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 from ...models.family import family_of
 from .. import patching
 from .numerics import frozen
-from .registry import FORMATS, format_of, get_format, parse_format
+from .registry import FILE_WRITERS, FORMATS, format_of, get_format, parse_format
 from .registry import choices as quant_choices  # noqa: I001
 
 log = logging.getLogger("sgld.quant")
@@ -143,6 +144,18 @@ def model_quant_format(model: nn.Module) -> Optional[str]:
     if not kinds:
         return None
     return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def weights_format(model: nn.Module) -> Optional[str]:
+    """The quantized layers' formats by name for people, most layers first: "gguf q4_k + q6_k" for a Q4_K_M file (a
+    file kind of its own names itself), "fp8"; None when no layer is quantized (``model_quant_format``'s "mixed" tells
+    a user nothing)."""
+    counts = Counter(f.name for f in map(format_of, model.modules()) if f is not None)
+    if not counts:
+        return None
+    names = [name for name, _ in counts.most_common()]
+    own = [w.name for w in FILE_WRITERS.values() if w.formats is not None and set(names) <= set(w.formats())]
+    return "".join(f"{name} " for name in own[:1]) + " + ".join(names)
 
 
 def weight_bytes(model: nn.Module, only_block_linears: bool = False) -> int:
