@@ -23,11 +23,13 @@ PARALLEL = "parallel"  # the CLI's argument group of the degrees
 @dataclass
 class EngineConfig:
     dtype: Optional[str] = option(
-        None, str, "weight dtype: bf16, fp16, fp32 (default: as stored; fp32 for random models)", choices=DTYPES,
+        None, str, "compute dtype: bf16, fp16, fp32 (default: the model's fastest safe one on the device: bf16 on a GPU "
+                   "or a CPU with AVX-512 BF16 / AMX, else fp32; never the file's storage)", choices=DTYPES,
         optional=True, labels={None: "default"}, aliases={"none": None, "bfloat16": "bf16", "float16": "fp16",
                                                          "float32": "fp32"},
         any_case=True, flag="--dtype", widget="weight_dtype", widget_required=True,
-        tooltip="Weight dtype in memory; 'default' keeps the file's dtype.")
+        tooltip="Compute dtype. 'default': the model's fastest safe dtype on this device (bf16 on a GPU, float32 on "
+                "most CPUs), whatever the file stores.")
     device: str = option("cpu", str, "torch device (default: cpu)", flag="--device")  # nodes: ComfyUI's device
     # Cache-DiT (engine.features.cache.CacheConfig) of runs given none; None = off. The SGLANG_CACHE_DIT_*
     # environment is read by the entry points (CLI, server start, nodes, pipeline), never by the engine.

@@ -103,6 +103,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.runner = LocalRunner(runner, self.config) if isinstance(runner, nn.Module) else runner
         self.source = source
+        self.dtype_reason = "asked for" if self.config.dtype else "the model's own (given in memory)"  # the router's
         self.last_run = RunStats()
         # CPU threads of a run (engine/threads.py: the demo's count for its shapes, else None = torch's); settable
         self.threads = default_threads(self.model_config, self.device)
@@ -153,7 +154,8 @@ class Engine:
 
     def describe(self) -> dict:
         """Everything the engine runs with, as plain data (what the nodes, CLI and server show)."""
-        d = {"source": self.source, **self.runner.describe(), "warnings": list(self.warnings),
+        d = {"source": self.source, **self.runner.describe(), "dtype_reason": self.dtype_reason,
+             "warnings": list(self.warnings),
              "notes": list(self.notes), "last_run": self.last_run.to_dict()}
         d["loras"] = [[p, s] for p, s in self.loras]
         return d

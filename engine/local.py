@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import device as device_rt
+from .compute_dtype import with_compute_dtype
 from .config import EngineConfig
 from .features import attention as attention_backends
 from .features import quant
@@ -22,6 +23,7 @@ from .features.fuse import fuse_projections, fused_groups
 from .features.lora import LoRAFileCache, active_loras, apply_loras
 from .features.offload import apply_layerwise_offload, choose_call_offload, choose_offload, get_offload
 from .features.offload.auto import CALL_WORKSPACE_BYTES
+from .io.checkpoint import open_checkpoint
 from .loading import plan_load
 from .models import family_of
 from .sampling import to_timestep
@@ -202,10 +204,14 @@ def open_local(path: str, config: EngineConfig) -> LocalRunner:
     header before loading: an offloaded model is loaded into CPU memory, never whole onto the GPU."""
     decision = None
     device = config.device
-    plan = plan_load(path, config.dtype, config.quant)  # the header, read once
+    ckpt = open_checkpoint(path)  # the header, read once
+    config, why = with_compute_dtype(config, ckpt.family)  # one rule for every entry point, not the file's dtype
+    plan = plan_load(ckpt, config.dtype, config.quant)
     if config.offload != "none":
         decision = choose_offload(config.offload, config.device, plan.bytes_at_rest())
         if decision[0] == "layerwise":
             device = "cpu"
     model = plan.read(device)
-    return LocalRunner(model, config, offload_decision=decision)
+    runner = LocalRunner(model, config, offload_decision=decision)
+    runner.dtype_reason = why
+    return runner

@@ -135,9 +135,10 @@ class ErnieImagePipeline:
         cache = cache_option(cache)
         release = resolve_release(path, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae, pe=pe,
                                   pe_tokenizer=pe_tokenizer)
-        if release.kind == "demo":  # its one file: DiT, text encoder and vocabulary; run in float32 unless asked
-            parts = DemoParts(demo_pkg.load_demo(release.transformer))
-            engine = open_engine(release.transformer, dataclasses.replace(config, dtype=config.dtype or "fp32"))
+        if release.kind == "demo":  # its one file: DiT, text encoder and vocabulary (a copy of its DiT: the shipped's)
+            parts = DemoParts(demo_pkg.load_demo(release.transformer if demo_pkg.is_demo_file(release.transformer)
+                                                 else None))
+            engine = open_engine(release.transformer, config)
             kind = "demo"
         else:
             release.require("text_encoder", "vae", why="a single DiT file needs text_encoder= and vae= (folders or files)")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 from .errors import CheckpointError
-from .io.checkpoint import read_json_file
+from .io.checkpoint import check_architecture, open_checkpoint, read_json_file
 from .io.safetensors import refuse_pickle, refuse_pickles_in
 from .models import demo as demo_model
 from .sampling import MAX_SHIFT
@@ -162,9 +162,17 @@ def _from_folder(root: str, source: str, kind: str) -> Release:
 
 def _from_file(path: str, source: str) -> Release:
     refuse_pickle(path)  # by name and by content
-    if os.path.abspath(path) == os.path.abspath(demo_model.DEMO_WEIGHTS) or demo_model.is_demo_file(path):
+    if os.path.abspath(path) == os.path.abspath(demo_model.DEMO_WEIGHTS) or demo_model.is_demo_file(path) or \
+            _demo_shaped(path):  # a copy of the demo's DiT in another format runs with the demo's own parts
         return Release(source, DEMO, path)
     return Release(source, "files", path)
+
+
+def _demo_shaped(path: str) -> bool:
+    try:
+        return demo_model.has_demo_shapes(check_architecture(open_checkpoint(path)))
+    except CheckpointError:
+        return False
 
 
 def resolve_release(source, *, text_encoder=None, tokenizer=None, vae=None, scheduler=None, pe=None,

@@ -14,10 +14,12 @@ from typing import Optional
 
 from torch import nn
 
+from .compute_dtype import with_compute_dtype
 from .config import EngineConfig
 from .engine import Engine
 from .errors import ParallelConfigError
 from .features.cache import from_env
+from .io.checkpoint import open_checkpoint
 from .local import LocalRunner, open_local
 from .models import demo as demo_model
 from .parallel import open_ranked_runner
@@ -39,8 +41,13 @@ def open_engine(source, config: Optional[EngineConfig] = None, *, label: Optiona
         return Engine(LocalRunner(source, config, offload_decision=offload_decision), config, source=label or "")
     path = demo_model.DEMO_WEIGHTS if source == DEMO else os.fspath(source)
     if config.world_size > 1 or transport is not None:  # several ranks: the DiT runs on them (engine/parallel)
-        return Engine(open_ranked_runner(path, config, transport), config, source=label or path)
-    return Engine(open_local(path, config), config, source=label or path)
+        config, why = with_compute_dtype(config, open_checkpoint(path).family)  # the ranks load in the same dtype
+        engine = Engine(open_ranked_runner(path, config, transport), config, source=label or path)
+    else:
+        runner = open_local(path, config)  # the compute dtype decided from the header it reads
+        engine, why = Engine(runner, runner.config, source=label or path), runner.dtype_reason
+    engine.dtype_reason = why
+    return engine
 
 
 def open_demo(path: Optional[str] = None, cached: bool = True) -> demo_model.DemoModel:

@@ -94,9 +94,7 @@ def engine_config(unet_name: str, widgets: dict) -> EngineConfig:
     widgets = {**widget_defaults(EngineConfig), **widgets}
     if widgets["attention"] not in BACKENDS:  # ComfyUI's list check is off for it (VALIDATE_INPUTS)
         raise ValueError(f"{NODE}: attention '{widgets['attention']}' is not one of {', '.join(BACKENDS)}")
-    given = from_widgets(EngineConfig, widgets, NODE)
-    if given.get("dtype") is None and unet_name == DEMO_CHOICE:
-        given["dtype"] = "fp32"  # the demo file is stored in fp16; as the engine and CLI, it runs in fp32 on a CPU
+    given = from_widgets(EngineConfig, widgets, NODE)  # weight_dtype "default": the engine's rule for the device
     try:
         return EngineConfig(**given, device=torch_device())
     except ValueError as e:

@@ -12,6 +12,11 @@ import comfy_server  # noqa: E402  (tests/ is on sys.path: pytest puts a conftes
 
 PROFILE_USERS = pytest.StashKey[dict]()
 
+# The default compute dtype follows the CPU (bf16 with AVX-512 BF16 or AMX, else float32: engine/compute_dtype.py).
+# The suite runs as on a CPU without them, so that what a default run computes is the same on every machine it
+# runs on (and in every server it starts); tests/test_compute_dtype.py covers both kinds of CPU.
+os.environ["SGLD_CPU_BF16"] = "0"
+
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1 under pytest-xdist (scripts/test.sh)
 if WORKER:
     # Two workers on two cores: one CPU thread each (and in the processes they start), or torch's threads

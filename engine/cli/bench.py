@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from .. import device as device_rt
+from ..compute_dtype import default_compute_dtype
 from ..features import offload
 from ..features.cache import from_env
 from ..features.quant.registry import FILE_WRITERS, format_of
@@ -49,7 +50,9 @@ def _random_engine(size: str, dtype, device, config=None):
     model never has to fit on the GPU first)."""
     if size not in SIZES:
         raise SystemExit(f"sgld bench: --size '{size}' is unknown; choose one of {', '.join(SIZES)}")
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: torch.float32}.get(dtype)
+    if dtype is None:  # the compute dtype of every entry point (engine/compute_dtype.py)
+        dtype = default_compute_dtype(family_of(SIZES[size]), device)[0]
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
     if dt is None:
         raise SystemExit(f"sgld bench: --dtype '{dtype}' is not supported; choose one of bf16, fp16, fp32")
     decision, build_on = None, device

@@ -2,7 +2,6 @@
 with ComfyUI-style text metadata."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -144,8 +143,8 @@ def _demo_parts(args) -> LoadedModel:
         if warning:
             print(f"sgld: warning: {warning}", file=sys.stderr)
     # the DiT through the same router as ERNIE-Image files: several ranks (--num-gpus, --tp, ...) run it
-    # in worker processes; the demo is stored in fp16 and runs in fp32 unless --dtype says otherwise
-    config = dataclasses.replace(engine_config(args, cache=resolve_config(cache_config(args))), dtype=args.dtype or "fp32")
+    # in worker processes, in the compute dtype of every entry point unless --dtype says (engine/compute_dtype.py)
+    config = engine_config(args, cache=resolve_config(cache_config(args)))
     dit = demo_dit(args)
     return LoadedModel(open_engine(dit, config), DemoParts(demo), dit)
 

@@ -329,4 +329,5 @@ FAMILY = register(Family(
     comfy_model="ErnieImage", max_layers=MAX_LAYERS,
     comfy_unet_config={"image_model": "ernie"},
     sizes=((1024, 1024), (848, 1264), (1264, 848), (768, 1376), (1376, 768), (896, 1200), (1200, 896)),  # model card
+    compute_dtypes=(torch.bfloat16, torch.float32),  # trained in bf16; fp16 overflows (its activations pass 65504)
 ))

@@ -80,6 +80,9 @@ class Family:
     comfy_unet_config: Mapping[str, object] = field(default_factory=dict)  # ComfyUI's unet_config marking the family
     sizes: Tuple[Tuple[int, int], ...] = ()  # recommended (width, height) in pixels, for tooltips
     max_layers: int = 512  # a bound on the blocks a file's header can ask for
+    # the dtypes it computes in safely, fastest first (ComfyUI's supported_inference_dtypes): the default compute
+    # dtype is the first the device computes natively (engine/compute_dtype.py); fp16 only where it does not overflow
+    compute_dtypes: Tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
     # -- what the generic layers ask ---------------------------------------------------------------------
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:

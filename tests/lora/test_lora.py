@@ -305,7 +305,7 @@ def test_node_chain_two_graphs_share_one_base(pack, tmp_path):
     b = write_lora(pack.loras / "style_b.safetensors", make_pairs(MODULES[:3], seed=10), "kohya", alpha=2.0)
     node = pack.node.SGLDiffusionLoraLoader()
     assert "style_a.safetensors" in pack.node.SGLDiffusionLoraLoader.INPUT_TYPES()["required"]["lora_name"][0]
-    base = mc.SGLDModel(pack.path, pack.EngineConfig(), owner="1")
+    base = mc.SGLDModel(pack.path, pack.EngineConfig(dtype="bf16"), owner="1")  # bf16: compact restore records
     g1 = node.load(node.load(base, "style_a.safetensors", 1.0)[0], "style_b.safetensors", 0.5)[0]  # chained
     g2 = node.load(base, "style_b.safetensors", -1.0)[0]  # another graph, same base
     assert base.loras == () and g1.loras == ((a, 1.0), (b, 0.5)) and g2.loras == ((b, -1.0),)

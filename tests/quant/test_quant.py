@@ -196,7 +196,8 @@ def test_sgld_quantize_round_trip(bf16_file, tmp_path, fmt, capsys):
     assert torch.equal(forward(at_load), forward(from_file))
     # the engine and the loader node's path: a pre-quantized file loads quantized with no option set
     eng = open_engine(str(out), EngineConfig())
-    assert Q.model_quant_format(eng.model) == fmt[:4] and eng.model.dtype == torch.bfloat16
+    assert Q.model_quant_format(eng.model) == fmt[:4]
+    assert eng.model.dtype == torch.float32  # the default compute dtype on a CPU without native bf16, not the file's
     # re-quantizing the quantized file to the other format works
     other = "int4-g64" if fmt == "fp8" else "fp8"
     out2 = tmp_path / "q2.safetensors"

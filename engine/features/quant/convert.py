@@ -22,7 +22,8 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
                   layer_tensors: Callable[[torch.nn.Module], Dict[str, torch.Tensor]] = stored_tensors,
                   record: bool = True, quantize: Optional[Callable[[torch.Tensor], Optional[torch.nn.Module]]] = None) -> dict:
     """Read a DiT checkpoint (bf16/fp16/fp32, or already quantized) and write its block linears in
-    format ``fmt`` in the sgld layout; everything else in the compute dtype. Returns a summary.
+    format ``fmt`` in the sgld layout; every other float tensor in its own dtype (``dtype``: in that one; a
+    quantized source's dense layers in its compute dtype). Returns a summary.
     ``layer_tensors``: a quantized layer's tensors by leaf name (another layout's, e.g. ComfyUI's with its
     tag: comfy/convert.py); ``record``: write the ``sgld_quant`` metadata (the sgld layout's); ``quantize``: a layer's
     quantizer other than the format's (ComfyUI's fp8: one scale per tensor), a module or None (stays dense)."""
@@ -36,7 +37,11 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
     cfg = check_architecture(ckpt)
     family, expected = ckpt.family, checkpoint_shapes(cfg)  # the model's shapes: a block linear's [out, in]
     plan = QuantPlan(ckpt)
-    compute = parse_dtype(dtype) or plan.compute_dtype()
+    asked = parse_dtype(dtype)
+    compute = asked or plan.compute_dtype()
+
+    def kept(stored: torch.dtype) -> torch.dtype:  # a tensor left as it is: its own dtype, or the one asked for
+        return (asked or stored) if stored.is_floating_point and stored.itemsize >= 2 else stored
     skip = plan.stored_keys() - {layer + ".weight" for layer in plan.layers}
     specs: List[Tuple[str, torch.dtype, tuple]] = []
     jobs: Dict[str, Tuple[str, str]] = {}  # out key -> (layer, part)
@@ -49,7 +54,7 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
             n, k_in = shape[0], expected.get(k, plan.layers.get(layer, {}).get("shape", shape))[1]
             shaped = make(torch.empty(n, k_in, device="meta"))  # its tensors' shapes only
             if shaped is None:  # the format leaves this layer dense
-                specs.append((k, compute, (n, k_in)))
+                specs.append((k, compute if layer in plan.layers else kept(stored), (n, k_in)))
                 jobs[k] = (layer, "dense")
                 continue
             for leaf, t in layer_tensors(shaped).items():
@@ -59,8 +64,9 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
             specs.append((k, compute, shape))
             jobs[k] = (layer, "dense")
         else:
-            specs.append((k, compute if stored.is_floating_point and stored.itemsize >= 2 else stored, shape))
+            specs.append((k, kept(stored), shape))
     cache: Dict[str, Tuple[str, dict]] = {}
+    want = {key: dt for key, dt, _ in specs}
 
     def dense(layer: str) -> torch.Tensor:
         if layer not in plan.layers:
@@ -70,10 +76,10 @@ def quantize_file(src: str, dst: str, fmt: str, dtype: Union[None, str, torch.dt
     def produce(key: str) -> torch.Tensor:
         if key not in jobs:
             t = ckpt.read(key)
-            return t.to(compute) if t.is_floating_point() and t.dtype != compute else t
+            return t.to(want[key]) if t.dtype != want[key] else t
         layer, part = jobs[key]
         if part == "dense":
-            return dense(layer).to(compute)
+            return dense(layer).to(want[key])
         if cache.get("layer", (None,))[0] != layer:
             cache["layer"] = (layer, layer_tensors(make(dense(layer))))
         return cache["layer"][1][part]
