@@ -69,3 +69,18 @@ def test_load_log_of_a_dense_file_quantized_at_load(tmp_path, caplog):
         load_model(str(path), quant="fp8")
     loaded = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded ")]
     assert loaded == [f"loaded {path}: dense weights, quantized to fp8 at load"], loaded
+
+
+def test_a_comfyui_format_lora_is_not_called_kohya(tmp_path):
+    """Issue 49 item 6: ComfyUI's keys (``diffusion_model.<module>.lora_up.weight``) are named as ComfyUI's in the
+    log, kohya's flat ``lora_unet_<module>`` keys as kohya's."""
+    from lora_files import make_pairs, tiny_engine, write_lora
+
+    eng = tiny_engine()
+    pairs = make_pairs(["layers.0.self_attention.to_q"], seed=1)
+    comfy = write_lora(tmp_path / "comfy.safetensors", pairs, "comfy_generic", alpha=1.0)
+    kohya = write_lora(tmp_path / "kohya.safetensors", pairs, "kohya", alpha=1.0)
+    from engine.features.lora import read_lora
+
+    assert "format comfyui" in read_lora(comfy, eng.model).describe()
+    assert "format kohya" in read_lora(kohya, eng.model).describe()

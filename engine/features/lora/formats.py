@@ -261,8 +261,8 @@ def read_lora(source, model: nn.Module, header_only: bool = False) -> LoRAFile:
             unknown.append(k)
         else:
             groups.setdefault(prefix, {})[part] = k
-            if fmt:
-                groups[prefix]["fmt"] = fmt
+            if fmt:  # lora_up / lora_down under a module's dotted name: ComfyUI's layout, not kohya's flat one
+                groups[prefix]["fmt"] = "comfyui" if fmt == "kohya" and "." in prefix else fmt
     matched = {p: g for p, g in groups.items() if p in kmap}
     unmatched = sorted(map(user, unknown + [k for p, g in groups.items() if p not in kmap for part, k in g.items() if part != "fmt"]))
     if not matched and any(_split_key(k)[0] in kmap for k, _ in unsupported):
