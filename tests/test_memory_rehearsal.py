@@ -25,6 +25,18 @@ from engine.models.ernie_image_config import ErnieImageConfig  # noqa: E402
 GiB = 2 ** 30
 
 
+def comfyui_here():
+    """nodes/comfy_model.py with ComfyUI, which imports torchvision: a CPU-only torch needs the torchvision built
+    for it (PyTorch's CPU wheel index), and where there is none the ComfyUI rows skip, naming the build. A CUDA
+    build never skips here (CI has ComfyUI and its torchvision)."""
+    try:
+        return predict.comfy_model_module()
+    except predict.Unavailable as e:
+        if torch.backends.cuda.is_built() or "does not import" not in str(e):
+            raise
+        pytest.skip(f"torch {torch.__version__} (CPU-only build): {e}")
+
+
 def test_the_device_seam_is_the_only_caller_of_torch_cuda():
     bad = []
     for folder, _, files in os.walk(os.path.join(ROOT, "engine")):
@@ -50,6 +62,8 @@ def test_release_shape_bf16_base_1024():
 def test_every_configuration_runs(setup):
     """Each row at 1024² on two blocks of the release width; a resident single-rank run's activations (its peak
     over the weights) are within the working memory offload "auto" keeps for the family's estimate."""
+    if setup.comfy:
+        comfyui_here()
     p = predict.predict(setup, 1024, layers=2)
     bf16 = predict.predict_cached(predict.Setup("bf16", model=setup.model, batch=setup.batch), 1024, layers=2)
     assert p.peak_bytes > p.weights_bytes > 0
@@ -238,6 +252,7 @@ def test_the_comfyui_model_call_reads_only_its_finite_check_on_the_host():
     the text on the device): the text lengths reach the engine on the host (ComfyUI moves tensors to the device;
     ``TextLengths`` hands them over as ints), so the one host read is the engine's per-call finite check; the
     peak is Base's CFG batch 2."""
+    comfyui_here()
     p = predict.predict(predict.Setup("comfy", comfy=True), 512, layers=2)
     base = predict.predict_cached(predict.Setup("bf16"), 512, layers=2)
     reads = [n for n in p.notes if n.startswith("host read answered")]
@@ -248,7 +263,7 @@ def test_the_comfyui_model_call_reads_only_its_finite_check_on_the_host():
 def test_comfyuis_apply_model_leaves_the_text_lengths_on_the_host():
     """ComfyUI's own ``BaseModel._apply_model`` casts every tensor extra cond to the device; the lengths our
     model's ``extra_conds`` adds come out of ComfyUI's batching as host ints, which it passes as they are."""
-    cm = predict.comfy_model_module()
+    cm = comfyui_here()
     import comfy.model_base
 
     lens = cm.TextLengths(torch.tensor([256, 256])).concat([cm.TextLengths(torch.tensor([1, 1]))])
@@ -265,3 +280,52 @@ def test_ring_and_cfg_parallel_ranks_hold_less_activation(kw):
     one = predict.predict_cached(predict.Setup("bf16"), 512, layers=2)
     assert p.weights_bytes == one.weights_bytes
     assert p.weights_bytes < p.peak_bytes < one.peak_bytes, (p.peak_gib, one.peak_gib)
+
+
+def test_a_cpu_only_build_dispatches_as_a_cuda_build():
+    """The ops a CUDA build runs by their CUDA kernel where a CPU-only build runs their composite (the fake mode
+    would see, and the tracker count, its pieces: F.rms_norm's float32 copies) are the ones cpu_build gives a
+    stand-in CUDA kernel; checked on the CUDA build (CI), where a new torch could add one."""
+    import cpu_build
+
+    cpu_build.as_cuda_build()
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    both = [n for n in torch._C._dispatch_get_all_op_names() if has(n, "CompositeImplicitAutograd") and has(n, "CUDA")]
+    assert sorted(both) == sorted(cpu_build.WITH_COMPOSITE)
+
+
+# What a CPU-only build lacks that can be taken from a CUDA build: c10's CUDA device guard, which torch's bindings
+# for ``t[i]``, ``t[i] = v``, ``Tensor.copy_`` and ``Tensor.to("cuda")`` hold even on a fake CUDA tensor. (Its
+# other lack, a CUDA kernel for ``_fused_rms_norm``, cannot be unregistered: the test above checks the op list.)
+WITHOUT_CUDA_GUARD = r"""
+import sys
+sys.path.insert(0, "bench/memory")
+import torch
+import cpu_build
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+cpu_build.registry()[int(torch._C._autograd.DeviceType.CUDA)] = None
+try:
+    with FakeTensorMode():
+        torch.empty(2, device="cuda")[0]
+    sys.exit("CUDA's device guard is still there: not what a CPU-only build has")
+except RuntimeError as e:
+    assert "not linked with support for cuda devices" in str(e), e
+import predict
+for setup in [predict.Setup(*a, **kw) for a, kw in SETUPS]:
+    print(predict.predict(setup, 256, layers=1).peak_bytes)
+"""
+
+
+@pytest.mark.subprocess
+def test_the_rehearsal_runs_without_a_cuda_device_guard():
+    """What a CPU-only torch lacks, taken away from this one in a fresh process: the rehearsal still runs every
+    kind of step (resident, offloaded blocks copied in, a served batch's threads) and predicts the same bytes."""
+    import subprocess
+
+    setups = [(("bf16",), {}), (("offload",), dict(offload="layerwise")), (("served",), dict(model="turbo", served=2))]
+    run = subprocess.run([sys.executable, "-c", f"SETUPS = {setups!r}\n{WITHOUT_CUDA_GUARD}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    here = [predict.predict(predict.Setup(*a, **kw), 256, layers=1).peak_bytes for a, kw in setups]
+    assert [int(n) for n in run.stdout.split()] == here

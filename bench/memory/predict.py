@@ -253,6 +253,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PACK = "sgld_rehearsal_pack"
 
 
+class Unavailable(RuntimeError):
+    """A row needs something this machine lacks (ComfyUI, or a torchvision built for this torch): says what."""
+
+
 def comfy_model_module():
     """nodes/comfy_model.py with the installed ComfyUI (.cache/ComfyUI, CPU mode) imported in-process. The node
     module is loaded under a stand-in package for the pack root (as tests/pack_modules.py does), whose
@@ -263,7 +267,7 @@ def comfy_model_module():
 
     comfy_dir = os.environ.get("SGLD_COMFYUI_DIR", os.path.join(ROOT, ".cache", "ComfyUI"))
     if not os.path.exists(os.path.join(comfy_dir, "comfy", "model_base.py")):
-        raise FileNotFoundError(f"ComfyUI is not installed in {comfy_dir} (scripts/comfyui.sh)")
+        raise Unavailable(f"ComfyUI is not installed in {comfy_dir} (scripts/comfyui.sh)")
     if comfy_dir not in sys.path:
         sys.path.insert(0, comfy_dir)
     from comfy.cli_args import args
@@ -279,7 +283,12 @@ def comfy_model_module():
     for name, mod in list(sys.modules.items()):
         if name == "engine" or name.startswith("engine."):
             sys.modules.setdefault(f"{PACK}.{name}", mod)
-    return importlib.import_module(PACK + ".nodes.comfy_model")
+    try:
+        return importlib.import_module(PACK + ".nodes.comfy_model")
+    except (ImportError, RuntimeError) as e:  # ComfyUI's models import torchvision, whose ops must match this torch
+        raise Unavailable(f"ComfyUI in {comfy_dir} does not import with torch {torch.__version__} "
+                          f"({type(e).__name__}: {e}); it imports torchvision: install the torchvision release "
+                          "built for this torch (a CPU-only torch takes the one from PyTorch's CPU wheel index)") from e
 
 
 def _comfy_call(r: Rehearsal, eng, latent, cond, uncond) -> list:

@@ -1,8 +1,9 @@
 """The engine rehearsed on fake CUDA tensors at the release shape, and its peak GPU memory from the trace.
 
 A fake tensor (``torch._subclasses.fake_tensor``) has a device, a dtype and a shape but no memory and no
-FLOPs, so the 8B DiT runs here, on a CPU-only torch, through the engine's own entry points (``open_engine``,
-``Engine.sample``) in seconds. What the rehearsal replaces, and only that:
+FLOPs, so the 8B DiT runs here, on a CPU machine (a CUDA or a CPU-only build of torch: cpu_build.py), through
+the engine's own entry points (``open_engine``, ``Engine.sample``) in seconds. What the rehearsal replaces, and
+only that:
 
 - the device seam (``engine/device.py``): ``FakeRuntime`` answers as a card of ``card_bytes`` (free memory for
   offload "auto", sm90 capability, streams and events that order nothing, page-locked host buffers that are
@@ -33,6 +34,7 @@ import threading
 import weakref
 from typing import List, Optional, Tuple
 
+import cpu_build  # beside this file (bench/memory is on sys.path wherever rehearse is imported)
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -407,6 +409,10 @@ class Rehearsal:
             threading.Thread.run = run
 
     def __enter__(self) -> "Rehearsal":
+        try:  # a CPU-only torch lacks CUDA's device guard and the CUDA kernel of rms_norm's fused op
+            cpu_build.as_cuda_build()
+        except RuntimeError as e:
+            raise RehearsalError(str(e)) from e
         s = self._stack
         self._fake = FakeTensorMode(allow_non_fake_inputs=True)
         s.enter_context(self._modes())

@@ -16,8 +16,8 @@ from typing import List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from predict import Prediction, Setup, predict, predict_cached  # noqa: E402  (puts the project root on sys.path)
-from rehearse import GiB  # noqa: E402
+from predict import Prediction, Setup, Unavailable, predict, predict_cached  # noqa: E402  (puts the project root on sys.path)
+from rehearse import GiB, RehearsalError  # noqa: E402
 
 from engine.io.atomic import atomic_write  # noqa: E402
 
@@ -154,7 +154,13 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=36, help="DiT blocks (36: the release)")
     ap.add_argument("--print", action="store_true", help="print the table, leave the pages alone")
     args = ap.parse_args(argv)
-    text = table(args.layers, log=lambda m: print(m, file=sys.stderr))
+    try:
+        text = table(args.layers, log=lambda m: print(m, file=sys.stderr))
+    except (Unavailable, RehearsalError) as e:  # what this machine lacks (pages left alone), with the torch build
+        import torch
+
+        build = "CUDA" if torch.backends.cuda.is_built() else "CPU-only"
+        raise SystemExit(f"table.py cannot run here (torch {torch.__version__}, {build} build): {e}") from e
     if args.print:
         print(text)
         return
