@@ -41,7 +41,7 @@ def cpu_bf16() -> Tuple[bool, str]:
                              "or 0 (it does not), or unset (read from the CPU's flags)")
         return env == "1", f"{ENV}={env}"
     found = [f for f in CPU_BF16_FLAGS if f in _cpu_flags()]
-    return (True, f"the CPU has {found[0]}") if found else (False, "the CPU has no AVX-512 BF16 or AMX (bf16 emulated)")
+    return (True, f"the CPU has {found[0]}") if found else (False, "no AVX-512 BF16 or AMX on this CPU: torch emulates it")
 
 
 def _native(dtype: torch.dtype, device: torch.device) -> Tuple[bool, str]:

@@ -146,6 +146,7 @@ def run_stats(engine, node_id, warnings=()) -> dict:
     # the panel says what ran: the weights' format by name ("gguf q4_k + q6_k"; the dtype when none is quantized), the
     # device (its CPU threads are the run's ``threads``), the active LoRAs by file name with their strengths
     stats["weights"] = described.get("weights") or described["dtype"]
+    stats["dtype"], stats["dtype_reason"] = described["dtype"], described.get("dtype_reason", "")  # what computed, why
     stats["device"] = described["device"]
     stats["loras"] = [[os.path.basename(str(path)), strength] for path, strength in described["loras"]]
     if described["parallel"] is not None:

@@ -343,6 +343,8 @@ def test_timeline_after_a_cached_run(comfy, page):
     # issue 49 item 2: what ran, said by name: the weights' format, the CPU threads, the LoRAs (none here)
     assert stats["weights"] and f"weights {stats['weights']}" in text and stats["loras"] == [], (stats, text)
     assert stats["device"] == "cpu" and f"{stats['threads']} CPU thread" in text, (stats, text)
+    # issue 50 item 1: which dtype computed, and why (the default rule: float32 on a CPU without native bf16)
+    assert stats["dtype"] == "float32" and stats["dtype_reason"].startswith("the default for ERNIE-Image on cpu"), stats
     assert f"Cache-DiT {ids['preset']}" in text, text
     # the server's own message carried the same statistics
     done = [e["detail"] for e in events(page) if e["type"] == "sgldiffusion.run" and e["detail"].get("state") == "done"]

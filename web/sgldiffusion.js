@@ -224,7 +224,7 @@ class RunPanel {
         [sw("sgld-cached"), `${cached} cached`], s.cache ? `Cache-DiT ${s.cache.preset ?? s.cache.config ?? "on"}` : "Cache-DiT off"]));
       const ran = whatRan(s);
       const m = items("div", "sgld-meta", ran.meta);
-      m.title = ran.meta.join("\n");
+      m.title = [...ran.meta, ran.why].filter(Boolean).join("\n");
       el.append(m);
       height += 36;
       if (ran.loras.length) el.append(items("div", "sgld-loras", ran.loras));

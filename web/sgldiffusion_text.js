@@ -33,15 +33,17 @@ export function items(tag, cls, parts) {
 }
 
 // What ran, from the run's statistics (nodes/run_events.py run_stats, what the engine describes): the weights' format
-// by name ("gguf q4_k + q6_k", else the dtype), the attention backend, the offload, the CPU threads (on a CPU), the
-// GPUs; then each active LoRA with its strength. A record without some of them (an older pack's, a remote server's)
+// by name ("gguf q4_k + q6_k", else the dtype) and the compute dtype (why: on hover), the attention backend, the
+// offload, the CPU threads (on a CPU), the GPUs; then each active LoRA with its strength. A record without some of them (an older pack's, a remote server's)
 // shows what it has.
 export function whatRan(s) {
   const offload = `offload ${s.offload ?? "?"}${s.offload_detail ? ` (${s.offload_detail})` : ""}`;
   const onCpu = String(s.device ?? "cpu").startsWith("cpu");
   const threads = s.threads && onCpu ? `${s.threads} CPU thread${s.threads === 1 ? "" : "s"}` : "";
-  const meta = [s.weights ? `weights ${s.weights}` : `quant ${s.quant ?? "?"}`, `attention ${s.attention ?? "?"}`, offload,
-                threads, s.parallel ? `${s.parallel} GPUs` : ""].filter(Boolean);
+  const compute = s.dtype && s.weights !== s.dtype ? `compute ${s.dtype}` : ""; // plain weights: the dtype already
+  const meta = [s.weights ? `weights ${s.weights}` : `quant ${s.quant ?? "?"}`, compute, `attention ${s.attention ?? "?"}`,
+                offload, threads, s.parallel ? `${s.parallel} GPUs` : ""].filter(Boolean);
   const loras = (s.loras ?? []).map(([name, strength]) => `LoRA ${name} (strength ${strength})`);
-  return { meta, loras };
+  const why = s.dtype_reason ? `${s.dtype}: ${s.dtype_reason}` : ""; // on hover: why this dtype computed
+  return { meta, loras, why };
 }
