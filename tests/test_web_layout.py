@@ -116,6 +116,18 @@ def viewport(page, width, height):
         page.set_viewport_size(size)
 
 
+def open_shipped(page, path, script, shot):
+    """(the workflow, what ``script`` answers) for a shipped workflow opened at 1600x1000; a screenshot named
+    ``shot`` and the workflow's name."""
+    with open(path) as f:
+        wf = json.load(f)
+    with viewport(page, 1600, 1000):
+        out = page.evaluate(script, [wf, os.path.basename(path)])
+        close_error_dialog(page)  # the ERNIE-Image workflows' missing models
+        screenshot(page, f"{shot}_{os.path.splitext(os.path.basename(path))[0]}.png")
+    return wf, out
+
+
 # A workflow opened as saved (its extra.ds: the view the frontend restores), at the page's size: every node's
 # rectangle on the screen (title bar included, as the frontend draws it) and the frontend's own chrome around the canvas.
 SAVED_VIEW = """async ([wf, name]) => {
@@ -144,12 +156,7 @@ def test_saved_view_shows_every_node_clear_of_the_header_and_sidebar(comfy, page
     whole inside the canvas panel the frontend leaves free (below its tabs, breadcrumb and run toolbar, right of its
     sidebar), covered by none of them (at offset 0,0 the top row was under the header, the left column under the
     sidebar)."""
-    with open(path) as f:
-        wf = json.load(f)
-    with viewport(page, 1600, 1000):
-        out = page.evaluate(SAVED_VIEW, [wf, os.path.basename(path)])
-        close_error_dialog(page)  # the ERNIE-Image workflows' missing models
-        screenshot(page, f"web_saved_view_{os.path.splitext(os.path.basename(path))[0]}.png")
+    wf, out = open_shipped(page, path, SAVED_VIEW, "web_saved_view")
     ds = wf["extra"]["ds"]
     assert out["view"] == [ds["scale"], ds["offset"]], out["view"]  # the frontend restored the saved view
     free = out["free"]
@@ -190,12 +197,7 @@ def test_badges_lie_on_no_node_and_titles_are_whole(comfy, page, path):
     """Issue 49 item 5: in a shipped workflow as the frontend draws it, no node's source badge (the pack's name above
     its title bar) lies on another node (Cache-DiT's and Apply Cache-DiT's were over the loader's cfg_parallel row),
     and every title is drawn whole ("SGLDiffusion Demo Decode" was cut)."""
-    with open(path) as f:
-        wf = json.load(f)
-    with viewport(page, 1600, 1000):
-        nodes = page.evaluate(BADGES_AND_TITLES, [wf, os.path.basename(path)])
-        close_error_dialog(page)  # the ERNIE-Image workflows' missing models
-        screenshot(page, f"web_badges_{os.path.splitext(os.path.basename(path))[0]}.png")
+    _, nodes = open_shipped(page, path, BADGES_AND_TITLES, "web_badges")
     ours = [n for n in nodes if n["badgeRect"]]
     assert ours and all("SGLDiffusion" in n["badge"] for n in ours), nodes  # the badges are there to be checked
     covered = [(n["type"], o["type"]) for n in ours for o in nodes if o["id"] != n["id"] and overlap(n["badgeRect"], o["rect"])]

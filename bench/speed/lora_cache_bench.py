@@ -17,10 +17,7 @@ old commit unpacked into a temporary folder, or `.` for this one; LABEL names th
 import json
 import os
 import re
-import resource
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import requests
+import serve_process  # bench/speed/, beside this script
 import torch
 from safetensors.torch import save_file
 
@@ -37,7 +35,6 @@ AS_LIMIT = 10 << 30
 RSS_KILL = 6 << 30
 TMP = tempfile.mkdtemp(prefix="sgld-lora-cache-bench-")  # private (0700): the LoRA files and the servers' logs
 LORA_DIR = os.path.join(TMP, "loras")
-PY = sys.executable
 MIB = 1 << 20
 
 # the demo DiT's block linears {name: (out, in)}: 4 blocks x 7; rank 112 in fp32 -> 104,448 bytes per rank = 11.7 MB
@@ -70,43 +67,13 @@ def write_loras() -> int:
     return os.path.getsize(os.path.join(LORA_DIR, lora_name(0)))
 
 
-def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def limit():
-    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
-
-
 def start(name: str, *flags):
-    p = port()
-    log = open(os.path.join(TMP, f"{name}.log"), "w")
-    proc = subprocess.Popen([PY, "-m", "engine.cli", "serve", "--port", str(p), "--log-level", "warning", "--dtype", "fp32",
-                             "--lora-dir", LORA_DIR, "--request-timeout", str(TIMEOUT), *flags], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": ROOT}, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
-    url = f"http://127.0.0.1:{p}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            break
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            time.sleep(0.3)
-    stop(proc)
-    raise SystemExit(f"no server (log: {log.name})")
+    return serve_process.start(ROOT, os.path.join(TMP, f"{name}.log"), ("--dtype", "fp32", "--lora-dir", LORA_DIR,
+                                                                         "--request-timeout", str(TIMEOUT), *flags),
+                               AS_LIMIT)
 
 
-def stop(proc) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+stop = serve_process.stop
 
 
 def generate(url: str, steps: int, seed: int, loras=None) -> dict:

@@ -6,9 +6,6 @@ Usage: python bench/speed/serve_attacks.py ROOT LABEL [ATTACK ...]   (ROOT: a ch
 commit unpacked into a temporary folder, or `.` for this one; LABEL names the rows)"""
 import json
 import os
-import resource
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -16,6 +13,7 @@ import time
 
 import psutil
 import requests
+import serve_process  # bench/speed/, beside this script
 import torch
 from safetensors.torch import save
 
@@ -23,33 +21,10 @@ ROOT, LABEL = sys.argv[1], sys.argv[2]
 AS_LIMIT = 10 << 30
 RSS_KILL = int(6.5 * (1 << 30))
 LOGS = tempfile.mkdtemp(prefix="sgld-serve-attacks-")  # private (0700): the servers' logs
-PY = sys.executable
-
-
-def port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def limit():
-    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
 
 
 def start():
-    p = port()
-    log = open(os.path.join(LOGS, f"{LABEL}.log"), "w")
-    proc = subprocess.Popen([PY, "-m", "engine.cli", "serve", "--port", str(p), "--log-level", "warning",
-                             "--max-body-bytes", str(4 << 20)], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
-    url = f"http://127.0.0.1:{p}"
-    for _ in range(600):
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            time.sleep(0.3)
-    raise SystemExit("no server")
+    return serve_process.start(ROOT, os.path.join(LOGS, f"{LABEL}.log"), ("--max-body-bytes", str(4 << 20)), AS_LIMIT)
 
 
 def body(latent, settings, **more):
@@ -141,12 +116,7 @@ def main():
         try:
             attack(proc, url, name, data)
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            serve_process.stop(proc)
 
 
 if __name__ == "__main__":
