@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from typing import Optional
 
 import torch
@@ -13,7 +12,6 @@ from .. import device as device_rt
 from ..compute_dtype import default_compute_dtype
 from ..features import offload
 from ..features.cache import from_env
-from ..features.quant.registry import FILE_WRITERS, format_of
 from ..inputs import empty_latent_shape
 from ..loading import estimate_bytes
 from ..models import family_of
@@ -65,18 +63,9 @@ def _random_engine(size: str, dtype, device, config=None):
 
 
 def weight_format(eng, config) -> Optional[str]:
-    """What "quant" says: --quant's format, else the file's own (its quantized layers' formats: "gguf q4_k" for a
-    GGUF file, "gguf q5_0 + q4_k" where rows too short for q4_k's blocks fell back), None for plain weights."""
-    if config.quant:
-        return config.quant
-    if eng.model is None:  # on worker ranks: what they report
-        return eng.describe()["quant"]
-    counts = Counter(f.name for f in map(format_of, eng.model.modules()) if f is not None)
-    if not counts:
-        return None
-    names = [name for name, _ in counts.most_common()]  # most layers first (a GGUF writer's fallback type may lead)
-    own = [w.name for w in FILE_WRITERS.values() if w.formats is not None and set(names) <= set(w.formats())]
-    return "".join(f"{name} " for name in own[:1]) + " + ".join(names)  # a file kind of its own (GGUF) names itself
+    """What "quant" says: --quant's format, else the file's own by name (``Engine.describe``'s "weights": "gguf q4_k"
+    for a GGUF file, "gguf q5_0 + q4_k" where rows too short for q4_k's blocks fell back), None for plain weights."""
+    return config.quant or eng.describe()["weights"]
 
 
 def _reset_peak_memory(dev: torch.device) -> None:
