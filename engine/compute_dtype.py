@@ -6,7 +6,8 @@ never fp16 for a family that overflows in it), narrowed to what the device compu
 has it and on a CPU with AVX-512 BF16 or AMX (elsewhere torch emulates it, several times slower than float32),
 fp16 on a GPU where the family allows it, else float32. How the weights are stored (F16 beside fp8 layers, GGUF's
 F32 norms) plays no part: a file's format never drags compute to float32 or into fp16. ``SGLD_CPU_BF16=1`` / ``0``
-overrides the CPU detection (docs/attention_compile_quant.md)."""
+overrides the CPU detection (docs/attention_compile_quant.md); ``cpu_int8`` tells int8's W8A8 whether this CPU's
+int8 products pay (``SGLD_CPU_INT8``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,8 @@ from . import device as device_rt
 
 NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo: bf16 dot products in hardware
-ENV = "SGLD_CPU_BF16"
+CPU_INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products (torch._int_mm is fast only with them)
+ENV, INT8_ENV = "SGLD_CPU_BF16", "SGLD_CPU_INT8"
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,16 +34,26 @@ def _cpu_flags() -> frozenset:
         return frozenset()
 
 
-def cpu_bf16() -> Tuple[bool, str]:
-    """(whether this CPU computes bf16 natively, why)."""
-    env = os.environ.get(ENV)
-    if env is not None:
-        if env not in ("0", "1"):
-            raise ValueError(f"environment variable {ENV}={env!r} is not valid: 1 (this CPU computes bf16 natively) "
+def _cpu_has(env: str, flags: Tuple[str, ...], what: str) -> Tuple[bool, str]:
+    """(whether this CPU has one of ``flags``, why); ``env`` = 1 / 0 overrides the detection."""
+    value = os.environ.get(env)
+    if value is not None:
+        if value not in ("0", "1"):
+            raise ValueError(f"environment variable {env}={value!r} is not valid: 1 (this CPU computes {what} natively) "
                              "or 0 (it does not), or unset (read from the CPU's flags)")
-        return env == "1", f"{ENV}={env}"
-    found = [f for f in CPU_BF16_FLAGS if f in _cpu_flags()]
-    return (True, f"the CPU has {found[0]}") if found else (False, "no AVX-512 BF16 or AMX on this CPU: torch emulates it")
+        return value == "1", f"{env}={value}"
+    found = [f for f in flags if f in _cpu_flags()]
+    return (True, f"the CPU has {found[0]}") if found else (False, f"no {'/'.join(flags)} on this CPU")
+
+
+def cpu_bf16() -> Tuple[bool, str]:
+    """(whether this CPU computes bf16 natively, why): else torch emulates it, several times slower than float32."""
+    return _cpu_has(ENV, CPU_BF16_FLAGS, "bf16")
+
+
+def cpu_int8() -> Tuple[bool, str]:
+    """(whether this CPU has int8 dot products, why): without them torch._int_mm is ~20x slower than a float GEMM."""
+    return _cpu_has(INT8_ENV, CPU_INT8_FLAGS, "int8 products")
 
 
 def _native(dtype: torch.dtype, device: torch.device) -> Tuple[bool, str]:

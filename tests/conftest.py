@@ -16,6 +16,9 @@ PROFILE_USERS = pytest.StashKey[dict]()
 # The suite runs as on a CPU without them, so that what a default run computes is the same on every machine it
 # runs on (and in every server it starts); tests/test_compute_dtype.py covers both kinds of CPU.
 os.environ["SGLD_CPU_BF16"] = "0"
+# W8A8's int8 products run through torch._int_mm on every machine the suite runs on (a CPU without VNNI / AMX takes
+# the dequantized matmul unless told: engine/features/quant/int8/linear.py), so the int8 tests see its numerics
+os.environ["SGLD_CPU_INT8"] = "1"
 
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1 under pytest-xdist (scripts/test.sh)
 if WORKER:

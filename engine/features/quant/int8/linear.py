@@ -4,8 +4,9 @@ w = q * scale with q in -127..127. Two entries of the format table (registry.py)
 - "int8" (``Int8Linear``): W8A8. Each forward quantizes its input per token (absmax of each row of the
   flattened input / 127), multiplies int8 x int8 -> int32 with ``torch._int_mm`` and scales the int32 result
   by the token's and the channel's scale. Faster than a float GEMM where int8 units are (CPU VNNI/AMX,
-  CUDA sm80+ tensor cores); shapes the kernel refuses (a probe, once per device and shape class) take the
-  dequantized path instead.
+  CUDA sm80+ tensor cores); shapes the kernel refuses (a probe, once per device and shape class), and a CPU
+  without VNNI / AMX (where torch._int_mm runs ~20x slower than the float GEMM: engine/compute_dtype.py
+  ``cpu_int8``), take the dequantized path instead.
 - "int8-weight" (``Int8WeightLinear``): weight-only, the weight dequantized per layer in ``forward``
   (memory alone; the activations keep their precision).
 
@@ -18,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from ....compute_dtype import cpu_int8
 from ....errors import CheckpointError
 from ....io.safetensors import DTYPE_NAMES
 from ..numerics import product_rows, quantize_rows, scaled_linear
@@ -97,6 +99,10 @@ def int_mm_accepts(device, m: int, k: int, n: int) -> bool:
 def _probe(device: torch.device, m: int, k: int, n: int) -> Tuple[bool, str]:
     if not hasattr(torch, "_int_mm"):
         return False, "this torch has no torch._int_mm: dequantized matmul"
+    if device.type == "cpu":
+        fast, why = cpu_int8()
+        if not fast:  # torch._int_mm runs, but without VNNI / AMX ~20x slower than the float GEMM
+            return False, f"{why}: dequantized matmul"
     try:
         g = torch.Generator().manual_seed(0)
         a = torch.randint(-INT8_MAX, INT8_MAX + 1, (max(m, 1), k), generator=g, dtype=torch.int8).to(device)
