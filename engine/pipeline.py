@@ -39,7 +39,7 @@ from .prompt_enhancer import PromptEnhancer
 from .release import Release, resolve_release
 from .router import open_engine
 from .sampling import DEFAULT_SHIFT, SAMPLERS, SCHEDULERS, time_snr_shift
-from .sampling_options import MODEL_DEFAULTS, SampleRequest, SamplingOptions, model_kind
+from .sampling_options import MODEL_DEFAULTS, SampleRequest, SamplingOptions, model_defaults, model_kind
 
 OUTPUT_TYPES = ("pil", "np", "latent")
 ENGINE_OPTIONS = tuple(n for n in options.declared(EngineConfig) if n not in ("dtype", "device"))
@@ -182,8 +182,9 @@ class ErnieImagePipeline:
 
     @property
     def defaults(self) -> dict:
-        """{"steps", "cfg"}: the model's (engine/sampling_options.py MODEL_DEFAULTS: Base, Turbo, demo)."""
-        return dict(MODEL_DEFAULTS[self.kind])
+        """{"steps", "cfg"}: the model's (engine/sampling_options.py: Base, Turbo; a demo file's own, the demo-turbo's
+        8 steps at cfg 1)."""
+        return model_defaults(self.release.transformer) if self.kind == "demo" else dict(MODEL_DEFAULTS[self.kind])
 
     # -- engine features ---------------------------------------------------------------------------------------
     def enable_cache(self, preset: str = "balanced", **fields) -> None:

@@ -183,8 +183,8 @@ def resolve_release(source, *, text_encoder=None, tokenizer=None, vae=None, sche
     engine/models/external.py reads with their configs). Raises CheckpointError
     naming the file or folder for what cannot be used; loads nothing."""
     source = os.fspath(source)
-    if source == DEMO:
-        release = Release(DEMO, DEMO, demo_model.DEMO_WEIGHTS)
+    if source in demo_model.NAMED:  # "demo", "demo-turbo"
+        release = Release(source, DEMO, demo_model.NAMED[source])
     elif os.path.isfile(source):
         release = _from_file(source, source)
     elif os.path.isdir(source):

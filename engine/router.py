@@ -39,7 +39,7 @@ def open_engine(source, config: Optional[EngineConfig] = None, *, label: Optiona
             raise ParallelConfigError(f"a model in memory runs in this process; {config.world_size} ranks load their "
                                       "weights from a file: open the engine on its checkpoint path")
         return Engine(LocalRunner(source, config, offload_decision=offload_decision), config, source=label or "")
-    path = demo_model.DEMO_WEIGHTS if source == DEMO else os.fspath(source)
+    path = os.fspath(demo_model.named(source))  # "demo", "demo-turbo": the embedded files
     if config.world_size > 1 or transport is not None:  # several ranks: the DiT runs on them (engine/parallel)
         config, why = with_compute_dtype(config, open_checkpoint(path).family)  # the ranks load in the same dtype
         engine = Engine(open_ranked_runner(path, config, transport), config, source=label or path)

@@ -17,7 +17,7 @@ import torch
 
 from .errors import CheckpointError
 from .inputs import check_sampler, check_sampling_settings, check_seed
-from .io.checkpoint import Checkpoint
+from .io.checkpoint import Checkpoint, check_architecture
 from .models import demo
 from .options import declared, default_of, flag_dest, from_args, option
 from .sampling import DEFAULT_SHIFT, MAX_CFG, MAX_SEED, MAX_SHIFT, MAX_STEPS, SAMPLERS, SCHEDULERS
@@ -135,8 +135,8 @@ def model_kind(source: str) -> str:
     """Which model a file or folder is, for its defaults: "demo" (the demo's metadata), "turbo" (the released
     Turbo config's own keys, else "turbo" in the file's or folder's name) or "base". Reads headers only; a
     file that cannot be read is judged by its name (its loading says what is wrong)."""
-    path = os.path.normpath(os.fspath(source))
-    if os.path.isfile(path) and demo.is_demo_file(path):
+    path = os.path.normpath(os.fspath(demo.named(source)))
+    if os.path.isfile(path) and (demo.is_demo_file(path) or _demo_shaped(path)):
         return "demo"
     try:
         config = Checkpoint(path).config_overrides if os.path.exists(path) else {}
@@ -150,9 +150,21 @@ def model_kind(source: str) -> str:
     return "turbo" if "turbo" in name.lower() else "base"
 
 
+def _demo_shaped(path: str) -> bool:
+    try:
+        return demo.has_demo_shapes(check_architecture(Checkpoint(path)))
+    except (CheckpointError, OSError, ValueError):
+        return False
+
+
 def model_defaults(source: str) -> dict:
-    """{"steps", "cfg"}: the defaults of the model in ``source`` (``model_kind``)."""
-    return dict(MODEL_DEFAULTS[model_kind(source)])
+    """{"steps", "cfg"}: the defaults of the model in ``source`` (``model_kind``; an embedded demo file's own, the
+    demo-turbo's 8 steps at cfg 1)."""
+    kind = model_kind(source)
+    if kind == "demo":
+        own = demo.file_sampling_defaults(os.fspath(demo.named(source)))
+        return {"steps": own["steps"], "cfg": own["cfg"]}
+    return dict(MODEL_DEFAULTS[kind])
 
 
 def with_model_defaults(given: dict, source: str) -> dict:

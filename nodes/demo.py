@@ -10,6 +10,9 @@ import torch
 from ..engine.models import demo as demo_model
 
 DEMO_CHOICE = "sgld-demo (embedded, 64x64)"
+DEMO_TURBO_CHOICE = "sgld-demo-turbo (embedded, 64x64, 8 steps at cfg 1)"
+# the loader's names of the embedded models (those shipped) -> their files
+EMBEDDED = {DEMO_CHOICE: demo_model.NAMED["demo"], DEMO_TURBO_CHOICE: demo_model.NAMED["demo-turbo"]}
 WARNINGS_KEY = "sgld_warnings"  # in a CONDITIONING entry's options: SGLDiffusion KSampler puts them in the run's warnings
 
 

@@ -9,10 +9,9 @@ import folder_paths
 from ..engine import CheckpointError, EngineConfig
 from ..engine.features.attention import BACKENDS, available_backends
 from ..engine.loading import weight_file_suffixes
-from ..engine.models.demo import DEMO_WEIGHTS
 from ..engine.options import from_widgets, node_inputs, widget_defaults
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
-from .demo import DEMO_CHOICE
+from .demo import EMBEDDED
 from .model_cache import SGLDModel, get_engine
 
 NODE = "SGLDiffusion Model Loader"
@@ -53,12 +52,12 @@ def model_files() -> list:
     if "unet" in folder_paths.folder_names_and_paths:
         files += [f for f in folder_paths.get_filename_list("unet") if f not in files]
     files += [f for f in folder_paths.get_filename_list(_own_folder()) if f not in files]
-    return [DEMO_CHOICE] + sorted(files)
+    return [name for name, path in EMBEDDED.items() if os.path.isfile(path)] + sorted(files)
 
 
 def resolve(name: str) -> str:
-    if name == DEMO_CHOICE:
-        return DEMO_WEIGHTS
+    if name in EMBEDDED:
+        return EMBEDDED[name]
     path = folder_paths.get_full_path(FOLDER, name)
     if path is None and "unet" in folder_paths.folder_names_and_paths:
         path = folder_paths.get_full_path("unet", name)

@@ -129,7 +129,7 @@ def add_release_arguments(group) -> None:
     --enable-mix-parallel (accepted; the degrees already mix)."""
     group.add_argument("--model-path", default=None,
                        help="an ERNIE-Image release folder (diffusers' layout) or a Hugging Face repo id found in the "
-                            "local Hugging Face cache (never downloaded), or 'demo': its transformer/, text_encoder/, "
+                            "local Hugging Face cache (never downloaded), or 'demo' / 'demo-turbo': its transformer/, text_encoder/, "
                             "vae/ (and pe/ for --pe) are found there; --text-encoder / --vae replace single parts")
     group.add_argument("--enable-mix-parallel", action="store_true", help=MIX_PARALLEL_HELP)
 

@@ -68,7 +68,8 @@ def add_parser(sub) -> None:
     ext = g.add_argument_group("ERNIE-Image files instead of the demo (--model-path, or all three of --model "
                                "--text-encoder --vae; needs transformers and diffusers)")
     add_release_arguments(ext)
-    ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder")
+    ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder; 'demo-turbo': "
+                                     "the embedded demo distilled to 8 steps at cfg 1 (36 blocks)")
     ext.add_argument("--text-encoder", help="text encoder folder (HF text_encoder/; tokenizer inside or in the sibling tokenizer/) or single "
                      "file (ComfyUI's; its config.json and tokenizer beside it)")
     ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/) or single file (ComfyUI's flux2-vae.safetensors)")
@@ -119,6 +120,8 @@ def _find_demo_dit(args):
         return release.transformer if release.kind == DEMO else None
     if not args.model:
         return None if args.text_encoder or args.vae else demo_pkg.DEMO_WEIGHTS
+    if args.model in demo_pkg.NAMED and not (args.text_encoder or args.vae):  # --model demo-turbo
+        return demo_pkg.NAMED[args.model]
     if args.text_encoder or args.vae or not os.path.exists(args.model):
         return None  # a missing or unusable file is named when the model loads (_ernie_parts)
     try:
@@ -137,7 +140,9 @@ def make_parts(args) -> LoadedModel:
 
 
 def _demo_parts(args) -> LoadedModel:
-    demo = demo_pkg.load_demo(dtype=args.dtype or torch.float32, cached=False)  # its text encoder and tokenizer
+    dit = demo_dit(args)  # the demo's, the demo-turbo's, or a copy of one (its text encoder: the shipped demo's)
+    demo = demo_pkg.load_demo(dit if demo_pkg.is_demo_file(dit) else None, dtype=args.dtype or torch.float32,
+                              cached=False)
     for name in ("prompt", "negative"):  # the prompts given on the command line (sgld serve has none)
         warning = demo.tokenizer.unknown_words_warning(getattr(args, name, ""), where=f" in --{name}")
         if warning:
@@ -145,7 +150,6 @@ def _demo_parts(args) -> LoadedModel:
     # the DiT through the same router as ERNIE-Image files: several ranks (--num-gpus, --tp, ...) run it
     # in worker processes, in the compute dtype of every entry point unless --dtype says (engine/compute_dtype.py)
     config = engine_config(args, cache=resolve_config(cache_config(args)))
-    dit = demo_dit(args)
     return LoadedModel(open_engine(dit, config), DemoParts(demo), dit)
 
 
@@ -274,7 +278,7 @@ def uses_ernie_files(args) -> bool:
 def model_source(args) -> str:
     """What decides the defaults: the DiT file or folder the flags name (the demo's file for a DiT of its shapes)."""
     if not uses_ernie_files(args):
-        return demo_pkg.DEMO_WEIGHTS
+        return demo_dit(args)  # the demo's, the demo-turbo's (a copy: the embedded file of its shapes decides)
     release = release_of(args)
     return release.transformer if release is not None else args.model or ""
 

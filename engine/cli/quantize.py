@@ -8,7 +8,6 @@ import time
 
 from ..features.quant import FILE_WRITERS, describe_formats, writable_formats, writer_for, writer_formats
 from ..models import demo as demo_model
-from ..router import DEMO
 from .common import check_output_path
 
 
@@ -24,8 +23,9 @@ def add_parser(sub) -> None:
                        description="Quantize the DiT blocks' linear layers of an ERNIE-Image checkpoint (bf16/fp16/fp32, "
                                    f"or already quantized) and write a file ({suffixes}) that the loader (and the "
                                    "SGLDiffusion Model Loader node) reads back quantized. One tensor in memory at a time.")
-    q.add_argument("input", help="ERNIE-Image .safetensors file or diffusers folder, or 'demo' (the embedded demo "
-                                 "model's DiT: `sgld generate --model` runs the copy with the demo's text encoder)")
+    q.add_argument("input", help="ERNIE-Image .safetensors file or diffusers folder, or 'demo' / 'demo-turbo' (an "
+                                 "embedded demo model's DiT: `sgld generate --model` runs the copy with the demo's text "
+                                 "encoder)")
     q.add_argument("output", help=f"the file to write: {suffixes}, as --format says")
     q.add_argument("--format", required=True, choices=writable_formats(), type=str.lower,
                    help=f"{describe_formats()}. Writes {_writes()}")
@@ -47,7 +47,7 @@ def cmd_quantize(args) -> dict:
     check_output_path("output", args.output, (writer.suffix,))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # as check_output_path promises
     t0 = time.perf_counter()
-    source = demo_model.DEMO_WEIGHTS if args.input == DEMO else args.input  # "demo": the embedded model, as elsewhere
+    source = demo_model.named(args.input)  # "demo", "demo-turbo": the embedded models, as elsewhere
     summary = writer.write(source, args.output, args.format, dtype=args.dtype)
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     if args.json:

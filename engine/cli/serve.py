@@ -12,6 +12,7 @@ import sys
 import torch
 
 from ..features.cache import resolve_config
+from ..models import demo as demo_model
 from ..sampling import DEFAULT_SHIFT
 from ..sampling_options import from_flags
 from .common import (
@@ -25,7 +26,7 @@ from .common import (
     engine_config,
     load_prompt_enhancer,
 )
-from .generate import make_parts, model_source, release_of, release_shift, uses_ernie_files
+from .generate import demo_dit, make_parts, model_source, release_of, release_shift, uses_ernie_files
 
 try:  # the HTTP server's packages are an extra (pip install '.[serve]'): without them the other commands still run
     import uvicorn
@@ -94,7 +95,8 @@ def add_parser(sub) -> None:
     ext = s.add_argument_group("ERNIE-Image files instead of the demo (--model-path, or all three of --model "
                                "--text-encoder --vae)")
     add_release_arguments(ext)
-    ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder")
+    ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder; 'demo-turbo': "
+                                     "the embedded demo distilled to 8 steps at cfg 1")
     ext.add_argument("--text-encoder", help="text encoder folder (HF text_encoder/)")
     ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/)")
     add_pe_arguments(s)  # requests ask for it with "enhance_prompt": true
@@ -114,7 +116,8 @@ def served_model(args) -> ServedModel:
     if args.loras:
         loaded.engine.set_loras(args.loras)
     if args.served_model_name or not uses_ernie_files(args):
-        name = args.served_model_name or DEMO_ID
+        turbo = demo_dit(args) == demo_model.DEMO_TURBO_WEIGHTS
+        name = args.served_model_name or (DEMO_ID + "-turbo" if turbo else DEMO_ID)
     elif release is not None and release.kind == "hub":
         name = release.source  # the repo id, as SGLang names it
     else:

@@ -16,6 +16,7 @@ Retrained with ``python -m tools.demo.train`` from the repository (under an hour
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import List, Optional, Sequence, Union
 
@@ -30,6 +31,9 @@ from .text_encoder import DemoTextEncoder, TextEncoderConfig, WordTokenizer
 from .weights_io import DEMO_METADATA_KEY, read_demo_parts
 
 DEMO_WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "demo.safetensors")
+# the demo distilled to 8 steps at cfg 1 into 36 narrow blocks, the release's depth (tools/demo/distill_turbo.py)
+DEMO_TURBO_WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "demo-turbo.safetensors")
+NAMED = {"demo": DEMO_WEIGHTS, "demo-turbo": DEMO_TURBO_WEIGHTS}  # the embedded models by the name every entry takes
 DEFAULT_STEPS = 30
 DEFAULT_CFG = 3.0
 DEFAULT_SAMPLER = "euler"
@@ -42,24 +46,50 @@ EXAMPLE_PROMPT = "a large red circle on the left, on a blue background"
 # computes, and on a busy machine it waits for a core (measured 10-20x slower); engine/threads.py applies it
 THREADS = 1
 
-__all__ = ["DEMO_WEIGHTS", "DEFAULT_STEPS", "DEFAULT_CFG", "DEFAULT_SAMPLER", "DEFAULT_SCHEDULER", "EXAMPLE_PROMPT",
-           "THREADS", "DemoModel", "load_demo", "is_demo_file", "has_demo_shapes"]
+__all__ = ["DEMO_WEIGHTS", "DEMO_TURBO_WEIGHTS", "NAMED", "DEFAULT_STEPS", "DEFAULT_CFG", "DEFAULT_SAMPLER", "DEFAULT_SCHEDULER", "EXAMPLE_PROMPT",
+           "THREADS", "DemoModel", "load_demo", "is_demo_file", "has_demo_shapes", "named", "sampling_defaults",
+           "file_sampling_defaults"]
+
+
+def named(source) -> str:
+    """``source`` with an embedded model's name ("demo", "demo-turbo") as its file."""
+    return NAMED.get(source, source) if isinstance(source, str) else source
+
+
+def sampling_defaults(sampling: Optional[dict] = None) -> dict:
+    """{"steps", "cfg", "sampler", "scheduler"}: a demo file's own (``demo_config.sampling``: a distilled one's), else
+    the demo's."""
+    own = sampling or {}
+    return {"steps": int(own.get("steps", DEFAULT_STEPS)), "cfg": float(own.get("cfg", DEFAULT_CFG)),
+            "sampler": own.get("sampler", DEFAULT_SAMPLER), "scheduler": own.get("scheduler", DEFAULT_SCHEDULER)}
+
+
+def file_sampling_defaults(path: str) -> dict:
+    """``sampling_defaults`` of the demo file at ``path``: its own metadata's, else (a copy in another format) those of
+    the embedded file of its shapes, else the demo's."""
+    try:
+        raw = open_file(path).metadata.get(DEMO_METADATA_KEY)
+        if raw is None:
+            own = embedded_with(check_architecture(open_checkpoint(path)))
+            raw = open_file(own).metadata.get(DEMO_METADATA_KEY) if own else None
+        return sampling_defaults(json.loads(raw).get("sampling") if raw else None)
+    except Exception:  # an unreadable file: its loading says what is wrong
+        return sampling_defaults()
 
 
 class DemoModel:
-    """Text encoder + DiT + pixel codec of the demo model."""
+    """Text encoder + DiT + pixel codec of the demo model (the demo-turbo too: its sampling defaults are its own)."""
 
-    default_steps = DEFAULT_STEPS
-    default_cfg = DEFAULT_CFG
-    default_sampler = DEFAULT_SAMPLER
-    default_scheduler = DEFAULT_SCHEDULER
-
-    def __init__(self, path: str, dit, text_encoder: DemoTextEncoder, tokenizer: WordTokenizer, info: dict):
+    def __init__(self, path: str, dit, text_encoder: DemoTextEncoder, tokenizer: WordTokenizer, info: dict,
+                 sampling: Optional[dict] = None):
         self.path = path
         self.dit = dit
         self.text_encoder = text_encoder
         self.tokenizer = tokenizer
         self.info = info
+        defaults = sampling_defaults(sampling)
+        self.default_steps, self.default_cfg = defaults["steps"], defaults["cfg"]
+        self.default_sampler, self.default_scheduler = defaults["sampler"], defaults["scheduler"]
         self.engine = None  # an engine.Engine on the DiT: set by engine.open_demo()
 
     @torch.no_grad()
@@ -92,15 +122,18 @@ class DemoModel:
         """uint8 [B, 64, 64, 3] (or float 0..1) -> latent [B, 48, 16, 16]."""
         return codec.encode(images)
 
-    def generate(self, prompts: Union[str, Sequence[str]], seed: int = 0, steps: int = DEFAULT_STEPS,
-                 cfg: float = DEFAULT_CFG, sampler: str = DEFAULT_SAMPLER, scheduler: str = DEFAULT_SCHEDULER,
+    def generate(self, prompts: Union[str, Sequence[str]], seed: int = 0, steps: Optional[int] = None,
+                 cfg: Optional[float] = None, sampler: Optional[str] = None, scheduler: Optional[str] = None,
                  negative: str = "", callback=None) -> np.ndarray:
-        """Prompts -> uint8 images [B, 64, 64, 3] through ``self.engine`` (see ``engine.open_demo``)."""
+        """Prompts -> uint8 images [B, 64, 64, 3] through ``self.engine`` (see ``engine.open_demo``); the settings not
+        given are the model's own defaults."""
         if self.engine is None:
             raise RuntimeError("this DemoModel has no engine: open it with engine.open_demo()")
         cond = self.encode(prompts)
-        latent = self.engine.sample(self.empty_latent(len(cond)), cond, self.encode([negative]), seed=seed, steps=steps,
-                                    cfg=cfg, sampler=sampler, scheduler=scheduler, callback=callback)
+        latent = self.engine.sample(self.empty_latent(len(cond)), cond, self.encode([negative]), seed=seed,
+                                    steps=steps or self.default_steps, cfg=self.default_cfg if cfg is None else cfg,
+                                    sampler=sampler or self.default_sampler,
+                                    scheduler=scheduler or self.default_scheduler, callback=callback)
         return self.decode(latent)
 
 
@@ -113,23 +146,29 @@ def is_demo_file(path: str) -> bool:
 
 
 def has_demo_shapes(config) -> bool:
-    """True when an ERNIE-Image DiT configuration is the demo's (a GGUF / quantized copy of the demo, say): the demo's
-    text encoder and pixel codec fit it, and it runs on the demo's CPU threads."""
-    return config == _demo_config()
+    """True when an ERNIE-Image DiT configuration is an embedded demo's (a GGUF / quantized copy of the demo or the
+    demo-turbo, say): the demo's text encoder and pixel codec fit it, and it runs on the demo's CPU threads."""
+    return embedded_with(config) is not None
+
+
+def embedded_with(config) -> Optional[str]:
+    """The embedded demo file whose DiT has ``config``, or None."""
+    return next((path for path, own in _embedded_configs() if own == config), None)
 
 
 @functools.lru_cache(maxsize=1)
-def _demo_config():
-    """The shipped file's DiT configuration, from its header (read once)."""
-    return check_architecture(open_checkpoint(DEMO_WEIGHTS))
+def _embedded_configs() -> tuple:
+    """(file, DiT configuration) of each embedded demo file shipped, from their headers (read once)."""
+    return tuple((path, check_architecture(open_checkpoint(path))) for path in NAMED.values() if os.path.isfile(path))
 
 
 _CACHE = {}
 
 
 def load_demo(path: Optional[str] = None, dtype: Union[str, torch.dtype] = torch.float32, cached: bool = True) -> DemoModel:
-    """Load the demo model (the shipped weights by default) on the CPU; cached per (path, dtype)."""
-    path = os.fspath(path or DEMO_WEIGHTS)
+    """Load the demo model (the shipped weights by default; "demo-turbo": the distilled one) on the CPU; cached per
+    (path, dtype)."""
+    path = os.fspath(named(path or DEMO_WEIGHTS))
     key = (os.path.abspath(path), str(dtype))
     if cached and key in _CACHE:
         return _CACHE[key]
@@ -139,7 +178,7 @@ def load_demo(path: Optional[str] = None, dtype: Union[str, torch.dtype] = torch
     te.load_state_dict(te_state, strict=True)
     te.eval().requires_grad_(False)
     dit = read_model(path, dtype=dtype)
-    demo = DemoModel(path, dit, te, tok, meta.get("train", {}))
+    demo = DemoModel(path, dit, te, tok, meta.get("train", {}), meta.get("sampling"))
     if cached:
         _CACHE[key] = demo
     return demo

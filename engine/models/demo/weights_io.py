@@ -23,13 +23,16 @@ TE_PREFIX = "text_encoder."
 DEMO_METADATA_KEY = "demo_config"
 
 
-def save_demo(path: str, dit, te, tok, te_cfg, info: Optional[dict] = None, dtype=torch.float16) -> None:
+def save_demo(path: str, dit, te, tok, te_cfg, info: Optional[dict] = None, dtype=torch.float16,
+              sampling: Optional[dict] = None) -> None:
+    """``sampling``: the model's own sampling defaults (steps, cfg, sampler, scheduler: a distilled one's), else
+    the demo's."""
     sd = {DIT_PREFIX + k: v.detach().to(dtype).contiguous() for k, v in dit.state_dict().items()}
     sd.update({TE_PREFIX + k: v.detach().to(dtype).contiguous() for k, v in te.state_dict().items()})
-    meta = {
-        "ernie_image_config": json.dumps(dit.config.to_dict()),
-        DEMO_METADATA_KEY: json.dumps({"vocab": tok.vocab, "text_encoder": te_cfg.to_dict(), "train": info or {}}),
-    }
+    config = {"vocab": tok.vocab, "text_encoder": te_cfg.to_dict(), "train": info or {}}
+    if sampling:
+        config["sampling"] = dict(sampling)
+    meta = {"ernie_image_config": json.dumps(dit.config.to_dict()), DEMO_METADATA_KEY: json.dumps(config)}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with atomic_write(path) as f:
         f.write(save(sd, metadata=meta))
