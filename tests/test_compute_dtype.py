@@ -41,7 +41,7 @@ def test_the_cpu_detection_reads_the_flags_when_not_told(monkeypatch):
     assert rule.default_compute_dtype(ERNIE, "cpu") == ("bf16", "the default for ERNIE-Image on cpu (the CPU has amx_bf16)")
     monkeypatch.setattr(rule, "_cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
     dtype, why = rule.default_compute_dtype(ERNIE, "cpu")
-    assert dtype == "fp32" and "bf16 not native (no AVX-512 BF16 or AMX on this CPU" in why
+    assert dtype == "fp32" and "bf16 not native (no avx512_bf16/amx_bf16 on this CPU)" in why
 
 
 def test_a_bad_override_is_refused_naming_it(monkeypatch):
