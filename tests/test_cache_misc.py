@@ -47,7 +47,7 @@ def test_docs_are_generated_from_the_code():
     text = render()
     for n in (8, 20, 28, 50):
         assert f"{n} steps" in text
-    assert "SGLANG_CACHE_DIT_SCM_PRESET" in text and "`quality` computes every step below 12 steps" in text
+    assert "SGLANG_CACHE_DIT_SCM_PRESET" in text and "Below 4 steps every preset computes every step" in text
     assert "cache preset '" not in text  # a run's warning is not pasted in as a sentence
 
 

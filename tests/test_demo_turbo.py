@@ -83,3 +83,42 @@ def test_demo_turbo_passes_the_judge_as_the_demo_does():
         passed = [judge.passes(model.generate(c, seed=i, steps=steps, cfg=cfg)[0], c) for i, c in enumerate(captions)]
         rates[name] = sum(passed)
     assert rates["demo-turbo"] >= rates["demo"] - 2, rates
+
+
+# Issue 45 item 4: the presets where users run Turbo. The seed's uncached picture and every preset's pass the judge.
+PRESET_CALLS = {"quality": 5, "balanced": 4, "fast": 3}  # computed of 8 (engine/features/cache/masks.py)
+TURBO_SEED = 4
+
+
+@shipped
+def test_turbo_with_each_preset_from_the_cli_and_the_pipeline(tmp_path, capsys):
+    from engine.features.cache import CacheConfig
+
+    for preset, computed in PRESET_CALLS.items():
+        out = tmp_path / f"{preset}.png"
+        stats = run_cli(capsys, "generate", "--model", "demo-turbo", "--prompt", EXAMPLE_PROMPT, "--seed",
+                        str(TURBO_SEED), "--cache-preset", preset, "--out", str(out), "--json")
+        assert (stats["model_calls"], stats["calls_computed"]) == (8, computed), stats
+        image = np.asarray(Image.open(out).convert("RGB"))
+        assert judge.passes(image, EXAMPLE_PROMPT), (preset, judge.judge(image, EXAMPLE_PROMPT))
+    pipe = ErnieImagePipeline.from_pretrained("demo-turbo")
+    picture = np.asarray(pipe(EXAMPLE_PROMPT, seed=TURBO_SEED, cache=CacheConfig(preset="fast")).images[0].convert("RGB"))
+    assert pipe.engine.last_run.calls_computed == 3 and pipe.engine.last_run.speedup is not None
+    cli = np.asarray(Image.open(tmp_path / "fast.png").convert("RGB"), dtype=np.float64)
+    assert np.abs(picture - cli).mean() < 1.0  # the CLI's picture
+
+
+@shipped
+def test_turbo_per_request_cache_in_sgld_serve(tmp_path):
+    from test_serve import Server, client, pixels
+
+    server = Server(tmp_path / "serve.log", "--model", "demo-turbo").wait_ready()
+    try:
+        r = client(server).images.generate(model="sgld-demo-turbo", prompt=EXAMPLE_PROMPT, size="64x64",
+                                           response_format="b64_json", extra_body={"seed": TURBO_SEED, "cache": "fast"})
+        extra, image = r.model_extra, r.data[0]
+        assert extra["num_inference_steps"] == 8 and image.model_extra["calls_computed"] == 3, extra
+        picture = pixels(image.b64_json)
+        assert judge.passes(picture, EXAMPLE_PROMPT), judge.judge(picture, EXAMPLE_PROMPT)
+    finally:
+        server.stop()

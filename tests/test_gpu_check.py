@@ -124,6 +124,9 @@ def test_cpu_rehearsal_runs_every_row_of_the_gpu_check(tmp_path):
         for p in ("quality", "balanced", "fast"):
             q = by_name[f"{base}-{p}"][0]["quality"]
             assert q["rel_err"] >= 0 and q["psnr_db"] > 20, (base, p, q)
+    for p in ("quality", "balanced", "fast"):  # the presets on fp8 weights too, against fp8's own uncached image
+        q = next(r for r in by_name["fp8"] if r["what"].endswith("Cache-DiT " + p))
+        assert q["speedup"] > 0 and q["quality"]["psnr_db"] > 20, q
     # fp8 / int4 / int8 / gguf opened from a file: the load (quantize-on-load) first, then inference with its own window
     for fmt in ("fp8", "int4", "int8", "gguf"):
         what = [r["what"] for r in by_name[fmt]]

@@ -6,9 +6,9 @@ import sys
 
 from engine.features.cache import MEASURED_PATH
 from engine.features.cache.config import DEFAULTS, PRESET_KNOBS
-from engine.features.cache.masks import ALIASES, PRESETS, mask_note, mask_str, preset_mask
+from engine.features.cache.masks import ALIASES, FEW_STEPS, FULL_STEPS, PRESETS, mask_str, preset_mask
 
-STEP_COUNTS = (8, 20, 28, 50)
+STEP_COUNTS = (4, 6, 8, 9, 20, 28, 50)
 ORDER = ("quality", "balanced", "fast", "slow", "ultra")
 
 
@@ -41,8 +41,8 @@ def measured_table(path: str = MEASURED_PATH) -> str:
 
 
 def render() -> str:
-    notes = [f"`{p}` computes every step below {PRESETS[p].min_steps} steps (it needs that many to keep the image; "
-             f"the run's note says so)." for p in ORDER if mask_note(p, 8)]
+    notes = [f"Below {min(PRESETS[p].min_steps for p in ORDER)} steps every preset computes every step (the run's "
+             f"note says so)."]
     knobs = PRESET_KNOBS["balanced"]
     return f"""# Cache-DiT (step caching)
 
@@ -103,16 +103,27 @@ presets use static masks by default.
 `quality`{' (' + ', '.join(f'{a} = {b}' for a, b in ALIASES.items() if a != 'medium') + ')' if len(ALIASES) > 1 else ''},
 cache-dit's `fast` means the same as ours, `slow` and `ultra` are the gentlest and the most aggressive.
 All masks keep the first and last steps computed, have no long runs of cached steps, and are
-made for every step count by one rule (warm-up run, then the compute budget spread evenly).
+made for every step count by one rule (`engine/features/cache/masks.py`):
+
+* **below {FEW_STEPS} steps** (a distilled few-step model: ERNIE-Image Turbo at 8) the preset computes its few-step
+  share of the calls ({', '.join(f'{p} {PRESETS[p].few_compute:g}' for p in ORDER)}; rounded up, more if a
+  cached run would be longer than the preset allows), evenly spaced from the first call to the last. No warm-up
+  run: every step of such a model moves the picture a lot, so the reused residual is extrapolated (TaylorSeer
+  order 1) from computed calls on both sides of the composition, which keeps it far better than caching the last
+  steps (measured on the 36-block demo-turbo: `bench/RESULTS.md`, "Turbo at 8 steps");
+* **from {FEW_STEPS} steps on** a warm-up run of computed steps, then the compute budget spread evenly; the cached
+  share ramps up to the preset's full share at {FULL_STEPS} steps and stays there.
+
 Masks (1 = compute, 0 = cached; computed/total):
 
 {mask_table()}
 
-At 8 steps (ERNIE-Image Turbo) every step is a large part of the trajectory, so the presets cache
-at most two steps there, in the second half. {' '.join(notes)}
+{' '.join(notes)}
 
-Targets at 50 steps (wall clock of sampling): quality 1.67x, balanced 2.0x, fast 2.69x; measured
-figures are in `bench/RESULTS.md` (`python bench/speed/cache_bench.py`).
+Targets (sampling time at one CPU thread, side by side with the uncached run): at 8 steps quality 1.5x,
+balanced 1.8x, fast 2.2x, on the demo-turbo (`python bench/speed/turbo_cache_bench.py`); at 50 steps quality
+1.67x, balanced 2.0x, fast 2.69x (`python bench/speed/cache_bench.py`). The measured figures are in
+`bench/RESULTS.md`.
 
 ### What the preset tooltip says, and the figures behind it
 

@@ -103,7 +103,8 @@ def plan(ctx):
             ("diffusers", lambda: 10 + 3 * c * f() * 1.15, row_diffusers),
             ("turbo", lambda: 3 + 2 * max(2, c - 1) * 8 * f() * 1.1, row_turbo)]
     rows += [(f"turbo-{p}", run_need(8, 1, p), whole_run(f"turbo-{p}", 8, 1.0, p)) for p in PRESETS]
-    rows += [("fp8", lambda: ctx.checkpoint_estimate() + 5 + load() + c * f() + 8 * f() * 1.3, opened("fp8")),
+    fp8_calls = 8 + sum(sum(masks.preset_mask(p, 8)) for p in PRESETS)  # its Turbo image, then one per preset
+    rows += [("fp8", lambda: ctx.checkpoint_estimate() + 5 + load() + c * f() + fp8_calls * f() * 1.3, opened("fp8")),
              ("sage", lambda: 60, None), ("compiled", lambda: 150, None)]
     steps = ctx.args.base_steps
     rows += [("base", run_need(steps, 2, None), whole_run("base", steps, 4.0, None))]

@@ -22,7 +22,7 @@ from bench.metrics import max_rel_err, psnr, rel_err
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.features import quant as Q
-from engine.features.cache import CacheConfig
+from engine.features.cache import USER_PRESETS, CacheConfig
 from engine.features.fuse import fuse_projections
 from engine.features.quant.gguf.linear import GGUFLinear
 from engine.features.quant.gguf.numerics import NAMES as GGUF_NAMES
@@ -250,10 +250,25 @@ def opened(row):
             ctx.report.row(row, "measured", f"Turbo image: 8 steps, cfg 1, {fmt} sdpa eager, no cache", total / 8, total,
                            ctx.peak(), start, f"{quality_note(ctx, 'turbo_latent', out).lstrip('; ').replace('uncached', 'bf16')}"
                            f"{finite_note(bool(torch.isfinite(out).all()))}")
+            if fmt == "fp8":
+                presets_on_fp8(ctx, eng, total, out)
         ctx.state["engine_sd_keys"] = state_dict_check(m)
         eng = m = None
         ctx.release()
     return run
+
+
+def presets_on_fp8(ctx, eng, uncached_s, uncached):
+    """Turbo with each Cache-DiT preset on the fp8 weights: the speedup over fp8's own uncached image and the PSNR
+    against it (issue 45: the presets where ComfyUI users run Turbo)."""
+    for preset in USER_PRESETS:
+        start = ctx.start_window()
+        total, out = sample(ctx, eng, 8, 1.0, preset)
+        ctx.report.row("fp8", "measured", f"Turbo image: 8 steps, cfg 1, fp8 sdpa eager, Cache-DiT {preset}",
+                       total / 8, total, ctx.peak(), start,
+                       f"{eng.last_run.calls_computed}/8 calls computed; {uncached_s / total:.2f}x fp8 uncached; "
+                       f"vs fp8 uncached: PSNR {psnr(out, uncached):.1f} dB{finite_note(bool(torch.isfinite(out).all()))}",
+                       quality={"psnr_db": _round(psnr(out, uncached), 2)}, speedup=_round(uncached_s / total))
 
 
 def matmul_note(eng, fmt, inp) -> str:

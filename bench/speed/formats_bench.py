@@ -29,14 +29,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench.results_md import write_section  # noqa: E402
 from engine.features import quant as Q  # noqa: E402
 from engine.features.fuse import fuse_projections  # noqa: E402
 from engine.features.quant import registry  # noqa: E402
 from engine.models.ernie_image import ErnieImageConfig  # noqa: E402
 from engine.models.random_weights import random_model  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "RESULTS.md")
-BEGIN, END = "<!-- formats_bench: begin -->", "<!-- formats_bench: end -->"
 
 
 def machine() -> str:
@@ -159,17 +157,8 @@ def main():
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
     if args.write:
-        text_md = open(RESULTS).read()
-        block = f"{BEGIN}\n{table}\n{END}"
-        if BEGIN in text_md and END in text_md:
-            head, rest = text_md.split(BEGIN, 1)
-            text_md = head + block + rest.split(END, 1)[1]
-        else:
-            text_md = text_md.rstrip("\n") + "\n\n## Weight formats side by side (CPU)\n\n`.venv/bin/python " \
-                "bench/speed/formats_bench.py --write`\n\n" + block + "\n"
-        with open(RESULTS, "w") as f:
-            f.write(text_md)
-
+        write_section("formats_bench", table, "## Weight formats side by side (CPU)\n\n`.venv/bin/python "
+                      "bench/speed/formats_bench.py --write`")
 
 if __name__ == "__main__":
     main()

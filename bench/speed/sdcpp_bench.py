@@ -40,11 +40,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CACHE = os.path.join(ROOT, ".cache", "sdcpp")
-RESULTS = os.path.join(ROOT, "bench", "RESULTS.md")
 PY = os.path.join(ROOT, ".venv", "bin", "python")
 SGLD = os.path.join(ROOT, ".venv", "bin", "sgld")
+sys.path.insert(0, ROOT)
+from bench.results_md import write_section  # noqa: E402
+
 TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> what sgld bench reports
-BEGIN, END = "<!-- sdcpp_bench: begin -->", "<!-- sdcpp_bench: end -->"
 SECTION = "## stable-diffusion.cpp side by side (CPU, issue 50)"
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_LLAMAFILE=ON", "-DGGML_OPENMP=ON",
                "-DSD_BUILD_EXAMPLES=OFF", "-DSD_WEBP=OFF", "-DSD_WEBM=OFF"]
@@ -343,16 +344,7 @@ def main():
     table = "\n".join(lines)
     print(table)
     if args.write:
-        text = open(RESULTS).read()
-        block = f"{BEGIN}\n{table}\n{END}"
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            text = head + block + rest.split(END, 1)[1]
-        else:
-            text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{INTRO}\n\n{block}\n"
-        with open(RESULTS, "w") as f:
-            f.write(text)
-
+        write_section("sdcpp_bench", table, f"{SECTION}\n\n{INTRO}")
 
 if __name__ == "__main__":
     main()

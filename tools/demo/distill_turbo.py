@@ -90,6 +90,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=int, default=250)
     ap.add_argument("--out", default=TURBO_OUT)
+    ap.add_argument("--init", default=None, help="a demo-turbo file to go on from (its weights; a fresh optimizer)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -100,6 +101,8 @@ def main(argv=None) -> None:
     teacher = demo.dit.eval()
     student = ErnieImageTransformer(student_config(teacher.config))
     init_dit(student)
+    if args.init:
+        student.load_state_dict(load_demo(args.init, cached=False).dit.state_dict())
     student.train()
     ema = copy.deepcopy(student).requires_grad_(False)
     params = list(student.parameters())
@@ -147,7 +150,8 @@ def main(argv=None) -> None:
             info = {"steps": step, "planned_steps": args.planned_steps, "batch": args.batch, "seed": args.seed,
                     "final_loss": float(np.mean(losses[-100:])), "train_minutes": round(elapsed / 60, 2),
                     "threads": args.threads, "teacher": "demo.safetensors", "teacher_cfg": TEACHER_CFG,
-                    "teacher_steps": STEPS * SUB_STEPS, "method": "trajectory distillation"}
+                    "teacher_steps": STEPS * SUB_STEPS, "method": "trajectory distillation",
+                    "train_per_round": args.train_per_round, "lr": args.lr, "init_from": args.init}
             done = elapsed > args.minutes * 60 or step >= args.planned_steps
             if step % args.save_every == 0 or done:
                 save_demo(args.out, ema, demo.text_encoder, demo.tokenizer, demo.text_encoder.config, info,

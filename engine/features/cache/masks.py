@@ -3,17 +3,22 @@
 A mask is a list of 0/1 per model call (1 = compute). Our masks come from one rule, so they are
 sensible for every step count (8 and 50 included) and never contain a long run of cached steps:
 
-* a warm-up run of computed steps at the start (the composition is decided there),
-* the first and the last step always computed,
-* the remaining compute budget spread evenly over the rest, so cached runs differ in length by at
-  most one and never exceed the preset's ``max_run``.
+* the first and the last step always computed;
+* from ``FEW_STEPS`` (16) on: a warm-up run of computed steps at the start (the composition is decided
+  there), then the remaining compute budget spread evenly over the rest, so cached runs differ in length
+  by at most one and never exceed the preset's ``max_run``;
+* below ``FEW_STEPS`` (a distilled few-step model: Turbo at 8): the preset's ``few_compute`` share of the
+  calls computed, evenly spaced from the first call to the last (no warm-up run: each step of such a model
+  moves the picture a lot, so a reused residual must be extrapolated from computed calls on both sides of
+  the composition, which TaylorSeer order 1 does; measured on the 36-block demo-turbo, bench/RESULTS.md).
 
 Presets (the names users are told: ``quality``, ``balanced``, ``fast``; plus cache-dit's ``slow``,
 ``medium`` and ``ultra``): see ``PRESETS``. ``medium`` is an alias of ``quality`` (cache-dit's medium
 computes 29 of 50 steps, our quality 26) and cache-dit's ``fast`` means the same as ours (speed first;
 cache-dit computes 20 of 50 steps, ours 16). The 50-step budgets (quality 26, balanced 22, fast 16)
 are set so the promised wall-clock speedups (1.67x / 2.0x / 2.69x) hold on a CPU, where a cached step
-still costs ~6-8% of a computed one outside the blocks (bench/speed/cache_results.md). ``slow`` and
+still costs ~6-8% of a computed one outside the blocks (bench/speed/cache_results.md); the few-step
+shares (quality 5, balanced 4, fast 3 of 8 calls) so that 1.5x / 1.8x / 2.2x hold at 8 steps. ``slow`` and
 ``ultra`` keep cache-dit's budgets (about 3/4 and 1/4 of the steps) with our shape. Below a
 preset's ``min_steps`` caching a step costs too much of the trajectory: the mask computes every
 step and ``mask_note`` says so.
@@ -31,7 +36,8 @@ class MaskSpec:
     warmup_ratio: float  # fraction of the steps in the leading computed run
     max_run: int  # longest run of cached steps allowed
     min_steps: int  # below this, the preset computes every step
-    few_ratio: float  # fraction of the steps cached at 8 steps (few-step / distilled regime)
+    few_compute: float  # fraction of the calls computed below FEW_STEPS (distilled few-step models)
+    ramp_ratio: float  # fraction cached where the ramp to the full share starts (8 steps; used from FEW_STEPS on)
     min_warmup: int = 2
 
 
@@ -40,11 +46,13 @@ FULL_STEPS = 28  # from this many steps on a preset caches its full share
 
 
 PRESETS: Dict[str, MaskSpec] = {
-    "slow": MaskSpec(compute_ratio=0.74, warmup_ratio=0.16, max_run=1, min_steps=8, few_ratio=0.125),
-    "quality": MaskSpec(compute_ratio=0.52, warmup_ratio=0.16, max_run=2, min_steps=12, few_ratio=0.0),
-    "balanced": MaskSpec(compute_ratio=0.44, warmup_ratio=0.14, max_run=2, min_steps=8, few_ratio=0.125),
-    "fast": MaskSpec(compute_ratio=0.32, warmup_ratio=0.12, max_run=4, min_steps=8, few_ratio=0.25),
-    "ultra": MaskSpec(compute_ratio=0.26, warmup_ratio=0.10, max_run=4, min_steps=6, few_ratio=0.375),
+    "slow": MaskSpec(compute_ratio=0.74, warmup_ratio=0.16, max_run=1, min_steps=4, few_compute=0.75, ramp_ratio=0.125),
+    "quality": MaskSpec(compute_ratio=0.52, warmup_ratio=0.16, max_run=2, min_steps=4, few_compute=0.625, ramp_ratio=0.0),
+    "balanced": MaskSpec(compute_ratio=0.44, warmup_ratio=0.14, max_run=2, min_steps=4, few_compute=0.5,
+                         ramp_ratio=0.125),
+    "fast": MaskSpec(compute_ratio=0.32, warmup_ratio=0.12, max_run=4, min_steps=4, few_compute=0.375, ramp_ratio=0.25),
+    "ultra": MaskSpec(compute_ratio=0.26, warmup_ratio=0.10, max_run=4, min_steps=4, few_compute=0.25,
+                      ramp_ratio=0.375),
 }
 ALIASES: Dict[str, str] = {"medium": "quality"}
 USER_PRESETS = ("quality", "balanced", "fast")
@@ -57,13 +65,26 @@ def canonical_preset(name: str) -> str:
 
 
 def cached_fraction(spec: MaskSpec, n: int) -> float:
-    """Share of the steps the preset caches: ``few_ratio`` at 8 steps, ``1 - compute_ratio`` from
-    28 steps on, linear in between (each step of a short run is a bigger part of the trajectory)."""
+    """Share of the steps the preset caches from FEW_STEPS on: on the line from ``ramp_ratio`` at 8 steps to
+    ``1 - compute_ratio`` at 28, that share from 28 steps on (each step of a short run is a bigger part of the
+    trajectory)."""
     full = 1.0 - spec.compute_ratio
     if n >= FULL_STEPS:
         return full
     t = max(0.0, (n - 8) / (FULL_STEPS - 8))
-    return spec.few_ratio + t * (full - spec.few_ratio)
+    return spec.ramp_ratio + t * (full - spec.ramp_ratio)
+
+
+def few_step_mask(spec: MaskSpec, n: int) -> List[int]:
+    """Below FEW_STEPS: ``few_compute`` of the calls (more if a cached run would pass ``max_run``), evenly
+    spaced from the first call to the last, a fraction rounded up (later)."""
+    k = max(2, math.ceil(spec.few_compute * n - 1e-9))
+    while True:
+        computed = {math.ceil(j * (n - 1) / (k - 1) - 1e-9) for j in range(k)}
+        mask = [1 if i in computed else 0 for i in range(n)]
+        if longest_cached_run(mask) <= spec.max_run or k >= n:
+            return mask
+        k += 1
 
 
 def preset_mask(preset: str, steps: int) -> List[int]:
@@ -77,9 +98,9 @@ def preset_mask(preset: str, steps: int) -> List[int]:
         return []
     if n < spec.min_steps or n < 3:
         return [1] * n
+    if n < FEW_STEPS:
+        return few_step_mask(spec, n)
     warm = max(spec.min_warmup, int(round(spec.warmup_ratio * n)))
-    if n < FEW_STEPS:  # few steps: the composition is fixed in the first half; cache only after it
-        warm = max(warm, n // 2 - 1)
     # Positions warm .. n-2 may be cached; n-1 (the last step) is always computed.
     width = n - 1 - warm
     if width <= 0:
