@@ -312,7 +312,7 @@ def test_any_sampler_workflow_runs_and_equals_sgldiffusion_ksampler(comfy, objec
     entry = comfy.run(api, timeout=300)
     assert entry["status"]["status_str"] == "success", cs.error_message(entry)
     any_sampler, reference = cs.saved_latent(comfy, entry, "91"), cs.saved_latent(comfy, entry, "92")
-    assert entry["outputs"]["90"]["sgld_stats"][0]["step_mask"] == "xxxxx.xx"  # balanced at 8 steps: one call cached
+    assert entry["outputs"]["90"]["sgld_stats"][0]["step_mask"] == "x..x.x.x"  # balanced at 8 steps: 4 of 8 computed
     assert any_sampler.shape == reference.shape == (1, 128, 8, 8) and torch.isfinite(any_sampler).all()
     assert (any_sampler - reference).abs().max() <= 1e-4 * reference.abs().max()
 
