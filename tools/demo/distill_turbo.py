@@ -36,7 +36,7 @@ from engine.models.ernie_image import ErnieImageConfig, ErnieImageTransformer
 from engine.sampling import sigma_schedule, to_timestep
 
 from . import data
-from .train import init_dit, lr_at, object_weights, sample_sigma
+from .train import init_dit, lr_at, object_weights, optimizer_step, sample_sigma
 
 TURBO_OUT = DEMO_WEIGHTS.replace("demo.safetensors", "demo-turbo.safetensors")
 STEPS, CFG, TEACHER_CFG = 8, 1.0, 3.0
@@ -139,15 +139,8 @@ def main(argv=None) -> None:
         target = guided_velocity(teacher, x, t, text, lens, empty, empty_lens)
         v = student(x, t, text, lens).float()
         loss = (object_weights(imgs, args.object_weight) * (v - target) ** 2).mean()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.planned_steps, args.lr, args.warmup)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        d = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(list(ema.parameters()), params, 1 - d)
+        optimizer_step(opt, loss, params, list(ema.parameters()), lr_at(step, args.planned_steps, args.lr, args.warmup),
+                       args.ema, step)
         losses.append(loss.item())
         step += 1
         elapsed = time.time() - start

@@ -71,6 +71,19 @@ def init_dit(model: ErnieImageTransformer) -> None:
         torch.nn.init.zeros_(lin.bias)
 
 
+def optimizer_step(opt, loss, params, ema_params, lr: float, ema: float, step: int) -> None:
+    """One step at ``lr`` (gradients clipped to norm 1), then the EMA of the weights (its decay warmed up)."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    d = min(ema, (1 + step) / (10 + step))
+    with torch.no_grad():
+        torch._foreach_lerp_(ema_params, params, 1 - d)
+
+
 def sample_sigma(n: int, gen: torch.Generator, shift: float = 3.0, uniform_frac: float = 0.0) -> torch.Tensor:
     """Logit-normal(0, 1) sigmas, a fraction ``uniform_frac`` of them uniform instead (so the last,
     low-noise steps are trained too), then ComfyUI's shift: sigma' = shift*s / (1 + (shift-1)*s)."""
@@ -211,15 +224,7 @@ def main(argv=None) -> None:
         if args.edge_weight > 0:
             weight = weight + edge_weights(imgs, args.edge_weight)
         loss = (weight * (v - (noise - x0)) ** 2).mean()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        d = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema_params, params, 1 - d)
+        optimizer_step(opt, loss, params, ema_params, lr_at(step, args.steps, args.lr, args.warmup), args.ema, step)
         losses.append(loss.item())
         elapsed = time.time() - start
         if step % 25 == 0 or step == args.steps - 1:
