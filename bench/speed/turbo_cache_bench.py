@@ -9,14 +9,13 @@ machine), its speedup the uncached median over its own. Reported: model calls an
 image, speedup, PSNR of the decoded pictures against the uncached ones (mean and worst), the demo judge's passes.
 ``--peer`` adds cache-dit 1.5.3 (``pip install -r bench/requirements.txt``) on the same DiT: its DBCache F1B0 with
 TaylorSeer order 1, the step mask of its own ``fast`` policy and its dynamic threshold (the settings its docs give for
-few steps). ``--write`` puts the table into bench/RESULTS.md and the 8-step figures into the presets' measured.json
-(what the Cache-DiT node's tooltip reads).
+few steps). ``--write`` puts the table into bench/RESULTS.md (the Cache-DiT node's tooltip reads cache_bench.py's
+figures, engine/features/cache/measured.json).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -31,8 +30,7 @@ sys.path.insert(0, ROOT)
 from bench.metrics import psnr  # noqa: E402
 from bench.results_md import write_section  # noqa: E402
 from engine import open_demo  # noqa: E402
-from engine.features.cache import MEASURED_PATH, CacheConfig  # noqa: E402
-from engine.features.cache.masks import FEW_STEPS  # noqa: E402
+from engine.features.cache import CacheConfig  # noqa: E402
 from engine.models import demo as demo_model  # noqa: E402
 from tools.demo import data  # noqa: E402
 from tools.demo.judge import passes  # noqa: E402
@@ -151,30 +149,6 @@ def table(all_rows: dict, pairs: int) -> str:
     return "\n".join(lines)
 
 
-def update_measured(all_rows: dict, pairs: int, path: str = MEASURED_PATH) -> None:
-    """The few-step rows of measured.json become the demo-turbo's at 8 steps (the 50-step rows stay cache_bench's)."""
-    with open(path, encoding="utf-8") as f:
-        measured = json.load(f)
-    rows = all_rows.get(("demo-turbo", 8), [])
-    for preset in list(measured["presets"]):
-        kept = [r for r in measured["presets"][preset] if r["steps"] >= FEW_STEPS]
-        for r in rows:
-            if r["config"] == preset:
-                kept.append({"setting": f"demo-turbo (36 blocks, cfg 1), 8 steps, {pairs} pairs",
-                             "model": "demo-turbo (36 blocks)", "steps": 8, "speedup": round(r["speedup"], 6),
-                             "speedup_kind": "process time", "psnr": round(r["psnr"], 6), "same_image": False,
-                             "ssim": None, "computed": float(r["calls"]),
-                             "judge": round(100.0 * r["judge"] / pairs, 6)})
-        measured["presets"][preset] = kept
-    measured["made_by"] = ("bench/speed/cache_bench.py (50 steps, see bench/speed/cache_results.md) and "
-                           "bench/speed/turbo_cache_bench.py (8 steps)")
-    tmp = path + ".part"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(measured, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=12, help="held-out captions per row (one batch)")
@@ -182,7 +156,7 @@ def main(argv=None) -> None:
     ap.add_argument("--peer", action="store_true", help="also cache-dit 1.5.3 on the same DiT")
     ap.add_argument("--only", nargs="*", default=None, help="model:steps pairs, e.g. demo-turbo:8")
     ap.add_argument("--turbo", default=demo_model.DEMO_TURBO_WEIGHTS, help="the demo-turbo file (a checkpoint)")
-    ap.add_argument("--write", action="store_true", help="into bench/RESULTS.md and measured.json")
+    ap.add_argument("--write", action="store_true", help="into bench/RESULTS.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     all_rows = {}
@@ -197,7 +171,6 @@ def main(argv=None) -> None:
     print(text)
     if args.write:
         write_section("turbo_cache_bench", text, HEADING)
-        update_measured(all_rows, args.pairs)
 
 
 if __name__ == "__main__":
