@@ -16,12 +16,12 @@ import comfy_server as cs  # noqa: E402
 
 from engine.models import demo as demo_model  # noqa: E402
 from engine.models.demo import EXAMPLE_PROMPT  # noqa: E402
-from nodes.demo import DEMO_TURBO_CHOICE  # noqa: E402
 from tools.demo import judge  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(demo_model.DEMO_TURBO_WEIGHTS),
                                 reason="the demo-turbo weights are not shipped yet")
 SEED = 4
+DEMO_TURBO_CHOICE = "sgld-demo-turbo (embedded, 64x64, 8 steps at cfg 1)"  # nodes/demo.py, as the loader lists it
 
 
 def graph() -> dict:
