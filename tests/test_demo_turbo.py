@@ -109,6 +109,8 @@ def test_turbo_with_each_preset_from_the_cli_and_the_pipeline(tmp_path, capsys):
 
 
 @shipped
+@pytest.mark.server
+@pytest.mark.subprocess
 def test_turbo_per_request_cache_in_sgld_serve(tmp_path):
     from test_serve import Server, client, pixels
 
