@@ -250,9 +250,12 @@ PANEL = """(id) => {
 }"""
 
 
-def wait_state(page, node, state, timeout_ms=60_000):
-    page.wait_for_function(f"() => document.querySelector('.sgld-run[data-node-id=\"{node}\"]')?.dataset.state === '{state}'",
-                           timeout=timeout_ms)
+def wait_state(page, node, state, timeout_ms=60_000, prompt=None):
+    """The panel of ``node`` once it shows ``state`` (of ``prompt``'s run when given: loading a workflow restores the
+    last run of that graph, which an earlier module on the shared server may have made)."""
+    same = "" if prompt is None else f" && el.dataset.prompt === '{prompt}'"
+    page.wait_for_function(f"() => {{ const el = document.querySelector('.sgld-run[data-node-id=\"{node}\"]'); "
+                           f"return el?.dataset.state === '{state}'{same}; }}", timeout=timeout_ms)
     return page.evaluate(PANEL, node)
 
 
@@ -326,7 +329,7 @@ def test_timeline_after_a_cached_run(comfy, page):
 
     page.evaluate(QUEUE_UI)
     pid = prompt_id(page)
-    panel = wait_state(page, ks, "done", 75_000)
+    panel = wait_state(page, ks, "done", 75_000, prompt=pid)
     entry = comfy.wait(pid, 30)
     assert entry["status"]["status_str"] == "success", entry["status"]
     stats = entry["outputs"][ks]["sgld_stats"][0]
@@ -514,7 +517,7 @@ def test_run_warnings_on_the_panel(comfy, page):
     entry = comfy.wait(pid, 120)
     assert entry["status"]["status_str"] == "success", entry["status"]
     stats = entry["outputs"][ks]["sgld_stats"][0]
-    wait_state(page, ks, "done", 30_000)
+    wait_state(page, ks, "done", 30_000, prompt=pid)
     assert any("steps_mask has 2 entries for a run of 4 model calls: padded" in w for w in stats["warnings"]), stats["warnings"]
     page.wait_for_timeout(300)
     panel = page.evaluate(PANEL, ks)
@@ -576,7 +579,7 @@ def test_timeline_in_vue_nodes_mode(comfy, page):
     try:
         page.wait_for_function(f"() => document.querySelector('[data-node-id=\"{ks}\"] .sgld-run')", timeout=20_000)
         pid = page.evaluate(QUEUE_VARIANT, [ks, cache, {"ksampler": {"seed": 8}}])
-        panel = wait_state(page, ks, "done", 60_000)
+        panel = wait_state(page, ks, "done", 60_000, prompt=pid)
         stats = comfy.wait(pid, 30)["outputs"][ks]["sgld_stats"][0]
         assert panel["mask"] == stats["step_mask"] and panel["cached"] > 0, (panel, stats)
         assert page.locator(f'.sgld-run[data-node-id="{ks}"] .sgld-timeline').is_visible()

@@ -158,6 +158,7 @@ class RunPanel {
     el.replaceChildren();
     this.el.dataset.state = state;
     this.el.dataset.nodeId = String(this.node.id);
+    this.el.dataset.prompt = this.prompt ?? "";  // whose run it shows (a restored last run has an older prompt)
     delete this.el.dataset.computed;
     delete this.el.dataset.cached;
     const head = h("div", "sgld-head");
