@@ -56,7 +56,7 @@ def cpu_int8() -> Tuple[bool, str]:
     return _cpu_has(INT8_ENV, CPU_INT8_FLAGS, "int8 products")
 
 
-def _native(dtype: torch.dtype, device: torch.device) -> Tuple[bool, str]:
+def native(dtype: torch.dtype, device: torch.device) -> Tuple[bool, str]:
     """(whether ``device`` computes ``dtype`` natively, why)."""
     if device.type == "cpu":
         if dtype == torch.bfloat16:
@@ -75,8 +75,8 @@ def default_compute_dtype(family, device) -> Tuple[str, str]:
     device = torch.device(device)
     skipped = []
     for dtype in family.compute_dtypes:
-        native, why = _native(dtype, device)
-        if native:
+        ok, why = native(dtype, device)
+        if ok:
             said = f" ({why})" if why else ""
             return NAMES[dtype], f"the default for {family.title} on {device.type}{said}" + "".join(skipped)
         skipped.append(f"; {NAMES[dtype]} not native ({why})")

@@ -5,6 +5,8 @@ and Flux2 VAE, engine/models/external.py) are here. Latents are [batch, C, h, w]
 [batch, H, W, 3]: no entry point adds or removes a batch axis of its own."""
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import List, Sequence, Tuple
 
 import numpy as np
@@ -15,6 +17,7 @@ from .models import demo as demo_pkg
 from .sampling import MAX_IMAGE_SIDE
 
 ERNIE_SIZE = 1024  # ERNIE-Image's default picture side (diffusers' pipeline's, sgld generate's --width)
+PROMPT_CACHE_BYTES = 256 << 20  # recent prompts' features kept (a 512-token prompt of Ministral 3B: 6 MiB)
 
 
 class ImageParts:
@@ -81,11 +84,34 @@ class ErnieParts(ImageParts):
 
     default_size = ERNIE_SIZE
 
-    def __init__(self, text_encoder, vae):
+    def __init__(self, text_encoder, vae, prompt_cache_bytes: int = PROMPT_CACHE_BYTES):
         self.text_encoder, self.vae = text_encoder, vae
+        self.prompt_cache_bytes = prompt_cache_bytes
+        self._features: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+        self._lock, self._encoding = threading.Lock(), threading.Lock()
 
     def encode(self, prompt: str) -> torch.Tensor:
-        return self.text_encoder.encode(prompt)
+        """The features of a recent prompt come from memory (least recently used out past ``prompt_cache_bytes``):
+        a server's repeated prompt does not wake the text encoder, nor move it onto the GPU. Read-only: callers
+        copy them (``pad_text``)."""
+        with self._lock:
+            if prompt in self._features:
+                self._features.move_to_end(prompt)
+                return self._features[prompt]
+        with self._encoding:  # one prompt at a time: a placement that moves the weights moves them once
+            features = self.text_encoder.encode(prompt)
+        size = features.numel() * features.element_size()
+        with self._lock:
+            if size <= self.prompt_cache_bytes:
+                self._features[prompt] = features
+                while sum(f.numel() * f.element_size() for f in self._features.values()) > self.prompt_cache_bytes:
+                    self._features.popitem(last=False)
+        return features
+
+    def forget_prompts(self) -> None:
+        """The text encoder changed (dtype, device): the kept features are not its own any more."""
+        with self._lock:
+            self._features.clear()
 
     def latent_shape(self, width: int, height: int, batch: int = 1) -> Tuple[int, ...]:
         if not (1 <= width <= MAX_IMAGE_SIDE and 1 <= height <= MAX_IMAGE_SIDE):

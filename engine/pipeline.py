@@ -34,7 +34,7 @@ from .image_parts import DemoParts, ErnieParts, ImageParts
 from .inputs import check_sampling_settings, check_seed
 from .io.checkpoint import parse_dtype
 from .models import demo as demo_pkg
-from .models.external import Flux2VAE, TextEncoder
+from .models.external import Flux2VAE, TextEncoder, text_encoder_dtype
 from .prompt_enhancer import PromptEnhancer
 from .release import Release, resolve_release
 from .router import open_engine
@@ -123,13 +123,15 @@ class ErnieImagePipeline:
     @classmethod
     def from_pretrained(cls, path, torch_dtype: Optional[torch.dtype] = None, device=None, *, cache=None, lora=None,
                         text_encoder=None, tokenizer=None, vae=None, pe=None, pe_tokenizer=None,
-                        text_encoder_config=None, vae_config=None, **engine_options) -> "ErnieImagePipeline":
+                        text_encoder_config=None, vae_config=None, text_encoder_device="auto",
+                        **engine_options) -> "ErnieImagePipeline":
         """``path``: "demo", a release folder, a Hugging Face repo id in the local cache, or a single DiT file with
         ``text_encoder=`` and ``vae=`` (folders, or ComfyUI's single files with ``text_encoder_config=`` /
         ``vae_config=``: folders holding config.json, and the tokenizer for the text encoder; docs/python.md). ``torch_dtype``: the DiT's and text encoder's dtype
         (the VAE runs in float32); ``device``: "cpu", "cuda", ...; ``cache``: a Cache-DiT preset name, "off" or a
         CacheConfig (None: the SGLANG_CACHE_DIT_* environment); ``lora``: a path, "path:strength" or a list;
-        ``engine_options``: EngineConfig's fields (attention, compile, quant, offload, resident_layers, num_gpus,
+        ``text_encoder_device``: "auto" (computes on ``device``, kept on the host between prompts), "cpu" or
+        "resident" (``sgld --text-encoder-device``); ``engine_options``: EngineConfig's fields (attention, compile, quant, offload, resident_layers, num_gpus,
         ulysses_degree, ring_degree, tp, cfg_parallel)."""
         config = _engine_config(torch_dtype, device, engine_options)
         cache = cache_option(cache)
@@ -142,8 +144,8 @@ class ErnieImagePipeline:
             kind = "demo"
         else:
             release.require("text_encoder", "vae", why="a single DiT file needs text_encoder= and vae= (folders or files)")
-            te = TextEncoder.load(release.text_encoder, dtype=parse_dtype(config.dtype) or torch.float32,
-                                  device=config.device, tokenizer=release.tokenizer, config=text_encoder_config)
+            te = TextEncoder.load(release.text_encoder, dtype=parse_dtype(config.dtype), device=config.device,
+                                  tokenizer=release.tokenizer, config=text_encoder_config, placement=text_encoder_device)
             parts = ErnieParts(te, Flux2VAE.load(release.vae, device=config.device, config=vae_config))
             engine = open_engine(release.transformer, config)
             kinds = {model_kind(release.transformer)} | ({model_kind(release.source)} if release.kind == "hub" else set())
@@ -228,12 +230,13 @@ class ErnieImagePipeline:
         if loras:
             self.engine.set_loras(loras)
         if self.kind != "demo" and "device" in changes:  # the demo's text encoder and codec stay on the CPU
-            self.text_encoder.model.to(config.device)
-            self.text_encoder.device = torch.device(config.device)
+            self.text_encoder.to(config.device)
             self.vae.vae.to(config.device)
             self.vae.device = torch.device(config.device)
         if self.kind != "demo" and "dtype" in changes:
-            self.text_encoder.model.to(parse_dtype(config.dtype) or torch.float32)
+            self.text_encoder.model.to(parse_dtype(config.dtype) or text_encoder_dtype(self.text_encoder.device))
+        if self.kind != "demo":
+            self.parts.forget_prompts()
         return self
 
     def release_memory(self) -> int:

@@ -134,6 +134,17 @@ def add_release_arguments(group) -> None:
     group.add_argument("--enable-mix-parallel", action="store_true", help=MIX_PARALLEL_HELP)
 
 
+def add_text_encoder_arguments(group, folder_help: str) -> None:
+    """--text-encoder and where it computes, for generate and serve."""
+    from ..models.external import PLACEMENTS
+
+    group.add_argument("--text-encoder", help=folder_help)
+    group.add_argument("--text-encoder-device", default="auto", choices=PLACEMENTS,
+                       help="where the text encoder computes: auto (on --device, in bf16 on a GPU; its weights wait in "
+                            "host memory while the DiT samples), cpu (on the CPU, in its dtype), resident (stays on "
+                            "--device)")
+
+
 def add_pe_arguments(p) -> None:
     """The prompt enhancer's flags (engine/prompt_enhancer.py)."""
     g = p.add_argument_group("prompt enhancer (ERNIE-Image's PE; costs seconds per prompt)")

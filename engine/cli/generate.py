@@ -35,6 +35,7 @@ from .common import (
     add_pe_arguments,
     add_release_arguments,
     add_sampling_arguments,
+    add_text_encoder_arguments,
     cache_config,
     check_image_sides,
     check_output_path,
@@ -70,8 +71,8 @@ def add_parser(sub) -> None:
     add_release_arguments(ext)
     ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder; 'demo-turbo': "
                                      "the embedded demo distilled to 8 steps at cfg 1 (36 blocks)")
-    ext.add_argument("--text-encoder", help="text encoder folder (HF text_encoder/; tokenizer inside or in the sibling tokenizer/) or single "
-                     "file (ComfyUI's; its config.json and tokenizer beside it)")
+    add_text_encoder_arguments(ext, "text encoder folder (HF text_encoder/; tokenizer inside or in the sibling "
+                                    "tokenizer/) or single file (ComfyUI's; its config.json and tokenizer beside it)")
     ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/) or single file (ComfyUI's flux2-vae.safetensors)")
     ext.add_argument("--width", type=int, default=None,
                      help=f"image width in pixels, up to {MAX_IMAGE_SIDE} (default 1024; the demo makes 64x64 only)")
@@ -172,7 +173,8 @@ def _ernie_parts(args) -> LoadedModel:
                              "--model-path: a release folder holding all three; a DiT of the demo's shapes alone "
                              "runs with the demo's own)")
     vae = Flux2VAE.load(files.vae, device=args.device)
-    te = TextEncoder.load(files.text_encoder, device=args.device, tokenizer=files.tokenizer)
+    te = TextEncoder.load(files.text_encoder, device=args.device, tokenizer=files.tokenizer,
+                          placement=args.text_encoder_device)
     eng = open_engine(files.transformer, engine_config(args, cache=resolve_config(cache_config(args))))
     return LoadedModel(eng, ErnieParts(te, vae), files.transformer)
 

@@ -21,6 +21,7 @@ from .common import (
     add_pe_arguments,
     add_release_arguments,
     add_sampling_arguments,
+    add_text_encoder_arguments,
     cache_config,
     check_pe_args,
     engine_config,
@@ -97,7 +98,7 @@ def add_parser(sub) -> None:
     add_release_arguments(ext)
     ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder; 'demo-turbo': "
                                      "the embedded demo distilled to 8 steps at cfg 1")
-    ext.add_argument("--text-encoder", help="text encoder folder (HF text_encoder/)")
+    add_text_encoder_arguments(ext, "text encoder folder (HF text_encoder/)")
     ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/)")
     add_pe_arguments(s)  # requests ask for it with "enhance_prompt": true
     add_engine_arguments(s)

@@ -136,17 +136,65 @@ def _vae_keys(sd: dict, config) -> dict:
     return out
 
 
-class TextEncoder:
-    """Prompt -> [tokens, hidden] features for the DiT."""
+def _move(model: torch.nn.Module, device: torch.device) -> None:
+    """``model``'s weights and buffers to ``device`` in place, tensor by tensor (as ``.to`` without swapping the
+    parameter objects: the memory rehearsal's fake tensors cannot be swapped)."""
+    for p in model.parameters():
+        p.data = p.data.to(device)
+    for m in model.modules():
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to(device)
 
-    def __init__(self, model, tokenizer, device: str = "cpu"):
+
+PLACEMENTS = ("auto", "cpu", "resident")  # --text-encoder-device (TextEncoder.load's ``placement``)
+
+
+def text_encoder_dtype(device) -> torch.dtype:
+    """Ministral 3 was trained in bf16: bf16 where ``device`` computes it natively (a GPU from compute capability 8,
+    a CPU with AVX-512 BF16 / AMX), else float32 (engine/compute_dtype.py's rule; fp16 overflows its activations)."""
+    from ..compute_dtype import native
+
+    return torch.bfloat16 if native(torch.bfloat16, torch.device(device))[0] else torch.float32
+
+
+class TextEncoder:
+    """Prompt -> [tokens, hidden] features for the DiT. The weights live on ``home`` and compute on ``device``: with
+    ``home`` the CPU and ``device`` a GPU, each prompt moves them onto the GPU and back, so the GPU holds the DiT
+    alone while it samples (3B in bf16: 7.7 GB not held beside it)."""
+
+    def __init__(self, model, tokenizer, device: str = "cpu", home: Optional[str] = None, placement: str = "resident"):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
+        self.home = torch.device(home) if home is not None else self.device
+        self.placement = placement
+
+    def to(self, device) -> "TextEncoder":
+        """Compute on ``device`` from now on, as the placement says (``cpu`` stays; ``resident`` moves the weights)."""
+        if self.placement != "cpu":
+            self.device = torch.device(device)
+            if self.placement == "resident":
+                self.home = self.device
+                self.model.to(self.device)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     @classmethod
-    def load(cls, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             tokenizer: Optional[str] = None, config: Optional[str] = None) -> "TextEncoder":
+    def load(cls, path: str, dtype: Optional[torch.dtype] = None, device: str = "cpu",
+             tokenizer: Optional[str] = None, config: Optional[str] = None, placement: str = "auto") -> "TextEncoder":
         """``path``: the release's folder or a single file (see the module's docstring; ``config``: its config
-        folder). ``tokenizer``: its folder when it is not in the (config) folder or the sibling ``tokenizer/``."""
+        folder). ``tokenizer``: its folder when it is not in the (config) folder or the sibling ``tokenizer/``.
+        ``dtype`` None: ``text_encoder_dtype`` of where it computes. ``placement`` (PLACEMENTS): ``auto`` computes
+        on ``device`` and keeps the weights on the host between prompts; ``cpu`` computes on the CPU; ``resident``
+        keeps them on ``device``."""
+        if placement not in PLACEMENTS:
+            raise InputError(f"text encoder placement {placement!r} is not one of {', '.join(PLACEMENTS)} "
+                             "(--text-encoder-device)")
+        device = "cpu" if placement == "cpu" else device
+        home = "cpu" if placement == "auto" else device
+        dtype = dtype or text_encoder_dtype(device)
         transformers = _require("transformers", "the text encoder")
         single = os.path.isfile(path)
         folder = _config_folder(path, config) if single else _safetensors_folder(path, "text encoder", config)
@@ -181,7 +229,7 @@ class TextEncoder:
             raise InputError(f"text encoder '{path}' could not be loaded by transformers: {e}") from None
         if single:
             _load(model, _text_tower_keys(_read_single_file(path)))
-        return cls(model.to(device).eval(), tokenizer, device)
+        return cls(model.to(home).eval(), tokenizer, device, home, placement)
 
     def token_ids(self, prompt: str) -> torch.Tensor:
         ids = self.tokenizer(prompt, add_special_tokens=True, truncation=True, max_length=MAX_TEXT_TOKENS)["input_ids"]
@@ -192,8 +240,15 @@ class TextEncoder:
 
     @torch.no_grad()
     def encode(self, prompt: str) -> torch.Tensor:
-        out = self.model(input_ids=self.token_ids(prompt), output_hidden_states=True)
-        return out.hidden_states[-2][0].float().cpu()
+        away = self.home != self.device
+        if away:
+            _move(self.model, self.device)
+        try:
+            out = self.model(input_ids=self.token_ids(prompt), output_hidden_states=True)
+            return out.hidden_states[-2][0].float().cpu()
+        finally:
+            if away:
+                _move(self.model, self.home)
 
 
 class Flux2VAE:
@@ -231,6 +286,9 @@ class Flux2VAE:
             raise InputError(f"VAE '{path}' could not be loaded as a Flux2 VAE by diffusers: {e}") from None
         if single:
             _load(vae, _vae_keys(_read_single_file(path), vae.config))
+        # diffusers' tiled decode above the VAE's trained size (config sample_size, 1024 px): a 2048² picture decodes
+        # in overlapping 1024² tiles, blended, with a quarter of the working memory (its error: bench/RESULTS.md)
+        vae.enable_tiling()
         return cls(vae.float().to(device).eval(), device)
 
     @property
