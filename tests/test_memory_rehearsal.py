@@ -330,3 +330,27 @@ def test_the_rehearsal_runs_without_a_cuda_device_guard():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     here = [predict.predict(predict.Setup(*a, **kw), 256, layers=1).peak_bytes for a, kw in setups]
     assert [int(n) for n in run.stdout.split()] == here
+
+
+def test_the_whole_pipeline_fits_the_cards_the_readme_names():
+    """Issue 46: the text encoder (Ministral 3 3B text tower, bf16) and the Flux2 VAE traced at their real shapes
+    beside the DiT (bench/memory/parts.py): ``sgld generate`` / ``serve`` / the pipeline at 1024² with the default
+    placement (the text encoder on the GPU only while it encodes) fit Turbo bf16 in 24 GB, fp8 in 16, fp8 + offload
+    in 12, and bf16 + offload 2 buffers in 8 with the text encoder on the CPU; the VAE's tiles keep 2048² small."""
+    import parts
+
+    te = parts.text_encoder("auto")
+    assert te.weights_bytes == 0 and 6.3 * GiB < te.peak_bytes < 6.7 * GiB, te  # 3.4B parameters in bf16
+    assert parts.vae(2048, tiled=True).peak_bytes < 1.1 * parts.vae(1024, tiled=True).peak_bytes < 4 * GiB
+    rows = {(label, placement): parts.whole(predict.Setup(label, **kw), 1024, placement) for label, kw, placement in (
+        ("Turbo bf16", dict(model="turbo"), "auto"),
+        ("Turbo bf16", dict(model="turbo"), "resident"),
+        ("Turbo fp8", dict(model="turbo", quant="fp8"), "auto"),
+        ("Turbo fp8, offload", dict(model="turbo", quant="fp8", offload="layerwise"), "auto"),
+        ("Turbo bf16, offload", dict(model="turbo", offload="layerwise"), "cpu"))}
+    assert table.fits(rows["Turbo bf16", "auto"].peak_bytes, 24)
+    assert not table.fits(rows["Turbo bf16", "resident"].peak_bytes, 24)  # what auto saves: the encoder's 6.4 GiB
+    assert table.fits(rows["Turbo fp8", "auto"].peak_bytes, 16)
+    assert table.fits(rows["Turbo fp8, offload", "auto"].peak_bytes, 12)
+    assert table.fits(rows["Turbo bf16, offload", "cpu"].peak_bytes, 8)
+    assert rows["Turbo bf16", "auto"].phase == "encode"  # the text encoder beside the loaded DiT sets the peak

@@ -72,6 +72,26 @@ def test_auto_keeps_the_weights_in_host_memory_between_prompts(release):
         # the rehearsal's zeros: it reads no device value)
 
 
+def test_auto_encodes_on_the_cpu_when_the_gpu_has_no_room_beside_the_dit(release, caplog):
+    """A card too full for the text encoder beside the DiT (the fake card of the rehearsal, smaller than its
+    weights): auto encodes where the weights are, on the host, and says so once; nothing lands on the GPU."""
+    import transformers
+
+    loaded = load(release, device="cuda")
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    with rehearse.Rehearsal(card_bytes=weights // 2) as r:
+        with r.all_fake():
+            model = transformers.AutoModel.from_config(loaded.model.config, dtype=loaded.dtype).eval()
+        te = TextEncoder(model, loaded.tokenizer, loaded.device, loaded.home, loaded.placement)
+        r.tracker.reset_peak()
+        with caplog.at_level("WARNING", logger="sgld.parts"):
+            assert te.computes_on().type == "cpu"
+            te.encode(PROMPT), te.encode("a blue dog")
+        assert r.tracker.peak.bytes == 0, r.tracker.peak
+    said = [m for m in caplog.messages if "do not fit" in m]
+    assert len(said) == 1 and "encoding on the CPU" in said[0] and "--text-encoder-device cpu" in said[0], said
+
+
 def test_cpu_placement_computes_on_the_cpu_whatever_the_device(release):
     te = load(release, device="cuda", placement="cpu")
     assert te.device.type == te.home.type == "cpu" and te.dtype == torch.float32

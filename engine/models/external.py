@@ -22,6 +22,7 @@ and normalised by the VAE's BatchNorm running statistics with eps 1e-5.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from typing import Optional
 
@@ -34,6 +35,7 @@ from ..io.safetensors import refuse_pickle
 from ..io.shapes import check_counts, check_sizes, on_meta, read_header
 from ..sampling import MAX_TEXT_TOKENS
 
+log = logging.getLogger("sgld.parts")
 BN_EPS = 1e-5  # the pipeline's trained value; vae/config.json says 1e-4
 
 
@@ -147,7 +149,8 @@ def _move(model: torch.nn.Module, device: torch.device) -> None:
                 m._buffers[name] = b.to(device)
 
 
-PLACEMENTS = ("auto", "cpu", "resident")  # --text-encoder-device (TextEncoder.load's ``placement``)
+PLACEMENTS = ("auto", "cpu", "resident")
+ENCODE_WORK_BYTES = 512 << 20  # above the weights while a prompt is encoded (traced: 0.08 GiB at 256 tokens, 3B)  # --text-encoder-device (TextEncoder.load's ``placement``)
 
 
 def text_encoder_dtype(device) -> torch.dtype:
@@ -166,7 +169,7 @@ class TextEncoder:
     def __init__(self, model, tokenizer, device: str = "cpu", home: Optional[str] = None, placement: str = "resident"):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.home = torch.device(home) if home is not None else self.device
-        self.placement = placement
+        self.placement, self._said_host = placement, False
 
     def to(self, device) -> "TextEncoder":
         """Compute on ``device`` from now on, as the placement says (``cpu`` stays; ``resident`` moves the weights)."""
@@ -236,15 +239,34 @@ class TextEncoder:
         bos = self.tokenizer.bos_token_id
         if bos is not None and (not ids or ids[0] != bos):  # some tokenizer builds do not add BOS
             ids = [bos] + ids
-        return torch.tensor([ids], device=self.device)
+        return torch.tensor([ids])
+
+    def computes_on(self) -> torch.device:
+        """Where the next prompt is encoded. ``auto``: on the device when the weights and their work fit its free
+        memory now (beside the DiT), else where the weights are (the host: slower, and said once)."""
+        if self.placement != "auto" or self.home == self.device:
+            return self.device
+        from .. import device as device_rt
+
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        free = device_rt.free_bytes(self.device)
+        if free is None or free >= weights + ENCODE_WORK_BYTES:
+            return self.device
+        if not self._said_host:
+            self._said_host = True
+            log.warning("text encoder: %.1f GiB of weights and work do not fit the %.1f GiB free on %s beside the "
+                        "DiT: encoding on the CPU (slower; --text-encoder-device cpu says so up front)",
+                        (weights + ENCODE_WORK_BYTES) / 2**30, free / 2**30, self.device)
+        return self.home
 
     @torch.no_grad()
     def encode(self, prompt: str) -> torch.Tensor:
-        away = self.home != self.device
+        where = self.computes_on()
+        away = where != self.home
         if away:
-            _move(self.model, self.device)
+            _move(self.model, where)
         try:
-            out = self.model(input_ids=self.token_ids(prompt), output_hidden_states=True)
+            out = self.model(input_ids=self.token_ids(prompt).to(where), output_hidden_states=True)
             return out.hidden_states[-2][0].float().cpu()
         finally:
             if away:

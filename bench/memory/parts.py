@@ -1,0 +1,178 @@
+"""The parts around the DiT on the fake GPU, and the whole pipeline's peak (issue 46).
+
+``sgld generate``, ``sgld serve`` and ``ErnieImagePipeline`` hold more than the DiT: ERNIE-Image's text encoder (the
+Ministral 3 3B text tower) and the Flux2 VAE. Each part is traced here at its real shape through its own code
+(``TextEncoder.encode`` with the placement the entry point gives it, ``Flux2VAE.decode`` whole and tiled), and the
+whole pipeline's peak is composed from the three phases of a run, as those entry points order them:
+
+1. encode: the DiT and the VAE are loaded; the text encoder computes (on the GPU, ``auto`` / ``resident``);
+2. sample: the DiT's own predicted peak (predict.py), beside the VAE and, when ``resident``, the text encoder;
+3. decode: the DiT's weights stay; the VAE decodes.
+
+Not traced: the tokenizer (a stand-in gives the prompt's token count: the Tekken files are not available offline)
+and the Pixtral vision tower a release folder also loads (unused; ComfyUI's single file has none).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Optional
+
+import torch
+from predict import PROMPT_TOKENS, Setup, predict_cached
+from rehearse import GiB, Rehearsal
+
+from engine.models.external import Flux2VAE, TextEncoder
+
+# shared/reference/ernie_image.md: the text tower of text_encoder/ (Ministral 3 3B)
+MINISTRAL_3B = dict(vocab_size=131072, hidden_size=3072, intermediate_size=9216, num_hidden_layers=26,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+
+
+class CountOnly:
+    """Stands in for the Tekken tokenizer (not available offline): a prompt of ``tokens`` ids, BOS first."""
+
+    bos_token_id = 1
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def __call__(self, prompt, **kw):
+        return {"input_ids": [1] * self.tokens}
+
+
+@dataclasses.dataclass
+class PartPeak:
+    weights_bytes: int  # on the GPU between uses (0: on the host)
+    peak_bytes: int  # while it works
+
+
+@functools.lru_cache(maxsize=None)
+def text_encoder(placement: str = "auto", tokens: int = PROMPT_TOKENS) -> PartPeak:
+    """The text encoder encoding one prompt of ``tokens`` on the GPU, placed as ``--text-encoder-device`` says."""
+    import transformers
+
+    cfg = transformers.Ministral3Config(**MINISTRAL_3B)
+    with Rehearsal() as r:
+        home = "cuda" if placement == "resident" else "cpu"
+        with r.all_fake(), torch.device(home):
+            model = transformers.AutoModel.from_config(cfg, dtype=torch.bfloat16).eval()
+        r.name_modules(model, "text_encoder.")
+        te = TextEncoder(model, CountOnly(tokens), "cuda", home, placement)
+        resting = r.tracker.live
+        r.tracker.reset_peak()
+        with torch.inference_mode():
+            te.encode("a prompt")
+        return PartPeak(resting, r.tracker.peak.bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def vae(pixels: int, tiled: bool = True) -> PartPeak:
+    """The Flux2 VAE (diffusers' AutoencoderKLFlux2 at its own sizes, float32) decoding one ``pixels``² picture."""
+    import diffusers
+
+    with Rehearsal() as r:
+        with r.all_fake(), torch.device("cuda"):
+            model = diffusers.AutoencoderKLFlux2().eval()
+        if tiled:
+            model.enable_tiling()  # as Flux2VAE.load does
+        r.name_modules(model, "vae.")
+        v = Flux2VAE(model, "cuda")
+        resting = r.tracker.live
+        r.tracker.reset_peak()
+        with torch.inference_mode():
+            v.decode(torch.zeros(v.latent_shape(pixels, pixels), device="cuda"))
+        return PartPeak(resting, r.tracker.peak.bytes)
+
+
+@dataclasses.dataclass
+class Whole:
+    label: str
+    peak_bytes: int
+    phase: str  # the phase that sets the peak: "encode", "sample" or "decode"
+    dit_peak_bytes: int
+
+
+def whole(setup: Setup, pixels: int, placement: str = "auto", tiled: bool = True,
+          layers: int = 36, dit: Optional[object] = None) -> Whole:
+    """The whole pipeline's peak for ``setup`` at ``pixels``²: the largest of its three phases."""
+    p = dit or predict_cached(setup, pixels, layers=layers)
+    te = text_encoder(placement) if placement != "cpu" else PartPeak(0, 0)
+    v = vae(pixels, tiled)
+    phases = {"encode": p.weights_bytes + v.weights_bytes + te.peak_bytes,
+              "sample": p.peak_bytes + v.weights_bytes + te.weights_bytes,
+              "decode": p.weights_bytes + te.weights_bytes + v.peak_bytes}
+    phase = max(phases, key=phases.get)
+    return Whole(f"{setup.label}, text encoder {placement}", phases[phase], phase, p.peak_bytes)
+
+
+# (DiT setup, text encoder placement): the README's cards' rows (Turbo bf16 24 GB, fp8 16, fp8 + offload 12, bf16 +
+# offload 2 buffers 8) with the placement that fits them, and the resident text encoder beside for comparison
+WHOLE_ROWS = [
+    (Setup("Turbo bf16", model="turbo"), "auto"),
+    (Setup("Turbo bf16", model="turbo"), "resident"),
+    (Setup("Turbo fp8", model="turbo", quant="fp8"), "auto"),
+    (Setup("Turbo fp8, offload 2 buffers", model="turbo", quant="fp8", offload="layerwise"), "auto"),
+    (Setup("Turbo bf16, offload 2 buffers", model="turbo", offload="layerwise"), "auto"),
+    (Setup("Base bf16"), "auto"),
+    (Setup("Turbo bf16, served batch of 8 jobs (sgld serve's --max-batch)", model="turbo", served=8), "auto"),
+]
+
+
+def parts_table() -> str:
+    te_auto, te_res = text_encoder("auto"), text_encoder("resident")
+    lines = ["| part | on the GPU between uses GiB | peak while it works GiB |", "|---|---|---|",
+             f"| text encoder (Ministral 3 3B text tower, bf16, {PROMPT_TOKENS} tokens), `auto` | "
+             f"{te_auto.weights_bytes / GiB:.2f} | {te_auto.peak_bytes / GiB:.2f} |",
+             f"| text encoder, `resident` | {te_res.weights_bytes / GiB:.2f} | {te_res.peak_bytes / GiB:.2f} |"]
+    for px in (1024, 2048):
+        for tiled in (False, True):
+            v = vae(px, tiled)
+            lines.append(f"| Flux2 VAE decode {px}², {'tiled (the default)' if tiled else 'whole'} | "
+                         f"{v.weights_bytes / GiB:.2f} | {v.peak_bytes / GiB:.2f} |")
+    return "\n".join(lines)
+
+
+def whole_table(layers: int = 36, log=print) -> str:
+    from table import CARDS, fits
+
+    head = ("| DiT configuration, text encoder | image | whole pipeline peak GiB | set by | DiT alone GiB | "
+            + " | ".join(f"{c} GB" for c in CARDS) + " |\n|---|---|---|---|---|" + "---|" * len(CARDS))
+    lines = [head]
+    for setup, placement in WHOLE_ROWS:
+        for px in (1024, 2048):
+            w = whole(setup, px, placement, layers=layers)
+            # auto encodes on the CPU where the GPU has no room for it beside the DiT (TextEncoder.computes_on)
+            on_host = whole(setup, px, "cpu", layers=layers) if placement == "auto" else w
+            marks = " | ".join("yes" if fits(w.peak_bytes, c) else ("yes, encoding on the CPU"
+                                                                     if fits(on_host.peak_bytes, c) else "-")
+                               for c in CARDS)
+            lines.append(f"| {w.label} | {px}² | {w.peak_bytes / GiB:.2f} | {w.phase} | {w.dit_peak_bytes / GiB:.2f} "
+                         f"| {marks} |")
+            log(f"{w.label} {px}²: {w.peak_bytes / GiB:.2f} GiB ({w.phase})")
+    return "\n".join(lines)
+
+
+HEADING = """## The whole pipeline on the card: text encoder, DiT and VAE (predicted, fake CUDA)
+
+`bench/memory/parts.py` (issue 46): the text encoder (`TextEncoder.encode`) and the Flux2 VAE (`Flux2VAE.decode`)
+traced at their real shapes on the fake GPU, and the whole pipeline of `sgld generate` / `sgld serve` /
+`ErnieImagePipeline` composed from its three phases (encode, sample, decode; docstring). A card fits a row when the
+peak plus 1 GiB desktop and 0.5 GiB CUDA context is within it."""
+
+
+def main() -> None:
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    from bench.results_md import write_section
+
+    text = parts_table() + "\n\n" + whole_table(log=lambda m: print(m, file=sys.stderr))
+    write_section("whole_pipeline", text, HEADING)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
