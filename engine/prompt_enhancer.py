@@ -33,6 +33,7 @@ from .errors import Cancelled, CheckpointError, InputError
 from .io.readers import open_file
 from .io.safetensors import load_json_object, refuse_pickle, refuse_pickles_in
 from .io.shapes import check_counts, check_sizes, on_meta, read_header
+from .models.external import text_encoder_dtype
 
 DIFFUSERS_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95}  # what diffusers passes generate()
 DEFAULT_MAX_NEW_TOKENS = 2048  # when the tokenizer states no real model_max_length (transformers' 1e30 sentinel)
@@ -56,8 +57,6 @@ def _transformers():
 
 
 def _dtype(dtype) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
@@ -173,7 +172,7 @@ class PromptEnhancer:
         ``config`` folder); ``tokenizer``: its folder (default: the sibling pe_tokenizer/, else ``path``)."""
         path = os.fspath(path)
         device = torch.device(device or "cpu")
-        dtype = _dtype(dtype)
+        dtype = _dtype(dtype) if dtype is not None else text_encoder_dtype(device)  # Ministral 3 3B: the text encoder's rule
         folder, single, files = _weights_and_config(path, config)
         tok_folder = _tokenizer_folder(path, folder, tokenizer)
         sampling = _sampling(folder)

@@ -169,3 +169,18 @@ def test_the_vae_decodes_in_tiles_above_its_trained_size(release):
     assert mse > 0 and psnr > 20, psnr
     small.enable_tiling()
     assert tiled.shape == whole.shape == (1, 64, 64, 3)
+
+
+def test_the_prompt_enhancer_takes_the_same_rule(tmp_path, monkeypatch):
+    """The PE is the same Ministral 3 3B: bf16 where the device computes it (it was float32 everywhere: 12.8 GB
+    resident in a server), an asked --pe-dtype still wins."""
+    from tiny_pe import write_tiny_pe
+
+    from engine.prompt_enhancer import PromptEnhancer
+
+    write_tiny_pe(str(tmp_path))
+    pe = str(tmp_path / "pe")
+    assert PromptEnhancer.from_pretrained(pe).dtype == torch.float32  # this CPU: no native bf16
+    monkeypatch.setenv("SGLD_CPU_BF16", "1")
+    assert PromptEnhancer.from_pretrained(pe).dtype == torch.bfloat16
+    assert PromptEnhancer.from_pretrained(pe, dtype="fp32").dtype == torch.float32

@@ -57,7 +57,9 @@ def text_encoder(placement: str = "auto", tokens: int = PROMPT_TOKENS) -> PartPe
     cfg = transformers.Ministral3Config(**MINISTRAL_3B)
     with Rehearsal() as r:
         home = "cuda" if placement == "resident" else "cpu"
-        with r.all_fake(), torch.device(home):
+        from transformers.initialization import no_init_weights
+
+        with r.all_fake(), torch.device(home), no_init_weights():  # shapes only: the loader's own way
             model = transformers.AutoModel.from_config(cfg, dtype=torch.bfloat16).eval()
         r.name_modules(model, "text_encoder.")
         te = TextEncoder(model, CountOnly(tokens), "cuda", home, placement)

@@ -155,7 +155,7 @@ def add_pe_arguments(p) -> None:
     g.add_argument("--pe-tokenizer", default=None,
                    help="the PE's tokenizer folder (default: the release's pe_tokenizer/ beside pe/, else PATH itself)")
     g.add_argument("--pe-device", default=None, help="torch device of the PE (default: --device)")
-    g.add_argument("--pe-dtype", default=None, choices=("fp32", "bf16", "fp16"), help="dtype of the PE (default fp32)")
+    g.add_argument("--pe-dtype", default=None, choices=("fp32", "bf16", "fp16"), help="dtype of the PE (default: bf16 where the device computes it natively, else fp32; as the text encoder)")
     g.add_argument("--pe-max-new-tokens", type=int, default=None,
                    help="most tokens the PE writes (default: its tokenizer's model_max_length, as diffusers; "
                         "at most 8192)")
