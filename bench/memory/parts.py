@@ -51,23 +51,36 @@ class PartPeak:
 
 @functools.lru_cache(maxsize=None)
 def text_encoder(placement: str = "auto", tokens: int = PROMPT_TOKENS) -> PartPeak:
-    """The text encoder encoding one prompt of ``tokens`` on the GPU, placed as ``--text-encoder-device`` says."""
+    """The text encoder encoding one prompt of ``tokens`` on the GPU, placed as ``--text-encoder-device`` says:
+    ``auto`` traced (the weights come from the host, compute, go back); ``resident`` holds the same weights between
+    prompts and peaks as high; ``cpu`` holds nothing on the GPU."""
+    if placement == "cpu":
+        return PartPeak(0, 0)
+    if placement == "resident":
+        return PartPeak(_text_encoder_weights(), text_encoder("auto", tokens).peak_bytes)
     import transformers
+    from transformers.initialization import no_init_weights
 
-    cfg = transformers.Ministral3Config(**MINISTRAL_3B)
     with Rehearsal() as r:
-        home = "cuda" if placement == "resident" else "cpu"
-        from transformers.initialization import no_init_weights
-
-        with r.all_fake(), torch.device(home), no_init_weights():  # shapes only: the loader's own way
-            model = transformers.AutoModel.from_config(cfg, dtype=torch.bfloat16).eval()
+        with r.all_fake(), no_init_weights():  # shapes only, on the host: the loader's way, without the file
+            model = transformers.AutoModel.from_config(transformers.Ministral3Config(**MINISTRAL_3B),
+                                                       dtype=torch.bfloat16).eval()
         r.name_modules(model, "text_encoder.")
-        te = TextEncoder(model, CountOnly(tokens), "cuda", home, placement)
+        te = TextEncoder(model, CountOnly(tokens), "cuda", "cpu", placement)
         resting = r.tracker.live
         r.tracker.reset_peak()
         with torch.inference_mode():
             te.encode("a prompt")
         return PartPeak(resting, r.tracker.peak.bytes)
+
+
+def _text_encoder_weights() -> int:
+    """Bytes of the text tower's weights in bf16, counted on the meta device."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModel.from_config(transformers.Ministral3Config(**MINISTRAL_3B), dtype=torch.bfloat16)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,7 +114,7 @@ def whole(setup: Setup, pixels: int, placement: str = "auto", tiled: bool = True
           layers: int = 36, dit: Optional[object] = None) -> Whole:
     """The whole pipeline's peak for ``setup`` at ``pixels``²: the largest of its three phases."""
     p = dit or predict_cached(setup, pixels, layers=layers)
-    te = text_encoder(placement) if placement != "cpu" else PartPeak(0, 0)
+    te = text_encoder(placement)
     v = vae(pixels, tiled)
     phases = {"encode": p.weights_bytes + v.weights_bytes + te.peak_bytes,
               "sample": p.peak_bytes + v.weights_bytes + te.weights_bytes,
