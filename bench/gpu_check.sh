@@ -27,11 +27,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TOTAL="${GPU_CHECK_TIMEOUT:-540}"
-export OUT="${OUT:-${TMPDIR:-/tmp}/sgld_gpu_check_out}"
+# the device tool gives $OUT; elsewhere a private folder of our own (0700), never a fixed name in a shared /tmp
+export OUT="${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/sgld_gpu_check.XXXXXX")}"
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 : > "$LOG"
 say() { echo "gpu_check: $*" | tee -a "$LOG"; }
+say "the report goes to $OUT"
 fail() {  # the reason goes to the report too, so that it comes back with $OUT
   echo "gpu_check: FAILED: $*" | tee -a "$LOG" >&2
   printf '# gpu_check\n\n- **FAILED** (set-up): %s\n' "$*" > "$OUT/gpu_check.md"

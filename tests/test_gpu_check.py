@@ -109,6 +109,12 @@ def test_cpu_rehearsal_runs_every_row_of_the_gpu_check(tmp_path):
     assert measured == set(gpu_check.ALL_ROWS) - not_here, {n: [r["notes"] for r in rs] for n, rs in by_name.items()}
     assert all(by_name[n][0]["status"] == "n/a" for n in not_here)
     assert "not carried" in by_name["comfy"][0]["notes"]
+    # issue 46: the parts around the DiT (text encoder placed as auto, VAE decode) measured; their GPU peaks beside
+    # bench/memory/parts.py's prediction on a GPU (none on a CPU, said so)
+    parts = by_name["parts"][0]
+    assert "text encoder (tiny, auto) + VAE decode 64²" in parts["what"] and "no memory figure on a CPU" in parts["notes"]
+    from gpu_check_parts import predicted
+    assert set(predicted()) == {"text encoder auto", "vae 1024"}  # the figures a GPU run is compared with
 
     # diffusers side by side: ours, diffusers as shipped and diffusers on ours' kernel, shared weights, all agree
     d = {r["what"]: r for r in by_name["diffusers"]}

@@ -67,6 +67,7 @@ import gpu_check_core as core  # noqa: E402  (puts the checkout first on sys.pat
 import torch  # noqa: E402
 from gpu_check_core import Ctx, Report, _count, attention_flops, forward_flops, guarded  # noqa: E402,F401 (tests read these)
 from gpu_check_offload import OFFLOAD_ROWS, offload_rows  # noqa: E402
+from gpu_check_parts import row_parts  # noqa: E402
 from gpu_check_predicted import beside  # noqa: E402
 from gpu_check_rows import opened, row_build, row_diffusers, row_eager, row_fuse_quant, row_turbo, whole_run  # noqa: E402
 from gpu_check_serve import row_comfy, row_lora, row_serve, serve_estimate  # noqa: E402
@@ -81,7 +82,7 @@ COMFY_ROWS = ("nvfp4", "mxfp8", "int8-tensorwise")  # ComfyUI's formats, compute
 RISKY = ("sage", "compiled", "all-on", "flash")
 ALL_ROWS = ("build", "eager", "diffusers", "turbo", *(f"turbo-{p}" for p in PRESETS), "fp8", "sage", "compiled",
             "base", *(f"base-{p}" for p in PRESETS), "int4", "int8", "gguf", *COMFY_ROWS, "fuse-quant",
-            *OFFLOAD_ROWS, "lora", "serve", "comfy",
+            *OFFLOAD_ROWS, "lora", "serve", "comfy", "parts",
             "all-on", "flash")
 WORKER_CAP = {"sage": 120, "compiled": 240, "all-on": 240, "flash": 60}  # seconds a worker may take at most
 
@@ -118,6 +119,7 @@ def plan(ctx):
     rows += offload_rows(ctx)
     rows += [("lora", lambda: 4 + load() / 2 + 2 * c * f(), row_lora),
              ("serve", lambda: serve_estimate(ctx), row_serve), ("comfy", lambda: 0.1, row_comfy),
+             ("parts", lambda: 40 if ctx.dev.type == "cuda" else 5, row_parts),
              ("all-on", lambda: compile_estimate(ctx), None), ("flash", lambda: 30 if A.package_version("flash_attn")[0] else 0.0, None)]
     return rows
 

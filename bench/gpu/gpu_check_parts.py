@@ -1,0 +1,102 @@
+"""The GPU check's ``parts`` row (issue 46): the parts around the DiT that ``sgld generate`` / ``sgld serve`` / the
+pipeline hold, measured beside bench/memory/parts.py's prediction (bench/RESULTS.md, "The whole pipeline on the
+card"). The text encoder is the Ministral 3 3B text tower at its real shape with random bf16 weights (the 8B run;
+the CPU rehearsal builds a 2-layer one), placed as ``--text-encoder-device auto`` places it: weights in host memory,
+on the GPU only while a 256-token prompt is encoded; the Flux2 VAE (diffusers' own sizes, float32) decodes 1024²."""
+import os
+import re
+import time
+
+import torch
+
+from engine.models.external import Flux2VAE, TextEncoder
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "RESULTS.md")
+TOKENS = 256  # bench/memory/predict.py PROMPT_TOKENS
+MINISTRAL_3B = dict(vocab_size=131072, hidden_size=3072, intermediate_size=9216, num_hidden_layers=26,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+TINY = dict(MINISTRAL_3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def predicted(path: str = RESULTS) -> dict:
+    """bench/RESULTS.md's parts table: {"text encoder auto": GiB at its peak, "vae 1024": GiB decoding}."""
+    out = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            m = re.match(r"\| text encoder \(.*\), `auto` \| [0-9.]+ \| ([0-9.]+) \|", line)
+            if m:
+                out["text encoder auto"] = float(m.group(1))
+            m = re.match(r"\| Flux2 VAE decode 1024², tiled \(the default\) \| [0-9.]+ \| ([0-9.]+) \|", line)
+            if m:
+                out["vae 1024"] = float(m.group(1))
+    return out
+
+
+class CountOnly:
+    """A prompt of TOKENS ids, BOS first (the Tekken tokenizer's files are not carried)."""
+
+    bos_token_id = 1
+
+    def __call__(self, prompt, **kw):
+        return {"input_ids": [1] * TOKENS}
+
+
+def _window(ctx):
+    ctx.sync()
+    if ctx.dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.dev)
+    return torch.cuda.memory_allocated(ctx.dev) if ctx.dev.type == "cuda" else 0
+
+
+def _above(ctx, start: int):
+    ctx.sync()
+    return (torch.cuda.max_memory_allocated(ctx.dev) - start) / 2 ** 30 if ctx.dev.type == "cuda" else None
+
+
+def row_parts(ctx):
+    import diffusers
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    ctx.release()
+    real = ctx.args.size == "8b"
+    with no_init_weights():
+        model = transformers.AutoModel.from_config(transformers.Ministral3Config(**(MINISTRAL_3B if real else TINY)),
+                                                   dtype=torch.bfloat16).eval()
+    with torch.no_grad():  # the values play no part in the memory (zeros: no seconds spent drawing 3.4B numbers)
+        for p in model.parameters():
+            p.zero_()
+    te = TextEncoder(model, CountOnly(), ctx.dev, "cpu", "auto")
+    start = _window(ctx)
+    s = time.perf_counter()
+    te.encode("a prompt")
+    encode_s, te_gib = time.perf_counter() - s, _above(ctx, start)
+    del te, model
+    vae_cfg = {} if real else dict(block_out_channels=(16, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                                   up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, norm_num_groups=8)
+    pixels = 1024 if real else 64
+    with torch.device(ctx.dev):
+        vae = diffusers.AutoencoderKLFlux2(**vae_cfg).eval()
+    vae.enable_tiling()  # as Flux2VAE.load
+    v = Flux2VAE(vae, ctx.dev)
+    latent = torch.zeros(v.latent_shape(pixels, pixels), device=ctx.dev)
+    start = _window(ctx)
+    s = time.perf_counter()
+    v.decode(latent)
+    decode_s, vae_gib = time.perf_counter() - s, _above(ctx, start)
+    del v, vae, latent
+    ctx.release()
+    pred = predicted()
+    if te_gib is None:
+        said = "no memory figure on a CPU"
+    elif real:
+        said = (f"text encoder peak {te_gib:.2f} GiB (predicted {pred.get('text encoder auto', float('nan')):.2f}), "
+                f"VAE decode {vae_gib:.2f} GiB above its weights (predicted peak with them "
+                f"{pred.get('vae 1024', float('nan')):.2f})")
+    else:
+        said = f"text encoder {te_gib:.2f} GiB, VAE {vae_gib:.2f} GiB (a small shape: no prediction to compare)"
+    ctx.report.row("parts", "measured", f"text encoder ({'3B' if real else 'tiny'}, auto) + VAE decode {pixels}²",
+                   None, encode_s + decode_s, te_gib, None,  # s per image: the parts' share of one
+                   f"encode {encode_s:.2f} s (weights to the GPU and back), decode {decode_s:.2f} s; {said}",
+                   te_peak_gib=te_gib, vae_peak_gib=vae_gib)
