@@ -184,3 +184,27 @@ def test_the_prompt_enhancer_takes_the_same_rule(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLD_CPU_BF16", "1")
     assert PromptEnhancer.from_pretrained(pe).dtype == torch.bfloat16
     assert PromptEnhancer.from_pretrained(pe, dtype="fp32").dtype == torch.float32
+
+
+def test_the_prompt_enhancer_is_on_the_gpu_only_while_it_writes(tmp_path):
+    """Its weights wait in host memory (a server's PE is not held beside the DiT between requests): on the fake GPU
+    of the rehearsal they arrive for the call and leave after it. (Generation's host reads of device values are
+    answered by the rehearsal: the trace is of the memory, not of the text.)"""
+    from tiny_pe import write_tiny_pe
+
+    from engine.prompt_enhancer import PromptEnhancer
+
+    write_tiny_pe(str(tmp_path))
+    pe = PromptEnhancer.from_pretrained(str(tmp_path / "pe"), device="cuda")
+    assert pe.dtype == torch.bfloat16 and {p.device.type for p in pe.model.parameters()} == {"cpu"}
+    import transformers
+
+    with rehearse.Rehearsal() as r:
+        with r.all_fake():  # its twin of fake host tensors (a real tensor cannot become a fake CUDA one)
+            pe.model = transformers.AutoModelForCausalLM.from_config(pe.model.config, dtype=pe.dtype).eval()
+        weights = sum(p.numel() * p.element_size() for p in pe.model.parameters())
+        r.tracker.reset_peak()
+        with r.answering():
+            pe.enhance("a red cat", 64, 64, max_new_tokens=2, greedy=True)  # no seed: no CUDA RNG to fork
+        gc.collect()
+        assert r.tracker.peak.bytes >= weights and r.tracker.live < weights / 4, (r.tracker.peak, r.tracker.live)

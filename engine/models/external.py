@@ -138,7 +138,7 @@ def _vae_keys(sd: dict, config) -> dict:
     return out
 
 
-def _move(model: torch.nn.Module, device: torch.device) -> None:
+def move_weights(model: torch.nn.Module, device: torch.device) -> None:
     """``model``'s weights and buffers to ``device`` in place, tensor by tensor (as ``.to`` without swapping the
     parameter objects: the memory rehearsal's fake tensors cannot be swapped)."""
     for p in model.parameters():
@@ -264,13 +264,13 @@ class TextEncoder:
         where = self.computes_on()
         away = where != self.home
         if away:
-            _move(self.model, where)
+            move_weights(self.model, where)
         try:
             out = self.model(input_ids=self.token_ids(prompt).to(where), output_hidden_states=True)
             return out.hidden_states[-2][0].float().cpu()
         finally:
             if away:
-                _move(self.model, self.home)
+                move_weights(self.model, self.home)
 
 
 class Flux2VAE:

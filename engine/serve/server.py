@@ -160,7 +160,9 @@ class ImageServer:
         self.metrics = Metrics(batcher.stats, lambda: self.in_flight, cache.metrics if cache is not None else None)
         self.created = int(time.time())
         self._encode_lock = threading.Lock()  # one text-encoder call at a time, even after its request was cancelled
-        self._pe_lock = threading.Lock()  # one PE call at a time (its seconds are read under the lock)
+        # one PE call at a time (its seconds are read under the lock), and never beside a text-encoder call: each
+        # brings its 3B weights onto the GPU for the call (the whole pipeline's budget has room for one of them)
+        self._pe_lock = self._encode_lock
         self._prepare_pool = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, "sgld-prepare")
 
     # -- admission -------------------------------------------------------------------------------------
