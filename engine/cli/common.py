@@ -13,6 +13,7 @@ from .. import options
 from ..config import PARALLEL, EngineConfig
 from ..errors import CheckpointError
 from ..features.cache import CacheConfig
+from ..models.external import PLACEMENTS
 from ..prompt_enhancer import MAX_NEW_TOKENS_CAP, PromptEnhancer
 from ..sampling import MAX_IMAGE_SIDE
 from ..sampling_options import SamplingOptions
@@ -136,8 +137,6 @@ def add_release_arguments(group) -> None:
 
 def add_text_encoder_arguments(group, folder_help: str) -> None:
     """--text-encoder and where it computes, for generate and serve."""
-    from ..models.external import PLACEMENTS
-
     group.add_argument("--text-encoder", help=folder_help)
     group.add_argument("--text-encoder-device", default="auto", choices=PLACEMENTS,
                        help="where the text encoder computes: auto (on --device, in bf16 on a GPU; its weights wait in "

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from .. import device as device_rt
+from ..compute_dtype import native
 from ..errors import CheckpointError, InputError
 from ..io.checkpoint import read_json_file
 from ..io.readers import SAFETENSORS
@@ -156,8 +158,6 @@ ENCODE_WORK_BYTES = 512 << 20  # above the weights while a prompt is encoded (tr
 def text_encoder_dtype(device) -> torch.dtype:
     """Ministral 3 was trained in bf16: bf16 where ``device`` computes it natively (a GPU from compute capability 8,
     a CPU with AVX-512 BF16 / AMX), else float32 (engine/compute_dtype.py's rule; fp16 overflows its activations)."""
-    from ..compute_dtype import native
-
     return torch.bfloat16 if native(torch.bfloat16, torch.device(device))[0] else torch.float32
 
 
@@ -246,8 +246,6 @@ class TextEncoder:
         memory now (beside the DiT), else where the weights are (the host: slower, and said once)."""
         if self.placement != "auto" or self.home == self.device:
             return self.device
-        from .. import device as device_rt
-
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         free = device_rt.free_bytes(self.device)
         if free is None or free >= weights + ENCODE_WORK_BYTES:
