@@ -9,12 +9,11 @@ import time
 
 import torch
 
+from bench.ministral import MINISTRAL_3B, CountOnly
 from engine.models.external import Flux2VAE, TextEncoder
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "RESULTS.md")
 TOKENS = 256  # bench/memory/predict.py PROMPT_TOKENS
-MINISTRAL_3B = dict(vocab_size=131072, hidden_size=3072, intermediate_size=9216, num_hidden_layers=26,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
 TINY = dict(MINISTRAL_3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
@@ -31,15 +30,6 @@ def predicted(path: str = RESULTS) -> dict:
             if m:
                 out["vae 1024"] = float(m.group(1))
     return out
-
-
-class CountOnly:
-    """A prompt of TOKENS ids, BOS first (the Tekken tokenizer's files are not carried)."""
-
-    bos_token_id = 1
-
-    def __call__(self, prompt, **kw):
-        return {"input_ids": [1] * TOKENS}
 
 
 def _window(ctx):
@@ -67,7 +57,7 @@ def row_parts(ctx):
     with torch.no_grad():  # the values play no part in the memory (zeros: no seconds spent drawing 3.4B numbers)
         for p in model.parameters():
             p.zero_()
-    te = TextEncoder(model, CountOnly(), ctx.dev, "cpu", "auto")
+    te = TextEncoder(model, CountOnly(TOKENS), ctx.dev, "cpu", "auto")
     start = _window(ctx)
     s = time.perf_counter()
     te.encode("a prompt")

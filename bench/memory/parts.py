@@ -17,30 +17,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from typing import Optional
 
 import torch
 from predict import PROMPT_TOKENS, Setup, predict_cached
 from rehearse import GiB, Rehearsal
 
-from engine.models.external import Flux2VAE, TextEncoder
-
-# shared/reference/ernie_image.md: the text tower of text_encoder/ (Ministral 3 3B)
-MINISTRAL_3B = dict(vocab_size=131072, hidden_size=3072, intermediate_size=9216, num_hidden_layers=26,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-
-
-class CountOnly:
-    """Stands in for the Tekken tokenizer (not available offline): a prompt of ``tokens`` ids, BOS first."""
-
-    bos_token_id = 1
-
-    def __init__(self, tokens: int):
-        self.tokens = tokens
-
-    def __call__(self, prompt, **kw):
-        return {"input_ids": [1] * self.tokens}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # bench/ as a package
+from bench.ministral import MINISTRAL_3B, CountOnly  # noqa: E402
+from bench.results_md import write_section  # noqa: E402
+from engine.models.external import Flux2VAE, TextEncoder  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -179,11 +166,6 @@ peak plus 1 GiB desktop and 0.5 GiB CUDA context is within it."""
 
 
 def main() -> None:
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-    from bench.results_md import write_section
-
     text = parts_table() + "\n\n" + whole_table(log=lambda m: print(m, file=sys.stderr))
     write_section("whole_pipeline", text, HEADING)
     print(text)
