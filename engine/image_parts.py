@@ -88,6 +88,7 @@ class ErnieParts(ImageParts):
         self.text_encoder, self.vae = text_encoder, vae
         self.prompt_cache_bytes = prompt_cache_bytes
         self._features: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+        self._kept_bytes = 0
         self._lock, self._encoding = threading.Lock(), threading.Lock()
 
     def encode(self, prompt: str) -> torch.Tensor:
@@ -102,16 +103,19 @@ class ErnieParts(ImageParts):
             features = self.text_encoder.encode(prompt)
         size = features.numel() * features.element_size()
         with self._lock:
-            if size <= self.prompt_cache_bytes:
+            if size <= self.prompt_cache_bytes and prompt not in self._features:
                 self._features[prompt] = features
-                while sum(f.numel() * f.element_size() for f in self._features.values()) > self.prompt_cache_bytes:
-                    self._features.popitem(last=False)
+                self._kept_bytes += size
+                while self._kept_bytes > self.prompt_cache_bytes:
+                    gone = self._features.popitem(last=False)[1]
+                    self._kept_bytes -= gone.numel() * gone.element_size()
         return features
 
     def forget_prompts(self) -> None:
         """The text encoder changed (dtype, device): the kept features are not its own any more."""
         with self._lock:
             self._features.clear()
+            self._kept_bytes = 0
 
     def latent_shape(self, width: int, height: int, batch: int = 1) -> Tuple[int, ...]:
         if not (1 <= width <= MAX_IMAGE_SIDE and 1 <= height <= MAX_IMAGE_SIDE):

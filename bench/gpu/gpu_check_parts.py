@@ -32,18 +32,6 @@ def predicted(path: str = RESULTS) -> dict:
     return out
 
 
-def _window(ctx):
-    ctx.sync()
-    if ctx.dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ctx.dev)
-    return torch.cuda.memory_allocated(ctx.dev) if ctx.dev.type == "cuda" else 0
-
-
-def _above(ctx, start: int):
-    ctx.sync()
-    return (torch.cuda.max_memory_allocated(ctx.dev) - start) / 2 ** 30 if ctx.dev.type == "cuda" else None
-
-
 def row_parts(ctx):
     import diffusers
     import transformers
@@ -58,10 +46,11 @@ def row_parts(ctx):
         for p in model.parameters():
             p.zero_()
     te = TextEncoder(model, CountOnly(TOKENS), ctx.dev, "cpu", "auto")
-    start = _window(ctx)
+    start = ctx.start_window()  # the row's memory above what is allocated now (GiB; None on a CPU)
     s = time.perf_counter()
     te.encode("a prompt")
-    encode_s, te_gib = time.perf_counter() - s, _above(ctx, start)
+    ctx.sync()
+    encode_s, te_gib = time.perf_counter() - s, None if start is None else ctx.peak() - start
     del te, model
     vae_cfg = {} if real else dict(block_out_channels=(16, 16), down_block_types=("DownEncoderBlock2D",) * 2,
                                    up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, norm_num_groups=8)
@@ -71,10 +60,11 @@ def row_parts(ctx):
     vae.enable_tiling()  # as Flux2VAE.load
     v = Flux2VAE(vae, ctx.dev)
     latent = torch.zeros(v.latent_shape(pixels, pixels), device=ctx.dev)
-    start = _window(ctx)
+    start = ctx.start_window()
     s = time.perf_counter()
     v.decode(latent)
-    decode_s, vae_gib = time.perf_counter() - s, _above(ctx, start)
+    ctx.sync()
+    decode_s, vae_gib = time.perf_counter() - s, None if start is None else ctx.peak() - start
     del v, vae, latent
     ctx.release()
     pred = predicted()

@@ -169,7 +169,7 @@ class TextEncoder:
     def __init__(self, model, tokenizer, device: str = "cpu", home: Optional[str] = None, placement: str = "resident"):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.home = torch.device(home) if home is not None else self.device
-        self.placement, self._said_host = placement, False
+        self.placement, self._said_host, self._weights_bytes = placement, False, None
 
     def to(self, device) -> "TextEncoder":
         """Compute on ``device`` from now on, as the placement says (``cpu`` stays; ``resident`` moves the weights)."""
@@ -246,8 +246,9 @@ class TextEncoder:
         memory now (beside the DiT), else where the weights are (the host: slower, and said once)."""
         if self.placement != "auto" or self.home == self.device:
             return self.device
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        free = device_rt.free_bytes(self.device)
+        if self._weights_bytes is None:  # counted once: the weights do not change size
+            self._weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights, free = self._weights_bytes, device_rt.free_bytes(self.device)
         if free is None or free >= weights + ENCODE_WORK_BYTES:
             return self.device
         if not self._said_host:
