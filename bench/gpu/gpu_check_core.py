@@ -67,8 +67,8 @@ class Report:
         shown = (notes if status == "measured" else f"**{status}**: {notes}").replace("|", "\\|")
         line = (f"| {name} | {rec['what'].replace('|', '/')} | {_cell(s_step)} | {_cell(s_image)} | {_cell(peak, 1)} | "
                 f"{_cell(start, 1)} | {shown} |")
-        self._append(self.md, line + "\n")
-        self._append(self.jsonl, json.dumps(rec) + "\n")
+        self._append(self.jsonl, json.dumps(rec) + "\n")  # the record first: a kill between the two leaves
+        self._append(self.md, line + "\n")  # the md one row behind, never a row the jsonl lacks
         print(line, flush=True)
         return rec
 
