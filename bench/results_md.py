@@ -7,10 +7,14 @@ import os
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
 
+def _markers(name: str):
+    return f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+
+
 def write_section(name: str, block: str, heading: str, path: str = RESULTS) -> None:
     """Put ``block`` between ``<!-- name: begin -->`` and ``<!-- name: end -->``; ``heading`` (a title and an
     introduction, markdown) comes before the markers when the section is new."""
-    begin, end = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+    begin, end = _markers(name)
     with open(path, encoding="utf-8") as f:
         text = f.read()
     marked = f"{begin}\n{block}\n{end}"
@@ -23,3 +27,13 @@ def write_section(name: str, block: str, heading: str, path: str = RESULTS) -> N
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def section(name: str, path: str = RESULTS) -> str:
+    """The block between ``name``'s markers in ``path`` ('' when the page has none)."""
+    begin, end = _markers(name)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if begin not in text or end not in text:
+        return ""
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")

@@ -334,23 +334,18 @@ def test_the_rehearsal_runs_without_a_cuda_device_guard():
 
 def test_the_whole_pipeline_fits_the_cards_the_readme_names():
     """Issue 46: the text encoder (Ministral 3 3B text tower, bf16) and the Flux2 VAE traced at their real shapes
-    beside the DiT (bench/memory/parts.py): ``sgld generate`` / ``serve`` / the pipeline at 1024² with the default
-    placement (the text encoder on the GPU only while it encodes) fit Turbo bf16 in 24 GB, fp8 in 16, fp8 + offload
-    in 12, and bf16 + offload 2 buffers in 8 with the text encoder on the CPU; the VAE's tiles keep 2048² small."""
+    beside the DiT (bench/memory/parts.py). The README's GPU table is these traces' output: per card, the loader's
+    DiT and ``sgld generate`` / ``serve`` / the pipeline at 1024² with the default text encoder placement (on the GPU
+    only while it encodes) fit it (Turbo bf16 24 GB, fp8 16, fp8 + offload 12, bf16 + offload 2 buffers 8 with the
+    encoder on the CPU), or ``card_table`` raises; the VAE's tiles keep 2048² small."""
     import parts
+
+    from bench.results_md import section
 
     te = parts.text_encoder("auto")
     assert te.weights_bytes == 0 and 6.3 * GiB < te.peak_bytes < 6.7 * GiB, te  # 3.4B parameters in bf16
     assert parts.vae(2048, tiled=True).peak_bytes < 1.1 * parts.vae(1024, tiled=True).peak_bytes < 4 * GiB
-    rows = {(label, placement): parts.whole(predict.Setup(label, **kw), 1024, placement) for label, kw, placement in (
-        ("Turbo bf16", dict(model="turbo"), "auto"),
-        ("Turbo bf16", dict(model="turbo"), "resident"),
-        ("Turbo fp8", dict(model="turbo", quant="fp8"), "auto"),
-        ("Turbo fp8, offload", dict(model="turbo", quant="fp8", offload="layerwise"), "auto"),
-        ("Turbo bf16, offload", dict(model="turbo", offload="layerwise"), "cpu"))}
-    assert table.fits(rows["Turbo bf16", "auto"].peak_bytes, 24)
-    assert not table.fits(rows["Turbo bf16", "resident"].peak_bytes, 24)  # what auto saves: the encoder's 6.4 GiB
-    assert table.fits(rows["Turbo fp8", "auto"].peak_bytes, 16)
-    assert table.fits(rows["Turbo fp8, offload", "auto"].peak_bytes, 12)
-    assert table.fits(rows["Turbo bf16, offload", "cpu"].peak_bytes, 8)
-    assert rows["Turbo bf16", "auto"].phase == "encode"  # the text encoder beside the loaded DiT sets the peak
+    assert section("cards", parts.README) == parts.card_table()  # regenerate: python bench/memory/parts.py
+    bf16 = predict.Setup("Turbo bf16", model="turbo")
+    assert not table.fits(parts.whole(bf16, 1024, "resident").peak_bytes, 24)  # what auto saves: the encoder
+    assert parts.whole(bf16, 1024, "auto").phase == "encode"  # the text encoder beside the loaded DiT sets the peak

@@ -29,6 +29,8 @@ from bench.ministral import MINISTRAL_3B, CountOnly  # noqa: E402
 from bench.results_md import write_section  # noqa: E402
 from engine.models.external import Flux2VAE, TextEncoder  # noqa: E402
 
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
+
 
 @dataclasses.dataclass
 class PartPeak:
@@ -157,6 +159,57 @@ def whole_table(layers: int = 36, log=print) -> str:
     return "\n".join(lines)
 
 
+# The README's card table (issue 46, item 3): per card, what SGLDiffusion Model Loader and what ``sgld`` / the
+# pipeline should be given, each traced; a row that stops fitting its card fails the table (the README drops it).
+# (card GB, loader inputs, the loader's DiT (Base 1024²), sgld flags, the whole pipeline's DiT (Turbo 1024²), cost)
+CARD_ROWS = [
+    (8, "`quant` none (or a Q4_K `.gguf`), `offload` layerwise, `resident_layers` 2",
+     Setup("Base bf16, offload 2 buffers", offload="layerwise", resident_layers=2),
+     "`--offload layerwise` (the text encoder then encodes on the CPU: no room beside the DiT)",
+     Setup("Turbo bf16, offload 2 buffers", model="turbo", offload="layerwise"),
+     "the blocks stream from pinned host memory every step (slower; the loader pins as much, a Q4_K file a "
+     "quarter of it)"),
+    (12, "`quant` fp8, `offload` auto", Setup("Base fp8", quant="fp8"),
+     "`--quant fp8 --offload layerwise`", Setup("Turbo fp8, offload 2 buffers", model="turbo", quant="fp8",
+                                                offload="layerwise"),
+     "fp8 within bf16 rounding (RTX 40xx/50xx compute it natively); the loader's auto streams at 2048²"),
+    (16, "`quant` fp8, `offload` auto", Setup("Base fp8", quant="fp8"),
+     "`--quant fp8`", Setup("Turbo fp8", model="turbo", quant="fp8"), "fp8 stays resident"),
+    (24, "defaults (bf16); `compile` on for long sessions", Setup("Base bf16"),
+     "defaults (bf16)", Setup("Turbo bf16", model="turbo"), "the reference picture at full speed"),
+]
+
+
+def card_table(layers: int = 36) -> str:
+    """The README's GPU table from the traces: a row whose loader or ``sgld`` setting does not fit its card raises."""
+    from table import fits
+
+    plain = _text_encoder_weights()  # the text encoder waits in host memory between prompts (bf16 on a GPU)
+    lines = ["| GPU memory | SGLDiffusion Model Loader | DiT peak GiB (Base 1024²) | `sgld generate` / `serve`, the "
+             "pipeline | whole pipeline peak GiB (Turbo 1024²) | its host memory GiB: pinned / plain | what it costs |",
+             "|---|---|---|---|---|---|---|"]
+    for card, loader, loader_setup, flags, setup, cost in CARD_ROWS:
+        dit = predict_cached(loader_setup, 1024, layers=layers)
+        run = whole(setup, 1024, "auto", layers=layers)
+        if not fits(run.peak_bytes, card):  # auto encodes on the CPU where the GPU has no room for it
+            run = whole(setup, 1024, "cpu", layers=layers)
+        for what, peak in (("SGLDiffusion Model Loader with " + loader, dit.peak_bytes), ("sgld with " + flags,
+                                                                                         run.peak_bytes)):
+            if not fits(peak, card):
+                raise AssertionError(f"{what}: {peak / GiB:.2f} GiB does not fit a {card} GB card: the README row "
+                                     "must go")
+        pinned = predict_cached(setup, 1024, layers=layers).pinned_host_bytes
+        lines.append(f"| {card} GB | {loader} | {dit.peak_bytes / GiB:.1f} | {flags} | {run.peak_bytes / GiB:.1f} | "
+                     f"{pinned / GiB:.1f} / {plain / GiB:.1f} | {cost} |")
+    lines += ["", "Traced on fake CUDA tensors at the 8B shape (`bench/memory/parts.py` writes this table), not yet "
+              "measured on a card; a card fits a row with 1 GiB kept for the desktop and 0.5 for the CUDA context. The "
+              "loader's DiT is ComfyUI's (ComfyUI loads and frees its own text encoder); `sgld` and the pipeline also "
+              "hold the 3B text encoder (bf16, in plain host memory between prompts, on the GPU only while it "
+              f"encodes) and the VAE (tiled above 1024 px); `--pe` adds another {plain / GiB:.1f} GiB of plain host "
+              "memory. Every configuration: [docs/memory.md](docs/memory.md)."]
+    return "\n".join(lines)
+
+
 HEADING = """## The whole pipeline on the card: text encoder, DiT and VAE (predicted, fake CUDA)
 
 `bench/memory/parts.py` (issue 46): the text encoder (`TextEncoder.encode`) and the Flux2 VAE (`Flux2VAE.decode`)
@@ -169,6 +222,9 @@ def main() -> None:
     text = parts_table() + "\n\n" + whole_table(log=lambda m: print(m, file=sys.stderr))
     write_section("whole_pipeline", text, HEADING)
     print(text)
+    cards = card_table()
+    write_section("cards", cards, "", path=README)  # between README's markers
+    print(cards)
 
 
 if __name__ == "__main__":
