@@ -132,14 +132,15 @@ def empty_latent_shape(family: Family, width, height, batch_size, names=None) ->
     width x height pixels (ERNIE-Image's: the Flux2 latent, as ComfyUI's EmptyFlux2LatentImage makes it).
     InputError unless each side is a multiple of the latent's stride up to MAX_IMAGE_SIDE: another size would
     be cut down to one without a word. ``names``: how the caller spells width and height (the CLI: ``--width``)."""
-    stride = family.latent.stride
+    stride, multiple = family.latent.stride, family.latent.pixel_multiple
     sides = {}
     for key, value in (("width", width), ("height", height)):
         name = (names or {}).get(key, key)
-        v = _integer(name, value, stride, MAX_IMAGE_SIDE)
-        if v % stride:
-            raise InputError(f"{name} must be a multiple of {stride} pixels (got {v}; {family.title}'s latent has "
-                             f"one cell per {stride}x{stride} pixels)")
+        v = _integer(name, value, multiple, MAX_IMAGE_SIDE)
+        if v % multiple:
+            per_token = f", and a token covers {multiple}x{multiple}" if multiple != stride else ""
+            raise InputError(f"{name} must be a multiple of {multiple} pixels (got {v}; {family.title}'s latent has "
+                             f"one cell per {stride}x{stride} pixels{per_token})")
         sides[key] = v // stride
     batch = _integer("batch_size", batch_size, 1, MAX_BATCH)
     return (batch, family.latent.channels, sides["height"], sides["width"])

@@ -4,9 +4,10 @@ stay readable on their own."""
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional, Sequence
+
+from .family import check_block_list
 
 ARCHITECTURE = "ernie-image"
 # Keys that identify an ERNIE-Image DiT state dict (as ComfyUI and other tools detect it).
@@ -110,46 +111,7 @@ class ErnieImageConfig:
 
 
 MAX_LAYERS = 512  # the release has 36; a bound on the work a file's header can ask for
-_LAYER_INDEX = re.compile(r"0|[1-9][0-9]*")
 
 
 def _check_layers(shapes: Mapping[str, Sequence[int]]) -> int:
-    """The number of layers, after checking that ``layers.N`` runs 0..N-1 without gaps (at most MAX_LAYERS)
-    and that every layer has the same weights and biases as layer 0, in the same shapes (other tensors of a
-    layer, such as quantization scales, are checked by the loader)."""
-    per_layer: dict = {}
-    for key, shape in shapes.items():
-        if not key.startswith("layers."):
-            continue
-        index, _, rest = key[len("layers."):].partition(".")
-        if not _LAYER_INDEX.fullmatch(index) or not rest:
-            raise ValueError(f"tensor '{key}': 'layers.' must be followed by a layer number and a tensor name")
-        if len(index) > len(str(MAX_LAYERS)) or int(index) >= MAX_LAYERS:
-            raise ValueError(f"tensor '{key}': layer number {index[:12]} is above the limit of {MAX_LAYERS - 1} "
-                             f"(at most {MAX_LAYERS} layers are supported; ERNIE-Image has 36)")
-        if rest.rpartition(".")[2] in ("weight", "bias"):
-            per_layer.setdefault(int(index), {})[rest] = tuple(shape)
-        else:
-            per_layer.setdefault(int(index), {})
-    count = len(per_layer)
-    missing = next((i for i in range(count) if i not in per_layer), None)
-    if missing is not None:
-        stray = min(i for i in per_layer if i >= count)
-        example = next(k for k in shapes if k.startswith(f"layers.{stray}."))
-        raise ValueError(f"layer numbers must run from 0 without gaps: layer {missing} is missing but tensor "
-                         f"'{example}' exists")
-    first = per_layer.get(0, {})
-    for i in range(1, count):
-        layer = per_layer[i]
-        if layer == first:
-            continue
-        absent = sorted(set(first) - set(layer))
-        extra = sorted(set(layer) - set(first))
-        if absent:
-            raise ValueError(f"layer {i} is incomplete: tensor 'layers.{i}.{absent[0]}' is missing (layer 0 has it)")
-        if extra:
-            raise ValueError(f"tensor 'layers.{i}.{extra[0]}' has no counterpart in layer 0; every layer must hold the same tensors")
-        name = next(n for n in first if first[n] != layer[n])
-        raise ValueError(f"tensor 'layers.{i}.{name}' has shape {layer[name]}, but 'layers.0.{name}' has {first[name]}; "
-                         "every layer must have the same shapes")
-    return count
+    return check_block_list(shapes, "layers", MAX_LAYERS, "ERNIE-Image has 36")

@@ -19,8 +19,9 @@ A family's model follows one contract (ERNIE-Image's is the reference, engine/mo
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,53 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[t
     return out.transpose(1, 2)
 
 
+_LAYER_INDEX = re.compile(r"0|[1-9][0-9]*")
+
+
+def check_block_list(shapes: Mapping[str, Sequence[int]], name: str, max_layers: int, usual: str) -> int:
+    """The number of blocks in list ``name``, after checking that ``name.N`` runs 0..N-1 without gaps (at most
+    ``max_layers``: a header cannot ask for more work than that) and that every block has the same weights and
+    biases as block 0, in the same shapes (other tensors, such as quantization scales, are checked by the
+    loader). ``usual`` says what the family's release has, for the message. Raises ValueError naming the tensor."""
+    prefix = name + "."
+    per_layer: dict = {}
+    for key, shape in shapes.items():
+        if not key.startswith(prefix):
+            continue
+        index, _, rest = key[len(prefix):].partition(".")
+        if not _LAYER_INDEX.fullmatch(index) or not rest:
+            raise ValueError(f"tensor '{key}': '{prefix}' must be followed by a layer number and a tensor name")
+        if len(index) > len(str(max_layers)) or int(index) >= max_layers:
+            raise ValueError(f"tensor '{key}': layer number {index[:12]} is above the limit of {max_layers - 1} "
+                             f"(at most {max_layers} layers are supported; {usual})")
+        if rest.rpartition(".")[2] in ("weight", "bias"):
+            per_layer.setdefault(int(index), {})[rest] = tuple(shape)
+        else:
+            per_layer.setdefault(int(index), {})
+    count = len(per_layer)
+    missing = next((i for i in range(count) if i not in per_layer), None)
+    if missing is not None:
+        stray = min(i for i in per_layer if i >= count)
+        example = next(k for k in shapes if k.startswith(f"{prefix}{stray}."))
+        raise ValueError(f"layer numbers must run from 0 without gaps: layer {missing} is missing but tensor "
+                         f"'{example}' exists")
+    first = per_layer.get(0, {})
+    for i in range(1, count):
+        layer = per_layer[i]
+        if layer == first:
+            continue
+        absent = sorted(set(first) - set(layer))
+        extra = sorted(set(layer) - set(first))
+        if absent:
+            raise ValueError(f"layer {i} is incomplete: tensor '{prefix}{i}.{absent[0]}' is missing (layer 0 has it)")
+        if extra:
+            raise ValueError(f"tensor '{prefix}{i}.{extra[0]}' has no counterpart in layer 0; every layer must hold the same tensors")
+        key = next(n for n in first if first[n] != layer[n])
+        raise ValueError(f"tensor '{prefix}{i}.{key}' has shape {layer[key]}, but '{prefix}0.{key}' has {first[key]}; "
+                         "every layer must have the same shapes")
+    return count
+
+
 @dataclass(frozen=True)
 class Latent:
     """The latent a family's DiT denoises: ``channels`` per cell, one cell per ``stride`` x ``stride`` pixels."""
@@ -48,6 +96,12 @@ class Latent:
     name: str  # what users know it as, for messages ("the Flux2 latent")
     makers: str = ""  # the ComfyUI nodes that make an empty one, for the wrong-latent message
     comfy_format: str = ""  # its class in comfy.latent_formats (previews, ComfyUI's samplers on our MODEL)
+    cells_per_token: int = 1  # a DiT token covers this many cells a side (its patch): sides are multiples of it
+
+    @property
+    def pixel_multiple(self) -> int:
+        """What each side of a picture must be a multiple of, in pixels."""
+        return self.stride * self.cells_per_token
 
 
 @dataclass(frozen=True)
