@@ -83,6 +83,7 @@ class ErnieParts(ImageParts):
     """ERNIE-Image's text encoder and Flux2 VAE (engine/models/external.py: ``TextEncoder``, ``Flux2VAE``)."""
 
     default_size = ERNIE_SIZE
+    family = "ernie-image"  # the DiT family these parts go with
 
     def __init__(self, text_encoder, vae, prompt_cache_bytes: int = PROMPT_CACHE_BYTES):
         self.text_encoder, self.vae = text_encoder, vae

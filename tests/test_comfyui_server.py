@@ -58,6 +58,12 @@ def comfy_base(base):
     save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(8, 4, 3, 3),
                "model.diffusion_model.out.2.weight": torch.zeros(4, 8, 3, 3)},
               os.path.join(models, "diffusion_models", "not-ernie.safetensors"))
+    from engine.models.zimage import ZImageConfig, ZImageTransformer
+
+    small = ZImageTransformer(ZImageConfig(hidden_size=32, num_layers=1, num_refiner_layers=1, num_attention_heads=2,
+                                           ffn_hidden_size=64, text_in_dim=16, rope_axes_dim=(4, 6, 6)))
+    save_file({k: v.contiguous() for k, v in small.state_dict().items()},
+              os.path.join(models, "diffusion_models", "z-image-small.safetensors"))  # a family not run in ComfyUI yet
     for name in ("pickled.ckpt", "pickled.pt"):  # pickles must be refused without being unpickled
         torch.save({"x_embedder.proj.weight": torch.zeros(2)}, os.path.join(models, "diffusion_models", name))
 
@@ -538,6 +544,8 @@ BAD = {
                      ["no-such-model.safetensors", "was not found", "diffusion_models"]),
     "other-architecture": (dict(model="not-ernie.safetensors"), "SGLDiffusionModelLoader",
                            ["not-ernie.safetensors", "not an ERNIE-Image diffusion model"]),
+    "z-image-file": (dict(model="z-image-small.safetensors"), "SGLDiffusionModelLoader",
+                     ["z-image-small.safetensors is a Z-Image model", "not run Z-Image in ComfyUI yet", "Load Diffusion"]),
     "pickle-ckpt": (dict(model="pickled.ckpt"), "SGLDiffusionModelLoader", ["pickled.ckpt", "pickle"]),
     "pickle-pt": (dict(model="pickled.pt"), "SGLDiffusionModelLoader", ["pickled.pt", "pickle"]),
     "latent-4-channels": (dict(latent_node={"class_type": "EmptyLatentImage", "inputs": {"width": 128, "height": 128, "batch_size": 1}}),

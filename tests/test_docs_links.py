@@ -85,15 +85,17 @@ def test_readme_tells_a_newcomer_what_to_set_and_which_comfyui_is_tested():
     """Issue 33 item 12: loader options per card size, the tested ComfyUI version, and what torch's CUDA wheel costs."""
     gpu = readme_section("### GPU quick start")
     rows = {r.split("|")[1].strip(): r for r in gpu.splitlines() if r.startswith("| ") and "GB" in r.split("|")[1]}
-    assert list(rows) == ["8 GB", "12 GB", "16 GB", "24 GB and more"]
+    assert list(rows) == ["8 GB", "12 GB", "16 GB", "24 GB"]
     from engine.config import EngineConfig
     from engine.features.offload.auto import MODES
     from engine.features.quant import FORMATS
-    for row in rows.values():  # every value named in the table is one the loader takes
-        quant, offload = (c.strip() for c in row.split("|")[2:4])
-        assert set(re.findall(r"`([\w-]+)`", quant)) - {"none"} <= set(FORMATS), row
-        assert set(re.findall(r"`([\w-]+)`", offload)) - {"resident_layers"} <= set(MODES), row
-    assert "resident_layers" in EngineConfig.__dataclass_fields__
+    for row in rows.values():  # every value named in the table is one the loader and sgld take
+        loader, flags = row.split("|")[2], row.split("|")[4]
+        for widget, value in re.findall(r"`(\w+)` ([\w-]+)", loader):
+            assert widget in EngineConfig.__dataclass_fields__, row
+            assert value in {"quant": set(FORMATS) | {"none"}, "offload": set(MODES)}.get(widget, {value}), row
+        for flag, value in re.findall(r"--(quant|offload) ([\w-]+)", flags):
+            assert value in (FORMATS if flag == "quant" else MODES), row
     which = readme_section("### Which ComfyUI")
     assert "0.3.75" in which and "0.19" in which and "0.3.64" in which
     assert "SGLD_TORCH_INDEX_URL" in open(os.path.join(ROOT, "scripts", "setup.sh")).read()

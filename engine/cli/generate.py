@@ -23,6 +23,8 @@ from ..image_parts import DemoParts, ErnieParts, ImageParts
 from ..io.atomic import atomic_write
 from ..io.checkpoint import check_architecture, open_checkpoint
 from ..models import demo as demo_pkg
+from ..models import family_of
+from ..models import get as get_family
 from ..models.external import Flux2VAE, TextEncoder
 from ..options import declared
 from ..release import DEMO, resolve_release
@@ -160,13 +162,14 @@ def _ernie_parts(args) -> LoadedModel:
     if release is not None:
         release.require("transformer", "text_encoder", "vae", why="the DiT, its text encoder and the VAE")
         files = release
+        _check_family(files.transformer)
     else:
         if not args.model:
             raise ValueError("--model, --text-encoder and --vae go together; missing --model (or give --model-path: a "
                              "release folder holding all three)")
         # the DiT first, then the text encoder and the VAE: the order a user fixes them (each named if missing)
         files = resolve_release(args.model, text_encoder=args.text_encoder, vae=args.vae)
-        check_architecture(open_checkpoint(files.transformer))  # an unusable DiT is named before the other two
+        _check_family(files.transformer)  # an unusable DiT is named before the other two
         missing = [f"--{n.replace('_', '-')}" for n in ("text_encoder", "vae") if getattr(files, n) is None]
         if missing:
             raise ValueError(f"--model, --text-encoder and --vae go together; missing {', '.join(missing)} (or give "
@@ -177,6 +180,15 @@ def _ernie_parts(args) -> LoadedModel:
                           placement=args.text_encoder_device)
     eng = open_engine(files.transformer, engine_config(args, cache=resolve_config(cache_config(args))))
     return LoadedModel(eng, ErnieParts(te, vae), files.transformer)
+
+
+def _check_family(dit: str) -> None:
+    """The DiT must be of the family whose text encoder and VAE these parts are (others: ``sgld bench``, the engine)."""
+    family = family_of(check_architecture(open_checkpoint(dit)))
+    if family.name != ErnieParts.family:
+        raise ValueError(f"--model: {dit} is a {family.title} DiT; sgld generate and sgld serve pair a DiT with "
+                         f"{get_family(ErnieParts.family).title}'s text encoder and VAE only for now ({family.title} "
+                         "runs in sgld bench with random text features and in the Python engine)")
 
 
 def cmd_generate(args) -> dict:

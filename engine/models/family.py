@@ -132,6 +132,7 @@ class Family:
     gguf_architecture: str = ""  # ``general.architecture`` of the family's GGUF files (what other tools write)
     comfy_model: str = ""  # ComfyUI's name for the family (comfy.supported_models / comfy.model_base)
     comfy_unet_config: Mapping[str, object] = field(default_factory=dict)  # ComfyUI's unet_config marking the family
+    comfy_refusal: str = ""  # why the ComfyUI nodes refuse the family's files, where they cannot run it yet
     sizes: Tuple[Tuple[int, int], ...] = ()  # recommended (width, height) in pixels, for tooltips
     max_layers: int = 512  # a bound on the blocks a file's header can ask for
     # the dtypes it computes in safely, fastest first (ComfyUI's supported_inference_dtypes): the default compute

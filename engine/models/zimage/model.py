@@ -307,6 +307,9 @@ FAMILY = register(Family(
     checkpoint_prefixes=("model.diffusion_model.", "diffusion_model.", "transformer."),
     diffusers_class="ZImageTransformer2DModel", comfy_model="Lumina2", max_layers=MAX_LAYERS,
     comfy_unet_config={"image_model": "lumina2"},
+    comfy_refusal=("this pack does not run Z-Image in ComfyUI yet (its pictures are not yet checked against ComfyUI's "
+                   "own Z-Image, which runs at another timestep scale); load the file with ComfyUI's Load Diffusion "
+                   "Model node"),
     sizes=((1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), (1344, 768), (768, 1344)),
     compute_dtypes=(torch.bfloat16, torch.float32),
 ))
