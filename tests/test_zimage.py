@@ -5,6 +5,10 @@ layer-wise offload -> LoRA (diffusers' PEFT keys) -> served batching -> two gloo
 under ``torch.inference_mode()`` as ComfyUI runs nodes."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -18,6 +22,7 @@ from engine.models.zimage import ZImageConfig, ZImageTransformer
 diffusers = pytest.importorskip("diffusers")
 
 FAMILY = get("z-image")
+COMFY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "ComfyUI")
 # a small Z-Image: 4 heads of 16 (RoPE axes 4/6/6 as the release's 32/48/48 split), 2 blocks and 1 refiner each
 SHAPE = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=2, n_refiner_layers=1,
              n_heads=4, n_kv_heads=4, cap_feat_dim=24, axes_dims=[4, 6, 6], axes_lens=[1536, 512, 512])
@@ -225,3 +230,51 @@ def test_sgld_generate_says_which_families_it_pairs(zimage, tmp_path, capsys):
         torch.set_num_threads(threads)
     assert code == 2 and "is a Z-Image DiT" in capsys.readouterr().err
     assert not (tmp_path / "z.png").exists()
+
+
+# ComfyUI 0.3.75's own Z-Image DiT (comfy/ldm/lumina/model.py, NextDiT as model_detection configures it for Z-Image)
+# on random weights, saved in its own names (the original layout of ComfyUI's repack), with its output
+COMFY_NEXTDIT = r"""
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from comfy.cli_args import args
+args.cpu = True
+import comfy.ops
+from comfy.ldm.lumina.model import NextDiT
+from safetensors.torch import save_file
+torch.manual_seed(0)
+model = NextDiT(patch_size=2, in_channels=16, dim=256, n_layers=2, n_refiner_layers=1, n_heads=4, n_kv_heads=4,
+                multiple_of=256, ffn_dim_multiplier=8.0 / 3.0, norm_eps=1e-5, qk_norm=True, cap_feat_dim=24,
+                axes_dims=[16, 24, 24], axes_lens=[1536, 512, 512], rope_theta=256.0, z_image_modulation=True,
+                time_scale=1000.0, pad_tokens_multiple=32, operations=comfy.ops.disable_weight_init).eval()
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_(0, 0.2)
+g = torch.Generator().manual_seed(1)
+x, ctx, sigma = torch.randn(2, 16, 12, 10, generator=g), torch.randn(2, 9, 24, generator=g), torch.tensor([0.8, 0.35])
+with torch.no_grad():
+    out = model(x, sigma, ctx, num_tokens=9)  # ComfyUI's Z-Image timestep is sigma (multiplier 1)
+save_file({"model.diffusion_model." + k: v.contiguous() for k, v in model.state_dict().items()}, sys.argv[2])
+save_file({"x": x, "ctx": ctx, "sigma": sigma, "out": out}, sys.argv[3])
+"""
+
+
+@pytest.mark.subprocess
+def test_comfyuis_repack_layout_loads_and_matches_comfyuis_own_z_image(tmp_path):
+    """A file in Z-Image's original names (q, k, v fused; ComfyUI's z_image_turbo_bf16.safetensors keeps them) is
+    read in ours, its fused q/k/v split, and our forward gives ComfyUI's own NextDiT's velocity."""
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(os.path.join(COMFY, "comfy", "ldm", "lumina", "model.py")):
+        pytest.skip("the installed ComfyUI (.cache/ComfyUI, scripts/comfyui.sh) is needed for its Z-Image")
+    weights, io = tmp_path / "z_image_turbo_small.safetensors", tmp_path / "io.safetensors"
+    subprocess.run([sys.executable, "-c", COMFY_NEXTDIT, COMFY, str(weights), str(io)], check=True, timeout=300,
+                   capture_output=True)
+    t = load_file(str(io))
+    eng = open_engine(str(weights), EngineConfig(dtype="fp32"))
+    cfg = eng.model_config  # ComfyUI's time MLP is min(dim, 1024) wide (the smallest width its Z-Image builds: 256)
+    assert (cfg.hidden_size, cfg.time_mid_dim, cfg.ffn_hidden_size, cfg.rope_axes_dim) == (256, 256, 768, (16, 24, 24))
+    with torch.inference_mode():
+        got = eng.dit_forward(t["x"], t["sigma"] * 1000, t["ctx"], torch.tensor([9, 9]))
+    torch.testing.assert_close(got, t["out"], rtol=1e-4, atol=1e-4 * t["out"].abs().max().item())

@@ -11,7 +11,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from ..models.family import Family, detect, families
+from ..models.family import Family, detect, detect_layout, families
+from .layouts import LayoutView
 from .readers import open_file, shard_suffixes
 from .safetensors import COMPUTE_DTYPES, DTYPE_NAMES, CheckpointError, load_json_object, refuse_pickle
 
@@ -80,6 +81,11 @@ class Checkpoint:
             if not os.path.exists(path):
                 raise CheckpointError(f"{path}: file not found")
             self.files = [open_file(path)]
+        self.layout = None  # the other tool's names the file is written in (Family.layouts), read in ours
+        found = detect_layout([k for f in self.files for k in f.keys()])
+        if found is not None and detect([k for f in self.files for k in f.keys()]) is None:
+            _, their_prefix, self.layout = found
+            self.files = [LayoutView(f, self.layout, their_prefix) for f in self.files]
         all_keys = [(f, k) for f in self.files for k in f.keys()]
         self.family, prefix = self._detect([k for _, k in all_keys])
         meta_key = self.family.config_metadata_key if self.family is not None and not os.path.isdir(path) else ""

@@ -105,6 +105,31 @@ class Latent:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """Another tool's names for a family's tensors (Z-Image's original names, which ComfyUI's repack keeps: q, k and
+    v fused in one tensor). engine/io/layouts.py reads such a file in the family's own names."""
+
+    name: str  # for messages: "the original (ComfyUI) layout"
+    signature: Tuple[str, ...]  # tensors (no prefix) that mark a file written in it
+    renames: Tuple[Tuple[str, str], ...]  # (their text, ours) replaced in every name, in order
+    splits: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)  # a fused tensor's name ending -> the
+    # endings of its equal parts along dim 0 (".attention.qkv.weight" -> to_q, to_k, to_v)
+    drops: Tuple[str, ...] = ()  # tensors the family's model has no use for
+
+    def translate(self, key: str) -> List[Tuple[str, Optional[Tuple[int, int]]]]:
+        """Our names for their tensor ``key``, each with its (part, parts) when the tensor is split; [] to drop."""
+        if key in self.drops:
+            return []
+        for theirs, ours in self.renames:
+            key = key.replace(theirs, ours)
+        for ending, parts in self.splits.items():
+            if key.endswith(ending):
+                stem = key[: -len(ending)]
+                return [(stem + part, (i, len(parts))) for i, part in enumerate(parts)]
+        return [(key, None)]
+
+
+@dataclass(frozen=True)
 class Family:
     """One DiT architecture as the generic layers see it (the module docstring gives the model's contract)."""
 
@@ -128,6 +153,7 @@ class Family:
     activation_bytes: Callable
     config_metadata_key: str = ""  # a safetensors metadata entry that may carry the config as JSON
     checkpoint_prefixes: Tuple[str, ...] = ()  # prefixes other tools put before the keys (stripped on load)
+    layouts: Tuple[Layout, ...] = ()  # other tools' names for the tensors, read in ours (engine/io/layouts.py)
     diffusers_class: str = ""  # the diffusers transformer class of this family, for engine.accelerate
     gguf_architecture: str = ""  # ``general.architecture`` of the family's GGUF files (what other tools write)
     comfy_model: str = ""  # ComfyUI's name for the family (comfy.supported_models / comfy.model_base)
@@ -223,6 +249,17 @@ def detect(keys: Iterable[str]) -> Optional[Tuple[Family, str]]:
         for prefix in ("",) + fam.checkpoint_prefixes:
             if fam.has_signature(keys, prefix):
                 return fam, prefix
+    return None
+
+
+def detect_layout(keys: Iterable[str]) -> Optional[Tuple[Family, str, Layout]]:
+    """The family and layout whose signature a state dict in another tool's names holds, and the keys' prefix."""
+    keys = set(keys)
+    for fam in _FAMILIES.values():
+        for layout in fam.layouts:
+            for prefix in ("",) + fam.checkpoint_prefixes:
+                if all(prefix + k in keys for k in layout.signature):
+                    return fam, prefix, layout
     return None
 
 

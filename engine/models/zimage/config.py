@@ -6,12 +6,21 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional, Sequence
 
-from ..family import check_block_list
+from ..family import Layout, check_block_list
 
 ARCHITECTURE = "z-image"
 PATCH = "2-1"  # diffusers' key of the one patch size the releases use: 2x2 pixels, 1 frame
 SIGNATURE_KEYS = ("layers.0.attention.to_q.weight", "layers.0.feed_forward.w2.weight", "cap_pad_token",
                   "x_pad_token", f"all_x_embedder.{PATCH}.weight")
+# Z-Image's original names, which ComfyUI's repack (z_image_turbo_bf16.safetensors) keeps: q, k and v fused
+ORIGINAL_LAYOUT = Layout(
+    name="Z-Image's original layout (ComfyUI's repack)",
+    signature=("x_embedder.weight", "layers.0.attention.qkv.weight", "cap_pad_token"),
+    renames=(("final_layer.", f"all_final_layer.{PATCH}."), ("x_embedder.", f"all_x_embedder.{PATCH}."),
+             (".attention.out.", ".attention.to_out.0."), (".attention.q_norm.", ".attention.norm_q."),
+             (".attention.k_norm.", ".attention.norm_k.")),
+    splits={".attention.qkv.weight": (".attention.to_q.weight", ".attention.to_k.weight", ".attention.to_v.weight")},
+    drops=("norm_final.weight",))  # ComfyUI's NextDiT builds it and never uses it
 TIME_DIM = 256  # diffusers' ADALN_EMBED_DIM: the width of the time embedding every modulation reads
 SEQUENCE_MULTIPLE = 32  # image and caption token runs are each padded to a multiple of this (pad tokens attend)
 MAX_LAYERS = 256  # the release has 30 (and 2 + 2 refiners); a bound on the work a header can ask for
@@ -28,6 +37,7 @@ class ZImageConfig:
     in_channels: int = 16
     out_channels: int = 16
     text_in_dim: int = 2560
+    time_mid_dim: int = 1024  # the time MLP's hidden width (ComfyUI builds min(hidden, 1024): equal at the release)
     patch_size: int = 2
     rope_axes_dim: tuple = (32, 48, 48)
     rope_axes_len: tuple = (1536, 512, 512)
@@ -86,6 +96,7 @@ class ZImageConfig:
                   num_attention_heads=hidden // head_dim, ffn_hidden_size=dims("layers.0.feed_forward.w1.weight", 2)[0],
                   in_channels=patch_in // 4, out_channels=dims(f"all_final_layer.{PATCH}.linear.weight", 2)[0] // 4,
                   text_in_dim=dims("cap_embedder.1.weight", 2)[1], patch_size=2,
+                  time_mid_dim=dims("t_embedder.mlp.0.weight", 2)[0],
                   rope_axes_dim=cls.default_rope_axes(head_dim))
         named = {"dim": "hidden_size", "n_layers": "num_layers", "n_refiner_layers": "num_refiner_layers",
                  "n_heads": "num_attention_heads", "in_channels": "in_channels", "cap_feat_dim": "text_in_dim"}

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..family import Family, Latent, register, sdpa
-from .config import ARCHITECTURE, MAX_LAYERS, PATCH, SEQUENCE_MULTIPLE, SIGNATURE_KEYS, ZImageConfig
+from .config import ARCHITECTURE, MAX_LAYERS, ORIGINAL_LAYOUT, PATCH, SEQUENCE_MULTIPLE, SIGNATURE_KEYS, ZImageConfig
 
 
 class RMSNorm(nn.Module):
@@ -140,7 +140,7 @@ def apply_rope(x: torch.Tensor, rope: tuple) -> torch.Tensor:
 class TimestepEmbedder(nn.Module):
     def __init__(self, cfg: ZImageConfig):
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(256, 1024), nn.SiLU(), nn.Linear(1024, cfg.time_dim))
+        self.mlp = nn.Sequential(nn.Linear(256, cfg.time_mid_dim), nn.SiLU(), nn.Linear(cfg.time_mid_dim, cfg.time_dim))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         return self.mlp(timestep_sinusoid(t).to(self.mlp[0].weight.dtype))
@@ -304,7 +304,7 @@ FAMILY = register(Family(
                   makers="EmptySD3LatentImage", cells_per_token=2),
     join_contexts=join_contexts, chunk_context=chunk_context, activation_bytes=activation_bytes,
     config_metadata_key="z_image_config",
-    checkpoint_prefixes=("model.diffusion_model.", "diffusion_model.", "transformer."),
+    checkpoint_prefixes=("model.diffusion_model.", "diffusion_model.", "transformer."), layouts=(ORIGINAL_LAYOUT,),
     diffusers_class="ZImageTransformer2DModel", comfy_model="Lumina2", max_layers=MAX_LAYERS,
     comfy_unet_config={"image_model": "lumina2"},
     comfy_refusal=("this pack does not run Z-Image in ComfyUI yet (its pictures are not yet checked against ComfyUI's "
