@@ -19,6 +19,7 @@ import contextlib
 import gc
 import glob
 import json
+import logging
 import math
 import os
 import tempfile
@@ -33,11 +34,16 @@ from .errors import Cancelled, CheckpointError, InputError
 from .io.readers import open_file
 from .io.safetensors import load_json_object, refuse_pickle, refuse_pickles_in
 from .io.shapes import check_counts, check_sizes, on_meta, read_header
-from .models.external import move_weights, text_encoder_dtype
+from .models.external import move_weights, room_on, text_encoder_dtype, weights_bytes
+
+log = logging.getLogger("sgld.parts")
 
 DIFFUSERS_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95}  # what diffusers passes generate()
 DEFAULT_MAX_NEW_TOKENS = 2048  # when the tokenizer states no real model_max_length (transformers' 1e30 sentinel)
 MAX_NEW_TOKENS_CAP = 8192  # hard cap on any request: a revised prompt is a paragraph, not a book
+# above the weights while it writes: the KV cache and a forward's work over the text (bench/memory/parts.py traces
+# the 3B release shape at a 512-token prompt and 2048 new tokens: 1.2 GiB)
+WRITE_WORK_BYTES = 3 << 29
 # what the PE reads: the prompt in its chat template (system prompt included), in tokens. A longer one is refused,
 # not cut: cutting would drop the template's closing "Output:". The text encoder reads at most 2048 tokens anyway,
 # and the prefill (the part a cancellation cannot stop) stays seconds long.
@@ -164,6 +170,8 @@ class PromptEnhancer:
         self.seconds = 0.0
         self.load_seconds = 0.0
         self.new_tokens: List[int] = []  # tokens generated per prompt by the last ``enhance``
+        self._weights_bytes: Optional[int] = None  # counted at the first call that asks (the weights keep their size)
+        self._said_host = False
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer: Optional[str] = None, device=None, dtype=None,
@@ -249,12 +257,14 @@ class PromptEnhancer:
         out, self.new_tokens = [], []
         # the weights live in host memory and are on a GPU only while they write: a server's PE (3B, 6.4 GiB in
         # bf16) is not held beside the DiT between requests; the copy costs about a second of the PE's many
-        away = self.device.type != "cpu"
+        where = self._writes_on()
+        away = where.type != "cpu"
         if away:
-            move_weights(self.model, self.device)
+            move_weights(self.model, where)
         try:
             for i, prompt_ids in enumerate(ids):
-                out.append(self._one(prompt_ids, None if seed is None else (seed + i) % 2 ** 64, limit, greedy, stop))
+                out.append(self._one(prompt_ids, None if seed is None else (seed + i) % 2 ** 64, limit, greedy, stop,
+                                     where))
         finally:
             if away:
                 move_weights(self.model, torch.device("cpu"))
@@ -262,17 +272,34 @@ class PromptEnhancer:
         self.seconds = time.perf_counter() - t0
         return out
 
-    def _one(self, prompt_ids, seed, limit, greedy, stop) -> str:
+    def _writes_on(self) -> torch.device:
+        """The device, when it has room for the weights and their work now (beside a served batch sampling on it);
+        else the host, said once: a full GPU makes the PE slower, never out of memory."""
+        if self.device.type == "cpu":
+            return self.device
+        if self._weights_bytes is None:
+            self._weights_bytes = weights_bytes(self.model)
+        if room_on(self.device, self._weights_bytes, WRITE_WORK_BYTES):
+            return self.device
+        if not self._said_host:
+            self._said_host = True
+            log.warning("prompt enhancer: %.1f GiB of weights and work do not fit the %.1f GiB free on %s beside the "
+                        "DiT: writing on the CPU (slower; --pe-device cpu says so up front)",
+                        (self._weights_bytes + WRITE_WORK_BYTES) / 2**30, device_rt.free_bytes(self.device) / 2**30,
+                        self.device)
+        return torch.device("cpu")
+
+    def _one(self, prompt_ids, seed, limit, greedy, stop, where) -> str:
         tok = self.tokenizer
         if stop is not None and stop.is_set():  # stopped while it waited (for the server's PE lock)
             raise Cancelled("the prompt enhancer was stopped before it began")
-        inputs = {"input_ids": prompt_ids.to(self.device), "attention_mask": torch.ones_like(prompt_ids, device=self.device)}
+        inputs = {"input_ids": prompt_ids.to(where), "attention_mask": torch.ones_like(prompt_ids, device=where)}
         sampling = {"do_sample": False} if greedy else dict(self.sampling)
         if not sampling.get("do_sample"):
             sampling = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         generation = _transformers().GenerationConfig(
             max_new_tokens=limit, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **sampling)
-        devices = [self.device] if self.device.type == "cuda" else []
+        devices = [where] if where.type == "cuda" else []
         with torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext():
             if seed is not None:
                 torch.manual_seed(seed)

@@ -18,15 +18,15 @@ import torch
 from .errors import CheckpointError
 from .inputs import check_sampler, check_sampling_settings, check_seed
 from .io.checkpoint import Checkpoint, check_architecture
-from .models import demo
+from .models import demo, families
 from .options import declared, default_of, flag_dest, from_args, option
 from .sampling import DEFAULT_SHIFT, MAX_CFG, MAX_SEED, MAX_SHIFT, MAX_STEPS, SAMPLERS, SCHEDULERS
 
-# The per-model defaults, in one place: ERNIE-Image's release (reference: Base 50 steps at guidance 4,
-# Turbo 8 steps without CFG) and the demo model's own (what it was trained and judged with).
+# The per-model defaults of the help texts and the pipeline: the first family's (ERNIE-Image's release: Base 50
+# steps at guidance 4, Turbo 8 steps without CFG) and the demo model's own (what it was trained and judged with);
+# a file of another family takes its own family's (``model_defaults``).
 MODEL_DEFAULTS = {
-    "base": {"steps": 50, "cfg": 4.0},
-    "turbo": {"steps": 8, "cfg": 1.0},
+    **{kind: dict(values) for kind, values in families()[0].sampling_defaults.items()},
     "demo": {"steps": demo.DEFAULT_STEPS, "cfg": demo.DEFAULT_CFG},
 }
 
@@ -164,7 +164,15 @@ def model_defaults(source: str) -> dict:
     if kind == "demo":
         own = demo.file_sampling_defaults(os.fspath(demo.named(source)))
         return {"steps": own["steps"], "cfg": own["cfg"]}
-    return dict(MODEL_DEFAULTS[kind])
+    path = os.path.normpath(os.fspath(source))
+    try:
+        family = Checkpoint(path).family if os.path.exists(path) else None
+    except (CheckpointError, OSError, ValueError):
+        family = None
+    variants = family.sampling_defaults if family is not None and family is not families()[0] else {}
+    if not variants:
+        return dict(MODEL_DEFAULTS[kind])
+    return dict(variants.get(kind) or next(iter(variants.values())))
 
 
 def with_model_defaults(given: dict, source: str) -> dict:

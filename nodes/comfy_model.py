@@ -33,7 +33,7 @@ from ..engine.inputs import check_latent, check_model_call, check_run_sigmas, ch
 from ..engine.loading import checkpoint_shapes, estimate_bytes
 from ..engine.models import family_of
 from ..engine.models.demo import codec
-from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER, to_sigma
+from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER
 from ..engine.threads import torch_threads
 from . import compat
 from .comfy_lora import SOURCES_ATTACHMENT, check_native_keys, comfy_loras, executing_node, source_label
@@ -148,6 +148,7 @@ class EngineCall(torch.nn.Module):
         self.dtype = engine.runner.dtype  # ComfyUI casts x and the text to it
         self.model_config = engine.model_config  # what the input checks check against
         self.shapes = checkpoint_shapes(engine.model_config)
+        self.multiplier = MULTIPLIER  # ComfyUI's timestep per sigma for the family (its sampling_settings)
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """The checkpoint's names and shapes (on the meta device): what ComfyUI's LoRA loader matches keys to."""
@@ -160,7 +161,7 @@ class EngineCall(torch.nn.Module):
         options = transformer_options or {}
         sigma = options.get("sigmas")  # ComfyUI's sigma of this call (timesteps = to_timestep(sigma))
         if sigma is None or x.shape[0] % sigma.shape[0]:
-            sigma = to_sigma(timesteps.float())
+            sigma = timesteps.float() / self.multiplier
         else:
             sigma = sigma.float().repeat(x.shape[0] // sigma.shape[0])
         # the lengths on the host (TextLengths; the text's own length without them): the engine decides "is
@@ -410,6 +411,7 @@ def comfy_model(handle: SGLDModel, engine):
         return ComfyModelUnavailable(text)
     settings = _config_class(family, demo)({**family.comfy_unet_config, "disable_unet_model_creation": True})
     call = EngineCall(handle, engine)
+    call.multiplier = float(settings.sampling_settings.get("multiplier", MULTIPLIER))  # Z-Image's ComfyUI: 1
     settings.set_inference_dtype(call.dtype, None)
     native = getattr(comfy.model_base, family.comfy_model, None) if family.comfy_model else None
     model = _model_class(native or comfy.model_base.BaseModel)(settings, comfy.model_base.ModelType.FLOW, None)

@@ -13,11 +13,12 @@ import logging
 import comfy.latent_formats
 import comfy.model_management
 import comfy.utils
+import torch
 
 from ..engine import CheckpointError, InputError
 from ..engine.features.cache import CacheConfigError, resolve_config
 from ..engine.inputs import latent_hint
-from ..engine.models import families
+from ..engine.models import families, family_of
 from ..engine.options import node_inputs
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
 from ..engine.sampling_options import SampleRequest, SamplingOptions
@@ -192,10 +193,13 @@ class SGLDiffusionKSampler:
             return dict(latent_image, samples=out.to(comfy.model_management.intermediate_device())), stats
         channels = samples.shape[1] if getattr(samples, "dim", lambda: 0)() >= 2 else 0
         reporter = StepReporter(int(options.steps), channels, engine.device)
+        latent = family_of(engine.model_config).latent  # ComfyUI's LATENT is the VAE's; the DiT has its own space
+        if isinstance(samples, torch.Tensor):
+            request = dataclasses.replace(request, latent=latent.process_in(request.latent))
         try:  # the Cache-DiT node's, else SGLANG_CACHE_DIT_*
             out = engine.sample_request(dataclasses.replace(request, cache=resolve_config(cache)), callback=reporter)
         except (InputError, CacheConfigError, ParallelWorkerError) as e:  # ComfyUI shows the class: keep it plain
             raise ValueError(f"{NODE}: {e}") from None
         result = dict(latent_image)
-        result["samples"] = out.to(comfy.model_management.intermediate_device())
+        result["samples"] = latent.process_out(out).to(comfy.model_management.intermediate_device())
         return result, run_stats(engine, node, warnings)

@@ -9,11 +9,10 @@ import folder_paths
 from ..engine import CheckpointError, EngineConfig
 from ..engine.features.attention import BACKENDS, available_backends
 from ..engine.loading import weight_file_suffixes
-from ..engine.models import family_of
 from ..engine.options import from_widgets, node_inputs, widget_defaults
 from ..engine.parallel import ParallelConfigError, ParallelWorkerError
 from .demo import EMBEDDED
-from .model_cache import SGLDModel, drop_engine, get_engine
+from .model_cache import SGLDModel, get_engine
 
 NODE = "SGLDiffusion Model Loader"
 FOLDER = "diffusion_models"  # ComfyUI maps the legacy "unet" folder into this one
@@ -150,10 +149,6 @@ class SGLDiffusionModelLoader:
         except (CheckpointError, ParallelConfigError, ParallelWorkerError) as e:
             # a ValueError: ComfyUI shows the exception's class with its module path (the pack's folder)
             raise ValueError(f"{NODE}: {e}") from None
-        family = family_of(engine.model_config)
-        if family.comfy_refusal:
-            drop_engine(handle, "its family is not run in ComfyUI")
-            raise ValueError(f"{NODE}: {unet_name} is a {family.title} model: {family.comfy_refusal}")
         for w in engine.warnings:
             log.warning("%s: %s", NODE, w)
         from .comfy_model import comfy_model  # ComfyUI's model classes: only inside a running ComfyUI

@@ -38,6 +38,7 @@ CORE_NODES = {"CLIPLoader", "CLIPTextEncode", "EmptyFlux2LatentImage", "VAELoade
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 TINY = "tiny-ernie.safetensors"
 DIM = cs.text_dim()  # text features per token of the tiny model
+Z_IMAGE = "z-image-small.safetensors"  # a small Z-Image (16 text features per token, 16 latent channels)
 
 
 test_pack = cs.load_test_pack()
@@ -63,7 +64,7 @@ def comfy_base(base):
     small = ZImageTransformer(ZImageConfig(hidden_size=32, num_layers=1, num_refiner_layers=1, num_attention_heads=2,
                                            ffn_hidden_size=64, text_in_dim=16, rope_axes_dim=(4, 6, 6)))
     save_file({k: v.contiguous() for k, v in small.state_dict().items()},
-              os.path.join(models, "diffusion_models", "z-image-small.safetensors"))  # a family not run in ComfyUI yet
+              os.path.join(models, "diffusion_models", Z_IMAGE))  # the second family
     for name in ("pickled.ckpt", "pickled.pt"):  # pickles must be refused without being unpickled
         torch.save({"x_embedder.proj.weight": torch.zeros(2)}, os.path.join(models, "diffusion_models", name))
 
@@ -537,6 +538,28 @@ def test_cache_node_passes_through(comfy, case):
         assert torch.equal(want, direct_sample(os.path.join(comfy.base, "models", "diffusion_models", TINY), seed=71, steps=8))
 
 
+def test_z_image_in_both_samplers(comfy):
+    """Issue 47: a Z-Image file picked in SGLDiffusion Model Loader. SGLDiffusion KSampler, and ComfyUI's own
+    KSampler on comfy_model with ComfyUI's own Z-Image settings (timestep = sigma, shift 3, the Flux latent's scale
+    and shift), each give the engine's own sampling of the file on the same inputs, bit-equal."""
+    from engine.models import get
+
+    latent = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 48, "batch_size": 1}}
+    g = cs.tiny_graph(Z_IMAGE, seed=81, steps=4, cfg=2.0, pos=(1, 7, 16), neg=(2, 5, 16), latent_node=latent)
+    g["12"] = {"class_type": "KSampler", "inputs": {**g["5"]["inputs"], "model": ["1", 1]}}
+    g["13"] = {"class_type": "SaveLatent", "inputs": {"samples": ["12", 0], "filename_prefix": "sgld/z-image-comfy"}}
+    entry = comfy.run(g, timeout=180)
+    assert entry["status"]["status_str"] == "success", f"{cs.error_message(entry)}\n{comfy.log()[-3000:]}"
+    engine = open_engine(os.path.join(comfy.base, "models", "diffusion_models", Z_IMAGE))
+    flux = get("z-image").latent
+    out = engine.sample(flux.process_in(torch.zeros(1, 16, 6, 8)), [test_pack.text_features(1, 7, 16)[0]],
+                        [test_pack.text_features(2, 5, 16)[0]], seed=81, steps=4, cfg=2.0, sampler="euler",
+                        scheduler="simple")
+    want = flux.process_out(out)
+    assert torch.equal(cs.saved_latent(comfy, entry), want)
+    assert torch.equal(cs.saved_latent(comfy, entry, "13"), want)
+
+
 # -- bad inputs ------------------------------------------------------------------------------------
 
 BAD = {
@@ -544,8 +567,6 @@ BAD = {
                      ["no-such-model.safetensors", "was not found", "diffusion_models"]),
     "other-architecture": (dict(model="not-ernie.safetensors"), "SGLDiffusionModelLoader",
                            ["not-ernie.safetensors", "not an ERNIE-Image diffusion model"]),
-    "z-image-file": (dict(model="z-image-small.safetensors"), "SGLDiffusionModelLoader",
-                     ["z-image-small.safetensors is a Z-Image model", "not run Z-Image in ComfyUI yet", "Load Diffusion"]),
     "pickle-ckpt": (dict(model="pickled.ckpt"), "SGLDiffusionModelLoader", ["pickled.ckpt", "pickle"]),
     "pickle-pt": (dict(model="pickled.pt"), "SGLDiffusionModelLoader", ["pickled.pt", "pickle"]),
     "latent-4-channels": (dict(latent_node={"class_type": "EmptyLatentImage", "inputs": {"width": 128, "height": 128, "batch_size": 1}}),

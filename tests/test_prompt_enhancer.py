@@ -261,3 +261,20 @@ def test_config_sizes_checked_against_the_weights_before_allocation(tmp_path, re
         assert result["error"].startswith(os.path.join(folder, "config.json") + ": "), result
         assert re.search(pattern, result["error"]), result
         assert result["seconds"] < 20, result  # about a second each here
+
+
+def test_a_gpu_without_room_beside_the_dit_has_the_pe_write_on_the_cpu(release, enhancer, monkeypatch, caplog):
+    """A GPU too full for the PE's weights and work beside what it holds (a served batch sampling): the PE writes
+    where its weights wait, on the host, the same revised prompt, and says so once. The full GPU is a stand-in
+    (this machine has none): the device layer's free-memory answer, which the GPU rehearsal checks on a lent card."""
+    import engine.device as device_rt
+
+    monkeypatch.setattr(device_rt, "free_bytes", lambda device: 0 if torch.device(device).type == "cuda" else None)
+    pe = PromptEnhancer.from_pretrained(release[0], device="cuda", dtype="fp32")
+    with caplog.at_level("WARNING", logger="sgld.parts"):
+        first = pe.enhance(PROMPTS, 512, 768, greedy=True)
+        assert pe.enhance(PROMPTS[:1], 512, 768, greedy=True) == first[:1]
+    assert first == enhancer.enhance(PROMPTS, 512, 768, greedy=True)
+    assert all(p.device.type == "cpu" for p in pe.model.parameters())
+    said = [m for m in caplog.messages if "do not fit" in m]
+    assert len(said) == 1 and "writing on the CPU" in said[0] and "--pe-device cpu" in said[0], said

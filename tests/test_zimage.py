@@ -119,6 +119,10 @@ def _forward_matches_diffusers(eng, ref, sigma=0.6):
 
 
 def test_load_and_sample(zimage):
+    from engine.sampling_options import MODEL_DEFAULTS, model_defaults
+
+    # its own release's sampling (Turbo: 9 steps at cfg 1), not the first family's Base
+    assert model_defaults(zimage["path"]) == {"steps": 9, "cfg": 1.0} != MODEL_DEFAULTS["base"]
     eng = zimage["engine"]
     assert type(eng.model) is ZImageTransformer and eng.model_config.num_refiner_layers == 1
     assert zimage["ref"].shape == (1, 16, 12, 10) and torch.isfinite(zimage["ref"]).all()

@@ -27,7 +27,8 @@ from rehearse import GiB, Rehearsal
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # bench/ as a package
 from bench.ministral import MINISTRAL_3B, CountOnly  # noqa: E402
 from bench.results_md import write_section  # noqa: E402
-from engine.models.external import Flux2VAE, TextEncoder  # noqa: E402
+from engine.models.external import Flux2VAE, TextEncoder, move_weights  # noqa: E402
+from engine.prompt_enhancer import DEFAULT_MAX_NEW_TOKENS  # noqa: E402
 
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
 
@@ -61,6 +62,31 @@ def text_encoder(placement: str = "auto", tokens: int = PROMPT_TOKENS) -> PartPe
         with torch.inference_mode():
             te.encode("a prompt")
         return PartPeak(resting, r.tracker.peak.bytes)
+
+
+PE_PROMPT_TOKENS = 512  # the PE's chat template (its system prompt) and the user's prompt
+
+
+@functools.lru_cache(maxsize=None)
+def prompt_enhancer(new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> PartPeak:
+    """The prompt enhancer (a causal LM on the same 3B backbone, bf16) writing on the GPU, as ``enhance`` places it
+    (the weights come from the host for its prompts). Generation reads each token back on the host, which a trace
+    cannot; its peak is bounded by one forward over the whole text, ``PE_PROMPT_TOKENS`` + ``new_tokens`` (the KV
+    cache of its last step, the MLP's work over every position) keeping the last token's logits, as generate does."""
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    with Rehearsal() as r:
+        with r.all_fake(), no_init_weights():
+            model = transformers.AutoModelForCausalLM.from_config(transformers.Ministral3Config(**MINISTRAL_3B),
+                                                                  dtype=torch.bfloat16).eval()
+        r.name_modules(model, "pe.")
+        r.tracker.reset_peak()
+        with torch.inference_mode():
+            move_weights(model, "cuda")
+            ids = torch.ones(1, PE_PROMPT_TOKENS + new_tokens, dtype=torch.long, device="cuda")
+            model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        return PartPeak(0, r.tracker.peak.bytes)
 
 
 def _text_encoder_weights() -> int:
@@ -100,16 +126,24 @@ class Whole:
 
 
 def whole(setup: Setup, pixels: int, placement: str = "auto", tiled: bool = True,
-          layers: int = 36, dit: Optional[object] = None) -> Whole:
-    """The whole pipeline's peak for ``setup`` at ``pixels``²: the largest of its three phases."""
+          layers: int = 36, dit: Optional[object] = None, pe: bool = False) -> Whole:
+    """The whole pipeline's peak for ``setup`` at ``pixels``²: the largest of its phases. ``pe``: the prompt
+    enhancer writes first, beside the loaded DiT and VAE as ``sgld serve`` and the pipeline hold them (``sgld
+    generate`` runs it before the DiT loads: the PE's own peak, lower)."""
     p = dit or predict_cached(setup, pixels, layers=layers)
     te = text_encoder(placement)
     v = vae(pixels, tiled)
-    phases = {"encode": p.weights_bytes + v.weights_bytes + te.peak_bytes,
+    # a server encodes (and enhances) a new request's prompt while the batch it has sampling goes on
+    beside = p.peak_bytes if setup.served else p.weights_bytes
+    phases = {"encode": beside + v.weights_bytes + te.peak_bytes,
               "sample": p.peak_bytes + v.weights_bytes + te.weights_bytes,
               "decode": p.weights_bytes + te.weights_bytes + v.peak_bytes}
+    if pe:  # "cpu": the PE writes on the host too (--pe-device cpu, or no room beside the DiT)
+        phases["enhance"] = beside + v.weights_bytes + te.weights_bytes + (
+            0 if placement == "cpu" else prompt_enhancer().peak_bytes)
     phase = max(phases, key=phases.get)
-    return Whole(f"{setup.label}, text encoder {placement}", phases[phase], phase, p.peak_bytes)
+    label = f"{setup.label}, text encoder {placement}" + (", with --pe" if pe else "")
+    return Whole(label, phases[phase], phase, p.peak_bytes)
 
 
 # (DiT setup, text encoder placement): the README's cards' rows (Turbo bf16 24 GB, fp8 16, fp8 + offload 12, bf16 +
@@ -122,6 +156,13 @@ WHOLE_ROWS = [
     (Setup("Turbo bf16, offload 2 buffers", model="turbo", offload="layerwise"), "auto"),
     (Setup("Base bf16"), "auto"),
     (Setup("Turbo bf16, served batch of 8 jobs (sgld serve's --max-batch)", model="turbo", served=8), "auto"),
+    (Setup("Turbo bf16, served, one job", model="turbo", served=1), "auto"),
+]
+PE_ROWS = [  # the same with the prompt enhancer (--pe)
+    (Setup("Turbo bf16", model="turbo"), "auto"),
+    (Setup("Turbo fp8", model="turbo", quant="fp8"), "auto"),
+    (Setup("Turbo fp8, offload 2 buffers", model="turbo", quant="fp8", offload="layerwise"), "auto"),
+    (Setup("Turbo bf16, served, one job", model="turbo", served=1), "auto"),
 ]
 
 
@@ -130,7 +171,9 @@ def parts_table() -> str:
     lines = ["| part | on the GPU between uses GiB | peak while it works GiB |", "|---|---|---|",
              f"| text encoder (Ministral 3 3B text tower, bf16, {PROMPT_TOKENS} tokens), `auto` | "
              f"{te_auto.weights_bytes / GiB:.2f} | {te_auto.peak_bytes / GiB:.2f} |",
-             f"| text encoder, `resident` | {te_res.weights_bytes / GiB:.2f} | {te_res.peak_bytes / GiB:.2f} |"]
+             f"| text encoder, `resident` | {te_res.weights_bytes / GiB:.2f} | {te_res.peak_bytes / GiB:.2f} |",
+             f"| prompt enhancer (3B causal LM, bf16, {PE_PROMPT_TOKENS} + {DEFAULT_MAX_NEW_TOKENS} tokens: its bound) | "
+             f"0.00 | {prompt_enhancer().peak_bytes / GiB:.2f} |"]
     for px in (1024, 2048):
         for tiled in (False, True):
             v = vae(px, tiled)
@@ -145,13 +188,13 @@ def whole_table(layers: int = 36, log=print) -> str:
     head = ("| DiT configuration, text encoder | image | whole pipeline peak GiB | set by | DiT alone GiB | "
             + " | ".join(f"{c} GB" for c in CARDS) + " |\n|---|---|---|---|---|" + "---|" * len(CARDS))
     lines = [head]
-    for setup, placement in WHOLE_ROWS:
+    for (setup, placement), pe in [(row, False) for row in WHOLE_ROWS] + [(row, True) for row in PE_ROWS]:
         for px in (1024, 2048):
-            w = whole(setup, px, placement, layers=layers)
-            # auto encodes on the CPU where the GPU has no room for it beside the DiT (TextEncoder.computes_on)
-            on_host = whole(setup, px, "cpu", layers=layers) if placement == "auto" else w
-            marks = " | ".join("yes" if fits(w.peak_bytes, c) else ("yes, encoding on the CPU"
-                                                                     if fits(on_host.peak_bytes, c) else "-")
+            w = whole(setup, px, placement, layers=layers, pe=pe)
+            # auto encodes (and the PE writes) on the CPU where the GPU has no room beside the DiT (room_on)
+            on_host = whole(setup, px, "cpu", layers=layers, pe=pe) if placement == "auto" else w
+            there = "yes, the PE and text encoder on the CPU" if pe else "yes, encoding on the CPU"
+            marks = " | ".join("yes" if fits(w.peak_bytes, c) else (there if fits(on_host.peak_bytes, c) else "-")
                                for c in CARDS)
             lines.append(f"| {w.label} | {px}² | {w.peak_bytes / GiB:.2f} | {w.phase} | {w.dit_peak_bytes / GiB:.2f} "
                          f"| {marks} |")
@@ -186,8 +229,8 @@ def card_table(layers: int = 36) -> str:
 
     plain = _text_encoder_weights()  # the text encoder waits in host memory between prompts (bf16 on a GPU)
     lines = ["| GPU memory | SGLDiffusion Model Loader | DiT peak GiB (Base 1024²) | `sgld generate` / `serve`, the "
-             "pipeline | whole pipeline peak GiB (Turbo 1024²) | its host memory GiB: pinned / plain | what it costs |",
-             "|---|---|---|---|---|---|---|"]
+             "pipeline | whole pipeline peak GiB (Turbo 1024²) | with `--pe` (serve, the pipeline) | its host memory GiB: pinned / plain | "
+             "what it costs |", "|---|---|---|---|---|---|---|---|"]
     for card, loader, loader_setup, flags, setup, cost in CARD_ROWS:
         dit = predict_cached(loader_setup, 1024, layers=layers)
         run = whole(setup, 1024, "auto", layers=layers)
@@ -199,14 +242,19 @@ def card_table(layers: int = 36) -> str:
                 raise AssertionError(f"{what}: {peak / GiB:.2f} GiB does not fit a {card} GB card: the README row "
                                      "must go")
         pinned = predict_cached(setup, 1024, layers=layers).pinned_host_bytes
+        pe = whole(setup, 1024, "auto", layers=layers, pe=True)  # beside the loaded DiT, as serve and the pipeline
+        pe_cell = f"{pe.peak_bytes / GiB:.1f}" + ("" if fits(pe.peak_bytes, card) else
+                                                   ": over the card, so the PE writes on the CPU (slower)")
         lines.append(f"| {card} GB | {loader} | {dit.peak_bytes / GiB:.1f} | {flags} | {run.peak_bytes / GiB:.1f} | "
-                     f"{pinned / GiB:.1f} / {plain / GiB:.1f} | {cost} |")
+                     f"{pe_cell} | {pinned / GiB:.1f} / {plain / GiB:.1f} | {cost} |")
     lines += ["", "Traced on fake CUDA tensors at the 8B shape (`bench/memory/parts.py` writes this table), not yet "
               "measured on a card; a card fits a row with 1 GiB kept for the desktop and 0.5 for the CUDA context. The "
               "loader's DiT is ComfyUI's (ComfyUI loads and frees its own text encoder); `sgld` and the pipeline also "
               "hold the 3B text encoder (bf16, in plain host memory between prompts, on the GPU only while it "
               f"encodes) and the VAE (tiled above 1024 px); `--pe` adds another {plain / GiB:.1f} GiB of plain host "
-              "memory. Every configuration: [docs/memory.md](docs/memory.md)."]
+              "memory, and the PE writes on the GPU only where it has room beside the loaded DiT (`sgld serve`, the "
+              "pipeline; `sgld generate` runs it before the DiT loads). Every configuration: "
+              "[docs/memory.md](docs/memory.md)."]
     return "\n".join(lines)
 
 

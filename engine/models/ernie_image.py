@@ -328,6 +328,7 @@ FAMILY = register(Family(
     diffusers_class="ErnieImageTransformer2DModel", gguf_architecture="wan",  # as the community's GGUF files say
     comfy_model="ErnieImage", max_layers=MAX_LAYERS,
     comfy_unet_config={"image_model": "ernie"},
+    sampling_defaults={"base": {"steps": 50, "cfg": 4.0}, "turbo": {"steps": 8, "cfg": 1.0}},  # the model cards
     sizes=((1024, 1024), (848, 1264), (1264, 848), (768, 1376), (1376, 768), (896, 1200), (1200, 896)),  # model card
     compute_dtypes=(torch.bfloat16, torch.float32),  # trained in bf16; fp16 overflows (its activations pass 65504)
 ))

@@ -151,6 +151,17 @@ def move_weights(model: torch.nn.Module, device: torch.device) -> None:
                 m._buffers[name] = b.to(device)
 
 
+def weights_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def room_on(device: torch.device, weights: int, work: int) -> bool:
+    """Does ``device`` have room now for ``weights`` brought from the host and their ``work`` beside what it holds
+    (the DiT, a served batch's activations)? A device that cannot say (the CPU) has."""
+    free = device_rt.free_bytes(device)
+    return free is None or free >= weights + work
+
+
 PLACEMENTS = ("auto", "cpu", "resident")  # --text-encoder-device (TextEncoder.load's ``placement``)
 ENCODE_WORK_BYTES = 512 << 20  # above the weights while a prompt is encoded (traced: 0.08 GiB at 256 tokens, 3B)
 
@@ -247,15 +258,15 @@ class TextEncoder:
         if self.placement != "auto" or self.home == self.device:
             return self.device
         if self._weights_bytes is None:  # counted once: the weights do not change size
-            self._weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        weights, free = self._weights_bytes, device_rt.free_bytes(self.device)
-        if free is None or free >= weights + ENCODE_WORK_BYTES:
+            self._weights_bytes = weights_bytes(self.model)
+        if room_on(self.device, self._weights_bytes, ENCODE_WORK_BYTES):
             return self.device
         if not self._said_host:
             self._said_host = True
             log.warning("text encoder: %.1f GiB of weights and work do not fit the %.1f GiB free on %s beside the "
                         "DiT: encoding on the CPU (slower; --text-encoder-device cpu says so up front)",
-                        (weights + ENCODE_WORK_BYTES) / 2**30, free / 2**30, self.device)
+                        (self._weights_bytes + ENCODE_WORK_BYTES) / 2**30, device_rt.free_bytes(self.device) / 2**30,
+                        self.device)
         return self.home
 
     @torch.no_grad()

@@ -97,6 +97,17 @@ class Latent:
     makers: str = ""  # the ComfyUI nodes that make an empty one, for the wrong-latent message
     comfy_format: str = ""  # its class in comfy.latent_formats (previews, ComfyUI's samplers on our MODEL)
     cells_per_token: int = 1  # a DiT token covers this many cells a side (its patch): sides are multiples of it
+    # the DiT denoises (VAE latent - shift) x scale: ComfyUI's latent format (process_in / process_out), diffusers'
+    # VAE config (scaling_factor, shift_factor)
+    scale: float = 1.0
+    shift: float = 0.0
+
+    def process_in(self, latent: torch.Tensor) -> torch.Tensor:
+        """A VAE latent (what ComfyUI's LATENT holds) in the DiT's space."""
+        return latent if (self.scale, self.shift) == (1.0, 0.0) else (latent - self.shift) * self.scale
+
+    def process_out(self, latent: torch.Tensor) -> torch.Tensor:
+        return latent if (self.scale, self.shift) == (1.0, 0.0) else latent / self.scale + self.shift
 
     @property
     def pixel_multiple(self) -> int:
@@ -158,7 +169,9 @@ class Family:
     gguf_architecture: str = ""  # ``general.architecture`` of the family's GGUF files (what other tools write)
     comfy_model: str = ""  # ComfyUI's name for the family (comfy.supported_models / comfy.model_base)
     comfy_unet_config: Mapping[str, object] = field(default_factory=dict)  # ComfyUI's unet_config marking the family
-    comfy_refusal: str = ""  # why the ComfyUI nodes refuse the family's files, where they cannot run it yet
+    # variant ("base", "turbo") -> {"steps", "cfg"} its release is run with; the first is a file's when its name
+    # and config name no variant of the family
+    sampling_defaults: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     sizes: Tuple[Tuple[int, int], ...] = ()  # recommended (width, height) in pixels, for tooltips
     max_layers: int = 512  # a bound on the blocks a file's header can ask for
     # the dtypes it computes in safely, fastest first (ComfyUI's supported_inference_dtypes): the default compute

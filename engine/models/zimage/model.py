@@ -301,15 +301,13 @@ FAMILY = register(Family(
     partial_sum_modules=("attention", "feed_forward"), heads_module="attention",
     fuse_groups={Attention: ("qkv", ("to_q", "to_k", "to_v")), FeedForward: ("w13", ("w1", "w3"))},
     latent=Latent(channels=16, stride=8, name="the Flux latent (16 channels)", comfy_format="Flux",
-                  makers="EmptySD3LatentImage", cells_per_token=2),
+                  makers="EmptySD3LatentImage", cells_per_token=2, scale=0.3611, shift=0.1159),
     join_contexts=join_contexts, chunk_context=chunk_context, activation_bytes=activation_bytes,
     config_metadata_key="z_image_config",
     checkpoint_prefixes=("model.diffusion_model.", "diffusion_model.", "transformer."), layouts=(ORIGINAL_LAYOUT,),
-    diffusers_class="ZImageTransformer2DModel", comfy_model="Lumina2", max_layers=MAX_LAYERS,
+    diffusers_class="ZImageTransformer2DModel", comfy_model="ZImage", max_layers=MAX_LAYERS,
     comfy_unet_config={"image_model": "lumina2"},
-    comfy_refusal=("this pack does not run Z-Image in ComfyUI yet (its pictures are not yet checked against ComfyUI's "
-                   "own Z-Image, which runs at another timestep scale); load the file with ComfyUI's Load Diffusion "
-                   "Model node"),
+    sampling_defaults={"turbo": {"steps": 9, "cfg": 1.0}},  # ComfyUI's Z-Image-Turbo template and diffusers' example
     sizes=((1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), (1344, 768), (768, 1344)),
     compute_dtypes=(torch.bfloat16, torch.float32),
 ))
