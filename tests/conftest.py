@@ -211,3 +211,23 @@ def eng():
 
     with torch.inference_mode():
         return open_engine("demo", EngineConfig(dtype="fp32"))
+
+
+@pytest.fixture
+def sgld_in_process(capsys):
+    """``sgld`` run in this process: (exit code, stdout, stderr). For what needs no process boundary of its own
+    (refusals, a small picture): an interpreter start costs seconds; cli.main's thread setting is undone."""
+    import torch
+
+    from engine.cli import main
+    threads = torch.get_num_threads()
+
+    def run(*argv):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:  # --help, argparse's refusals
+            code = e.code
+        out, err = capsys.readouterr()
+        return code, out, err
+    yield run
+    torch.set_num_threads(threads)

@@ -18,11 +18,11 @@ def run(*args, check=True):
 
 
 @pytest.mark.subprocess
-def test_help_for_each_command():
-    top = run("--help").stdout
+def test_help_for_each_command(sgld_in_process):
+    top = run("--help").stdout  # the installed entry point
     assert "bench" in top and "generate" in top
-    assert "--size" in run("bench", "--help").stdout
-    assert "--prompt" in run("generate", "--help").stdout
+    assert "--size" in sgld_in_process("bench", "--help")[1]
+    assert "--prompt" in sgld_in_process("generate", "--help")[1]
 
 
 @pytest.mark.subprocess

@@ -129,38 +129,38 @@ def test_vae_decode_inverts_the_patchify_and_normalisation(ernie_files):
     assert vae.empty_latent(64, 32).shape == (1, 16, 8, 16)
 
 
-@pytest.mark.subprocess
-def test_bad_external_inputs_get_clear_errors(ernie_files, tmp_path):
-    base = ["--prompt", "a cat", "--out", str(tmp_path / "x.png"), "--model", ernie_files["model"]]
+def test_bad_external_inputs_get_clear_errors(ernie_files, tmp_path, sgld_in_process):
+    base = ["generate", "--prompt", "a cat", "--out", str(tmp_path / "x.png"), "--model", ernie_files["model"]]
     te, vae = ["--text-encoder", ernie_files["te"]], ["--vae", ernie_files["vae"]]
 
-    r = run(base)
-    assert r.returncode == 2 and "missing --text-encoder, --vae" in r.stderr
+    code, _, err = sgld_in_process(*base)
+    assert code == 2 and "missing --text-encoder, --vae" in err
 
     pickled = tmp_path / "pickled_te"
     pickled.mkdir()
     (pickled / "config.json").write_text("{}")
     with open(pickled / "pytorch_model.bin", "wb") as f:
         pickle.dump({"w": 1}, f)
-    r = run([*base, "--text-encoder", str(pickled), *vae])
-    assert r.returncode == 2 and "pickled_te" in r.stderr and "pytorch_model.bin" in r.stderr and "refus" in r.stderr  # refused / refusing to load
+    code, _, err = sgld_in_process(*base, "--text-encoder", str(pickled), *vae)
+    assert code == 2 and "pickled_te" in err and "pytorch_model.bin" in err and "refus" in err  # refused / refusing
 
-    r = run([*base, *te, *vae, "--width", "30"])
-    assert r.returncode == 2 and "30x1024 is not a positive multiple of 4" in r.stderr
+    code, _, err = sgld_in_process(*base, *te, *vae, "--width", "30")
+    assert code == 2 and "30x1024 is not a positive multiple of 4" in err
 
-    r = run([*base, "--text-encoder", ernie_files["model"], *vae])
-    assert r.returncode == 2 and "dit.safetensors': a single file needs its config" in r.stderr
-    assert "Traceback" not in r.stderr
+    code, _, err = sgld_in_process(*base, "--text-encoder", ernie_files["model"], *vae)
+    assert code == 2 and "dit.safetensors': a single file needs its config" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "x.png").exists()
 
 
-@pytest.mark.subprocess
-def test_a_size_over_the_limit_is_refused_before_anything_loads(ernie_files, tmp_path):
+def test_a_size_over_the_limit_is_refused_before_anything_loads(ernie_files, tmp_path, sgld_in_process):
     """--width 100000 used to allocate about 40 GB at the first step; now one line before loading."""
-    r = run(["--prompt", "a cat", "--model", ernie_files["model"], "--text-encoder", ernie_files["te"],
-             "--vae", ernie_files["vae"], "--width", "100000", "--out", str(tmp_path / "x.png")])
-    assert r.returncode == 2
-    assert r.stderr.strip() == ("sgld generate: error: --width must be from 1 to 4096 pixels (got 100000; ERNIE-Image's "
-                                "largest documented size is 2048x2048)")
+    code, _, err = sgld_in_process("generate", "--prompt", "a cat", "--model", ernie_files["model"], "--text-encoder",
+                                   ernie_files["te"], "--vae", ernie_files["vae"], "--width", "100000", "--out",
+                                   str(tmp_path / "x.png"))
+    assert code == 2
+    assert err.strip() == ("sgld generate: error: --width must be from 1 to 4096 pixels (got 100000; ERNIE-Image's "
+                           "largest documented size is 2048x2048)")
 
 
 @pytest.mark.subprocess

@@ -83,14 +83,13 @@ def test_article_generate_command(release, tmp_path):
     computed, total = map(int, re.search(r"(\d+)/(\d+) steps computed", done.stdout).groups())
     assert total == 8 and computed < total, done.stdout  # the environment's Cache-DiT preset ran
 
-    # the same picture as naming the three parts one by one (cache off on both sides)
-    by_path = sgld("generate", "--model-path", release, "--prompt", ARTICLE_PROMPT, *SMALL, "--steps", "2",
-                   "--out", str(tmp_path / "a.png"), "--cache", "off")
-    by_parts = sgld("generate", "--model", os.path.join(release, "transformer"), "--text-encoder",
-                    os.path.join(release, "text_encoder"), "--vae", os.path.join(release, "vae"), "--prompt",
-                    ARTICLE_PROMPT, *SMALL, "--steps", "2", "--out", str(tmp_path / "b.png"), "--cache", "off")
-    assert by_path.returncode == 0 and by_parts.returncode == 0, by_path.stderr + by_parts.stderr
-    assert (png_pixels(tmp_path / "a.png")[0] == png_pixels(tmp_path / "b.png")[0]).all()
+    # the same picture as naming the three parts one by one (the same environment's cache on both sides)
+    by_parts = subprocess.run([SGLD, "generate", "--model", os.path.join(release, "transformer"), "--text-encoder",
+                               os.path.join(release, "text_encoder"), "--vae", os.path.join(release, "vae"),
+                               f"--prompt={ARTICLE_PROMPT}", *SMALL, "--steps", "8", "--out", str(tmp_path / "b.png")],
+                              capture_output=True, text=True, timeout=300, env=env)
+    assert by_parts.returncode == 0, by_parts.stderr
+    assert (pixels == png_pixels(tmp_path / "b.png")[0]).all()
 
 
 @pytest.mark.slow
@@ -115,26 +114,7 @@ def test_generate_with_pe_prints_and_stores_the_revised_prompt(release, tmp_path
     assert result["pe_seconds"] > 0 and result["pe_new_tokens"] >= 1
 
 
-@pytest.fixture
-def in_process(capsys):
-    """``sgld`` run in this process (cheap refusals: no interpreter start); cli.main's thread setting undone."""
-    import torch
-
-    from engine.cli import main
-    threads = torch.get_num_threads()
-
-    def run(*argv):
-        try:
-            code = main(list(argv))
-        except SystemExit as e:  # --help
-            code = e.code
-        out, err = capsys.readouterr()
-        return code, out, err
-    yield run
-    torch.set_num_threads(threads)
-
-
-def test_pe_flags_refused_before_anything_loads(in_process, release, bare_release, tmp_path):
+def test_pe_flags_refused_before_anything_loads(sgld_in_process, release, bare_release, tmp_path):
     out = ["--out", str(tmp_path / "x.png")]
     cases = [
         (["--pe"], "--pe without a PATH uses the --model-path release's pe/, but no --model-path"),
@@ -147,9 +127,9 @@ def test_pe_flags_refused_before_anything_loads(in_process, release, bare_releas
         (["--model-path", str(tmp_path / "nowhere")], "no such file or folder"),
     ]
     for flags, message in cases:
-        code, _, err = in_process("generate", "--prompt", "a cat", *out, *flags)
+        code, _, err = sgld_in_process("generate", "--prompt", "a cat", *out, *flags)
         assert code == 2 and message in err, (flags, err)
-    code, _, err = in_process("serve", "--model-path", bare_release, "--pe", "--port", "0")
+    code, _, err = sgld_in_process("serve", "--model-path", bare_release, "--pe", "--port", "0")
     assert code == 2 and "has no pe/ folder" in err, err
     assert not os.path.exists(tmp_path / "x.png")
 
@@ -172,9 +152,9 @@ def test_save_output_names_stay_in_the_output_folder():
     assert output_name(other, {**run, "seed": 1})[-12:] != output_name(other, run)[-12:]  # the settings' hash
 
 
-def test_help_spells_sglangs_flags(in_process):
+def test_help_spells_sglangs_flags(sgld_in_process):
     for command in ("generate", "serve"):
-        code, text, _ = in_process(command, "--help")
+        code, text, _ = sgld_in_process(command, "--help")
         assert code == 0 and "--model-path" in text and "--enable-mix-parallel" in text and "--pe [PATH]" in text
         assert "already mixes tensor and sequence" in " ".join(text.split())
 

@@ -126,7 +126,7 @@ class Whole:
 
 
 def whole(setup: Setup, pixels: int, placement: str = "auto", tiled: bool = True,
-          layers: int = 36, dit: Optional[object] = None, pe: bool = False) -> Whole:
+          layers: Optional[int] = None, dit: Optional[object] = None, pe: bool = False) -> Whole:
     """The whole pipeline's peak for ``setup`` at ``pixels``²: the largest of its phases. ``pe``: the prompt
     enhancer writes first, beside the loaded DiT and VAE as ``sgld serve`` and the pipeline hold them (``sgld
     generate`` runs it before the DiT loads: the PE's own peak, lower)."""
@@ -182,7 +182,7 @@ def parts_table() -> str:
     return "\n".join(lines)
 
 
-def whole_table(layers: int = 36, log=print) -> str:
+def whole_table(layers: Optional[int] = None, log=print) -> str:
     from table import CARDS, fits
 
     head = ("| DiT configuration, text encoder | image | whole pipeline peak GiB | set by | DiT alone GiB | "
@@ -223,7 +223,7 @@ CARD_ROWS = [
 ]
 
 
-def card_table(layers: int = 36) -> str:
+def card_table(layers: Optional[int] = None) -> str:
     """The README's GPU table from the traces: a row whose loader or ``sgld`` setting does not fit its card raises."""
     from table import fits
 

@@ -27,9 +27,7 @@ from engine.features.offload import choose_offload  # noqa: E402
 from engine.features.quant import get_format, parse_format  # noqa: E402
 from engine.features.quant.comfy.int4 import rotation_for  # noqa: E402
 from engine.loading import estimate_bytes  # noqa: E402
-from engine.models import family_of  # noqa: E402
-from engine.models.ernie_image import ErnieImageTransformer  # noqa: E402
-from engine.models.ernie_image_config import ErnieImageConfig  # noqa: E402
+from engine.models import family_of, get  # noqa: E402
 
 PROMPT_TOKENS = 256  # a prompt-enhanced ERNIE-Image prompt (the PE writes a paragraph); the negative "" is 1 token
 BASE_CFG, BASE_STEPS = 4.0, 1  # every step of a run has the same memory (offload's buffers are made in the first)
@@ -42,6 +40,7 @@ PREBUILT = ("q4_k", "q8_0", "asym-w4a8-int8", "awq-w4a16")
 @dataclasses.dataclass(frozen=True)
 class Setup:
     label: str
+    family: str = "ernie-image"  # the DiT family (engine/models), at its release's shape
     model: str = "base"  # "base": CFG batch 2 (prompt + negative); "turbo": cfg 1, batch 1
     quant: Optional[str] = None  # a weight format name (EngineConfig.quant), or None: bf16
     offload: str = "none"  # "none" | "layerwise" | "auto"
@@ -87,12 +86,19 @@ class Prediction:
         return self.peak_bytes / GiB
 
 
-def _build(r: Rehearsal, cfg: ErnieImageConfig, device: str, quant: Optional[str]) -> torch.nn.Module:
+def release_config(family: str = "ernie-image", layers: Optional[int] = None):
+    """The family's release configuration (its config class's defaults: ERNIE-Image 8B, Z-Image 6B), with ``layers``
+    blocks instead of the release's when given (a quicker trace: every block peaks alike)."""
+    cls = get(family).config_class
+    return cls() if layers is None else cls(num_layers=layers)
+
+
+def _build(r: Rehearsal, cfg, device: str, quant: Optional[str]) -> torch.nn.Module:
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with r.all_fake(), torch.device(device):
-            model = ErnieImageTransformer(cfg)
+            model = family_of(cfg).model_class(cfg)
             if quant in PREBUILT:
                 _prebuild(model, quant)
     finally:
@@ -159,10 +165,10 @@ def assume_ring_kernel(device: str, head_dim: int) -> None:
     backends._LSE_KERNELS[("sdpa", torch.device(device).type, torch.bfloat16, head_dim)] = lse._flash_cuda
 
 
-def auto_decision(card_free_gib: float, layers: int = 36, quant: Optional[str] = None) -> tuple:
+def auto_decision(card_free_gib: float, layers: Optional[int] = None, quant: Optional[str] = None) -> tuple:
     """The loader's ``offload="auto"`` for a checkpoint of this shape on a card with this much free memory: the
     engine's ``choose_offload`` from the bytes at rest, the free memory read through the device seam."""
-    cfg = ErnieImageConfig(num_layers=layers)
+    cfg = release_config(layers=layers)
     with Rehearsal(int(card_free_gib * GiB)) as r:
         with r.all_fake():
             at_rest = estimate_bytes(cfg, torch.bfloat16, quant)
@@ -185,21 +191,21 @@ def _env(name: str, value: str):
 _cache = {}
 
 
-def predict_cached(setup: Setup, pixels: int, layers: int = 36) -> Prediction:
+def predict_cached(setup: Setup, pixels: int, layers: Optional[int] = None) -> Prediction:
     """``predict`` once per configuration (the label aside) in this process: a trace is deterministic."""
     if setup.offload == "auto":
         raise ValueError("offload 'auto' depends on the card: decide with auto_decision, then predict its choice")
-    key = (dataclasses.replace(setup, label=""), pixels, layers)
+    key = (dataclasses.replace(setup, label=""), pixels, release_config(setup.family, layers).num_layers)
     if key not in _cache:
         _cache[key] = predict(setup, pixels, layers)
     return dataclasses.replace(_cache[key], setup=setup)
 
 
-def predict(setup: Setup, pixels: int, layers: int = 36, card_gb: float = 80.0,
+def predict(setup: Setup, pixels: int, layers: Optional[int] = None, card_gb: float = 80.0,
             prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
     if setup.ranks > 1:
         return predict_parallel(setup, pixels, layers, prompt_tokens)
-    cfg = ErnieImageConfig(num_layers=layers)
+    cfg = release_config(setup.family, layers)
     with Rehearsal(int((setup.card_free_gib or card_gb) * GiB)) as r:
         decision = None
         if setup.offload == "auto":  # as the router decides for a file: before loading, from the bytes at rest
@@ -348,7 +354,8 @@ def _serve(eng, jobs: int, latent, cond, uncond, steps: int, base: bool) -> None
         batcher.close()
 
 
-def predict_parallel(setup: Setup, pixels: int, layers: int = 36, prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
+def predict_parallel(setup: Setup, pixels: int, layers: Optional[int] = None,
+                     prompt_tokens: int = PROMPT_TOKENS) -> Prediction:
     """Rank 0 of the setup's CFG x Ring x Ulysses x TP ranks (torch's fake process group: collectives and Ring's
     point-to-point K/V passing shaped, nothing sent): its share of the DiT built as the tensor-parallel load shapes
     it (``shard_skeleton``), opened like a rank opens it, and one model call through the rank's own commands
@@ -364,7 +371,7 @@ def predict_parallel(setup: Setup, pixels: int, layers: int = 36, prompt_tokens:
     from engine.parallel.wire import pack
     from engine.parallel.worker import WorkerState, worker_config
 
-    cfg = ErnieImageConfig(num_layers=layers)
+    cfg = release_config(setup.family, layers)
     tp = setup.tp
     plan = ParallelPlan(tp=tp, ulysses=setup.ulysses, ring=setup.ring, cfg=setup.cfg_parallel)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
@@ -375,7 +382,7 @@ def predict_parallel(setup: Setup, pixels: int, layers: int = 36, prompt_tokens:
             torch.set_default_dtype(torch.bfloat16)
             try:
                 with torch.device("meta"):  # real meta tensors: shapes only, as the sharded load starts
-                    model = ErnieImageTransformer(cfg)
+                    model = family_of(cfg).model_class(cfg)
                 if tp > 1:
                     shard_skeleton(model, family_of(model), tp)
             finally:

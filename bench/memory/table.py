@@ -79,6 +79,11 @@ ROWS: List[Tuple[Setup, str]] = [
     (Setup("Base fp8, served 4 jobs (CFG: 8 rows)", quant="fp8", served=4), ""),
     (Setup("Turbo bf16, served 8 jobs on a 24 GB card (admission by bytes)", model="turbo", served=8,
            card_free_gib=24 - 1.5), ""),  # the card less the desktop and the CUDA context (DESKTOP_GIB, CONTEXT_GIB)
+    # the second family at its release shape (6.15B parameters, the Flux latent: 4096 image tokens at 1024²)
+    (Setup("Z-Image Turbo bf16", family="z-image", model="turbo"),
+     "Comfy-Org's z_image_turbo_bf16.safetensors: 11.46 GB"),
+    (Setup("Z-Image Turbo fp8", family="z-image", model="turbo", quant="fp8"), ""),
+    (Setup("Z-Image Turbo bf16, offload 2 buffers", family="z-image", model="turbo", offload="layerwise"), ""),
 ]
 
 
@@ -89,7 +94,7 @@ def fits(peak_bytes: int, card_gb: int) -> bool:
     return peak_bytes / GiB + DESKTOP_GIB + CONTEXT_GIB <= card_gb
 
 
-def auto_card(card_gb: int, pixels: int = 1024, layers: int = 36, model: str = "base",
+def auto_card(card_gb: int, pixels: int = 1024, layers: Optional[int] = None, model: str = "base",
               quant: Optional[str] = None) -> Prediction:
     """``offload="auto"`` on a card of ``card_gb`` (free memory as the loader sees it: desktop and context taken):
     the engine decides at load and again before the run at this image size; the predicted peak of the run (its
@@ -111,7 +116,7 @@ def _row(p: Prediction, published: str) -> str:
             f"`{p.where}` | {published} |")
 
 
-def table(layers: int = 36, rows=ROWS, pixels=PIXELS, log=print) -> str:
+def table(layers: Optional[int] = None, rows=ROWS, pixels=PIXELS, log=print) -> str:
     head = ("| configuration | image | predicted peak GiB | weights + buffers GiB | "
             + " | ".join(f"{c} GB" for c in CARDS) + " | pinned host GiB | peak at | published |\n"
             "|---|---|---|---|" + "---|" * len(CARDS) + "---|---|---|")
@@ -151,7 +156,7 @@ def write_page(text: str, page: str = PAGE) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=36, help="DiT blocks (36: the release)")
+    ap.add_argument("--layers", type=int, default=None, help="DiT blocks (default: each family's release)")
     ap.add_argument("--print", action="store_true", help="print the table, leave the pages alone")
     args = ap.parse_args(argv)
     try:

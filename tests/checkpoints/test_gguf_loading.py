@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -133,8 +131,7 @@ def test_tensor_parallel_splits_rows_and_refuses_blocks_it_cannot_split(tmp_path
         split_rows(layer, 0, 32, 1)
 
 
-@pytest.mark.subprocess
-def test_cli_generate_serves_every_type_in_both_layouts(tmp_path):
+def test_cli_generate_serves_every_type_in_both_layouts(tmp_path, sgld_in_process):
     """``sgld generate --model x.gguf`` (every listed type in one file, as Q4_K_M-style files mix types) draws
     the picture that the dequantized safetensors draws, pixel for pixel (exact: see the module docstring)."""
     pytest.importorskip("transformers")
@@ -143,19 +140,17 @@ def test_cli_generate_serves_every_type_in_both_layouts(tmp_path):
     vae = write_vae(tmp_path / "vae", CFG.in_channels)
     types = mixed_types(SD)
     assert set(types.values()) == set(ALL_TYPES)
-    sgld = os.path.join(os.path.dirname(sys.executable), "sgld")
     pictures = {}
     unsloth, ref = _pair(tmp_path, types, "unsloth")
     comfy = write_gguf(tmp_path / "m-comfy.gguf", SD, types, "comfy")  # the same bytes (same seed and order)
     assert reference_state(comfy).keys() == reference_state(unsloth).keys()
     for name, model in (("ref", ref), ("unsloth", unsloth), ("comfy", comfy)):
         out = tmp_path / f"{name}.png"
-        r = subprocess.run([sgld, "generate", "--model", model, "--text-encoder", str(te), "--vae", str(vae),
-                            "--prompt", "a red cat", "--width", "64", "--height", "64", "--steps", "2",
-                            "--dtype", "fp32", "--out", str(out), "--json"],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout.strip().splitlines()[-1])["model"] == os.path.basename(model)
+        code, stdout, stderr = sgld_in_process(
+            "generate", "--model", model, "--text-encoder", te, "--vae", vae, "--prompt", "a red cat", "--width", "64",
+            "--height", "64", "--steps", "2", "--dtype", "fp32", "--out", out, "--json")
+        assert code == 0, stderr
+        assert json.loads(stdout.strip().splitlines()[-1])["model"] == os.path.basename(model)
         pictures[name] = np.asarray(Image.open(out))
     assert pictures["ref"].std() > 0
     assert np.array_equal(pictures["unsloth"], pictures["ref"]) and np.array_equal(pictures["comfy"], pictures["ref"])
