@@ -14,7 +14,7 @@ no norm on text features, and a final AdaLN driven by the un-activated time embe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -22,21 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ernie_image_config import ARCHITECTURE, MAX_LAYERS, SIGNATURE_KEYS, ErnieImageConfig
-from .family import Family, Latent, register, sdpa
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm without its weight (callers fold the weight into a following scale)."""
-        return F.rms_norm(x, (x.shape[-1],), None, self.eps)
+from .family import Family, Latent, RMSNorm, chunk_rope_context, register, sdpa
 
 
 class Attention(nn.Module):
@@ -301,14 +287,6 @@ def join_contexts(contexts: Sequence[BlockContext], length: int, attention: Call
         temb=torch.cat([c.temb for c in contexts]))
 
 
-def chunk_context(ctx: BlockContext, pad: int, chunk: slice, attention: Callable, valid_tokens: int) -> BlockContext:
-    """The context of one sequence-parallel rank: the RoPE of its ``chunk`` of the sequence padded by ``pad``
-    tokens, ``attention`` over the whole sequence (it holds the key mask)."""
-    cos, sin = (F.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t for t in ctx.rope)
-    return replace(ctx, rope=(cos[:, chunk], sin[:, chunk]), key_mask=None, attention=attention,
-                   valid_tokens=valid_tokens, key_mask_host=None)
-
-
 FAMILY = register(Family(
     name=ARCHITECTURE, title="ERNIE-Image",
     config_class=ErnieImageConfig, model_class=ErnieImageTransformer, context_class=BlockContext,
@@ -322,7 +300,7 @@ FAMILY = register(Family(
     fuse_groups={Attention: ("qkv", ("to_q", "to_k", "to_v")), GeGLU: ("gate_up", ("gate_proj", "up_proj"))},
     latent=Latent(channels=128, stride=16, name="the Flux2 latent", comfy_format="Flux2",
                   makers="EmptyFlux2LatentImage or SGLDiffusion Empty Latent (ERNIE)"),
-    join_contexts=join_contexts, chunk_context=chunk_context, activation_bytes=activation_bytes,
+    join_contexts=join_contexts, chunk_context=chunk_rope_context, activation_bytes=activation_bytes,
     config_metadata_key="ernie_image_config",
     checkpoint_prefixes=("model.diffusion_model.", "diffusion_model.", "transformer."),
     diffusers_class="ErnieImageTransformer2DModel", gguf_architecture="wan",  # as the community's GGUF files say

@@ -19,6 +19,7 @@ A family's model follows one contract (ERNIE-Image's is the reference, engine/mo
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -226,6 +227,31 @@ class Family:
     def build(self, config, device="meta") -> nn.Module:
         with torch.device(device):
             return self.model_class(config)
+
+
+def chunk_rope_context(ctx, pad: int, chunk: slice, attention: Callable, valid_tokens: int):
+    """``Family.chunk_context`` for a context whose ``rope`` is a pair of [B, S, ...] tables (ERNIE-Image's, Z-Image's):
+    the tables of one sequence-parallel rank's ``chunk`` of the sequence padded by ``pad`` tokens, ``attention`` over
+    the whole sequence (it holds the key mask)."""
+    cos, sin = (F.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t for t in ctx.rope)
+    return dataclasses.replace(ctx, rope=(cos[:, chunk], sin[:, chunk]), key_mask=None, attention=attention,
+                               valid_tokens=valid_tokens, key_mask_host=None)
+
+
+class RMSNorm(nn.Module):
+    """RMS norm with a weight, in the parameter layout both families' files use (``weight``)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm without its weight (callers fold the weight into a following scale)."""
+        return F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
 
 _FAMILIES: Dict[str, Family] = {}

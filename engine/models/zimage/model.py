@@ -19,18 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..family import Family, Latent, register, sdpa
+from ..family import Family, Latent, RMSNorm, chunk_rope_context, register, sdpa
 from .config import ARCHITECTURE, MAX_LAYERS, ORIGINAL_LAYOUT, PATCH, SEQUENCE_MULTIPLE, SIGNATURE_KEYS, ZImageConfig
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -280,15 +270,6 @@ def join_contexts(contexts: Sequence[ZImageContext], length: int, attention: Cal
                          first.grid)
 
 
-def chunk_context(ctx: ZImageContext, pad: int, chunk: slice, attention: Callable,
-                  valid_tokens: int) -> ZImageContext:
-    """The context of one sequence-parallel rank: the RoPE of its ``chunk`` of the sequence padded by ``pad`` tokens,
-    ``attention`` over the whole sequence (it holds the key mask)."""
-    cos, sin = (F.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t for t in ctx.rope)
-    return replace(ctx, rope=(cos[:, chunk], sin[:, chunk]), key_mask=None, attention=attention,
-                   valid_tokens=valid_tokens, key_mask_host=None)
-
-
 FAMILY = register(Family(
     name=ARCHITECTURE, title="Z-Image",
     config_class=ZImageConfig, model_class=ZImageTransformer, context_class=ZImageContext,
@@ -302,7 +283,7 @@ FAMILY = register(Family(
     fuse_groups={Attention: ("qkv", ("to_q", "to_k", "to_v")), FeedForward: ("w13", ("w1", "w3"))},
     latent=Latent(channels=16, stride=8, name="the Flux latent (16 channels)", comfy_format="Flux",
                   makers="EmptySD3LatentImage", cells_per_token=2, scale=0.3611, shift=0.1159),
-    join_contexts=join_contexts, chunk_context=chunk_context, activation_bytes=activation_bytes,
+    join_contexts=join_contexts, chunk_context=chunk_rope_context, activation_bytes=activation_bytes,
     config_metadata_key="z_image_config",
     checkpoint_prefixes=("model.diffusion_model.", "diffusion_model.", "transformer."), layouts=(ORIGINAL_LAYOUT,),
     diffusers_class="ZImageTransformer2DModel", comfy_model="ZImage", max_layers=MAX_LAYERS,
