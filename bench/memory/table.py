@@ -81,7 +81,7 @@ ROWS: List[Tuple[Setup, str]] = [
            card_free_gib=24 - 1.5), ""),  # the card less the desktop and the CUDA context (DESKTOP_GIB, CONTEXT_GIB)
     # the second family at its release shape (6.15B parameters, the Flux latent: 4096 image tokens at 1024²)
     (Setup("Z-Image Turbo bf16", family="z-image", model="turbo"),
-     "Comfy-Org's z_image_turbo_bf16.safetensors: 11.46 GB"),
+     "Comfy-Org's z_image_turbo_bf16.safetensors: listed as 11.46 (GiB)"),
     (Setup("Z-Image Turbo fp8", family="z-image", model="turbo", quant="fp8"), ""),
     (Setup("Z-Image Turbo bf16, offload 2 buffers", family="z-image", model="turbo", offload="layerwise"), ""),
 ]
