@@ -26,6 +26,7 @@ from .features.cache import CacheConfig, measured_speedup, run_config
 from .features.offload import get_offload
 from .inputs import check_batch_index, check_conditioning, check_latent, check_noise_mask, check_sigmas
 from .local import LocalRunner
+from .runner import Runner
 from .sampling import (
     SAMPLERS,
     cfg_on,
@@ -101,7 +102,7 @@ class Engine:
         """``runner``: a LocalRunner / RankedRunner (where the DiT runs), or a model in memory (wrapped in a LocalRunner, which
         attaches the features ``config`` asks for)."""
         self.config = config or EngineConfig()
-        self.runner = LocalRunner(runner, self.config) if isinstance(runner, nn.Module) else runner
+        self.runner: Runner = LocalRunner(runner, self.config) if isinstance(runner, nn.Module) else runner
         self.source = source
         self.dtype_reason = "asked for" if self.config.dtype else "the model's own (given in memory)"  # the router's
         self.last_run = RunStats()

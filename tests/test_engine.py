@@ -192,3 +192,22 @@ def test_a_model_that_produces_nan_stops_at_the_first_bad_step(nan_checkpoint, s
                                      "the weights may be damaged")
     assert isinstance(err.value, InputError)
     assert len(bad.last_run.call_seconds) == 1  # stopped at once, not after the whole run
+
+
+def test_both_runners_follow_the_runner_protocol(eng):
+    """What Engine asks of where the DiT runs is declared once (engine/runner.py): the local runner and the ranked
+    one provide every member, and so do their runs (the ranked runner's attributes read from its constructor: making
+    one starts worker processes, which tests/test_parallel.py does)."""
+    import inspect
+    import re
+
+    from engine.local import LocalRun
+    from engine.parallel.ranked import RankedRun, RankedRunner
+    from engine.runner import Run, Runner, members
+
+    assert "run" in members(Runner) and "config" in members(Runner) and members(Run) == ["call", "finish"]
+    assert [m for m in members(Runner) if not hasattr(eng.runner, m)] == []
+    assigned = inspect.getsource(RankedRunner.__init__)
+    assert [m for m in members(Runner)
+            if not hasattr(RankedRunner, m) and not re.search(rf"self\.{m}\b[^=\n]*=", assigned)] == []
+    assert [m for m in members(Run) if not (hasattr(LocalRun, m) and hasattr(RankedRun, m))] == []
