@@ -282,3 +282,52 @@ def test_comfyuis_repack_layout_loads_and_matches_comfyuis_own_z_image(tmp_path)
     with torch.inference_mode():
         got = eng.dit_forward(t["x"], t["sigma"] * 1000, t["ctx"], torch.tensor([9, 9]))
     torch.testing.assert_close(got, t["out"], rtol=1e-4, atol=1e-4 * t["out"].abs().max().item())
+
+
+def _to_original(sd: dict) -> dict:
+    """Our names -> Z-Image's original ones (ComfyUI's repack, the GGUF files made from it): q, k, v fused."""
+    from engine.models.zimage.config import ORIGINAL_LAYOUT
+
+    out = {}
+    for k, v in sd.items():
+        if ".attention.to_k." in k or ".attention.to_v." in k:
+            continue
+        if k.endswith(".attention.to_q.weight"):
+            stem = k[: -len(".attention.to_q.weight")]
+            out[stem + ".attention.qkv.weight"] = torch.cat([sd[f"{stem}.attention.to_{c}.weight"] for c in "qkv"])
+            continue
+        for theirs, ours in ORIGINAL_LAYOUT.renames:
+            k = k.replace(ours, theirs)
+        out[k] = v
+    return out
+
+
+def test_a_gguf_file_in_the_original_layout(tmp_path):
+    """A Z-Image GGUF in the original names with ComfyUI-GGUF's prefix, its 2-D weights in Q8_0 (q, k and v fused
+    in one block-quantized tensor): the fused rows split when read, and the engine's forward equals our model on
+    gguf's own dequantization of the same bytes."""
+    from gguf_files import Q, reference_state, write_gguf
+
+    from engine.models.zimage.config import ORIGINAL_LAYOUT
+
+    cfg = ZImageConfig(hidden_size=256, num_layers=2, num_refiner_layers=1, num_attention_heads=4,
+                       ffn_hidden_size=512, text_in_dim=256, rope_axes_dim=(16, 24, 24), time_mid_dim=256)
+    torch.manual_seed(0)
+    original = _to_original(ZImageTransformer(cfg).state_dict())
+    types = {k: Q.Q8_0 if k.endswith(".weight") and v.dim() == 2 and v.shape[-1] % 32 == 0 else Q.F32
+             for k, v in original.items()}
+    path = write_gguf(tmp_path / "z_image_turbo-Q8_0.gguf", original, types, "comfy")
+    ours = {}
+    for k, v in reference_state(path).items():  # gguf's dequantization, in our names
+        for name, part in ORIGINAL_LAYOUT.translate(k):
+            ours[name] = v if part is None else v.chunk(part[1])[part[0]]
+    ref = ZImageTransformer(cfg).eval()
+    ref.load_state_dict(ours)
+    eng = open_engine(path, EngineConfig(dtype="fp32"))
+    assert eng.describe()["quant"] == "q8_0"  # the block linears stay Q8_0 blocks (the fused rows split)
+    g = torch.Generator().manual_seed(5)
+    x, text = torch.randn(1, 16, 8, 6, generator=g), torch.randn(1, 7, 256, generator=g)
+    with torch.inference_mode():
+        got = eng.dit_forward(x, torch.tensor([400.0]), text, torch.tensor([7]))
+        want = ref(x, torch.tensor([400.0]), text, torch.tensor([7]))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

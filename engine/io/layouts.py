@@ -22,17 +22,30 @@ class LayoutView:
             bare = key[len(prefix):] if key.startswith(prefix) else None
             for name, part in (layout.translate(bare) if bare is not None else [(key, None)]):
                 if part is not None:
-                    rows, parts = file.shape(key)[0], part[1]
-                    if kind(key) is not None or not file.dtype(key).is_floating_point or rows % parts:
-                        raise CheckpointError(
-                            f"{file.path}: tensor '{key}' ({layout.name}: {parts} tensors fused) can be read only as "
-                            f"a plain float tensor of a multiple of {parts} rows (it is {kind(key) or file.dtype(key)}, "
-                            f"{rows} rows); convert the file to safetensors in bf16 or fp16")
+                    self._check_split(key, part[1], kind(key))
                 ours = prefix + name if bare is not None else name
                 if ours in self._map:
                     raise CheckpointError(f"{file.path}: tensors '{self._map[ours][0]}' and '{key}' are both "
                                           f"'{name}' in {layout.name}")
                 self._map[ours] = (key, part)
+
+    def _check_split(self, key: str, parts: int, kind) -> None:
+        """A fused tensor splits along its rows: a float tensor, or one whose stored rows are its rows (GGUF's block
+        types quantize each row on its own), of a multiple of ``parts`` rows."""
+        file, rows = self.file, self.file.shape(key)[0]
+        stored = getattr(file, "stored_shape", lambda _: file.shape(key))(key)
+        rowwise = file.dtype(key).is_floating_point if kind is None else (len(stored) == 2 and stored[0] == rows)
+        if not rowwise or rows % parts:
+            raise CheckpointError(
+                f"{file.path}: tensor '{key}' ({self.layout.name}: {parts} tensors fused) can be read only as a float "
+                f"or row-wise block-quantized (GGUF) tensor of a multiple of {parts} rows (it is "
+                f"{kind or file.dtype(key)}, {rows} rows, stored as {list(stored)}); convert the file to safetensors")
+
+    def __getattr__(self, name: str):
+        """What the file says of itself (a GGUF file's ``architecture``) is the view's too."""
+        if name.startswith("_") or name in ("file", "layout"):
+            raise AttributeError(name)
+        return getattr(self.file, name)
 
     def keys(self):
         return self._map.keys()
@@ -47,6 +60,17 @@ class LayoutView:
 
     def kind(self, key: str):
         return getattr(self.file, "kind", lambda _: None)(self._map[key][0])
+
+    def stored_shape(self, key: str) -> Tuple[int, ...]:
+        """A block-quantized tensor's byte layout, [rows, bytes per row] (a split keeps its share of the rows)."""
+        theirs, part = self._map[key]
+        shape = tuple(self.file.stored_shape(theirs))
+        return shape if part is None else (shape[0] // part[1],) + shape[1:]
+
+    def stored_bytes(self, key: str) -> int:
+        theirs, part = self._map[key]
+        n = self.file.stored_bytes(theirs)
+        return n if part is None else n // part[1]
 
     def tensors(self, keys=None, **kw) -> Iterator[Tuple[str, torch.Tensor]]:
         wanted: Dict[str, list] = {}  # theirs -> [(ours, part)], each fused tensor read once
