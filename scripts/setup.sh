@@ -12,9 +12,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
   .venv/bin/pip install -q --upgrade pip
 fi
-# --no-compile: Python compiles a module's bytecode when it is first imported; compiling every file of torch and
-# the CUDA libraries at install time costs about 20 s of a fresh setup for files never imported
-pip() { .venv/bin/pip install -q --disable-pip-version-check --no-compile "$@"; }
+pip() { .venv/bin/pip install -q --disable-pip-version-check "$@"; }
 stamp=.venv/.sgld-setup
 want="base-$(sha1sum requirements.txt pyproject.toml | sha1sum | cut -c1-12)"
 if ! grep -qx "$want" "$stamp" 2>/dev/null; then
