@@ -1,7 +1,7 @@
 """What a prompt-to-picture entry point needs of a model besides its DiT, as one protocol: encode a prompt, the
 latent of a picture size (the one check of a size), decode a latent, the default size. ``sgld generate``,
-``sgld serve`` and ``ErnieImagePipeline`` run on it; the demo model's parts and ERNIE-Image files' (text encoder
-and Flux2 VAE, engine/models/external.py) are here. Latents are [batch, C, h, w] everywhere, pictures
+``sgld serve`` and ``ErnieImagePipeline`` run on it; the demo model's parts and a family's files' (the text encoder
+and VAE its description names: ``Family.companions``) are here. Latents are [batch, C, h, w] everywhere, pictures
 [batch, H, W, 3]: no entry point adds or removes a batch axis of its own."""
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from .errors import InputError
 from .models import demo as demo_pkg
 from .sampling import MAX_IMAGE_SIDE
 
-ERNIE_SIZE = 1024  # ERNIE-Image's default picture side (diffusers' pipeline's, sgld generate's --width)
 PROMPT_CACHE_BYTES = 256 << 20  # recent prompts' features kept (a 512-token prompt of Ministral 3B: 6 MiB)
 
 
@@ -79,14 +78,12 @@ class DemoParts(ImageParts):
         return [w for w in found if w]
 
 
-class ErnieParts(ImageParts):
-    """ERNIE-Image's text encoder and Flux2 VAE (engine/models/external.py: ``TextEncoder``, ``Flux2VAE``)."""
+class FileParts(ImageParts):
+    """A family's text encoder and VAE, loaded from their files (``Family.companions``: engine/models/external.py)."""
 
-    default_size = ERNIE_SIZE
-    family = "ernie-image"  # the DiT family these parts go with
-
-    def __init__(self, text_encoder, vae, prompt_cache_bytes: int = PROMPT_CACHE_BYTES):
-        self.text_encoder, self.vae = text_encoder, vae
+    def __init__(self, text_encoder, vae, family, prompt_cache_bytes: int = PROMPT_CACHE_BYTES):
+        self.text_encoder, self.vae, self.family = text_encoder, vae, family
+        self.default_size = family.companions.default_size
         self.prompt_cache_bytes = prompt_cache_bytes
         self._features: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         self._kept_bytes = 0
@@ -121,6 +118,9 @@ class ErnieParts(ImageParts):
     def latent_shape(self, width: int, height: int, batch: int = 1) -> Tuple[int, ...]:
         if not (1 <= width <= MAX_IMAGE_SIDE and 1 <= height <= MAX_IMAGE_SIDE):
             raise InputError(f"each side must be from 1 to {MAX_IMAGE_SIDE} pixels")
+        multiple = self.vae.stride * self.family.latent.cells_per_token  # the DiT's patches of the VAE's cells
+        if width % multiple or height % multiple:
+            raise InputError(f"image size {width}x{height} is not a positive multiple of {multiple}")
         return self.vae.latent_shape(width, height, batch)  # the VAE's own rule (a multiple of its stride)
 
     def decode_float(self, latent: torch.Tensor) -> torch.Tensor:

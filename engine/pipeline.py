@@ -6,7 +6,7 @@
 
 The parts come from ``engine.release.resolve_release``; the DiT runs in this project's ``Engine`` (every engine
 option of ``EngineConfig`` is a keyword of ``from_pretrained``), the text encoder and VAE are
-engine/models/external.py's (transformers' Mistral3 / Ministral3, diffusers' AutoencoderKLFlux2), the prompt
+those the DiT's family names (``Family.companions``: transformers' models, diffusers' VAEs), the prompt
 enhancer engine/prompt_enhancer.py's. Sigma schedule, CFG and the mapping to diffusers' scheduler:
 docs/python.md.
 """
@@ -30,16 +30,16 @@ from .errors import InputError
 from .features.cache import CacheConfig, resolve_config
 from .features.compile import compile_blocks
 from .features.lora import parse_spec
-from .image_parts import DemoParts, ErnieParts, ImageParts
+from .image_parts import DemoParts, FileParts, ImageParts
 from .inputs import check_sampling_settings, check_seed
 from .io.checkpoint import parse_dtype
 from .models import demo as demo_pkg
-from .models.external import Flux2VAE, TextEncoder, text_encoder_dtype
+from .models.external import text_encoder_dtype
 from .prompt_enhancer import PromptEnhancer
-from .release import Release, resolve_release
+from .release import Release, dit_family, resolve_release
 from .router import open_engine
 from .sampling import DEFAULT_SHIFT, SAMPLERS, SCHEDULERS, time_snr_shift
-from .sampling_options import MODEL_DEFAULTS, SampleRequest, SamplingOptions, model_defaults, model_kind
+from .sampling_options import SampleRequest, SamplingOptions, model_defaults, model_kind
 
 OUTPUT_TYPES = ("pil", "np", "latent")
 ENGINE_OPTIONS = tuple(n for n in options.declared(EngineConfig) if n not in ("dtype", "device"))
@@ -144,9 +144,12 @@ class ErnieImagePipeline:
             kind = "demo"
         else:
             release.require("text_encoder", "vae", why="a single DiT file needs text_encoder= and vae= (folders or files)")
-            te = TextEncoder.load(release.text_encoder, dtype=parse_dtype(config.dtype), device=config.device,
-                                  tokenizer=release.tokenizer, config=text_encoder_config, placement=text_encoder_device)
-            parts = ErnieParts(te, Flux2VAE.load(release.vae, device=config.device, config=vae_config))
+            family = dit_family(release.transformer)
+            te = family.companions.text_encoder.load(
+                release.text_encoder, dtype=parse_dtype(config.dtype), device=config.device,
+                tokenizer=release.tokenizer, config=text_encoder_config, placement=text_encoder_device)
+            parts = FileParts(te, family.companions.vae.load(release.vae, device=config.device, config=vae_config),
+                              family)
             engine = open_engine(release.transformer, config)
             kinds = {model_kind(release.transformer)} | ({model_kind(release.source)} if release.kind == "hub" else set())
             kind = "turbo" if "turbo" in kinds else "base"  # a repo id's name says Turbo too (its snapshot's cannot)
@@ -183,10 +186,19 @@ class ErnieImagePipeline:
         return self.engine.runner.dtype
 
     @property
+    def guidance_offset(self) -> float:
+        """What ``guidance_scale`` adds up to the engine's cfg with (its family's diffusers pipeline's convention)."""
+        family = getattr(self.parts, "family", None)
+        return family.companions.guidance_offset if family is not None else 0.0
+
+    @property
     def defaults(self) -> dict:
         """{"steps", "cfg"}: the model's (engine/sampling_options.py: Base, Turbo; a demo file's own, the demo-turbo's
         8 steps at cfg 1)."""
-        return model_defaults(self.release.transformer) if self.kind == "demo" else dict(MODEL_DEFAULTS[self.kind])
+        if self.kind == "demo":
+            return model_defaults(self.release.transformer)
+        variants = self.parts.family.sampling_defaults  # the kind's, else the family's first (a name says no kind)
+        return dict(variants.get(self.kind) or next(iter(variants.values())))
 
     # -- engine features ---------------------------------------------------------------------------------------
     def enable_cache(self, preset: str = "balanced", **fields) -> None:
@@ -302,7 +314,7 @@ class ErnieImagePipeline:
         except InputError as e:
             raise InputError(f"height/width {height}x{width}: {e}") from None
         steps = self.defaults["steps"] if num_inference_steps is None else num_inference_steps
-        cfg = self.defaults["cfg"] if guidance_scale is None else guidance_scale
+        cfg = self.defaults["cfg"] if guidance_scale is None else guidance_scale + self.guidance_offset
         diffusers_schedule = scheduler is None and self.kind != "demo"
         shift = self.shift if shift is None else shift  # the release's scheduler config, else ComfyUI's 3.0
         check_sampling_settings(steps=steps, cfg=cfg, shift=shift, names=CALL_NAMES)  # before the PE's seconds

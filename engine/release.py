@@ -28,11 +28,11 @@ from .errors import CheckpointError
 from .io.checkpoint import check_architecture, open_checkpoint, read_json_file
 from .io.safetensors import refuse_pickle, refuse_pickles_in
 from .models import demo as demo_model
+from .models import families, family_of
 from .sampling import MAX_SHIFT
 
 COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler", "pe", "pe_tokenizer")
 WEIGHTS = ("transformer", "text_encoder", "vae", "pe")  # the components that hold weights (safetensors only)
-PIPELINE_CLASS = "ErnieImagePipeline"
 DEMO = "demo"
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -141,9 +141,10 @@ def _from_folder(root: str, source: str, kind: str) -> Release:
     index = os.path.join(root, "model_index.json")
     if os.path.isfile(index):
         cls = read_json_file(index).get("_class_name")
-        if cls is not None and cls != PIPELINE_CLASS:
-            raise CheckpointError(f"{index}: field '_class_name' is '{cls}'; this is not an ERNIE-Image release "
-                                  f"(expected '{PIPELINE_CLASS}')")
+        known = [f.companions.pipeline_class for f in families() if f.companions]
+        if cls is not None and cls not in known:
+            raise CheckpointError(f"{index}: field '_class_name' is '{cls}'; this is not a release of a model sgld "
+                                  f"runs (expected {' or '.join(repr(k) for k in known)})")
     parts = {}
     for name in COMPONENTS:
         path = os.path.join(root, name)
@@ -232,3 +233,13 @@ def resolve_release(source, *, text_encoder=None, tokenizer=None, vae=None, sche
         elif os.path.isdir(sibling):
             changes["pe_tokenizer"] = sibling
     return replace(release, **changes) if changes else release
+
+
+def dit_family(dit: str):
+    """The family of the DiT file or folder ``dit``, which must name the text encoder and VAE it runs with
+    (``Family.companions``): ValueError naming the file otherwise (such a DiT runs in ``sgld bench`` and the engine)."""
+    family = family_of(check_architecture(open_checkpoint(dit)))
+    if family.companions is None:
+        raise ValueError(f"{dit} is a {family.title} DiT, whose text encoder and VAE this version does not load: "
+                         f"{family.title} runs in sgld bench with random text features and in the Python engine")
+    return family

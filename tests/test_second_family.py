@@ -380,3 +380,13 @@ def test_two_gloo_ranks(toy):
         for eng in engines:
             eng.release()
         pool_mod.START_TIMEOUT_S, pool_mod.CALL_TIMEOUT_S, pool_mod.PG_TIMEOUT_S = saved
+
+
+def test_sgld_generate_names_a_family_without_a_text_encoder_and_vae(toy, tmp_path, sgld_in_process):
+    """A family whose description names no text encoder and VAE (``Family.companions`` None) is refused by name
+    before anything loads; it runs in sgld bench and the engine."""
+    path = toy["path"]
+    code, _, err = sgld_in_process("generate", "--model", path, "--text-encoder", path, "--vae", path, "--prompt", "a",
+                                   "--out", tmp_path / "t.png")
+    assert code == 2 and "is a Toy-DiT DiT, whose text encoder and VAE this version does not load" in err
+    assert not (tmp_path / "t.png").exists()

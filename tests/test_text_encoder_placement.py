@@ -14,7 +14,8 @@ import tiny_release
 import torch
 
 from engine.cli import main as sgld
-from engine.image_parts import ErnieParts
+from engine.image_parts import FileParts
+from engine.models import get as get_family
 from engine.models.external import Flux2VAE, TextEncoder, text_encoder_dtype
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,16 +128,16 @@ def test_recent_prompts_do_not_wake_the_text_encoder(release):
     one = c.te.encode(PROMPT)
     size = one.numel() * one.element_size()
     c.calls = 0
-    parts = ErnieParts(c.te, None)
+    parts = FileParts(c.te, None, get_family("ernie-image"))
     first = parts.encode(PROMPT)
     assert torch.equal(parts.encode(PROMPT), first) and c.calls == 1  # kept
     parts.encode("a blue dog")
     assert c.calls == 2
-    room_for_one = ErnieParts(c.te, None, prompt_cache_bytes=size + 1)  # least recently used out
+    room_for_one = FileParts(c.te, None, get_family("ernie-image"), prompt_cache_bytes=size + 1)  # least recently used out
     for p in (PROMPT, "a", PROMPT, "a", "a"):
         room_for_one.encode(p)
     assert c.calls == 2 + 4
-    nothing = ErnieParts(c.te, None, prompt_cache_bytes=0)
+    nothing = FileParts(c.te, None, get_family("ernie-image"), prompt_cache_bytes=0)
     nothing.encode(PROMPT), nothing.encode(PROMPT)
     assert c.calls == 2 + 4 + 2
     parts.forget_prompts()  # the encoder changed (the pipeline's .to()): computed again

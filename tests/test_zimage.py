@@ -219,23 +219,6 @@ def test_two_gloo_ranks(zimage):
             eng.release()
 
 
-def test_sgld_generate_says_which_families_it_pairs(zimage, tmp_path, capsys):
-    """The CLI's text encoder and VAE are ERNIE-Image's: a Z-Image DiT is named and refused before anything loads."""
-    from engine.cli import main
-
-    threads = torch.get_num_threads()
-    path = zimage["path"]
-    try:
-        code = main(["generate", "--model", path, "--text-encoder", path, "--vae", path, "--prompt", "a",
-                     "--out", str(tmp_path / "z.png")])
-    except SystemExit as e:
-        code = e.code
-    finally:
-        torch.set_num_threads(threads)
-    assert code == 2 and "is a Z-Image DiT" in capsys.readouterr().err
-    assert not (tmp_path / "z.png").exists()
-
-
 # ComfyUI 0.3.75's own Z-Image DiT (comfy/ldm/lumina/model.py, NextDiT as model_detection configures it for Z-Image)
 # on random weights, saved in its own names (the original layout of ComfyUI's repack), with its output
 COMFY_NEXTDIT = r"""

@@ -13,6 +13,7 @@ from .. import options
 from ..config import PARALLEL, EngineConfig
 from ..errors import CheckpointError
 from ..features.cache import CacheConfig
+from ..models import families
 from ..models.external import PLACEMENTS
 from ..prompt_enhancer import MAX_NEW_TOKENS_CAP, PromptEnhancer
 from ..sampling import MAX_IMAGE_SIDE
@@ -23,6 +24,11 @@ TITLES = {PARALLEL: "parallel (docs/parallel.md): ranks = tp x ulysses x ring x 
 CACHE_TITLE = "Cache-DiT (default: the SGLANG_CACHE_DIT_* environment)"
 AT_LEAST_HINTS = {"num_gpus": "; leave it out for the product of the degrees"}
 
+
+
+def file_families() -> str:
+    """"ERNIE-Image or Z-Image": the families whose text encoder and VAE sgld loads (``Family.companions``)."""
+    return " or ".join(f.title for f in families() if f.companions)
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Every EngineConfig flag, and --threads."""

@@ -19,15 +19,12 @@ from tqdm import tqdm
 from ..errors import CheckpointError
 from ..features.cache import resolve_config
 from ..features.lora import parse_spec
-from ..image_parts import DemoParts, ErnieParts, ImageParts
+from ..image_parts import DemoParts, FileParts, ImageParts
 from ..io.atomic import atomic_write
 from ..io.checkpoint import check_architecture, open_checkpoint
 from ..models import demo as demo_pkg
-from ..models import family_of
-from ..models import get as get_family
-from ..models.external import Flux2VAE, TextEncoder
 from ..options import declared
-from ..release import DEMO, resolve_release
+from ..release import DEMO, dit_family, resolve_release
 from ..router import open_engine
 from ..sampling import MAX_IMAGE_SIDE
 from ..sampling_options import SampleRequest, SamplingOptions, from_flags
@@ -43,6 +40,7 @@ from .common import (
     check_output_path,
     check_pe_args,
     engine_config,
+    file_families,
     load_prompt_enhancer,
     use_threads,
 )
@@ -68,14 +66,14 @@ def add_parser(sub) -> None:
     g.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH",
                    help="apply a LoRA (.safetensors; diffusers/PEFT, ai-toolkit, kohya or ComfyUI keys) at STRENGTH "
                         "(default 1.0); repeat the flag to stack several")
-    ext = g.add_argument_group("ERNIE-Image files instead of the demo (--model-path, or all three of --model "
+    ext = g.add_argument_group(f"{file_families()} files instead of the demo (--model-path, or all three of --model "
                                "--text-encoder --vae; needs transformers and diffusers)")
     add_release_arguments(ext)
-    ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder; 'demo-turbo': "
+    ext.add_argument("--model", help=f"{file_families()} DiT: .safetensors file or diffusers transformer/ folder; 'demo-turbo': "
                                      "the embedded demo distilled to 8 steps at cfg 1 (36 blocks)")
     add_text_encoder_arguments(ext, "text encoder folder (HF text_encoder/; tokenizer inside or in the sibling "
                                     "tokenizer/) or single file (ComfyUI's; its config.json and tokenizer beside it)")
-    ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/) or single file (ComfyUI's flux2-vae.safetensors)")
+    ext.add_argument("--vae", help="VAE folder (HF vae/) or single file (ComfyUI's flux2-vae.safetensors, ae.safetensors)")
     ext.add_argument("--width", type=int, default=None,
                      help=f"image width in pixels, up to {MAX_IMAGE_SIDE} (default 1024; the demo makes 64x64 only)")
     ext.add_argument("--height", type=int, default=None, help="image height in pixels (as --width)")
@@ -137,7 +135,7 @@ def _find_demo_dit(args):
 def make_parts(args) -> LoadedModel:
     """The model the flags name: ERNIE-Image files (--model-path, or --model --text-encoder --vae) or the demo (its
     own DiT, or a copy of it in another format). The engine runs on ``use_threads``' count."""
-    loaded = (_ernie_parts if uses_ernie_files(args) else _demo_parts)(args)
+    loaded = (_file_parts if uses_files(args) else _demo_parts)(args)
     use_threads(loaded.engine, args)
     return loaded
 
@@ -150,52 +148,51 @@ def _demo_parts(args) -> LoadedModel:
         warning = demo.tokenizer.unknown_words_warning(getattr(args, name, ""), where=f" in --{name}")
         if warning:
             print(f"sgld: warning: {warning}", file=sys.stderr)
-    # the DiT through the same router as ERNIE-Image files: several ranks (--num-gpus, --tp, ...) run it
+    # the DiT through the same router as a family's files: several ranks (--num-gpus, --tp, ...) run it
     # in worker processes, in the compute dtype of every entry point unless --dtype says (engine/compute_dtype.py)
     config = engine_config(args, cache=resolve_config(cache_config(args)))
     return LoadedModel(open_engine(dit, config), DemoParts(demo), dit)
 
 
-def _ernie_parts(args) -> LoadedModel:
-    """The same parts from ERNIE-Image files (engine/models/external.py)."""
+def _files(args):
+    """The files of the DiT, its text encoder and VAE the flags name (a Release), and the DiT's family, checked in the
+    order a user fixes them (each named if missing). Decided once."""
+    if getattr(args, "_files", None) is not None:
+        return args._files
     release = release_of(args)
     if release is not None:
         release.require("transformer", "text_encoder", "vae", why="the DiT, its text encoder and the VAE")
-        files = release
-        _check_family(files.transformer)
+        files, family = release, dit_family(release.transformer)
     else:
         if not args.model:
             raise ValueError("--model, --text-encoder and --vae go together; missing --model (or give --model-path: a "
                              "release folder holding all three)")
-        # the DiT first, then the text encoder and the VAE: the order a user fixes them (each named if missing)
         files = resolve_release(args.model, text_encoder=args.text_encoder, vae=args.vae)
-        _check_family(files.transformer)  # an unusable DiT is named before the other two
+        family = dit_family(files.transformer)  # an unusable DiT is named before the other two
         missing = [f"--{n.replace('_', '-')}" for n in ("text_encoder", "vae") if getattr(files, n) is None]
         if missing:
             raise ValueError(f"--model, --text-encoder and --vae go together; missing {', '.join(missing)} (or give "
                              "--model-path: a release folder holding all three; a DiT of the demo's shapes alone "
                              "runs with the demo's own)")
-    vae = Flux2VAE.load(files.vae, device=args.device)
-    te = TextEncoder.load(files.text_encoder, device=args.device, tokenizer=files.tokenizer,
-                          placement=args.text_encoder_device)
+    args._files = (files, family)
+    return args._files
+
+
+def _file_parts(args) -> LoadedModel:
+    """The parts from a family's files: its DiT, and the text encoder and VAE its description names."""
+    files, family = _files(args)
+    vae = family.companions.vae.load(files.vae, device=args.device)
+    te = family.companions.text_encoder.load(files.text_encoder, device=args.device, tokenizer=files.tokenizer,
+                                             placement=args.text_encoder_device)
     eng = open_engine(files.transformer, engine_config(args, cache=resolve_config(cache_config(args))))
-    return LoadedModel(eng, ErnieParts(te, vae), files.transformer)
-
-
-def _check_family(dit: str) -> None:
-    """The DiT must be of the family whose text encoder and VAE these parts are (others: ``sgld bench``, the engine)."""
-    family = family_of(check_architecture(open_checkpoint(dit)))
-    if family.name != ErnieParts.family:
-        raise ValueError(f"--model: {dit} is a {family.title} DiT; sgld generate and sgld serve pair a DiT with "
-                         f"{get_family(ErnieParts.family).title}'s text encoder and VAE only for now ({family.title} "
-                         "runs in sgld bench with random text features and in the Python engine)")
+    return LoadedModel(eng, FileParts(te, vae, family), files.transformer)
 
 
 def cmd_generate(args) -> dict:
     """A picture from a prompt (the embedded demo model, or ERNIE-Image files): PNG with ComfyUI-style text metadata."""
     t0 = time.perf_counter()
     run = check_generate_args(args)
-    size = ErnieParts.default_size if uses_ernie_files(args) else DemoParts.default_size
+    size = _files(args)[1].companions.default_size if uses_files(args) else DemoParts.default_size
     width, height = args.width or size, args.height or size
     revised, pe_stats = _enhance(args, width, height, run["seed"])  # first: its memory is free before the DiT loads
     loaded = make_parts(args)
@@ -285,13 +282,13 @@ def _save_png(image, path: str, settings: dict, stats: dict) -> None:
         Image.fromarray(image).save(f, format="PNG", pnginfo=info)
 
 
-def uses_ernie_files(args) -> bool:
+def uses_files(args) -> bool:
     return demo_dit(args) is None
 
 
 def model_source(args) -> str:
     """What decides the defaults: the DiT file or folder the flags name (the demo's file for a DiT of its shapes)."""
-    if not uses_ernie_files(args):
+    if not uses_files(args):
         return demo_dit(args)  # the demo's, the demo-turbo's (a copy: the embedded file of its shapes decides)
     release = release_of(args)
     return release.transformer if release is not None else args.model or ""
@@ -301,7 +298,7 @@ def release_shift(args):
     """The sigma shift of the release the DiT comes from (--model-path, or a --model transformer/ folder inside a
     release folder: Release.shift, the pipeline's reading), None when there is none."""
     release = release_of(args)
-    if release is None and args.model and uses_ernie_files(args) and os.path.exists(args.model):
+    if release is None and args.model and uses_files(args) and os.path.exists(args.model):
         release = resolve_release(args.model)  # its transformer/ folder finds the release around it
     return release.shift() if release is not None else None
 
@@ -309,7 +306,7 @@ def release_shift(args):
 def check_generate_args(args) -> tuple:
     """Every option of ``sgld generate`` checked before anything loads (ValueError naming the option and
     what is allowed). Returns the run's sampling settings (``SAMPLING``): the flags', else the model's defaults."""
-    external = uses_ernie_files(args)
+    external = uses_files(args)
     if external:
         check_image_sides(args)
     else:

@@ -25,9 +25,10 @@ from .common import (
     cache_config,
     check_pe_args,
     engine_config,
+    file_families,
     load_prompt_enhancer,
 )
-from .generate import demo_dit, make_parts, model_source, release_of, release_shift, uses_ernie_files
+from .generate import demo_dit, make_parts, model_source, release_of, release_shift, uses_files
 
 try:  # the HTTP server's packages are an extra (pip install '.[serve]'): without them the other commands still run
     import uvicorn
@@ -93,13 +94,13 @@ def add_parser(sub) -> None:
     add_sampling_arguments(s.add_argument_group("defaults of a request without num_inference_steps / guidance_scale"),
                            SAMPLING)
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    ext = s.add_argument_group("ERNIE-Image files instead of the demo (--model-path, or all three of --model "
+    ext = s.add_argument_group(f"{file_families()} files instead of the demo (--model-path, or all three of --model "
                                "--text-encoder --vae)")
     add_release_arguments(ext)
-    ext.add_argument("--model", help="ERNIE-Image DiT: .safetensors file or diffusers transformer/ folder; 'demo-turbo': "
+    ext.add_argument("--model", help=f"{file_families()} DiT: .safetensors file or diffusers transformer/ folder; 'demo-turbo': "
                                      "the embedded demo distilled to 8 steps at cfg 1")
     add_text_encoder_arguments(ext, "text encoder folder (HF text_encoder/)")
-    ext.add_argument("--vae", help="Flux2 VAE folder (HF vae/)")
+    ext.add_argument("--vae", help="VAE folder (HF vae/)")
     add_pe_arguments(s)  # requests ask for it with "enhance_prompt": true
     add_engine_arguments(s)
     add_cache_arguments(s)
@@ -116,7 +117,7 @@ def served_model(args) -> ServedModel:
     loaded = make_parts(args)
     if args.loras:
         loaded.engine.set_loras(args.loras)
-    if args.served_model_name or not uses_ernie_files(args):
+    if args.served_model_name or not uses_files(args):
         turbo = demo_dit(args) == demo_model.DEMO_TURBO_WEIGHTS
         name = args.served_model_name or (DEMO_ID + "-turbo" if turbo else DEMO_ID)
     elif release is not None and release.kind == "hub":

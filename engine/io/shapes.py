@@ -50,10 +50,11 @@ def _sizes(config: dict) -> str:
 
 def check_counts(config: dict, tensors: int, where: str) -> None:
     """Every layer/block count of ``config`` (``*layers``, ``COUNT_FIELDS``; a list counts its items) at most
-    ``tensors``, the weights' tensor count: a layer or block has at least one."""
+    ``tensors``, the weights' tensor count: a layer or block has at least one. A ``max_*layers`` field is a bound on
+    a layer's index (Qwen3's ``max_window_layers``: the layers with a sliding window), not layers built."""
     for key, value in _flat(config).items():
         field = key.rpartition(".")[2]
-        if field.endswith("layers") or field in COUNT_FIELDS:
+        if (field.endswith("layers") and not field.startswith("max_")) or field in COUNT_FIELDS:
             count = len(value) if isinstance(value, list) else value
             if type(count) is int and count > tensors:
                 raise CheckpointError(f"{where}: field '{key}' = {_short(value)} asks for more layers or blocks than "

@@ -175,7 +175,12 @@ def text_encoder_dtype(device) -> torch.dtype:
 class TextEncoder:
     """Prompt -> [tokens, hidden] features for the DiT. The weights live on ``home`` and compute on ``device``: with
     ``home`` the CPU and ``device`` a GPU, each prompt moves them onto the GPU and back, so the GPU holds the DiT
-    alone while it samples (3B in bf16: 6.4 GiB not held beside it)."""
+    alone while it samples (3B in bf16: 6.4 GiB not held beside it). A family's encoder is this class with its own
+    way of writing the prompt (``template``, ``bos_first``, ``max_tokens``): ERNIE-Image's, the prompt as it is."""
+
+    template = "{}"  # the text the tokenizer reads, the prompt in its place
+    bos_first = True  # a BOS token first, when the tokenizer has one and did not add it
+    max_tokens = MAX_TEXT_TOKENS  # the tokens read (the rest cut off)
 
     def __init__(self, model, tokenizer, device: str = "cpu", home: Optional[str] = None, placement: str = "resident"):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
@@ -246,8 +251,9 @@ class TextEncoder:
         return cls(model.to(home).eval(), tokenizer, device, home, placement)
 
     def token_ids(self, prompt: str) -> torch.Tensor:
-        ids = self.tokenizer(prompt, add_special_tokens=True, truncation=True, max_length=MAX_TEXT_TOKENS)["input_ids"]
-        bos = self.tokenizer.bos_token_id
+        ids = self.tokenizer(self.template.format(prompt), add_special_tokens=True, truncation=True,
+                             max_length=self.max_tokens)["input_ids"]
+        bos = self.tokenizer.bos_token_id if self.bos_first else None
         if bos is not None and (not ids or ids[0] != bos):  # some tokenizer builds do not add BOS
             ids = [bos] + ids
         return torch.tensor([ids])
@@ -283,49 +289,50 @@ class TextEncoder:
                 move_weights(self.model, self.home)
 
 
-class Flux2VAE:
-    """DiT latent [B, 128, H/16, W/16] <-> RGB images, through diffusers' AutoencoderKLFlux2."""
+class DiffusersVAE:
+    """A family's VAE through diffusers (``diffusers_class``): DiT latents <-> RGB images. A subclass says how the
+    DiT's latent maps onto the VAE's (``_vae_latent``), its ``channels`` and pixels per latent cell (``stride``)."""
+
+    diffusers_class = ""  # the diffusers class the weights and config are for
+    channels: int
+    stride: int
 
     def __init__(self, vae, device: str = "cpu"):
         self.vae, self.device = vae, torch.device(device)
-        self.patch = tuple(vae.config.patch_size)
-        self.stride = 2 ** (len(vae.config.block_out_channels) - 1) * self.patch[0]
 
     @classmethod
-    def load(cls, path: str, device: str = "cpu", config: Optional[str] = None) -> "Flux2VAE":
+    def load(cls, path: str, device: str = "cpu", config: Optional[str] = None) -> "DiffusersVAE":
         """``path``: the release's vae/ folder or a single file (see the module's docstring)."""
         diffusers = _require("diffusers", "the VAE")
+        model_class = getattr(diffusers, cls.diffusers_class)
+        what = f"VAE '{path}' could not be loaded as a {cls.diffusers_class} by diffusers"
         single = os.path.isfile(path)
         folder = _config_folder(path, config) if single else _safetensors_folder(path, "VAE", config)
         config_path = os.path.join(folder, "config.json") if folder else ""
         if config_path and not os.path.isfile(config_path):
             raise InputError(f"VAE '{path}': no config.json in the folder (the release's vae/ folder has one)")
-        cfg = read_json_file(config_path) if folder else {}  # none: AutoencoderKLFlux2's defaults
+        cfg = read_json_file(config_path) if folder else {}  # none: the class's defaults (the release's sizes)
         header, origin = _header(path)  # first the sizes: the header, the config's counts, a meta build
         check_counts(cfg, len(header), config_path or path)
         try:
-            meta = on_meta(lambda: diffusers.AutoencoderKLFlux2.from_config(cfg))
+            meta = on_meta(lambda: model_class.from_config(cfg))
             have = _vae_keys(header, meta.config) if single else header
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise InputError(f"VAE '{path}' could not be loaded as a Flux2 VAE by diffusers: {e}") from None
+            raise InputError(f"{what}: {e}") from None
         check_sizes(meta, have, f"VAE '{path}'", "VAE file", cfg, config_path, strict=single, origin=origin,
                     weights=path)
         del meta
         try:
-            vae = diffusers.AutoencoderKLFlux2.from_config(cfg) if single else diffusers.AutoencoderKLFlux2.from_pretrained(
+            vae = model_class.from_config(cfg) if single else model_class.from_pretrained(
                 path, torch_dtype=torch.float32, use_safetensors=True, low_cpu_mem_usage=False)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise InputError(f"VAE '{path}' could not be loaded as a Flux2 VAE by diffusers: {e}") from None
+            raise InputError(f"{what}: {e}") from None
         if single:
             _load(vae, _vae_keys(_read_single_file(path), vae.config))
         # diffusers' tiled decode above the VAE's trained size (config sample_size, 1024 px): a 2048² picture decodes
         # in overlapping 1024² tiles, blended, with a quarter of the working memory (its error: bench/RESULTS.md)
         vae.enable_tiling()
         return cls(vae.float().to(device).eval(), device)
-
-    @property
-    def channels(self) -> int:
-        return self.vae.config.latent_channels * self.patch[0] * self.patch[1]
 
     def latent_shape(self, width: int, height: int, batch: int = 1) -> tuple:
         """[batch, channels, height / stride, width / stride]; InputError unless each side is a positive multiple
@@ -337,15 +344,13 @@ class Flux2VAE:
     def empty_latent(self, width: int, height: int, batch: int = 1) -> torch.Tensor:
         return torch.zeros(self.latent_shape(width, height, batch))
 
+    def _vae_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        """The DiT's latent [B, C, h, w] as the VAE's decoder takes it."""
+        raise NotImplementedError
+
     def _pixels(self, latent: torch.Tensor) -> torch.Tensor:
-        """DiT latent -> the VAE's output [B, 3, H, W] (about -1..1): de-normalised, un-patchified, decoded."""
-        bn = self.vae.bn
-        z = latent.to(self.device, torch.float32)
-        z = z * torch.sqrt(bn.running_var.view(1, -1, 1, 1) + BN_EPS) + bn.running_mean.view(1, -1, 1, 1)
-        b, c, h, w = z.shape
-        py, px = self.patch
-        z = z.view(b, c // (py * px), py, px, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // (py * px), h * py, w * px)
-        return self.vae.decode(z).sample
+        """DiT latent -> the VAE's output [B, 3, H, W] (about -1..1)."""
+        return self.vae.decode(self._vae_latent(latent.to(self.device, torch.float32))).sample
 
     @torch.no_grad()
     def decode_float(self, latent: torch.Tensor) -> torch.Tensor:
@@ -357,3 +362,24 @@ class Flux2VAE:
         """DiT latent -> uint8 images [B, H, W, 3]."""
         img = self._pixels(latent)
         return ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+
+class Flux2VAE(DiffusersVAE):
+    """ERNIE-Image's: the DiT latent [B, 128, H/16, W/16] is the Flux2 VAE's latent patchified 2x2 and normalised by
+    its BatchNorm's running statistics."""
+
+    diffusers_class = "AutoencoderKLFlux2"
+
+    def __init__(self, vae, device: str = "cpu"):
+        super().__init__(vae, device)
+        self.patch = tuple(vae.config.patch_size)
+        self.stride = 2 ** (len(vae.config.block_out_channels) - 1) * self.patch[0]
+        self.channels = vae.config.latent_channels * self.patch[0] * self.patch[1]
+
+    def _vae_latent(self, z: torch.Tensor) -> torch.Tensor:
+        bn = self.vae.bn
+        z = z * torch.sqrt(bn.running_var.view(1, -1, 1, 1) + BN_EPS) + bn.running_mean.view(1, -1, 1, 1)
+        b, c, h, w = z.shape
+        py, px = self.patch
+        return z.view(b, c // (py * px), py, px, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // (py * px), h * py,
+                                                                                         w * px)

@@ -142,6 +142,21 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class Companions:
+    """What a prompt-to-picture entry point (``sgld generate`` / ``serve``, the pipeline) loads beside a family's DiT:
+    the classes of its text encoder and VAE (each ``load(path, device=..., config=...)``; the text encoder also
+    ``dtype``, ``tokenizer``, ``placement``: engine/models/external.py) and what a picture is by default."""
+
+    text_encoder: type
+    vae: type
+    default_size: int  # the picture's side in pixels when a caller gives none (the release pipeline's default)
+    pipeline_class: str  # ``_class_name`` of the release's model_index.json (diffusers' pipeline)
+    # diffusers' ``guidance_scale`` of that pipeline plus this is the engine's cfg (Z-Image's pipeline guides as
+    # cond + g (cond - uncond): cfg g + 1, and Turbo's guidance_scale=0.0 is cfg 1)
+    guidance_offset: float = 0.0
+
+
+@dataclass(frozen=True)
 class Family:
     """One DiT architecture as the generic layers see it (the module docstring gives the model's contract)."""
 
@@ -178,6 +193,7 @@ class Family:
     # the dtypes it computes in safely, fastest first (ComfyUI's supported_inference_dtypes): the default compute
     # dtype is the first the device computes natively (engine/compute_dtype.py); fp16 only where it does not overflow
     compute_dtypes: Tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+    companions: Optional[Companions] = None  # its text encoder and VAE (None: the DiT alone runs, in sgld bench)
 
     # -- what the generic layers ask ---------------------------------------------------------------------
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..family import Family, Latent, RMSNorm, chunk_rope_context, register, sdpa
+from ..family import Companions, Family, Latent, RMSNorm, chunk_rope_context, register, sdpa
 from .config import ARCHITECTURE, MAX_LAYERS, ORIGINAL_LAYOUT, PATCH, SEQUENCE_MULTIPLE, SIGNATURE_KEYS, ZImageConfig
+from .parts import FluxVAE, QwenTextEncoder
 
 
 class Attention(nn.Module):
@@ -291,4 +292,6 @@ FAMILY = register(Family(
     sampling_defaults={"turbo": {"steps": 9, "cfg": 1.0}},  # ComfyUI's Z-Image-Turbo template and diffusers' example
     sizes=((1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), (1344, 768), (768, 1344)),
     compute_dtypes=(torch.bfloat16, torch.float32),
+    companions=Companions(QwenTextEncoder, FluxVAE, default_size=1024, pipeline_class="ZImagePipeline",
+                          guidance_offset=1.0),
 ))
