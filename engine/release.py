@@ -78,7 +78,7 @@ class Release:
         config = self.scheduler_config()
         where = os.path.join(self.scheduler or "", "scheduler_config.json")
         if config.get("use_dynamic_shifting"):
-            raise CheckpointError(f"{where}: field 'use_dynamic_shifting' is true; ERNIE-Image's pipeline uses the "
+            raise CheckpointError(f"{where}: field 'use_dynamic_shifting' is true; this version runs a release's "
                                   "static shift only (set it to false)")
         value = config.get("shift")
         if value is None:

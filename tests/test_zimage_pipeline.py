@@ -147,3 +147,26 @@ def test_sgld_generate_on_the_release_and_on_comfyuis_single_files(release, pipe
     assert pictures["release"].shape == (32, 48, 3) and pictures["release"].std() > 0
     assert np.abs(pictures["release"].astype(int) - np.round(want * 255)).max() <= 1
     assert np.abs(pictures["release"].astype(int) - pictures["single files"]).max() <= 1
+
+
+@pytest.mark.server
+def test_sgld_serve_answers_the_openai_sdk_with_the_pipelines_picture(release, pipes, tmp_path):
+    """A real `sgld serve` process on the release folder, asked through the openai SDK: Turbo's defaults (9 steps at
+    cfg 1), the picture the pipeline makes with the same seed, and a size off the 16-pixel rule a 400 naming size."""
+    import openai
+    from test_serve import Server, client, pixels
+
+    server = Server(tmp_path / "serve.log", "--model-path", release).wait_ready()
+    try:
+        api = client(server)
+        card = api.models.list().data[0]
+        assert card.id == "Z-Image-Turbo" and (card.default_steps, card.default_guidance_scale) == (9, 1.0)
+        r = api.images.generate(model=card.id, prompt="a red cat", size="48x32", response_format="b64_json",
+                                extra_body={"seed": 5})
+        got = pixels(r.data[0].b64_json)
+        want = pipes[1]("a red cat", height=32, width=48, seed=5, output_type="np", scheduler="simple").images[0]
+        assert got.shape == (32, 48, 3) and np.abs(got.astype(int) - np.round(want * 255)).max() <= 1
+        with pytest.raises(openai.BadRequestError, match="multiple of 16"):
+            api.images.generate(model=card.id, prompt="a red cat", size="40x32", response_format="b64_json")
+    finally:
+        assert server.stop() == 0, server.log()
