@@ -9,7 +9,7 @@ from torch import nn
 from engine.engine import Engine
 from engine.features.cache import CacheConfig, DBCacheRunner, TaylorSeer, mask_str, preset_mask, resolve_config
 from engine.models import family
-from engine.models.ernie_image import run_all_blocks
+from engine.models.family import run_blocks
 from engine.models.random_weights import SIZES, random_model
 
 ENV_VARS = ("ENABLED", "SCM_PRESET", "FN", "BN", "WARMUP", "RDT", "MC", "TAYLORSEER", "TS_ORDER", "SCM_POLICY")
@@ -47,7 +47,7 @@ def test_off_is_bit_equal_and_runner_untouched(engine, monkeypatch):
     monkeypatch.setenv("SGLANG_CACHE_DIT_ENABLED", "true")
     monkeypatch.setenv("SGLANG_CACHE_DIT_SCM_PRESET", "fast")
     assert torch.equal(base, run(engine, CacheConfig(enabled=False)))  # explicit off beats the env
-    assert engine.model.block_runner is run_all_blocks
+    assert engine.model.block_runner is run_blocks
 
 
 def test_all_ones_mask_is_bit_equal(engine):
@@ -75,7 +75,7 @@ def test_the_env_switches_the_cache_on_where_a_run_starts_not_inside_the_engine(
     assert (out - base).abs().max() < 0.5 * base.abs().max()
     d = st.to_dict()
     assert d["calls_computed"] == st.calls_computed and d["speedup"] is not None and "cache" in d
-    assert engine.model.block_runner is run_all_blocks
+    assert engine.model.block_runner is run_blocks
 
 
 @pytest.mark.slow
@@ -147,7 +147,7 @@ def test_interrupt_restores_the_default_runner(engine):
 
     with pytest.raises(Stop):
         run(engine, CacheConfig(preset="fast"), steps=20, callback=cb)
-    assert engine.model.block_runner is run_all_blocks
+    assert engine.model.block_runner is run_blocks
     assert engine.last_run.cache["calls"] == 4
     base = run(engine)
     assert torch.equal(base, run(engine, CacheConfig(enabled=False)))
@@ -157,7 +157,7 @@ def test_bad_config_fails_before_sampling(engine):
     with pytest.raises(ValueError) as err:
         run(engine, CacheConfig(fn=3, bn=1))
     assert "fn" in str(err.value)
-    assert engine.model.block_runner is run_all_blocks
+    assert engine.model.block_runner is run_blocks
 
 
 # -- the runner on a toy model: CFG branches, reuse arithmetic ---------------------------------------

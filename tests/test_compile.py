@@ -13,7 +13,7 @@ from engine.engine import Engine
 from engine.features import compile as C
 from engine.features import patching
 from engine.features import quant as Q
-from engine.models.ernie_image import run_all_blocks
+from engine.models.family import run_blocks
 from engine.models.random_weights import SIZES, random_model
 
 CFG = SIZES["tiny"]
@@ -61,7 +61,7 @@ def test_inductor_equals_eager_one_graph_no_recompile_when_blocks_are_skipped():
         model.block_runner = skip_middle
         h, ctx = eager.embed(*a)
         assert rel(model(*a), eager.unembed(skip_middle(eager, h, ctx), ctx)) < 1e-4
-        model.block_runner = run_all_blocks
+        model.block_runner = run_blocks
         assert C.graph_count() == 1
     # the real Cache-DiT runner inside Engine.sample (CFG batch of the same shapes), steps skipped
     from engine.features.cache import CacheConfig

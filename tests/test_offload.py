@@ -385,7 +385,7 @@ def test_stream_event_schedule_has_no_races(resident_layers):
     buffer release in between, recorded with fake streams and checked for read-after-write and
     write-after-read races; the copy stream never blocks compute more than it must (prefetches are
     issued ahead: the compute of a planned block waits on a copy issued before the previous block ran)."""
-    from engine.models.ernie_image import run_all_blocks
+    from engine.models.family import run_blocks
 
     model = random_model(CFG, seed=0)
     off = O.apply_layerwise_offload(model, "cpu", resident_layers)
@@ -429,12 +429,12 @@ def test_stream_event_schedule_has_no_races(resident_layers):
 
     x = inputs()
     with torch.no_grad():
-        for runner in (run_all_blocks, run_all_blocks, cache_like(True), cache_like(False), cache_like(True),
-                       backwards, run_all_blocks):
+        for runner in (run_blocks, run_blocks, cache_like(True), cache_like(False), cache_like(True),
+                       backwards, run_blocks):
             model.block_runner = runner
             model(*x)
         off.release_buffers()
-        model.block_runner = run_all_blocks
+        model.block_runner = run_blocks
         model(*x)
     assert check_stream_order(log) == 5 * n + 2 + (n - 2) + 2 + 2
     # prefetch really is ahead: apart from the first block of a run (and every block of the unplanned

@@ -23,7 +23,7 @@ from torch import nn
 
 from .ernie_image_config import ARCHITECTURE, MAX_LAYERS, SIGNATURE_KEYS, ErnieImageConfig
 from .external import Flux2VAE, TextEncoder
-from .family import Companions, Family, Latent, RMSNorm, chunk_rope_context, register, sdpa
+from .family import Companions, Family, Latent, RMSNorm, chunk_rope_context, register, run_blocks, sdpa
 
 
 class Attention(nn.Module):
@@ -171,7 +171,7 @@ class ErnieImageTransformer(nn.Module):
         self.final_linear = nn.Linear(h, cfg.patch_size * cfg.patch_size * cfg.out_channels)
         self.attention = sdpa
         # Replaceable by wrappers (cache, offload, parallel): (model, h, ctx) -> h.
-        self.block_runner: Callable = run_all_blocks
+        self.block_runner: Callable = run_blocks
 
     @property
     def dtype(self) -> torch.dtype:
@@ -249,12 +249,6 @@ class ErnieImageTransformer(nn.Module):
         h, ctx = self.embed(hidden_states, timestep, text_bth, text_lens)
         h = self.block_runner(self, h, ctx)
         return self.unembed(h, ctx)
-
-
-def run_all_blocks(model: ErnieImageTransformer, h: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
-    for block in model.layers:
-        h = block(h, ctx)
-    return h
 
 
 # -- what the generic layers know of ERNIE-Image (engine/models/family.py) ------------------------------------

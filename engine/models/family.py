@@ -141,6 +141,14 @@ class Layout:
         return [(key, None)]
 
 
+def run_blocks(model: nn.Module, h: torch.Tensor, ctx) -> torch.Tensor:
+    """The plain block loop, every block on every row: a model's ``block_runner`` until a feature replaces it
+    (Cache-DiT's loop, engine/features/cache/loop.py; offload and parallel wrap the blocks or call this)."""
+    for block in family_of(model).blocks_of(model):
+        h = block(h, ctx)
+    return h
+
+
 @dataclass(frozen=True)
 class Companions:
     """What a prompt-to-picture entry point (``sgld generate`` / ``serve``, the pipeline) loads beside a family's DiT:

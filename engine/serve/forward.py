@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..features.cache import DBCacheRunner
+from ..features.cache.loop import cached_blocks
 from ..features.lora import routed, row_route
 from ..models import family_of
 from ..sampling import to_timestep
@@ -92,58 +93,6 @@ def _joined_context(model, parts, length: int):
     return family_of(model).join_contexts([c for _, c in parts], length, _attention_groups(parts, parts[0][1].attention))
 
 
-def _blocks_with_caches(model, h: torch.Tensor, parts, runners, length: int, loras) -> torch.Tensor:
-    """The block loop over the joined rows with a Cache-DiT runner per job (None: always computed): each
-    runner takes its own decision after its first ``fn`` blocks on its own rows (the shapes it has alone); a
-    cached job's rows get its saved residual and skip the middle blocks, which run on the other rows only;
-    every row runs the last ``bn`` blocks. ``DBCacheRunner.__call__``'s phases, one job at a time. ``loras``:
-    each job's per-request LoRAs (the rows that run get theirs)."""
-    layers = family_of(model).blocks_of(model)
-    n = len(layers)
-    spans, row = [], 0
-    for hi, _ in parts:
-        spans.append((row, row + hi.shape[0], hi.shape[1]))
-        row += hi.shape[0]
-    calls = [None if r is None else r.start(hi, ci) for r, (hi, ci) in zip(runners, parts)]
-    decisions, fn_res, h_mid = [None] * len(parts), [None] * len(parts), [None] * len(parts)
-    skipping = [False] * len(parts)
-    contexts = {}
-    for j in range(n + 1):
-        for q, runner in enumerate(runners):
-            if runner is None:
-                continue
-            r0, r1, s = spans[q]
-            if j == runner.rc.fn:
-                mine = h[r0:r1, :s].contiguous()
-                fn_res[q] = runner.fn_residual(parts[q][0], mine)
-                decisions[q] = runner.decide(calls[q], fn_res[q])
-                if decisions[q][0]:
-                    h_mid[q] = mine.clone()
-                else:
-                    h[r0:r1, :s] = runner.reuse(calls[q], mine)
-                    skipping[q] = True
-            if j == n - runner.rc.bn:
-                if decisions[q][0]:
-                    runner.keep(calls[q], h[r0:r1, :s].contiguous() - h_mid[q], fn_res[q])
-                skipping[q] = False
-        if j == n:
-            break
-        active = tuple(q for q in range(len(parts)) if not skipping[q])
-        if not active:
-            continue
-        with routed(row_route([(parts[q][0].shape[0], loras[q]) for q in active], h.device)):
-            if len(active) == len(parts):
-                h = layers[j](h, contexts.setdefault(active, _joined_context(model, parts, length)))
-            else:
-                rows = torch.cat([torch.arange(spans[q][0], spans[q][1], device=h.device) for q in active])
-                ctx = contexts.setdefault(active, _joined_context(model, [parts[q] for q in active], length))
-                h = h.index_copy(0, rows, layers[j](h[rows], ctx))
-    for runner, decision in zip(runners, decisions):
-        if runner is not None:
-            runner.record(*decision)
-    return h
-
-
 def joint_velocity(model, calls: Sequence[Call], device: torch.device) -> List[torch.Tensor]:
     """Flow velocity (float32, on each call's x device) for every call, through one pass over the blocks.
     The latents must have one size (the batcher groups calls by latent size). One call alone is exactly
@@ -166,8 +115,11 @@ def joint_velocity(model, calls: Sequence[Call], device: torch.device) -> List[t
     loras = [calls[i].loras for i in order]
     length = max(h.shape[1] for h, _ in ordered)
     h = torch.cat([_pad_tokens(h, length) for h, _ in ordered])
-    if any(r is not None for r in runners):
-        h = _blocks_with_caches(model, h, ordered, runners, length, loras)
+    if any(r is not None for r in runners):  # each job's own cache decisions, its LoRAs on the rows that run
+        h = cached_blocks(family_of(model).blocks_of(model), h, ordered, runners,
+                          lambda active: _joined_context(model, [ordered[q] for q in active], length),
+                          lambda active: routed(row_route([(ordered[q][0].shape[0], loras[q]) for q in active],
+                                                          device)))
     else:
         with routed(row_route([(hi.shape[0], lo) for (hi, _), lo in zip(ordered, loras)], device)):
             h = model.block_runner(model, h, _joined_context(model, ordered, length))

@@ -28,6 +28,7 @@ import torch
 
 from ...models.family import family_of
 from .config import ResolvedCache
+from .loop import cached_blocks
 from .masks import mask_str
 from .taylorseer import TaylorSeer
 
@@ -111,29 +112,10 @@ class DBCacheRunner:
 
     # -- the block runner ---------------------------------------------------------------------------
     def __call__(self, model, h: torch.Tensor, ctx) -> torch.Tensor:
-        layers = family_of(model).blocks_of(model)
-        n = len(layers)
-        fn, bn = self.rc.fn, self.rc.bn
-        i = self.start(h, ctx)
-        h_in = h
-        for block in layers[:fn]:
-            h = block(h, ctx)
-        fn_res = self.fn_residual(h_in, h)
-        compute, reason, diff = self.decide(i, fn_res)
-        if compute:
-            h_mid = h
-            for block in layers[fn:n - bn]:
-                h = block(h, ctx)
-            self.keep(i, h - h_mid, fn_res)
-        else:
-            h = self.reuse(i, h)
-        for block in layers[n - bn:]:
-            h = block(h, ctx)
-        self.record(compute, reason, diff)
-        return h
+        """One model call's blocks: the cache loop (loop.py) with this run's rows alone."""
+        return cached_blocks(family_of(model).blocks_of(model), h, [(h, ctx)], [self], lambda active: ctx)
 
-    # The phases of one call, also run one by one by a block loop that serves several runs at once
-    # (engine/serve/forward.py: each run's rows skip or compute the middle blocks inside one forward).
+    # The phases of one call, which the loop (loop.py) runs for each job of a forward.
     def start(self, h: torch.Tensor, ctx) -> int:
         """Begin a model call on hidden states ``h``; returns its index (a new shape starts the state afresh)."""
         i = self.call

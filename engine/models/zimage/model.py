@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..family import Companions, Family, Latent, RMSNorm, chunk_rope_context, register, sdpa
+from ..family import Companions, Family, Latent, RMSNorm, chunk_rope_context, register, run_blocks, sdpa
 from .config import ARCHITECTURE, MAX_LAYERS, ORIGINAL_LAYOUT, PATCH, SEQUENCE_MULTIPLE, SIGNATURE_KEYS, ZImageConfig
 from .parts import FluxVAE, QwenTextEncoder
 
@@ -167,7 +167,7 @@ class ZImageTransformer(nn.Module):
         self.layers = nn.ModuleList([ZImageBlock(cfg) for _ in range(cfg.num_layers)])
         self.attention = sdpa
         # Replaceable by wrappers (cache, offload, parallel): (model, h, ctx) -> h.
-        self.block_runner: Callable = run_all_blocks
+        self.block_runner: Callable = run_blocks
 
     @property
     def dtype(self) -> torch.dtype:
@@ -242,12 +242,6 @@ class ZImageTransformer(nn.Module):
         h, ctx = self.embed(hidden_states, timestep, text_bth, text_lens)
         h = self.block_runner(self, h, ctx)
         return self.unembed(h, ctx)
-
-
-def run_all_blocks(model: ZImageTransformer, h: torch.Tensor, ctx: ZImageContext) -> torch.Tensor:
-    for block in model.layers:
-        h = block(h, ctx)
-    return h
 
 
 # -- what the generic layers know of Z-Image (engine/models/family.py) ------------------------------------------

@@ -1,0 +1,78 @@
+"""The block loop under Cache-DiT, written once: a sampling run's (``DBCacheRunner.__call__``: one job, its own
+rows) and a served forward's (engine/serve/forward.py: several jobs' rows joined, each with its own runner or none).
+
+Each job's runner takes its own decision after its first ``fn`` blocks, on its own rows (the shapes it has alone);
+a cached job's rows get its saved residual and skip the middle blocks, which run on the other rows only; every row
+runs the last ``bn`` blocks. The family's plain loop (engine/models/family.py ``run_blocks``) is this loop with no
+runner."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+
+def cached_blocks(layers, h: torch.Tensor, parts: Sequence[Tuple[torch.Tensor, object]], runners: Sequence,
+                  context_of: Callable[[Tuple[int, ...]], object],
+                  around: Optional[Callable[[Tuple[int, ...]], object]] = None) -> torch.Tensor:
+    """``h``: the jobs' rows, in order [rows, tokens, C] (one job: its own hidden states); ``parts``: each job's
+    (hidden states, context) as its embed made them; ``runners``: each job's ``DBCacheRunner`` (None: always
+    computed); ``context_of(active)``: the block context of the jobs ``active`` (indices into ``parts``) together;
+    ``around(active)``: what the blocks run inside for those jobs' rows (a served forward's LoRA routes)."""
+    n = len(layers)
+    spans, row = [], 0
+    for hi, _ in parts:
+        spans.append((row, row + hi.shape[0], hi.shape[1]))
+        row += hi.shape[0]
+    calls = [None if r is None else r.start(hi, ci) for r, (hi, ci) in zip(runners, parts)]
+    decisions: List = [None] * len(parts)
+    fn_res: List = [None] * len(parts)
+    h_mid: List = [None] * len(parts)
+    skipping = [False] * len(parts)
+    contexts = {}
+    for j in range(n + 1):
+        for q, runner in enumerate(runners):
+            if runner is None:
+                continue
+            r0, r1, s = spans[q]
+            if j == runner.rc.fn:
+                mine = h[r0:r1, :s].contiguous()
+                fn_res[q] = runner.fn_residual(parts[q][0], mine)
+                decisions[q] = runner.decide(calls[q], fn_res[q])
+                if decisions[q][0]:
+                    h_mid[q] = mine.clone()
+                else:
+                    h = _put(h, r0, r1, s, runner.reuse(calls[q], mine))
+                    skipping[q] = True
+            if j == n - runner.rc.bn:
+                if decisions[q][0]:
+                    runner.keep(calls[q], h[r0:r1, :s].contiguous() - h_mid[q], fn_res[q])
+                skipping[q] = False
+        if j == n:
+            break
+        active = tuple(q for q in range(len(parts)) if not skipping[q])
+        if not active:
+            continue
+        ctx = contexts.get(active)
+        if ctx is None:
+            ctx = contexts[active] = context_of(active)
+        with around(active) if around is not None else nullcontext():
+            if len(active) == len(parts):
+                h = layers[j](h, ctx)
+            else:
+                rows = torch.cat([torch.arange(spans[q][0], spans[q][1], device=h.device) for q in active])
+                h = h.index_copy(0, rows, layers[j](h[rows], ctx))
+    for runner, decision in zip(runners, decisions):
+        if runner is not None:
+            runner.record(*decision)
+    return h
+
+
+def _put(h: torch.Tensor, r0: int, r1: int, s: int, value: torch.Tensor) -> torch.Tensor:
+    """``h`` with rows r0:r1, tokens :s replaced by ``value``: a new tensor when that is all of ``h`` (one job: its
+    input may be the caller's), else written in place (joined rows: this forward's own tensor)."""
+    if r0 == 0 and r1 == h.shape[0] and s == h.shape[1]:
+        return value
+    h[r0:r1, :s] = value
+    return h
