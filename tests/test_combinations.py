@@ -1,5 +1,6 @@
 """The combination matrix (issue 37, docs/parallel.md "Combinations"): every pair, and the triples users pick,
-of the engine's features, each equal to its reference within the tolerance its features imply.
+of the engine's features, each equal to its reference within the tolerance its features imply, for both families
+(ERNIE-Image and Z-Image, issue 47: the features reach each through its description alone).
 
 A combination's reference is the plain engine (the dense fp32 file in this process: no weight format, offload,
 compile, ranks or batcher) computing what the combination asks for: the same Cache-DiT preset, the LoRA (merged),
@@ -7,7 +8,8 @@ the inpainting mask, and a batch as its samples run one at a time (``batch_index
 of its features' own (``TOLERANCE``: float rounding for the features that only change how the work is done, a
 weight format's noise for the format), as max abs error / max|reference| of the latent. Besides, each
 combination shows its defining features took effect (Cache-DiT skipped the preset's calls; the LoRA moved the
-result). Tiny random model (2 blocks, hidden 64), fp32, 8 steps, CFG 3, under torch.inference_mode() as ComfyUI
+result). Tiny random models (2 blocks, hidden 64; Z-Image's with a refiner each), fp32, 8 steps, CFG 3, under
+torch.inference_mode() as ComfyUI
 runs nodes. Compile is regional torch.compile with the aot_eager backend (the graphs and guards inductor gets,
 without its C++ build: tests/test_compile.py times that). The parallel rows share one 2-rank gloo pool (its
 start paid once) and one test: engines of every mode load their weights into it in turn.
@@ -61,43 +63,82 @@ PARALLEL_TRIPLES = [("tp", "q8_0", "lora"), ("cfgp", "cache", "lora"), ("tp", "f
                     ("ulysses", "cache", "offload"), ("ring", "mask", "lora"), ("tp", "batching", "cache")]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+class ErnieImage:
+    """The tiny ERNIE-Image model of engine/models/random_weights.py; the LoRA's A/B pairs on column-parallel
+    (to_q, gate_proj), row-parallel (to_out, fc2) and whole (modulation) layers."""
+
+    channels, text_dim, sides = CFG.in_channels, CFG.text_in_dim, (6, 5)  # odd sequences: sequence-parallel padding
+    lora_scale = 0.3  # of the A and B entries
+    parallel_formats = FORMATS
+    lora_targets = {"layers.0.self_attention.to_q": (CFG.hidden_size, CFG.hidden_size),
+                    "layers.1.mlp.gate_proj": (CFG.ffn_hidden_size, CFG.hidden_size),
+                    "layers.0.self_attention.to_out.0": (CFG.hidden_size, CFG.hidden_size),
+                    "layers.1.mlp.linear_fc2": (CFG.hidden_size, CFG.ffn_hidden_size),
+                    "adaLN_modulation.1": (6 * CFG.hidden_size, CFG.hidden_size)}
+
+    @staticmethod
+    def write(path):
+        save_random_checkpoint(path, CFG, seed=0)
+
+
+class ZImage:
+    """tests/test_zimage.py's small Z-Image (diffusers' model, random weights) in diffusers' names; the LoRA on its
+    column-parallel (to_q, w1), row-parallel (to_out, w2) and whole (adaLN) layers."""
+
+    channels, text_dim, sides = 16, 24, (6, 4)  # 2x2 patches: even sides
+    lora_scale = 0.8  # its LoRA moves the result well above convrot-w4a4's noise (0.3: 0.08 against 0.1)
+    # on ranks: the formats' code is ERNIE-Image's rows'; what is Z-Image's own is its shard dims and fused groups,
+    # which an sgld file, a GGUF and a grouped integer format cover
+    parallel_formats = ("fp8", "q8_0", "int4")
+    lora_targets = {"layers.0.attention.to_q": (64, 64), "layers.1.feed_forward.w1": (170, 64),
+                    "layers.0.attention.to_out.0": (64, 64), "layers.1.feed_forward.w2": (64, 170),
+                    "layers.0.adaLN_modulation.0": (256, 64)}
+
+    @staticmethod
+    def write(path):
+        from safetensors.torch import save_file
+        from test_zimage import reference
+
+        save_file({k: v.contiguous() for k, v in reference(seed=2).state_dict().items()}, path)
+
+
+FAMILIES = {"ernie-image": ErnieImage, "z-image": ZImage}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def setup(request, tmp_path_factory):
+    family = FAMILIES[request.param]
     folder = tmp_path_factory.mktemp("matrix")
     dense = str(folder / "tiny.safetensors")
-    save_random_checkpoint(dense, CFG, seed=0)
+    family.write(dense)
     files = {None: dense}
     for fmt in FORMATS:
         writer = writer_for(fmt)
         files[fmt] = str(folder / f"tiny-{fmt}{writer.suffix}")
         writer.write(dense, files[fmt], fmt)
     g = torch.Generator().manual_seed(1)
-    h, w = 6, 5  # 30 image tokens + text of 7 / 4 / 3: odd sequences (sequence-parallel padding), masked text
-    inputs = dict(cond=[torch.randn(7, CFG.text_in_dim, generator=g), torch.randn(4, CFG.text_in_dim, generator=g)],
-                  uncond=[torch.randn(3, CFG.text_in_dim, generator=g)],
-                  image=torch.randn(2, CFG.in_channels, h, w, generator=g), zeros=torch.zeros(2, CFG.in_channels, h, w),
+    (h, w), c, t = family.sides, family.channels, family.text_dim
+    # text of 7 / 4 / 3 tokens: masked text
+    inputs = dict(cond=[torch.randn(7, t, generator=g), torch.randn(4, t, generator=g)],
+                  uncond=[torch.randn(3, t, generator=g)],
+                  image=torch.randn(2, c, h, w, generator=g), zeros=torch.zeros(2, c, h, w),
                   mask=(torch.arange(w) < 3).float().expand(1, 1, h, w).contiguous())
     lora = str(folder / "lora.safetensors")
-    _write_lora(lora)
+    _write_lora(lora, family.lora_targets, family.lora_scale)
     with torch.inference_mode():
         plain = open_engine(dense, EngineConfig())
     plain.threads = 1
-    return dict(files=files, inputs=inputs, lora=lora, plain=plain, refs={})
+    return dict(files=files, inputs=inputs, lora=lora, plain=plain, refs={}, family=request.param)
 
 
-def _write_lora(path):
-    """A/B pairs on column-parallel (to_q, gate_proj), row-parallel (to_out, fc2) and whole (modulation) layers."""
+def _write_lora(path, targets, scale):
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(5)
-    h, f = CFG.hidden_size, CFG.ffn_hidden_size
-    shapes = {"layers.0.self_attention.to_q": (h, h), "layers.1.mlp.gate_proj": (f, h),
-              "layers.0.self_attention.to_out.0": (h, h), "layers.1.mlp.linear_fc2": (h, f),
-              "adaLN_modulation.1": (6 * h, h)}
     sd = {}
-    for m, (o, i) in shapes.items():
-        sd[f"transformer.{m}.lora_A.weight"] = torch.randn(4, i, generator=g) * 0.3
-        sd[f"transformer.{m}.lora_B.weight"] = torch.randn(o, 4, generator=g) * 0.3
+    for m, (o, i) in targets.items():
+        sd[f"transformer.{m}.lora_A.weight"] = torch.randn(4, i, generator=g) * scale
+        sd[f"transformer.{m}.lora_B.weight"] = torch.randn(o, 4, generator=g) * scale
     save_file(sd, path)
 
 
@@ -232,7 +273,9 @@ def test_parallel_pairs_and_triples_on_two_gloo_ranks(setup):
         with torch.inference_mode():
             keeper = open_engine(setup["files"][None], EngineConfig(ulysses_degree=2))  # one pool for every engine
             pids = keeper.runner.pids
-            errors, failures = _run_all(setup, PARALLEL_PAIRS + PARALLEL_TRIPLES)
+            formats = FAMILIES[setup["family"]].parallel_formats
+            combos = [c for c in PARALLEL_PAIRS + PARALLEL_TRIPLES if all(f in formats for f in c if f in FORMATS)]
+            errors, failures = _run_all(setup, combos)
             same_pool = keeper.runner.pids == pids
             keeper.release()
     finally:
@@ -240,7 +283,7 @@ def test_parallel_pairs_and_triples_on_two_gloo_ranks(setup):
         pool_mod.START_TIMEOUT_S, pool_mod.CALL_TIMEOUT_S, pool_mod.PG_TIMEOUT_S = saved
     assert not failures, "\n".join(failures)
     assert same_pool  # the same two processes served every combination
-    assert len(errors) == len(PARALLEL_PAIRS) + len(PARALLEL_TRIPLES) == 64
+    assert len(errors) == len(combos) == {"ernie-image": 64, "z-image": 42}[setup["family"]]
     print(f"{len(errors)} parallel combinations in {time.perf_counter() - t0:.1f} s")
 
 
@@ -250,13 +293,14 @@ def test_full_difference_lora_on_every_weight_format(setup, tmp_path):
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(7)
-    m, h = "layers.0.self_attention.to_out.0", CFG.hidden_size
+    family = FAMILIES[setup["family"]]
+    m, h = next(iter((k, o) for k, (o, i) in family.lora_targets.items() if "to_out" in k))
     a, b = torch.randn(4, h, generator=g) * 0.3, torch.randn(h, 4, generator=g) * 0.3
     diff, pair = str(tmp_path / "diff.safetensors"), str(tmp_path / "pair.safetensors")
     save_file({f"diffusion_model.{m}.diff": b @ a}, diff)
     save_file({f"diffusion_model.{m}.lora_A.weight": a, f"diffusion_model.{m}.lora_B.weight": b}, pair)
-    x = (torch.randn(1, CFG.in_channels, 4, 4, generator=g), torch.tensor([500.0]),
-         torch.randn(1, 5, CFG.text_in_dim, generator=g), torch.tensor([5]))
+    x = (torch.randn(1, family.channels, 4, 4, generator=g), torch.tensor([500.0]),
+         torch.randn(1, 5, family.text_dim, generator=g), torch.tensor([5]))
     with torch.inference_mode():
         for fmt in FORMATS:
             eng = open_engine(setup["files"][fmt], EngineConfig())
