@@ -1,7 +1,8 @@
-"""What this ComfyUI lacks for the ERNIE-Image workflows, found once at start-up by feature, never by
+"""What this ComfyUI lacks for the model workflows, found once at start-up by feature, never by
 version number: ComfyUI's EmptyFlux2LatentImage node, CLIPLoader's ``flux2`` type, the Flux2 latent format
 and the Flux.2 VAE (all since about 0.3.72) and the Ministral-3 3B text encoder (``TEModel.MINISTRAL_3_3B``,
-``comfy/text_encoders/ernie.py``: since 0.19). Without the Flux2 latent format the Model Loader builds no
+``comfy/text_encoders/ernie.py``: since 0.19) for ERNIE-Image; Z-Image's Qwen3-4B text encoder
+(``TEModel.QWEN3_4B``, ``comfy/text_encoders/z_image.py``: since about 0.3.75). Without the Flux2 latent format the Model Loader builds no
 ``comfy_model`` (comfy_model.py); SGLDiffusion KSampler needs none of these. Anything missing is logged in one line and
 shown in the pack's nodes' descriptions, so a user knows to update ComfyUI; the web panel shows it only for a graph that
 needs it (``graph_notice``: the demo workflow needs none of it). A probe that finds ComfyUI's modules shaped differently
@@ -20,6 +21,7 @@ FEATURES = {
     "ministral3_text_encoder": "the Ministral-3 text encoder (ministral-3-3b.safetensors in CLIPLoader)",
     "flux2_latent_format": "the Flux2 latent format (comfy.latent_formats.Flux2)",
     "flux2_vae": "the Flux.2 VAE (flux2-vae.safetensors in VAELoader)",
+    "qwen3_4b_text_encoder": "the Qwen3-4B text encoder (qwen_3_4b.safetensors in CLIPLoader, for Z-Image)",
 }
 # feature -> what does not work without it (the rest of the pack does)
 BROKEN = {"flux2_latent_format": "the Model Loader's comfy_model output (ComfyUI's own samplers on ERNIE-Image)",
@@ -43,6 +45,7 @@ NEEDED_BY = {
         isinstance(v, list) and len(v) == 2 and v[1] == COMFY_MODEL_SLOT
         and (prompt.get(str(v[0])) or {}).get("class_type") in LOADER_OUTPUTS for v in inputs.values()),
     "flux2_vae": lambda kind, inputs, prompt: "VAELoader" in kind and _names(inputs, "flux2"),
+    "qwen3_4b_text_encoder": lambda kind, inputs, prompt: "CLIPLoader" in kind and _names(inputs, "qwen_3_4b"),
 }
 
 
@@ -80,9 +83,16 @@ def _has_flux2_vae() -> bool:
     return "batch_norm_latent" in inspect.getsource(autoencoder.AutoencodingEngineLegacy.__init__)
 
 
+def _has_qwen3_4b_text_encoder() -> bool:
+    """What decides how CLIPLoader loads qwen_3_4b.safetensors (Z-Image's encoder)."""
+    import comfy.sd
+
+    return hasattr(comfy.sd.TEModel, "QWEN3_4B")
+
+
 PROBES = {"empty_flux2_latent": _has_empty_flux2_latent, "flux2_clip_type": _has_flux2_clip_type,
           "ministral3_text_encoder": _has_ministral3_text_encoder, "flux2_latent_format": _has_flux2_latent_format,
-          "flux2_vae": _has_flux2_vae}
+          "flux2_vae": _has_flux2_vae, "qwen3_4b_text_encoder": _has_qwen3_4b_text_encoder}
 
 
 def probe() -> dict:
@@ -117,7 +127,7 @@ def notice(found: dict, version: str = "") -> str:
     broken = [BROKEN[name] for name in BROKEN if not found.get(name, False)]
     works = (f"Not working here: {'; '.join(broken)}. SGLDiffusion KSampler and the demo work." if broken else
              "The pack's nodes and its demo work as they are.")
-    return (f"SGLDiffusion: {this} lacks {'; '.join(missing)}, which the ERNIE-Image workflows need: update to "
+    return (f"SGLDiffusion: {this} lacks {'; '.join(missing)}, which the model workflows need: update to "
             f"{UPDATE}. {works}")
 
 

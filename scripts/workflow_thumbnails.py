@@ -4,7 +4,7 @@ ComfyUI's frontend shows a pack's workflows as template cards with the image
 ``/api/workflow_templates/<pack folder>/<name>.jpg`` (always .jpg for custom-node templates, frontend
 1.32 to 1.58) and the file name as title and description. The demo workflow's card is the demo's
 real output for the workflow's own prompt and settings (64x64, enlarged 8x without smoothing); each
-ERNIE-Image workflow's card is a text card headed by its own name (the weights are not here to draw a picture).
+model workflow's card (ERNIE-Image, Z-Image) is a text card headed by its own name (the weights are not here to draw a picture).
 
     .venv/bin/python scripts/workflow_thumbnails.py     # rewrites every thumbnail
 """
@@ -87,12 +87,12 @@ def text_card(title: str, lines: list):
 
 
 def card_text(name: str, wf: dict) -> tuple:
-    """(title, lines) of an ERNIE-Image workflow's card: headed by the workflow's own name (its file's, as the
+    """(title, lines) of a model workflow's card: headed by the workflow's own name (its file's, as the
     template browser titles the card), then the model it runs, its settings and sampler, and what it needs."""
     model = wf["extra"]["sgldiffusion"]
     sampler = "ComfyUI KSampler + Cache-DiT" if "sampler" in model else "SGLDiffusion KSampler"  # MODEL path or ours
     return name.replace(" ", "\n", 1), [model["model"], f"{model['steps']} steps, cfg {model['cfg']:g}, 1024 x 1024",
-                                        sampler, "needs the ERNIE-Image model files"]
+                                        sampler, f"needs the {model['model'].split()[0]} model files"]
 
 
 def thumbnail(path: str):

@@ -35,6 +35,12 @@ NODE = "SGLDiffusionEmptyLatentERNIE"
 HF = "https://huggingface.co/Comfy-Org/ERNIE-Image/resolve/main"
 COMFY_ORG_FILES = {"diffusion_models": {"ernie-image-turbo.safetensors", "ernie-image.safetensors"},
                    "text_encoders": {"ministral-3-3b.safetensors"}, "vae": {"flux2-vae.safetensors"}}
+# each family's Comfy-Org repack: (where its files are, the files per folder)
+REPACKS = {"ERNIE-Image": (HF, COMFY_ORG_FILES),
+           "Z-Image": ("https://huggingface.co/Comfy-Org/z_image_turbo/resolve/main/split_files",
+                       {"diffusion_models": {"z_image_turbo_bf16.safetensors"}, "text_encoders": {"qwen_3_4b.safetensors"},
+                        "vae": {"ae.safetensors"}})}
+MODEL_WORKFLOWS = [p for p in sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json"))) if "demo" not in p]
 LOADER_FOLDERS = {"SGLDiffusionModelLoader": "diffusion_models", "CLIPLoader": "text_encoders", "VAELoader": "vae"}
 MODEL_FILE_KEYS = {"name", "url", "hash", "hash_type", "directory"}  # the frontend's zModelFile
 
@@ -58,14 +64,16 @@ def found_in_this_comfyui(object_info) -> dict:
     """What compat's probes should find, read from ComfyUI itself: its node list and CLIPLoader's types
     (/object_info) and whether its tree defines the Ministral-3 text encoder."""
     with open(os.path.join(cs.COMFY_DIR, "comfy", "sd.py"), encoding="utf-8") as f:
-        ministral = "MINISTRAL_3_3B" in f.read() or os.path.exists(os.path.join(cs.COMFY_DIR, "comfy", "text_encoders", "ernie.py"))
+        sd = f.read()
+    ministral = "MINISTRAL_3_3B" in sd or os.path.exists(os.path.join(cs.COMFY_DIR, "comfy", "text_encoders", "ernie.py"))
     with open(os.path.join(cs.COMFY_DIR, "comfy", "latent_formats.py"), encoding="utf-8") as f:
         flux2 = "class Flux2(" in f.read()
     with open(os.path.join(cs.COMFY_DIR, "comfy", "ldm", "models", "autoencoder.py"), encoding="utf-8") as f:
         vae = "batch_norm_latent" in f.read()
     return {"empty_flux2_latent": "EmptyFlux2LatentImage" in object_info,
             "flux2_clip_type": "flux2" in object_info["CLIPLoader"]["input"]["required"]["type"][0],
-            "ministral3_text_encoder": ministral, "flux2_latent_format": flux2, "flux2_vae": vae}
+            "ministral3_text_encoder": ministral, "flux2_latent_format": flux2, "flux2_vae": vae,
+            "qwen3_4b_text_encoder": "QWEN3_4B =" in sd}
 
 
 def expected_notice(object_info) -> str:
@@ -103,6 +111,9 @@ def test_a_graph_needs_only_what_its_nodes_use():
     assert c.graph_notice(lacking, ernie, "0.3.75") == c.notice(lacking, "0.3.75")
     flux2 = {"7": api_node("CLIPLoader", clip_name="mistral_3_small_flux2_bf16.safetensors", type="flux2")}
     assert c.needed(flux2) == {"flux2_clip_type"}  # Flux.2's own encoder: not ERNIE-Image's
+    z_image = {"7": api_node("CLIPLoader", clip_name="qwen_3_4b.safetensors", type="lumina2", device="default"),
+               "8": api_node("EmptySD3LatentImage", width=1024, height=1024, batch_size=1)}
+    assert c.needed(z_image) == {"qwen3_4b_text_encoder"}
     any_sampler = dict(demo, **{"8": api_node("KSampler", model=["1", 1]), "9": api_node("VAELoader", vae_name="flux2-vae.safetensors"),
                                 "10": api_node("EmptyFlux2LatentImage", width=64, height=64, batch_size=1)})
     assert c.needed(any_sampler) == {"flux2_latent_format", "flux2_vae", "empty_flux2_latent"}
@@ -142,9 +153,9 @@ def test_probe_on_real_modules(where, tmp_path):
         assert out == {"before": {name: False for name in compat_module().FEATURES}}
         return
     assert out["before"] == {"empty_flux2_latent": False, "flux2_clip_type": True, "ministral3_text_encoder": False,
-                             "flux2_latent_format": True, "flux2_vae": True}
+                             "flux2_latent_format": True, "flux2_vae": True, "qwen3_4b_text_encoder": True}
     assert out["after"] == {"empty_flux2_latent": True, "flux2_clip_type": True, "ministral3_text_encoder": False,
-                            "flux2_latent_format": True, "flux2_vae": True}
+                            "flux2_latent_format": True, "flux2_vae": True, "qwen3_4b_text_encoder": True}
 
 
 def test_startup_line_logged_once_naming_what_is_missing(comfy, object_info):
@@ -237,14 +248,15 @@ def test_empty_latent_shape_refusals(size, fragment):
 # -- properties.models in the workflows -------------------------------------------------------------------------
 
 def test_workflows_carry_well_formed_model_entries(comfy):
-    """Each ERNIE-Image workflow's loaders name their file's download: the entry's name is the widget's
-    value (the frontend keeps only those), a Comfy-Org ERNIE-Image URL on huggingface.co (the frontend's
-    download allow-list), a .safetensors name, and a folder ComfyUI knows (GET /models)."""
+    """Each model workflow's loaders name their file's download: the entry's name is the widget's value (the
+    frontend keeps only those), a URL of the family's Comfy-Org repack on huggingface.co (the frontend's download
+    allow-list), a .safetensors name, and a folder ComfyUI knows (GET /models)."""
     folders = set(comfy.get("/models").json())
-    assert ERNIE_WORKFLOWS and len(ERNIE_WORKFLOWS) >= 3
-    for path in ERNIE_WORKFLOWS:
+    assert len(ERNIE_WORKFLOWS) >= 3 and len(MODEL_WORKFLOWS) == len(ERNIE_WORKFLOWS) + 1
+    for path in MODEL_WORKFLOWS:
         with open(path) as f:
             wf = json.load(f)
+        hf, files = REPACKS[wf["extra"]["sgldiffusion"]["model"].split()[0]]
         seen = set()
         for node in wf["nodes"]:
             entries = node.get("properties", {}).get("models")
@@ -256,10 +268,10 @@ def test_workflows_carry_well_formed_model_entries(comfy):
             e = entries[0]
             assert set(e) <= MODEL_FILE_KEYS and all(isinstance(e[k], str) for k in ("name", "url", "directory")), e
             assert e["directory"] == folder and folder in folders, e
-            assert e["name"] == node["widgets_values"][0] and e["name"] in COMFY_ORG_FILES[folder], e
-            assert e["url"] == f"{HF}/{folder}/{e['name']}" and e["name"].endswith(".safetensors"), e
+            assert e["name"] == node["widgets_values"][0] and e["name"] in files[folder], e
+            assert e["url"] == f"{hf}/{folder}/{e['name']}" and e["name"].endswith(".safetensors"), e
             seen.add(folder)
-        assert seen == set(COMFY_ORG_FILES), (path, seen)
+        assert seen == set(files), (path, seen)
     with open(os.path.join(ROOT, "workflows", "SGLDiffusion CPU demo.json")) as f:
         assert not any("models" in n.get("properties", {}) for n in json.load(f)["nodes"])  # its model is embedded
 

@@ -21,11 +21,15 @@ except ImportError:
 
 ROOT = cs.ROOT
 WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
-ERNIE_WORKFLOWS = [p for p in WORKFLOWS if os.path.basename(p).startswith("ERNIE-Image")]
+MODEL_WORKFLOWS = [p for p in WORKFLOWS if "demo" not in os.path.basename(p)]  # a real model's files
+# each family's ComfyUI graph: its text encoder's CLIPLoader type, its empty-latent nodes, (steps, cfg) by variant
+GRAPHS = {"ERNIE-Image": {"clip_type": "flux2", "latents": ("EmptyFlux2LatentImage", "SGLDiffusionEmptyLatentERNIE"),
+                          "turbo": (8, 1.0), "base": (50, 4.0)},
+          "Z-Image": {"clip_type": "lumina2", "latents": ("EmptySD3LatentImage",), "turbo": (9, 1.0)}}
 DEMO_WORKFLOW = os.path.join(ROOT, "workflows", "SGLDiffusion CPU demo.json")
 ANY_SAMPLER_WORKFLOW = os.path.join(ROOT, "workflows", "ERNIE-Image any sampler.json")
 TEMPLATE_NAMES = ["ERNIE-Image Base", "ERNIE-Image Turbo",
-                  "ERNIE-Image any sampler", "SGLDiffusion CPU demo"]
+                  "ERNIE-Image any sampler", "SGLDiffusion CPU demo", "Z-Image Turbo"]
 OUR_NODES = {"SGLDiffusionModelLoader": "SGLDiffusion Model Loader", "SGLDiffusionKSampler": "SGLDiffusion KSampler",
              "SGLDiffusionCacheDiT": "SGLDiffusion Cache-DiT", "SGLDiffusionEmptyLatentERNIE": "SGLDiffusion Empty Latent (ERNIE)"}
 APPLY_CACHE = "SGLDiffusionApplyCacheDiT"  # the any-sampler workflow: ComfyUI's KSampler on the loader's MODEL
@@ -33,7 +37,7 @@ DEMO_NODES = {"SGLDiffusionDemoTextEncode": "SGLDiffusion Demo Text Encode",
               "SGLDiffusionDemoEmptyLatent": "SGLDiffusion Demo Empty Latent",
               "SGLDiffusionDemoDecode": "SGLDiffusion Demo Decode"}
 # Core node types our workflows may use: present in ComfyUI >= 0.19 (and, checked below, in 0.3.75).
-CORE_NODES = {"CLIPLoader", "CLIPTextEncode", "EmptyFlux2LatentImage", "VAELoader", "VAEDecode", "SaveImage",
+CORE_NODES = {"CLIPLoader", "CLIPTextEncode", "EmptyFlux2LatentImage", "EmptySD3LatentImage", "VAELoader", "VAEDecode", "SaveImage",
               "ConditioningZeroOut", "SaveLatent", "PreviewImage", "KSampler"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 TINY = "tiny-ernie.safetensors"
@@ -241,25 +245,27 @@ def test_workflow_nodes_and_links(path, object_info):
         assert by_type["SGLDiffusionModelLoader"]["unet_name"] == object_info["SGLDiffusionModelLoader"]["input"]["required"]["unet_name"][0][0]
         assert by_type["SGLDiffusionCacheDiT"]["enabled"] is True
         return
-    turbo = "turbo" in wf["extra"]["sgldiffusion"]["model"].lower()  # the any-sampler workflow's name does not say
+    model = wf["extra"]["sgldiffusion"]
+    turbo = "turbo" in model["model"].lower()  # the any-sampler workflow's name does not say
+    graph = GRAPHS[model["model"].split()[0]]  # ComfyUI's own graph of the family: text encoder type, latent node
     ks = by_type.get("SGLDiffusionKSampler") or by_type["KSampler"]
     if "KSampler" in by_type:  # ComfyUI's KSampler <- Apply Cache-DiT <- the loader's MODEL (slot 1) and a Cache-DiT node
         apply = api[ks["model"][0]]
         assert apply["class_type"] == APPLY_CACHE and api[apply["inputs"]["model"][0]]["class_type"] == "SGLDiffusionModelLoader"
         assert apply["inputs"]["model"][1] == 1 and api[apply["inputs"]["cache"][0]]["class_type"] == "SGLDiffusionCacheDiT"
-    assert (ks["steps"], ks["cfg"]) == ((8, 1.0) if turbo else (50, 4.0))
+    assert (ks["steps"], ks["cfg"]) == (graph["turbo" if turbo else "base"]) == (model["steps"], model["cfg"])
     assert (ks["sampler_name"], ks["scheduler"], ks["denoise"]) == ("euler", "simple", 1.0)
-    assert by_type["SGLDiffusionModelLoader"]["unet_name"] == ("ernie-image-turbo.safetensors" if turbo else "ernie-image.safetensors")
-    assert by_type["CLIPLoader"]["clip_name"] == "ministral-3-3b.safetensors"
-    assert by_type["CLIPLoader"]["type"] == "flux2"
-    assert by_type["VAELoader"]["vae_name"] == "flux2-vae.safetensors"
-    latent = by_type.get("EmptyFlux2LatentImage") or by_type["SGLDiffusionEmptyLatentERNIE"]
+    assert by_type["SGLDiffusionModelLoader"]["unet_name"] == model["files"]["diffusion_models"]
+    assert by_type["CLIPLoader"]["clip_name"] == model["files"]["text_encoders"]
+    assert by_type["CLIPLoader"]["type"] == graph["clip_type"]
+    assert by_type["VAELoader"]["vae_name"] == model["files"]["vae"]
+    latent = next(by_type[t] for t in graph["latents"] if t in by_type)
     assert (latent["width"], latent["height"]) == (1024, 1024)
     assert sum(v["class_type"] == "CLIPTextEncode" for v in api.values()) == 2
     assert "SaveImage" in by_type and "VAEDecode" in by_type
 
 
-@pytest.mark.parametrize("path", ERNIE_WORKFLOWS, ids=os.path.basename)
+@pytest.mark.parametrize("path", MODEL_WORKFLOWS, ids=os.path.basename)
 def test_workflow_validates_in_comfyui(path, comfy, object_info):
     """Queued as a prompt, the only complaints are the absent text-encoder and VAE files."""
     with open(path) as f:
@@ -332,7 +338,7 @@ def test_template_card_has_a_thumbnail_and_a_description(path, comfy):
     from PIL import Image
 
     name = os.path.splitext(os.path.basename(path))[0]
-    assert "ERNIE" in name or "demo" in name, name
+    assert name.split()[0] in GRAPHS or "demo" in name, name  # a family's name, or the demo's
     description = comfy.get("/sgldiffusion/templates").json()["templates"][name]
     with open(path) as f:
         assert description == json.load(f)["extra"]["sgldiffusion"]["description"]
