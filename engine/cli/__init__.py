@@ -82,7 +82,9 @@ def _signals_unwind(command: str):
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args._argv = argv  # the command line as given (sgld serve --dp-size gives it to its replicas)
     _setup_logging()
     try:
         check_common_args(args)

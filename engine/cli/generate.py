@@ -154,7 +154,7 @@ def _demo_parts(args) -> LoadedModel:
     return LoadedModel(open_engine(dit, config), DemoParts(demo), dit)
 
 
-def _files(args):
+def model_files(args):
     """The files of the DiT, its text encoder and VAE the flags name (a Release), and the DiT's family, checked in the
     order a user fixes them (each named if missing). Decided once."""
     if getattr(args, "_files", None) is not None:
@@ -180,7 +180,7 @@ def _files(args):
 
 def _file_parts(args) -> LoadedModel:
     """The parts from a family's files: its DiT, and the text encoder and VAE its description names."""
-    files, family = _files(args)
+    files, family = model_files(args)
     vae = family.companions.vae.load(files.vae, device=args.device)
     te = family.companions.text_encoder.load(files.text_encoder, device=args.device, tokenizer=files.tokenizer,
                                              placement=args.text_encoder_device)
@@ -192,7 +192,7 @@ def cmd_generate(args) -> dict:
     """A picture from a prompt (the embedded demo model, or ERNIE-Image files): PNG with ComfyUI-style text metadata."""
     t0 = time.perf_counter()
     run = check_generate_args(args)
-    size = _files(args)[1].companions.default_size if uses_files(args) else DemoParts.default_size
+    size = model_files(args)[1].companions.default_size if uses_files(args) else DemoParts.default_size
     width, height = args.width or size, args.height or size
     revised, pe_stats = _enhance(args, width, height, run["seed"])  # first: its memory is free before the DiT loads
     loaded = make_parts(args)

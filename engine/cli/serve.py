@@ -28,7 +28,7 @@ from .common import (
     file_families,
     load_prompt_enhancer,
 )
-from .generate import demo_dit, make_parts, model_source, release_of, release_shift, uses_files
+from .generate import demo_dit, make_parts, model_files, model_source, release_of, release_shift, uses_files
 
 try:  # the HTTP server's packages are an extra (pip install '.[serve]'): without them the other commands still run
     import uvicorn
@@ -36,6 +36,8 @@ try:  # the HTTP server's packages are an extra (pip install '.[serve]'): withou
     from ..serve import ServedModel, ServeSettings, create_app
     from ..serve.batcher import Batcher
     from ..serve.connections import bounded_h11
+    from ..serve.front import create_front_app
+    from ..serve.replicas import Replicas, end_with_front
     MISSING = None
 except ImportError as e:
     if (e.name or "").split(".")[0] not in ("fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"):
@@ -84,6 +86,11 @@ def add_parser(sub) -> None:
                    help="seconds an idle kept-alive connection stays open")
     s.add_argument("--max-connections", type=_positive(int, 1), default=512,
                    help="most open connections; past it a new one gets 503 and is closed")
+    s.add_argument("--dp-size", type=_positive(int, 1), default=1,
+                   help="replicas of the server behind this one (SGLang's data parallel): each its own process, "
+                        "engine, queue and batcher (on GPUs its own devices: --num-gpus each); a request goes to the "
+                        "least busy (one naming LoRAs: preferably to a replica that has them); a replica that dies "
+                        "is started again, its unanswered requests sent to another (docs/serve.md)")
     s.add_argument("--lora-dir", default=None, help="the folder /v1/set_lora loads LoRA files from (none: no loading)")
     s.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH", help="a LoRA active from the start")
     s.add_argument("--max-loras-per-forward", type=_positive(int, 1), default=8,
@@ -106,12 +113,20 @@ def add_parser(sub) -> None:
     add_cache_arguments(s)
 
 
-def served_model(args) -> ServedModel:
-    """The model the flags name, with its defaults and the --lora files active."""
+def check_serve_args(args) -> dict:
+    """Every flag checked before anything loads (a --dp-size front checks them once for its replicas, and the model's
+    files by their headers); returns the served defaults: the flags', else the model's."""
     engine_config(args)  # the engine's flags and the parallel degrees against each other, before loading
     resolve_config(cache_config(args))  # the --cache* flags, else SGLANG_CACHE_DIT_*: a bad value stops the start
     check_pe_args(args)
-    defaults = from_flags(args, model_source(args), SAMPLING)  # the flags', else the model's
+    if uses_files(args):
+        model_files(args)  # the DiT, text encoder and VAE files named, the DiT's family read from its header
+    return from_flags(args, model_source(args), SAMPLING)
+
+
+def served_model(args) -> ServedModel:
+    """The model the flags name, with its defaults and the --lora files active."""
+    defaults = check_serve_args(args)
     release = release_of(args)
     pe = load_prompt_enhancer(args, release)  # resident: a request's enhance_prompt must not wait for a load
     loaded = make_parts(args)
@@ -157,7 +172,10 @@ def cmd_serve(args) -> None:
         raise ValueError(f"--port must be from 0 to 65535 (got {args.port})")
     if args.lora_dir is not None and not os.path.isdir(args.lora_dir):
         raise ValueError(f"--lora-dir '{args.lora_dir}' is not a folder")
+    end_with_front()  # a replica of a --dp-size front ends with it
     sock = _listen(args.host, args.port)
+    if args.dp_size > 1:
+        return _serve_replicas(args, sock)
     served = served_model(args)
     batcher = Batcher(served.engine, max_batch=args.max_batch, max_loras=args.max_loras_per_forward,
                       lora_budget_bytes=args.lora_cache_mb << 20)
@@ -165,6 +183,15 @@ def cmd_serve(args) -> None:
                              request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
                              body_timeout=args.body_timeout, lora_dir=args.lora_dir, loras=args.loras)
     app = create_app(served, batcher, settings)
+    # uvicorn's limit_concurrency counts the connection asking too: N + 1 serves N connections (ours refuses the
+    # next one) and bounds the running requests (a request whose client left still runs until it sees it)
+    count = torch.get_num_threads()
+    threads = f", {count} CPU thread{'s' if count > 1 else ''}" if served.engine.device.type == "cpu" else ""
+    _run(app, args, sock, f"{served.id} on http://{{}}/v1 (max batch {args.max_batch}, queue {args.max_queue}{threads})")
+
+
+def _run(app, args, sock, what: str) -> None:
+    """uvicorn on ``sock`` with the connection bounds; ``what``: the start line, {} the address."""
     # uvicorn's limit_concurrency counts the connection asking too: N + 1 serves N connections (ours refuses the
     # next one) and bounds the running requests (a request whose client left still runs until it sees it)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace,
@@ -175,8 +202,50 @@ def cmd_serve(args) -> None:
     # re-raises the signal to the handler found before it: for SIGTERM that is this one, so the exit is 0
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     host, port = sock.getsockname()[:2]
-    count = torch.get_num_threads()
-    threads = f", {count} CPU thread{'s' if count > 1 else ''}" if served.engine.device.type == "cpu" else ""
-    print(f"sgld serve: {served.id} on http://{host}:{port}/v1 (max batch {args.max_batch}, queue {args.max_queue}"
-          f"{threads})", file=sys.stderr, flush=True)
+    print(f"sgld serve: {what.format(f'{host}:{port}')}", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
+
+
+DP_ONLY = ("--dp-size", "--host", "--port")  # the front's own flags, not its replicas'
+
+
+def replica_argv(argv, args) -> list:
+    """A replica's `sgld serve` flags: the command's own without the front's (``DP_ONLY``); on the CPU, without
+    --threads, the cores shared out between the replicas."""
+    out, rest = [], list(argv[argv.index("serve") + 1:])
+    while rest:
+        flag = rest.pop(0)
+        name = flag.split("=", 1)[0]
+        if name in DP_ONLY:
+            if "=" not in flag and rest:
+                rest.pop(0)
+            continue
+        out.append(flag)
+    if not args.threads and (not torch.cuda.is_available() or engine_config(args).device == "cpu"):
+        out += ["--threads", str(max(1, (os.cpu_count() or 1) // args.dp_size))]
+    return out
+
+
+def replica_envs(args) -> list:
+    """Each replica's environment: on GPUs its own ``--num-gpus`` (its ranks' world) devices."""
+    if not torch.cuda.is_available():
+        return [{} for _ in range(args.dp_size)]
+    world = engine_config(args).world_size
+    have = torch.cuda.device_count()
+    if have < args.dp_size * world:
+        raise ValueError(f"--dp-size {args.dp_size} with {world} GPU(s) each needs {args.dp_size * world} GPUs; this "
+                         f"machine has {have}")
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(str(i * world + k) for k in range(world))} for i in range(args.dp_size)]
+
+
+def _serve_replicas(args, sock) -> None:
+    """`--dp-size N`: N replica processes behind this process's front (engine/serve/replicas.py)."""
+    check_serve_args(args)  # once here, before N processes read the flags
+    replicas = Replicas(replica_argv(args._argv, args), args.dp_size, replica_envs(args), args.request_timeout,
+                        args.max_connections)
+    try:
+        replicas.start()
+        app = create_front_app(replicas, args.api_key, args.max_body_bytes, args.body_timeout)
+        _run(app, args, sock, f"{args.dp_size} replicas on http://{{}}/v1 (logs in {replicas.folder})")
+    finally:
+        replicas.close()

@@ -1,0 +1,103 @@
+"""`sgld serve --dp-size N` (issue 48): images per second of 1 and 2 replicas side by side, and a replica's death.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/speed/replicas_bench.py [--images 32] [--clients 8] [--steps 30]
+
+One front per row (the demo model, one CPU thread per replica, `--max-batch 8`), warmed up, then ``--images``
+requests (n=1, 64x64, seeds 0..) from ``--clients`` concurrent clients; images/s over the wall time, the rows measured
+in the same run (the 1-replica row is `--dp-size 1`: the plain server). Then, on the 2-replica front: the same load
+again with replica 0 killed (SIGKILL) once both hold work: the requests answered (all, or the bench fails), those sent
+again, and the seconds from the kill to the replacement answering /health."""
+import argparse
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_process import free_port, stop  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPT = "a large red circle on the left, on a blue background"
+
+
+def start(flags, log_path):
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--log-level", "warning",
+                             "--threads", "1", "--max-batch", "8", *flags], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT}, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            time.sleep(0.25)
+    stop(proc)
+    raise SystemExit(f"no server (log: {log_path})")
+
+
+def one(url, seed, steps):
+    r = requests.post(url + "/v1/images/generations", json={"prompt": PROMPT, "size": "64x64", "seed": seed,
+                                                             "num_inference_steps": steps}, timeout=600)
+    return r.status_code, r.headers.get("x-sgld-replica")
+
+
+def load(url, images, clients, steps, during=None):
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(one, url, seed, steps) for seed in range(images)]
+        if during:
+            during()
+        answers = [f.result() for f in futures]
+    return images / (time.perf_counter() - t0), answers
+
+
+def kill(url, pid) -> None:
+    """SIGKILL to replica ``pid`` once every replica holds work."""
+    deadline = time.monotonic() + 60
+    while not all(r["in_flight"] for r in requests.get(url + "/health", timeout=10).json()["replicas"]):
+        if time.monotonic() > deadline:
+            raise SystemExit("the load never reached both replicas")
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--images", type=int, default=32)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    rows = {}
+    for dp in (1, 2):
+        proc, url = start(["--dp-size", str(dp)], f"/tmp/replicas-bench-{dp}.log")
+        try:
+            load(url, 4, 4, args.steps)  # warm up
+            rows[dp], answers = load(url, args.images, args.clients, args.steps)
+            assert all(status == 200 for status, _ in answers), answers
+            if dp == 2:
+                health = requests.get(url + "/health", timeout=10).json()
+                victim = health["replicas"][0]["pid"]
+                _, answers = load(url, args.images, args.clients, args.steps, during=functools.partial(kill, url, victim))
+                while requests.get(url + "/health", timeout=10).json()["replicas"][0]["status"] != "up":
+                    time.sleep(0.1)
+                health = requests.get(url + "/health", timeout=10).json()
+                rows["kill"] = {"answered": sum(s == 200 for s, _ in answers), "sent": len(answers),
+                                "resent": health["retried"], "replacement_s": health["last_replacement_s"]}
+        finally:
+            stop(proc)
+    print(json.dumps({"images_per_s": {"1 replica": round(rows[1], 3), "2 replicas": round(rows[2], 3)},
+                      "speedup": round(rows[2] / rows[1], 2), "kill": rows["kill"], "images": args.images,
+                      "clients": args.clients, "steps": args.steps}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""`sgld serve --dp-size 2` (engine/serve/replicas.py, front.py) as real processes: a front and two replica servers
+of the demo model, asked through the `openai` SDK. Both replicas make `sgld generate`'s picture; requests spread over
+them; a LoRA change reaches both; requests naming a LoRA go back to the replica that served it; /metrics sums the
+replicas; a replica killed (SIGKILL) in the middle of a run loses no request (each answered with the picture its
+seed makes) and is started again; the front's SIGTERM stops everything with exit 0."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import requests
+from PIL import Image
+from test_serve import PROMPTS, Server, client, demo_lora, pixels
+
+pytestmark = [pytest.mark.server]
+STEPS = 150  # the killed replica's runs: long enough to be in flight when it dies (about 2 s each, one thread)
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    base = tmp_path_factory.mktemp("replicas")
+    (base / "loras").mkdir()
+    demo_lora(base / "loras" / "a.safetensors", scale=0.5)
+    demo_lora(base / "loras" / "b.safetensors", scale=-0.5)
+    server = Server(base / "front.log", "--dp-size", "2", "--lora-dir", str(base / "loras")).wait_ready()
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0, server.log()
+        pids = [r["pid"] for r in server.last_health["replicas"]] if hasattr(server, "last_health") else []
+        for pid in pids:  # the replicas ended with the front
+            assert not _alive(pid), pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def health(front) -> dict:
+    front.last_health = requests.get(front.url + "/health", timeout=10).json()
+    return front.last_health
+
+
+def ask(front, seed: int, steps: int = 12, loras=None, prompt: str = PROMPTS[0]):
+    """(picture, the replica that answered) of one request through the SDK."""
+    extra = {"seed": seed, "num_inference_steps": steps}
+    if loras:
+        extra["loras"] = [{"name": n, "strength": 1.0} for n in loras]
+    raw = client(front).images.with_raw_response.generate(model="sgld-demo", prompt=prompt, size="64x64",
+                                                         response_format="b64_json", extra_body=extra)
+    return pixels(raw.parse().data[0].b64_json), int(raw.headers["x-sgld-replica"])
+
+
+def test_both_replicas_make_sgld_generates_picture(front, tmp_path, sgld_in_process):
+    code, _, err = sgld_in_process("generate", "--prompt", PROMPTS[0], "--seed", "4", "--steps", "12", "--out",
+                                   tmp_path / "ref.png")
+    assert code == 0, err
+    want = np.asarray(Image.open(tmp_path / "ref.png").convert("RGB"))
+    state = health(front)
+    assert state["status"] == "ok" and [r["status"] for r in state["replicas"]] == ["up", "up"]
+    assert len({r["pid"] for r in state["replicas"]}) == 2
+    with ThreadPoolExecutor(4) as pool:  # at once: the least busy replica takes each
+        answers = list(pool.map(lambda _: ask(front, 4), range(4)))
+    assert {replica for _, replica in answers} == {0, 1}
+    assert all(np.array_equal(picture, want) for picture, _ in answers)
+
+
+def test_a_lora_change_reaches_every_replica_and_lora_requests_keep_their_replica(front):
+    plain = {r: p for p, r in (ask(front, 5) for _ in range(2))}
+    r = requests.post(front.url + "/v1/set_lora", json={"lora_nickname": "a", "lora_path": "a.safetensors"}, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            both = list(pool.map(lambda _: ask(front, 5), range(2)))
+        assert {replica for _, replica in both} == {0, 1}  # each replica runs with the LoRA on
+        assert np.array_equal(both[0][0], both[1][0]) and not np.array_equal(both[0][0], next(iter(plain.values())))
+    finally:
+        r = requests.post(front.url + "/v1/unset_lora", json={}, timeout=60)
+        assert r.status_code == 200, r.text
+    homes = {"a.safetensors": set(), "b.safetensors": set()}  # files of --lora-dir
+    for name in list(homes) * 3:  # one at a time: nothing in flight, so the LoRAs decide
+        homes[name].add(ask(front, 6, loras=[name])[1])
+    assert [len(h) for h in homes.values()] == [1, 1] and len(set.union(*homes.values())) == 2, homes
+    metrics = requests.get(front.url + "/metrics", timeout=10).text
+    served = sum(r["served"] for r in health(front)["replicas"])
+    assert f"sgld_images_total {float(served)!r}" in metrics and "sgld_replicas_up 2" in metrics
+
+
+def test_a_killed_replica_loses_no_request(front):
+    seeds = list(range(20, 24))
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        futures = [pool.submit(ask, front, s, STEPS) for s in seeds]
+        deadline = time.monotonic() + 60
+        while not all(r["in_flight"] for r in health(front)["replicas"]):
+            assert time.monotonic() < deadline, front.last_health
+            time.sleep(0.05)
+        victim = front.last_health["replicas"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        answers = [f.result(timeout=300) for f in futures]
+    assert [replica for _, replica in answers].count(1) >= 3  # what replica 0 held was sent again to replica 1
+    deadline = time.monotonic() + 120
+    while health(front)["replicas"][0]["status"] != "up":
+        assert time.monotonic() < deadline, front.last_health
+        time.sleep(0.2)
+    state = front.last_health
+    assert state["replicas"][0]["pid"] != victim and state["replicas"][0]["restarts"] == 1
+    assert state["retried"] >= 1 and state["last_replacement_s"] > 0
+    again = ask(front, seeds[0], STEPS)[0]  # the same seed now: the same picture
+    assert np.array_equal(again, answers[0][0])
+    assert "sgld_replica_restarts_total 1" in requests.get(front.url + "/metrics", timeout=10).text
+
+
+def test_a_front_checks_the_flags_and_files_once_before_starting_replicas(tmp_path, sgld_in_process):
+    """One line naming the problem and exit 2, before any replica starts."""
+    for flags, says in ((["--model", str(tmp_path / "missing.safetensors")], "no such file"),
+                        (["--steps", "0"], "--steps"), (["--tp", "3"], "tp")):
+        code, _, err = sgld_in_process("serve", "--dp-size", "2", "--port", "0", *flags)
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = sgld_in_process("serve", "--dp-size", "0")
+    assert code == 2 and "--dp-size" in err and "at least 1" in err, err
