@@ -34,7 +34,7 @@ from .errors import Cancelled, CheckpointError, InputError
 from .io.readers import open_file
 from .io.safetensors import load_json_object, refuse_pickle, refuse_pickles_in
 from .io.shapes import check_counts, check_sizes, on_meta, read_header
-from .models.external import move_weights, room_on, text_encoder_dtype, weights_bytes
+from .models.external import RoomCheck, move_weights, text_encoder_dtype
 
 log = logging.getLogger("sgld.parts")
 
@@ -170,8 +170,7 @@ class PromptEnhancer:
         self.seconds = 0.0
         self.load_seconds = 0.0
         self.new_tokens: List[int] = []  # tokens generated per prompt by the last ``enhance``
-        self._weights_bytes: Optional[int] = None  # counted at the first call that asks (the weights keep their size)
-        self._said_host = False
+        self.room = RoomCheck("prompt enhancer", WRITE_WORK_BYTES, "writing", "--pe-device cpu")
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer: Optional[str] = None, device=None, dtype=None,
@@ -277,17 +276,7 @@ class PromptEnhancer:
         else the host, said once: a full GPU makes the PE slower, never out of memory."""
         if self.device.type == "cpu":
             return self.device
-        if self._weights_bytes is None:
-            self._weights_bytes = weights_bytes(self.model)
-        if room_on(self.device, self._weights_bytes, WRITE_WORK_BYTES):
-            return self.device
-        if not self._said_host:
-            self._said_host = True
-            log.warning("prompt enhancer: %.1f GiB of weights and work do not fit the %.1f GiB free on %s beside the "
-                        "DiT: writing on the CPU (slower; --pe-device cpu says so up front)",
-                        (self._weights_bytes + WRITE_WORK_BYTES) / 2**30, device_rt.free_bytes(self.device) / 2**30,
-                        self.device)
-        return torch.device("cpu")
+        return self.room.where(self.model, self.device, torch.device("cpu"))
 
     def _one(self, prompt_ids, seed, limit, greedy, stop, where) -> str:
         tok = self.tokenizer

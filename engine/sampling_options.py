@@ -135,19 +135,28 @@ def model_kind(source: str) -> str:
     """Which model a file or folder is, for its defaults: "demo" (the demo's metadata), "turbo" (the released
     Turbo config's own keys, else "turbo" in the file's or folder's name) or "base". Reads headers only; a
     file that cannot be read is judged by its name (its loading says what is wrong)."""
+    return _kind(source)[0]
+
+
+def _kind(source: str) -> tuple:
+    """(``model_kind``, the file's family or None): its header read once."""
     path = os.path.normpath(os.fspath(demo.named(source)))
     if os.path.isfile(path) and (demo.is_demo_file(path) or _demo_shaped(path)):
-        return "demo"
+        return "demo", None
+    config, family = {}, None
     try:
-        config = Checkpoint(path).config_overrides if os.path.exists(path) else {}
+        checkpoint = Checkpoint(path) if os.path.exists(path) else None
+        if checkpoint is not None:
+            config = checkpoint.config_overrides
+            family = checkpoint.family
     except (CheckpointError, OSError, ValueError):
-        config = {}
+        pass  # what was read counts
     if any(key in config for key in TURBO_CONFIG_KEYS):
-        return "turbo"
+        return "turbo", family
     name = os.path.basename(path)
     if name.lower() == "transformer":  # a diffusers folder's transformer/: the model's folder names it
         name = os.path.basename(os.path.dirname(os.path.abspath(path)))
-    return "turbo" if "turbo" in name.lower() else "base"
+    return ("turbo" if "turbo" in name.lower() else "base"), family
 
 
 def _demo_shaped(path: str) -> bool:
@@ -159,16 +168,11 @@ def _demo_shaped(path: str) -> bool:
 
 def model_defaults(source: str) -> dict:
     """{"steps", "cfg"}: the defaults of the model in ``source`` (``model_kind``; an embedded demo file's own, the
-    demo-turbo's 8 steps at cfg 1)."""
-    kind = model_kind(source)
+    demo-turbo's 8 steps at cfg 1; a file of another family, its family's)."""
+    kind, family = _kind(source)
     if kind == "demo":
         own = demo.file_sampling_defaults(os.fspath(demo.named(source)))
         return {"steps": own["steps"], "cfg": own["cfg"]}
-    path = os.path.normpath(os.fspath(source))
-    try:
-        family = Checkpoint(path).family if os.path.exists(path) else None
-    except (CheckpointError, OSError, ValueError):
-        family = None
     variants = family.sampling_defaults if family is not None and family is not families()[0] else {}
     if not variants:
         return dict(MODEL_DEFAULTS[kind])

@@ -5,6 +5,7 @@ replicas; a replica killed (SIGKILL) in the middle of a run loses no request (ea
 seed makes) and is started again; the front's SIGTERM stops everything with exit 0."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -117,6 +118,34 @@ def test_a_killed_replica_loses_no_request(front):
     assert np.array_equal(again, answers[0][0])
     assert "sgld_replica_restarts_total 1" in requests.get(front.url + "/metrics", timeout=10).text
 
+
+
+def test_a_sample_stream_through_the_front_and_one_whose_replica_dies(front):
+    """The remote KSampler's stream (/v1/sample) passes through whole; one whose replica is killed mid-run ends with
+    a last 503 line naming why, and the replica is started again."""
+    from test_serve_limits import sample_body
+
+    from engine.sample_wire import decode_latent
+
+    def stream(steps):
+        r = requests.post(front.url + "/v1/sample", data=sample_body({"seed": 3, "steps": steps, "cfg": 1.0}),
+                          stream=True, timeout=300)
+        return r, (json.loads(line) for line in r.iter_lines() if line.strip())
+
+    r, lines = stream(6)
+    last = list(lines)[-1]
+    assert r.status_code == 200 and decode_latent(last["latent"]).shape == (48, 16, 16)
+    r, lines = stream(100000)
+    replica = int(r.headers["x-sgld-replica"])
+    victim = health(front)["replicas"][replica]["pid"]
+    next(lines)  # a progress line: the run is on
+    os.kill(victim, signal.SIGKILL)
+    last = list(lines)[-1]
+    assert last["status"] == 503 and last["error"]["code"] == "replica_gone", last
+    deadline = time.monotonic() + 120
+    while health(front)["replicas"][replica]["status"] != "up":
+        assert time.monotonic() < deadline, front.last_health
+        time.sleep(0.2)
 
 def test_a_front_checks_the_flags_and_files_once_before_starting_replicas(tmp_path, sgld_in_process):
     """One line naming the problem and exit 2, before any replica starts."""

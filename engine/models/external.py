@@ -162,6 +162,29 @@ def room_on(device: torch.device, weights: int, work: int) -> bool:
     return free is None or free >= weights + work
 
 
+class RoomCheck:
+    """Where a model kept on the host (a text encoder, the prompt enhancer) computes its next call: on ``device`` when
+    its weights and ``work`` bytes fit the memory free there now (beside the DiT, a served batch), else on the host,
+    said once in the log: a full GPU makes it slower, never out of memory."""
+
+    def __init__(self, what: str, work: int, doing: str, flag: str):
+        self.what, self.work, self.doing, self.flag = what, work, doing, flag
+        self.weights: Optional[int] = None  # counted at the first call (the weights keep their size)
+        self.said = False
+
+    def where(self, model: torch.nn.Module, device: torch.device, host: torch.device) -> torch.device:
+        if self.weights is None:
+            self.weights = weights_bytes(model)
+        if room_on(device, self.weights, self.work):
+            return device
+        if not self.said:
+            self.said = True
+            log.warning("%s: %.1f GiB of weights and work do not fit the %.1f GiB free on %s beside the DiT: %s on the "
+                        "CPU (slower; %s says so up front)", self.what, (self.weights + self.work) / 2**30,
+                        device_rt.free_bytes(device) / 2**30, device, self.doing, self.flag)
+        return host
+
+
 PLACEMENTS = ("auto", "cpu", "resident")  # --text-encoder-device (TextEncoder.load's ``placement``)
 ENCODE_WORK_BYTES = 512 << 20  # above the weights while a prompt is encoded (traced: 0.08 GiB at 256 tokens, 3B)
 
@@ -185,7 +208,8 @@ class TextEncoder:
     def __init__(self, model, tokenizer, device: str = "cpu", home: Optional[str] = None, placement: str = "resident"):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.home = torch.device(home) if home is not None else self.device
-        self.placement, self._said_host, self._weights_bytes = placement, False, None
+        self.placement = placement
+        self.room = RoomCheck("text encoder", ENCODE_WORK_BYTES, "encoding", "--text-encoder-device cpu")
 
     def to(self, device) -> "TextEncoder":
         """Compute on ``device`` from now on, as the placement says (``cpu`` stays; ``resident`` moves the weights)."""
@@ -263,17 +287,7 @@ class TextEncoder:
         memory now (beside the DiT), else where the weights are (the host: slower, and said once)."""
         if self.placement != "auto" or self.home == self.device:
             return self.device
-        if self._weights_bytes is None:  # counted once: the weights do not change size
-            self._weights_bytes = weights_bytes(self.model)
-        if room_on(self.device, self._weights_bytes, ENCODE_WORK_BYTES):
-            return self.device
-        if not self._said_host:
-            self._said_host = True
-            log.warning("text encoder: %.1f GiB of weights and work do not fit the %.1f GiB free on %s beside the "
-                        "DiT: encoding on the CPU (slower; --text-encoder-device cpu says so up front)",
-                        (self._weights_bytes + ENCODE_WORK_BYTES) / 2**30, device_rt.free_bytes(self.device) / 2**30,
-                        self.device)
-        return self.home
+        return self.room.where(self.model, self.device, self.home)
 
     @torch.no_grad()
     def encode(self, prompt: str) -> torch.Tensor:
