@@ -12,7 +12,6 @@ import functools
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,27 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_process import free_port, stop  # noqa: E402
+import serve_process  # noqa: E402
+from serve_process import stop  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = "a large red circle on the left, on a blue background"
 
 
 def start(flags, log_path):
-    port = free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--log-level", "warning",
-                             "--threads", "1", "--max-batch", "8", *flags], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": ROOT}, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            time.sleep(0.25)
-    stop(proc)
-    raise SystemExit(f"no server (log: {log_path})")
+    """A front (or the plain server) of this checkout: one thread per replica, batches of 8."""
+    return serve_process.start(ROOT, log_path, ["--threads", "1", "--max-batch", "8", *flags], address_space=0)
 
 
 def one(url, seed, steps):

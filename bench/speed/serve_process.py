@@ -18,13 +18,15 @@ def free_port() -> int:
 
 
 def start(root: str, log_path: str, flags, address_space: int):
-    """(process, base url) of `sgld serve` of ``root`` with ``flags``, its output in ``log_path``."""
+    """(process, base url) of `sgld serve` of ``root`` with ``flags``, its output in ``log_path`` (``address_space``
+    bytes at most; 0: no limit)."""
     port = free_port()
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--log-level", "warning",
                              *flags], cwd=root, env={**os.environ, "PYTHONPATH": root}, stdout=log,
                             stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space)))
+                            preexec_fn=(lambda: resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space)))
+                            if address_space else None)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None:

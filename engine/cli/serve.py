@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from .. import device as device_rt
 from ..features.cache import resolve_config
 from ..models import demo as demo_model
 from ..sampling import DEFAULT_SHIFT
@@ -221,17 +222,17 @@ def replica_argv(argv, args) -> list:
                 rest.pop(0)
             continue
         out.append(flag)
-    if not args.threads and (not torch.cuda.is_available() or engine_config(args).device == "cpu"):
+    if not args.threads and (not device_rt.available() or engine_config(args).device == "cpu"):
         out += ["--threads", str(max(1, (os.cpu_count() or 1) // args.dp_size))]
     return out
 
 
 def replica_envs(args) -> list:
     """Each replica's environment: on GPUs its own ``--num-gpus`` (its ranks' world) devices."""
-    if not torch.cuda.is_available():
+    if not device_rt.available():
         return [{} for _ in range(args.dp_size)]
     world = engine_config(args).world_size
-    have = torch.cuda.device_count()
+    have = device_rt.device_count()
     if have < args.dp_size * world:
         raise ValueError(f"--dp-size {args.dp_size} with {world} GPU(s) each needs {args.dp_size * world} GPUs; this "
                          f"machine has {have}")

@@ -237,8 +237,17 @@ class Replicas:
                 started = True
                 loop.call_soon_threadsafe(lines.put_nowait, ("start", resp.status,
                                                              resp.getheader("content-type", "application/x-ndjson")))
+                if resp.status != 200:  # a refusal: one JSON body, relayed as it is
+                    loop.call_soon_threadsafe(lines.put_nowait, ("line", resp.read()))
+                    return
+                last = b""
                 for line in resp:
+                    if not line.endswith(b"\n"):  # cut in the middle: not relayed
+                        break
                     loop.call_soon_threadsafe(lines.put_nowait, ("line", line))
+                    last = line if line.strip() else last
+                if not _final(last):  # the connection ended before the result's line
+                    loop.call_soon_threadsafe(lines.put_nowait, ("cut", "the stream ended early"))
             except (ConnectionError, http.client.HTTPException, OSError) as e:
                 if not started:
                     raise ReplicaGone(f"replica {r.index}: {type(e).__name__}: {e}") from None
@@ -253,6 +262,15 @@ class Replicas:
             return {"status": "ok" if up == len(self.replicas) else ("degraded" if up else "down"),
                     "replicas": [r.describe() for r in self.replicas], "retried": self.retried,
                     "last_replacement_s": round(self.replacement_seconds[-1], 3) if self.replacement_seconds else None}
+
+
+def _final(line: bytes) -> bool:
+    """A stream's last line: its result (a latent) or its error (a status)."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and ("latent" in obj or "status" in obj)
 
 
 def fixed_seed(body: dict, max_seed: int) -> dict:
