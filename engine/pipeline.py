@@ -39,7 +39,8 @@ from .prompt_enhancer import PromptEnhancer
 from .release import Release, dit_family, resolve_release
 from .router import open_engine
 from .sampling import DEFAULT_SHIFT, SAMPLERS, SCHEDULERS, time_snr_shift
-from .sampling_options import SampleRequest, SamplingOptions, model_defaults, model_kind
+from .sampling_options import SamplingOptions, model_defaults, model_kind
+from .text_to_image import Picture, generate
 
 OUTPUT_TYPES = ("pil", "np", "latent")
 ENGINE_OPTIONS = tuple(n for n in options.declared(EngineConfig) if n not in ("dtype", "device"))
@@ -331,24 +332,21 @@ class ErnieImagePipeline:
                                                greedy=pe_greedy)
             prompts = list(revised)
 
-        latent = torch.zeros(latent_shape)
-        cond = [f for p in prompts for f in [self.parts.encode(p)] * num_images_per_prompt]
-        uncond = None
-        if cfg > 1.0:  # diffusers' rule (do_classifier_free_guidance); cfg 1 or below runs the prompt alone
-            uncond = [f for p in negatives for f in [self.parts.encode(p)] * num_images_per_prompt]
         noise = None
         if generator is not None:
-            noise = torch.randn(latent.shape, generator=generator, device=generator.device, dtype=torch.float32)
+            noise = torch.randn(latent_shape, generator=generator, device=generator.device, dtype=torch.float32)
         options = {"seed": 0 if seed is None else seed, "steps": steps, "cfg": cfg, "sampler": sampler, **sampling}
         sigmas = diffusers_sigmas(steps, float(shift)) if diffusers_schedule else None
         if not diffusers_schedule:
             options.update(scheduler=scheduler or demo_pkg.DEFAULT_SCHEDULER, shift=shift)
-        request = SampleRequest(latent, cond, uncond, **options, sigmas=sigmas, noise=noise,
-                                cache=cache_option(cache) if cache is not None else self.cache)
+        # diffusers' rule (do_classifier_free_guidance): cfg 1 or below runs the prompts alone
+        picture = Picture(prompts, negatives if cfg > 1.0 else None, width, height, SamplingOptions(**options),
+                          per_prompt=num_images_per_prompt, sigmas=sigmas, noise=noise,
+                          cache=cache_option(cache) if cache is not None else self.cache, latent_shape=latent_shape)
         bar = tqdm(total=steps, desc="sampling", unit="step", file=sys.stderr, leave=False,
                    **{"disable": False, **self._progress})
         try:
-            out = self.engine.sample_request(request, callback=lambda i, n, x, d: bar.update(1))
+            out = generate(self.engine, self.parts, picture, callback=lambda i, n, x, d: bar.update(1))
         finally:
             bar.close()
         if output_type == "latent":

@@ -27,7 +27,8 @@ from ..options import declared
 from ..release import DEMO, dit_family, resolve_release
 from ..router import open_engine
 from ..sampling import MAX_IMAGE_SIDE
-from ..sampling_options import SampleRequest, SamplingOptions, from_flags
+from ..sampling_options import SamplingOptions, from_flags
+from ..text_to_image import Picture, sample_request
 from .common import (
     add_cache_arguments,
     add_engine_arguments,
@@ -199,14 +200,15 @@ def cmd_generate(args) -> dict:
     eng, parts = loaded.engine, loaded.parts
     if args.loras:
         eng.set_loras(args.loras)
-    cond, uncond = [parts.encode(revised if revised is not None else args.prompt)], [parts.encode(args.negative)]
+    picture = Picture([revised if revised is not None else args.prompt], [args.negative], width, height,
+                      SamplingOptions(**run))
+    request = sample_request(parts, picture)  # the prompts encoded: part of the load time
     load_s = time.perf_counter() - t0 - pe_stats.get("pe_seconds", 0.0) - pe_stats.get("pe_load_seconds", 0.0)
     settings = {"prompt": args.prompt, "negative": args.negative, **run, "model": os.path.basename(loaded.model_path)}
     if revised is not None:
         settings["revised_prompt"] = revised
     bar = None if args.json else _progress_bar(run["steps"])
     try:
-        request = SampleRequest(parts.empty_latent(width, height), cond, uncond, **run)
         latent = eng.sample_request(request, callback=(lambda i, n, x, d: bar.update(1)) if bar else None)
     finally:
         if bar:

@@ -68,9 +68,10 @@ class Job(SampleRequest):
     stats: RunStats = field(default_factory=RunStats, init=False)  # this job's run: step mask, cache summary
 
     @classmethod
-    def of(cls, request, on_step: Optional[Callable[[int, int], None]] = None) -> "Job":
+    def of(cls, request, on_step: Optional[Callable[[int, int], None]] = None, lora_set: Optional[list] = None) -> "Job":
         """The job of a ``SampleRequest``."""
-        return cls(**{f.name: getattr(request, f.name) for f in dataclasses.fields(SampleRequest)}, on_step=on_step)
+        return cls(**{f.name: getattr(request, f.name) for f in dataclasses.fields(SampleRequest)}, on_step=on_step,
+                   lora_set=lora_set)
 
 
 class BatcherClosed(RuntimeError):

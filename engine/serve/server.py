@@ -28,6 +28,7 @@ from ..errors import USER_ERRORS, InputError
 from ..features.lora import active_loras
 from ..image_parts import ImageParts
 from ..sampling import DEFAULT_SHIFT, MAX_SEED
+from ..text_to_image import Picture, sample_request
 from .batcher import BatcherClosed, Job
 from .loras import Loras
 from .metrics import Metrics
@@ -288,12 +289,11 @@ class ImageServer:
         revised, pe_s = None, 0.0
         if gen.enhance_prompt:  # once per request (diffusers: once per prompt): every image shows the same text
             revised, pe_s = await self.enhance(gen, seed)
-        cond = await self.encode(gen.prompt if revised is None else revised)
-        uncond = await self.encode(gen.negative_prompt)
+        picture = Picture([gen.prompt if revised is None else revised], [gen.negative_prompt], gen.width, gen.height,
+                          dataclasses.replace(gen.options, seed=seed), cache=gen.cache, latent_shape=gen.latent_shape)
+        request = await asyncio.to_thread(sample_request, served.parts, picture, self._encode_alone)
         seeds = [(seed + i) % (MAX_SEED + 1) for i in range(gen.n)]  # image i: the request's seed + i
-        latent = torch.zeros(gen.latent_shape)  # [1, C, h, w]: its size checked once, when the request was read
-        results = await self.sample([Job.from_options(latent, cond, uncond, dataclasses.replace(gen.options, seed=s),
-                                                      cache=gen.cache, lora_set=lora_set) for s in seeds])
+        results = await self.sample([Job.of(dataclasses.replace(request, seed=s), lora_set=lora_set) for s in seeds])
         images = await asyncio.to_thread(lambda: [_png_b64(served.parts.decode(z)[0]) for z, _ in results])
         self.metrics.images.inc(gen.n)
         stats = [s for _, s in results if s]
