@@ -7,8 +7,6 @@ fused projections, tensor-parallel shards, layer-wise offload, torch.inference_m
 and the CLI flags. Speed is measured by bench/speed/formats_bench.py, not here."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -32,7 +30,6 @@ from tools.demo import judge
 
 CFG = SIZES["tiny"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SGLD = os.path.join(os.path.dirname(sys.executable), "sgld")
 ENV = {**os.environ, "PYTHONPATH": ROOT}
 FORMATS = ("int8", "int8-weight")
 CLASSES = {"int8": Q.Int8Linear, "int8-weight": Q.Int8WeightLinear}
@@ -308,24 +305,26 @@ def test_tensor_parallel_shards_quantize_their_slices(tiny_checkpoint):
 
 
 # -- the CLI --------------------------------------------------------------------------------------------------
-def sgld(*args):
-    r = subprocess.run([SGLD, *args], capture_output=True, text=True, timeout=300, env=ENV)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r
+def test_cli_quantize_bench_and_generate_with_int8(tiny_checkpoint, tmp_path, sgld_in_process, monkeypatch):
+    from engine.features.quant.int8 import linear
 
+    monkeypatch.setattr(linear, "_int_mm_probes", {})  # as a fresh process: the matmul probe runs, and says so
 
-@pytest.mark.subprocess
-def test_cli_quantize_bench_and_generate_with_int8(tiny_checkpoint, tmp_path):
+    def sgld(*args):
+        code, out, err = sgld_in_process(*args)
+        assert code == 0, err[-2000:]
+        return out, err
+
     out = tmp_path / "tiny-int8.safetensors"
-    r = sgld("quantize", str(tiny_checkpoint), str(out), "--format", "int8", "--json")
-    assert json.loads(r.stdout.splitlines()[-1])["layers"] == 7 * CFG.num_layers
-    bench = json.loads(sgld("bench", "--model", str(out), "--quant", "int8-weight", "--repeat", "1", "--json").stdout
+    printed, _ = sgld("quantize", str(tiny_checkpoint), str(out), "--format", "int8", "--json")
+    assert json.loads(printed.splitlines()[-1])["layers"] == 7 * CFG.num_layers
+    bench = json.loads(sgld("bench", "--model", str(out), "--quant", "int8-weight", "--repeat", "1", "--json")[0]
                        .splitlines()[-1])  # the file's int8 weights, computed weight-only
     assert bench["quant"] == "int8-weight" and bench["forward_ms_median"] > 0
     pic = tmp_path / "int8.png"
     prompt = "a large red circle on the left, on a blue background"
-    r = sgld("generate", "--prompt", prompt, "--seed", "0", "--steps", "12", "--quant", "int8", "--out", str(pic))
-    assert "int8 matmul on cpu" in r.stderr and "torch._int_mm" in r.stderr  # the W8A8 path ran
+    _, err = sgld("generate", "--prompt", prompt, "--seed", "0", "--steps", "12", "--quant", "int8", "--out", str(pic))
+    assert "int8 matmul on cpu" in err and "torch._int_mm" in err  # the W8A8 path ran
     with Image.open(pic) as im:
         assert judge.judge(np.asarray(im.convert("RGB")), prompt)["pass"]
     with pytest.raises(ValueError, match="int9.*int8, int8-weight"):
