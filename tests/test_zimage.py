@@ -314,3 +314,44 @@ def test_a_gguf_file_in_the_original_layout(tmp_path):
         got = eng.dit_forward(x, torch.tensor([400.0]), text, torch.tensor([7]))
         want = ref(x, torch.tensor([400.0]), text, torch.tensor([7]))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_lora_in_its_trainers_layouts(zimage):
+    """The layouts Z-Image's trainers write land on the same layers: ai-toolkit's (diffusers' names under
+    ``diffusion_model.``, A/B) and musubi-tuner's (kohya's flat ``lora_unet_`` names, down/up and alpha) give the
+    PEFT file's forward; a LoRA of another model is named as not Z-Image's."""
+    from engine.errors import LoRAError
+
+    eng = zimage["engine"]
+    g = torch.Generator().manual_seed(6)
+    pairs = {f"layers.{i}.{t}": (0.1 * torch.randn(2, 64, generator=g), 0.1 * torch.randn(out, 2, generator=g))
+             for i in range(2) for t, out in (("attention.to_q", 64), ("feed_forward.w1", 170))}
+    layouts = {
+        "peft": {f"transformer.{m}.lora_{s}.weight": t for m, (a, b) in pairs.items() for s, t in (("A", a), ("B", b))},
+        "ai-toolkit": {f"diffusion_model.{m}.lora_{s}.weight": t for m, (a, b) in pairs.items()
+                       for s, t in (("A", a), ("B", b))},
+        "musubi-tuner": {**{f"lora_unet_{m.replace('.', '_')}.lora_{s}.weight": t for m, (a, b) in pairs.items()
+                            for s, t in (("down", a), ("up", b))},
+                         **{f"lora_unet_{m.replace('.', '_')}.alpha": torch.tensor(2.0) for m in pairs}}}
+    x = (torch.randn(1, 16, 6, 4, generator=g), torch.tensor([600.0]), torch.randn(1, 7, 24, generator=g),
+         torch.tensor([7]))
+    outs = {}
+    try:
+        with torch.inference_mode():
+            for name, sd in layouts.items():
+                path = str(zimage["folder"] / f"z_{name}.safetensors")
+                save_file({k: v.contiguous() for k, v in sd.items()}, path)
+                assert eng.set_loras([(path, 1.0)]) == [], name
+                outs[name] = eng.dit_forward(*x)
+            other = str(zimage["folder"] / "ernie_lora.safetensors")
+            save_file({"transformer.layers.0.self_attention.to_q.lora_A.weight": torch.zeros(2, 64),
+                       "transformer.layers.0.self_attention.to_q.lora_B.weight": torch.zeros(64, 2)}, other)
+            with pytest.raises(LoRAError, match="not a LoRA for Z-Image"):
+                eng.set_loras([(other, 1.0)])
+    finally:
+        with torch.inference_mode():
+            eng.set_loras([])
+    with torch.inference_mode():
+        assert not torch.equal(outs["peft"], eng.dit_forward(*x))
+    for name in ("ai-toolkit", "musubi-tuner"):
+        torch.testing.assert_close(outs[name], outs["peft"], rtol=0, atol=1e-6)

@@ -1,5 +1,5 @@
-"""LoRA for the ERNIE-Image DiT: the published key formats, several LoRAs at once, merged in place with a
-bit-exact restore, or a side path on FP8 / INT4 layers; attached to the model as the "lora" Patch.
+"""LoRA for a family's DiT (ERNIE-Image, Z-Image): the published key formats, several LoRAs at once, merged in
+place with a bit-exact restore, or a side path on FP8 / INT4 layers; attached to the model as the "lora" Patch.
 
 formats: key formats, matching and reading a file (``read_lora``); lycoris: LyCORIS LoKr / LoHa factors;
 peft: alpha from PEFT configs;

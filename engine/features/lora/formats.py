@@ -17,6 +17,7 @@ from torch import nn
 from ...errors import LoRAError
 from ...io.readers import open_file
 from ...io.safetensors import CheckpointError
+from ...models.family import family_of
 from ..fuse import RowView, linear_parts
 from ..quant import quant_modules
 from . import lycoris
@@ -104,6 +105,7 @@ class LoRAFile:
     metadata: Dict[str, str] = field(default_factory=dict)
     nbytes: int = 0
     file_key: Optional[tuple] = None  # what identifies the file read (files.file_key); None: held in memory
+    model_title: str = "the DiT"  # the family of the DiT it was read against, for messages
 
     @property
     def name(self) -> str:
@@ -115,7 +117,7 @@ class LoRAFile:
         if self.unmatched:
             te = [k for k in self.unmatched if k.startswith(TEXT_ENCODER_PREFIXES)]
             first = ", ".join(self.unmatched[:4])
-            msg = (f"LoRA {self.name}: {len(self.unmatched)} of its keys match no layer of the ERNIE-Image DiT and were "
+            msg = (f"LoRA {self.name}: {len(self.unmatched)} of its keys match no layer of the {self.model_title} DiT and were "
                    f"not applied (first: {first})")
             if te:
                 msg += f"; {len(te)} of them are text-encoder keys (this engine patches the diffusion model only)"
@@ -178,6 +180,14 @@ def key_map(model: nn.Module) -> Dict[str, str]:
         for p in FLAT_PREFIXES:
             out.setdefault(p + flat, name)
     return out
+
+
+def _title(model: nn.Module) -> str:
+    """The model's family's name for messages ("ERNIE-Image", "Z-Image"), "the DiT" for another module."""
+    try:
+        return family_of(model).title
+    except TypeError:
+        return "the DiT"
 
 
 def _split_key(key: str) -> Tuple[str, str, str]:
@@ -248,6 +258,7 @@ def read_lora(source, model: nn.Module, header_only: bool = False) -> LoRAFile:
         raise LoRAError(f"{path}: this LoRA file holds no tensors")
     kmap = key_map(model)
     modules = target_modules(model)
+    title = _title(model)
     groups: Dict[str, Dict[str, str]] = {}
     unknown: List[str] = []
     unsupported: List[Tuple[str, str]] = []
@@ -267,16 +278,16 @@ def read_lora(source, model: nn.Module, header_only: bool = False) -> LoRAFile:
     unmatched = sorted(map(user, unknown + [k for p, g in groups.items() if p not in kmap for part, k in g.items() if part != "fmt"]))
     if not matched and any(_split_key(k)[0] in kmap for k, _ in unsupported):
         kinds = sorted({w for _, w in unsupported})
-        raise LoRAError(f"{path}: this adapter for ERNIE-Image uses {', '.join(kinds)}, which this engine does not apply "
+        raise LoRAError(f"{path}: this adapter for {title} uses {', '.join(kinds)}, which this engine does not apply "
                         "(supported: LoRA up/down or A/B pairs with alpha, LyCORIS LoKr and LoHa, and full .diff weights)")
     if not matched:
         arch = _guess_architecture(keys)
         meta = {k: v for k, v in f.metadata.items() if k in ("ss_base_model_version", "modelspec.architecture", "ss_network_module")}
         raise LoRAError(
-            f"{path}: not a LoRA for ERNIE-Image: none of its {len(keys)} keys names a layer of the ERNIE-Image DiT "
+            f"{path}: not a LoRA for {title}: none of its {len(keys)} keys names a layer of the {title} DiT "
             f"(first keys: {', '.join(sorted(map(user, keys))[:3])})" + (f"; it looks like a LoRA for {arch}" if arch else "")
             + (f"; file metadata: {meta}" if meta else "")
-            + ". Use a LoRA trained for ERNIE-Image / ERNIE-Image-Turbo.")
+            + f". Use a LoRA trained for {title}" + (" / ERNIE-Image-Turbo." if title == "ERNIE-Image" else "."))
     seen: Dict[str, str] = {}
     for prefix, g in matched.items():  # names and shapes from the header, before any data is read
         mod_name = kmap[prefix]
@@ -331,7 +342,7 @@ def read_lora(source, model: nn.Module, header_only: bool = False) -> LoRAFile:
             if e.alpha is None and e.up is not None:
                 e.alpha = peft_alpha(pcfg, e.module)
                 e.rslora = bool(pcfg.get("use_rslora"))
-    lf = LoRAFile(path, entries, sorted(unmatched), unsupported, tuple(sorted(formats)), dict(f.metadata), nbytes, key)
+    lf = LoRAFile(path, entries, sorted(unmatched), unsupported, tuple(sorted(formats)), dict(f.metadata), nbytes, key, title)
     if header_only:
         return lf
     log.info("LoRA %s", lf.describe())
