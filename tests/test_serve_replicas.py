@@ -157,3 +157,19 @@ def test_a_front_checks_the_flags_and_files_once_before_starting_replicas(tmp_pa
         assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
     code, _, err = sgld_in_process("serve", "--dp-size", "0")
     assert code == 2 and "--dp-size" in err and "at least 1" in err, err
+
+
+def test_the_replayed_lora_changes_stay_bounded():
+    """Switching every LoRA off makes the changes before it moot: a replacement replays from there."""
+    from engine.serve.replicas import Replicas
+
+    r = Replicas([], 0, [], timeout=1.0, max_connections=1)
+    try:
+        for name in ("a", "b"):
+            r.record_change("/v1/set_lora", json.dumps({"lora_nickname": name, "lora_path": name}).encode())
+        r.record_change("/v1/unset_lora", b'{"lora_nickname": "a"}')
+        assert len(r.lora_changes) == 3
+        r.record_change("/v1/unset_lora", b"")
+        assert r.lora_changes == [("/v1/unset_lora", b"")]
+    finally:
+        r.close()

@@ -113,25 +113,34 @@ def create_front_app(replicas: Replicas, api_key, max_body_bytes: int, body_time
     async def health_generate(request: Request):
         return await routed(request, "/health_generate", None)
 
+    changing = asyncio.Lock()  # one LoRA change at a time: every replica sees them in the same order
+
     async def change_loras(request: Request, path: str):
         """A LoRA change on every replica, the first's answer returned: one it refuses changes none; a replica
         that fails a change the first made is replaced (its replacement replays every change)."""
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
-        live = [r for r in replicas.replicas if r.state == "up"]
-        if not live:
-            return no_replica()
-        status, passed, data = await call(live[0], "POST", path, body, headers)
-        if status == 200:
-            replicas.lora_changes.append((path, body))
-            for r in live[1:]:
+        async with changing:
+            live = [r for r in replicas.replicas if r.state == "up"]
+            first = None
+            while live and first is None:
                 try:
-                    other = (await call(r, "POST", path, body, headers))[0]
+                    first = (live[0], *await call(live[0], "POST", path, body, headers))
                 except (ReplicaGone, OSError, http.client.HTTPException):
-                    other = None
-                if other != 200 and r.proc is not None:
-                    r.proc.kill()  # the watcher starts it again, with every change replayed
-        return answer(live[0], status, passed, data)
+                    live.pop(0)  # gone: the watcher replaces it, with the changes made so far
+            if first is None:
+                return no_replica()
+            r0, status, passed, data = first
+            if status == 200:
+                replicas.record_change(path, body)
+                for r in live[1:]:
+                    try:
+                        other = (await call(r, "POST", path, body, headers))[0]
+                    except (ReplicaGone, OSError, http.client.HTTPException):
+                        other = None
+                    if other != 200 and r.proc is not None:
+                        r.proc.kill()  # the watcher starts it again, with every change replayed
+            return answer(r0, status, passed, data)
 
     @app.post("/v1/set_lora")
     async def set_lora(request: Request):

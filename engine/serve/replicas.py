@@ -178,6 +178,17 @@ class Replicas:
         r.state = "up"
         return True
 
+    def record_change(self, path: str, body: bytes) -> None:
+        """A LoRA change every replica made, kept for a replacement to replay; switching every LoRA off (an unset
+        with no names) makes the changes before it moot."""
+        try:
+            names = json.loads(body or b"{}").get("lora_nickname") if path.endswith("/unset_lora") else "kept"
+        except (ValueError, AttributeError):
+            names = "kept"
+        if names is None:
+            self.lora_changes.clear()
+        self.lora_changes.append((path, body))
+
     def close(self) -> None:
         """Stop every replica (SIGTERM: each drains as a single server does), then the threads."""
         self.closing = True
