@@ -144,7 +144,10 @@ def test_a_sample_stream_through_the_front_and_one_whose_replica_dies(front):
     os.kill(victim, signal.SIGKILL)
     last = list(lines)[-1]
     assert last["status"] == 503 and last["error"]["code"] == "replica_gone", last
-    assert health(front)["replicas"][replica]["restarts"] >= 1  # being replaced (the kill test waits for one)
+    deadline = time.monotonic() + 30  # seen and being replaced (the kill test waits for a replacement)
+    while not health(front)["replicas"][replica]["restarts"]:
+        assert time.monotonic() < deadline, front.last_health
+        time.sleep(0.1)
 
 def test_a_front_checks_the_flags_and_files_once_before_starting_replicas(tmp_path, sgld_in_process):
     """One line naming the problem and exit 2, before any replica starts."""
