@@ -61,7 +61,7 @@ def images_router(server: ImageServer) -> APIRouter:
 
     @router.post("/v1/images/generations")
     async def generations(request: Request):
-        gen = parse_generation(await _json(request), server.served)
+        gen = parse_generation(await read_json(request), server.served)
         try:
             return await server.answer(request, gen.n, server.generate(gen))
         except ClientGone:
@@ -87,11 +87,11 @@ def loras_router(server: ImageServer) -> APIRouter:
 
     @router.post("/v1/set_lora")
     async def set_lora(request: Request):
-        return await server.change_loras(server.loras.plan_set(parse(SetLoraRequest, await _json(request))))
+        return await server.change_loras(server.loras.plan_set(parse(SetLoraRequest, await read_json(request))))
 
     @router.post("/v1/unset_lora")
     async def unset_lora(request: Request):
-        body = await _json(request, empty_ok=True)
+        body = await read_json(request, empty_ok=True)
         return await server.change_loras(server.loras.plan_unset(parse(UnsetLoraRequest, body)))
 
     @router.get("/v1/list_loras")
@@ -124,7 +124,7 @@ def health_router(server: ImageServer) -> APIRouter:
     return router
 
 
-async def _json(request: Request, empty_ok: bool = False):
+async def read_json(request: Request, empty_ok: bool = False):
     body = await request.body()
     if not body.strip() and empty_ok:
         return {}

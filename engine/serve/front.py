@@ -8,16 +8,19 @@ import http.client
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import CheckpointError
-from ..io.safetensors import load_json_object
 from ..sampling import MAX_SEED
-from .app import OPEN_PATHS
+from .app import OPEN_PATHS, read_json
 from .guard import Guard
 from .protocol import ApiError, error_body
 from .replicas import ReplicaGone, Replicas, dumps, fixed_seed, images_of, lora_names, summed_metrics
 
 RETRY_AFTER_S = 5  # a 503 for want of a live replica: when to ask again (a replacement takes seconds)
 FORWARDED = ("content-type", "authorization")  # the client's headers a replica needs
+
+
+def forwarded(request: Request) -> dict:
+    """The client's headers a replica needs (``FORWARDED``)."""
+    return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
 
 
 def create_front_app(replicas: Replicas, api_key, max_body_bytes: int, body_timeout: float):
@@ -37,7 +40,7 @@ def create_front_app(replicas: Replicas, api_key, max_body_bytes: int, body_time
 
     async def routed(request: Request, path: str, body: bytes, images: int = 1, loras: frozenset = frozenset()):
         """One request through a chosen replica, sent once more to another if its replica died before answering."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
+        headers = forwarded(request)
         tried = []
         for _ in range(2):
             r = replicas.pick(images, loras, tried)
@@ -55,19 +58,13 @@ def create_front_app(replicas: Replicas, api_key, max_body_bytes: int, body_time
                 replicas.done(r, images, loras, answered)
         return no_replica()
 
-    async def json_body(request: Request) -> dict:
-        try:
-            return load_json_object(await request.body(), "the request body")
-        except CheckpointError as e:
-            raise ApiError(400, str(e), code="invalid_json") from None
-
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.post("/v1/images/generations")
     async def generations(request: Request):
-        body = fixed_seed(await json_body(request), MAX_SEED)  # a second sending makes the same picture
+        body = fixed_seed(await read_json(request), MAX_SEED)  # a second sending makes the same picture
         return await routed(request, "/v1/images/generations", dumps(body), images_of(body), lora_names(body))
 
     @app.post("/v1/sample")
@@ -75,7 +72,7 @@ def create_front_app(replicas: Replicas, api_key, max_body_bytes: int, body_time
         """The remote KSampler's stream: sent once more if its replica died before the first line; cut after it,
         it ends with a 503 line as a draining server's stream does."""
         raw = await request.body()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
+        headers = forwarded(request)
         tried = []
         for _ in range(2):
             r = replicas.pick(1, frozenset(), tried)
@@ -119,7 +116,7 @@ def create_front_app(replicas: Replicas, api_key, max_body_bytes: int, body_time
         """A LoRA change on every replica, the first's answer returned: one it refuses changes none; a replica
         that fails a change the first made is replaced (its replacement replays every change)."""
         body = await request.body()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
+        headers = forwarded(request)
         async with changing:
             live = [r for r in replicas.replicas if r.state == "up"]
             first = None

@@ -26,7 +26,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from ..parallel.pool import free_port
 
 log = logging.getLogger("sgld.serve")
 
@@ -98,7 +99,7 @@ class Replicas:
                  max_connections: int):
         self.argv, self.timeout = list(argv), timeout
         self.folder = tempfile.mkdtemp(prefix="sgld-replicas-")  # 0700: the replicas' logs
-        self.replicas = [Replica(i, _free_port(), dict(envs[i]), os.path.join(self.folder, f"replica-{i}.log"))
+        self.replicas = [Replica(i, free_port(), dict(envs[i]), os.path.join(self.folder, f"replica-{i}.log"))
                          for i in range(count)]
         self.pool = ThreadPoolExecutor(max_workers=max_connections + 2 * count, thread_name_prefix="sgld-front")
         self.lock = threading.Lock()
@@ -330,12 +331,6 @@ def summed_metrics(texts: Sequence[str]) -> str:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
