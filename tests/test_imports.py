@@ -16,10 +16,11 @@ PACKAGES = ("engine", "nodes", "tools")
 # running ComfyUI (its modules), or slow to import and needed only by one option (torch._dynamo).
 OPTIONAL = ("sageattention", "flash_attn", "scipy", "torch._dynamo", "comfy", "comfy_execution", "server",
             "latent_preview", "folder_paths", "comfyui_version", "aiohttp", "diffusers", "transformers",
-            "comfy_kitchen")  # comfy_kitchen: the [kitchen] extra, for ComfyUI's quantized files (quant/comfy)
+            "comfy_kitchen", "ray")  # comfy_kitchen: the [kitchen] extra, for ComfyUI's quantized files (quant/comfy)
+# ray: the [cluster] extra (sgld serve --ray)
 # Imported exactly (ComfyUI's own top-level ``nodes``), or ours that need ComfyUI's model classes: the Model
 # Loader builds its MODEL output only inside a running ComfyUI (tests load the loader with stand-ins).
-OPTIONAL_EXACT = ("nodes", "nodes.comfy_model")
+OPTIONAL_EXACT = ("nodes", "nodes.comfy_model", "engine.serve.ray_app")  # ray_app: Ray Serve's, the [cluster] extra
 COMFYUI = ("comfy", "comfy_execution", "server", "latent_preview", "folder_paths", "nodes", "comfyui_version")
 
 

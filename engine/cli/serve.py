@@ -4,10 +4,14 @@ cancel the rest, stop the batcher and the engine's workers, exit 0."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import shlex
 import signal
 import socket
 import sys
+import threading
+import types
 
 import torch
 
@@ -24,12 +28,22 @@ from .common import (
     add_sampling_arguments,
     add_text_encoder_arguments,
     cache_config,
+    check_common_args,
     check_pe_args,
     engine_config,
     file_families,
     load_prompt_enhancer,
 )
-from .generate import demo_dit, make_parts, model_files, model_source, release_of, release_shift, uses_files
+from .generate import (
+    demo_dit,
+    lora_specs,
+    make_parts,
+    model_files,
+    model_source,
+    release_of,
+    release_shift,
+    uses_files,
+)
 
 try:  # the HTTP server's packages are an extra (pip install '.[serve]'): without them the other commands still run
     import uvicorn
@@ -37,7 +51,7 @@ try:  # the HTTP server's packages are an extra (pip install '.[serve]'): withou
     from ..serve import ServedModel, ServeSettings, create_app
     from ..serve.batcher import Batcher
     from ..serve.connections import bounded_h11
-    from ..serve.front import create_front_app
+    from ..serve.front import LocalReplicas, create_front_app
     from ..serve.replicas import Replicas, end_with_front
     MISSING = None
 except ImportError as e:
@@ -92,6 +106,12 @@ def add_parser(sub) -> None:
                         "engine, queue and batcher (on GPUs its own devices: --num-gpus each); a request goes to the "
                         "least busy (one naming LoRAs: preferably to a replica that has them); a replica that dies "
                         "is started again, its unanswered requests sent to another (docs/serve.md)")
+    s.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run as a Ray Serve application (pip install '.[cluster]'): --dp-size engine replicas (each "
+                        "its --num-gpus GPUs or --threads CPUs) behind Ray's HTTP proxy on --host/--port; ADDRESS: "
+                        "a running cluster's (ray://... or host:port), none: a Ray started on this machine")
+    s.add_argument("--ray-autoscale", default=None, metavar="MIN:MAX",
+                   help="with --ray: let Serve scale the engine replicas between MIN and MAX (instead of --dp-size)")
     s.add_argument("--lora-dir", default=None, help="the folder /v1/set_lora loads LoRA files from (none: no loading)")
     s.add_argument("--lora", action="append", default=[], metavar="FILE:STRENGTH", help="a LoRA active from the start")
     s.add_argument("--max-loras-per-forward", type=_positive(int, 1), default=8,
@@ -174,21 +194,27 @@ def cmd_serve(args) -> None:
     if args.lora_dir is not None and not os.path.isdir(args.lora_dir):
         raise ValueError(f"--lora-dir '{args.lora_dir}' is not a folder")
     end_with_front()  # a replica of a --dp-size front ends with it
+    if args.ray is not None or args.ray_autoscale is not None:
+        return _serve_on_ray(args)
     sock = _listen(args.host, args.port)
     if args.dp_size > 1:
         return _serve_replicas(args, sock)
+    app, served = server_app(args)
+    count = torch.get_num_threads()
+    threads = f", {count} CPU thread{'s' if count > 1 else ''}" if served.engine.device.type == "cpu" else ""
+    _run(app, args, sock, f"{served.id} on http://{{}}/v1 (max batch {args.max_batch}, queue {args.max_queue}{threads})")
+
+
+def server_app(args):
+    """(the server's ASGI app, its ServedModel): the model the flags name, its batcher, the routes; one server's,
+    a --dp-size replica's and a --ray replica's."""
     served = served_model(args)
     batcher = Batcher(served.engine, max_batch=args.max_batch, max_loras=args.max_loras_per_forward,
                       lora_budget_bytes=args.lora_cache_mb << 20)
     settings = ServeSettings(api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
                              request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
                              body_timeout=args.body_timeout, lora_dir=args.lora_dir, loras=args.loras)
-    app = create_app(served, batcher, settings)
-    # uvicorn's limit_concurrency counts the connection asking too: N + 1 serves N connections (ours refuses the
-    # next one) and bounds the running requests (a request whose client left still runs until it sees it)
-    count = torch.get_num_threads()
-    threads = f", {count} CPU thread{'s' if count > 1 else ''}" if served.engine.device.type == "cpu" else ""
-    _run(app, args, sock, f"{served.id} on http://{{}}/v1 (max batch {args.max_batch}, queue {args.max_queue}{threads})")
+    return create_app(served, batcher, settings), served
 
 
 def _run(app, args, sock, what: str) -> None:
@@ -207,23 +233,24 @@ def _run(app, args, sock, what: str) -> None:
     server.run(sockets=[sock])
 
 
-DP_ONLY = ("--dp-size", "--host", "--port")  # the front's own flags, not its replicas'
+DP_ONLY = ("--dp-size", "--host", "--port", "--ray", "--ray-autoscale")  # the front's own flags, not its replicas'
+RAY_REFUSED = ("--header-timeout", "--keep-alive-timeout", "--max-connections")  # uvicorn's: Ray's proxy holds them
 
 
-def replica_argv(argv, args) -> list:
+def replica_argv(argv, args, cpu_threads: int = 0) -> list:
     """A replica's `sgld serve` flags: the command's own without the front's (``DP_ONLY``); on the CPU, without
-    --threads, the cores shared out between the replicas."""
+    --threads, ``cpu_threads`` or the cores shared out between the replicas."""
     out, rest = [], list(argv[argv.index("serve") + 1:])
     while rest:
         flag = rest.pop(0)
         name = flag.split("=", 1)[0]
         if name in DP_ONLY:
-            if "=" not in flag and rest:
+            if "=" not in flag and rest and not rest[0].startswith("--"):  # its value (--ray's is optional)
                 rest.pop(0)
             continue
         out.append(flag)
     if not args.threads and (not device_rt.available() or engine_config(args).device == "cpu"):
-        out += ["--threads", str(max(1, (os.cpu_count() or 1) // args.dp_size))]
+        out += ["--threads", str(cpu_threads or max(1, (os.cpu_count() or 1) // args.dp_size))]
     return out
 
 
@@ -246,7 +273,126 @@ def _serve_replicas(args, sock) -> None:
                         args.max_connections)
     try:
         replicas.start()
-        app = create_front_app(replicas, args.api_key, args.max_body_bytes, args.body_timeout)
+        app = create_front_app(LocalReplicas(replicas), args.api_key, args.max_body_bytes, args.body_timeout)
         _run(app, args, sock, f"{args.dp_size} replicas on http://{{}}/v1 (logs in {replicas.folder})")
     finally:
         replicas.close()
+
+
+def app_from_flags(flags) -> object:
+    """A --ray replica's server app from its `sgld serve` flags (parsed and checked as the command's)."""
+    args = _parsed(["serve", *flags])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return server_app(args)[0]
+
+
+def ray_autoscale(args):
+    """--ray-autoscale MIN:MAX as (min, max), or None."""
+    if args.ray_autoscale is None:
+        return None
+    if args.ray is None:
+        raise ValueError("--ray-autoscale scales a --ray deployment: add --ray")
+    low, _, high = args.ray_autoscale.partition(":")
+    if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+        raise ValueError(f"--ray-autoscale must be MIN:MAX with 1 <= MIN <= MAX (got {args.ray_autoscale!r})")
+    return int(low), int(high)
+
+
+def _serve_on_ray(args) -> None:
+    """`--ray`: the server as a Ray Serve application (engine/serve/ray_app.py). This process deploys it, says where
+    it listens and waits; SIGTERM or Ctrl-C deletes it (Serve drains each replica for --shutdown-grace s), exit 0."""
+    given = [f for f in RAY_REFUSED if any(a.split("=", 1)[0] == f for a in args._argv)]
+    if given:
+        raise ValueError(f"{given[0]} bounds this process's HTTP server; under --ray the connections are Ray's HTTP "
+                         "proxy's (set them in Ray Serve's http_options)")
+    ray_autoscale(args)
+    check_serve_args(args)
+    ray, serve, ray_app = _ray()
+    _listen(args.host, args.port).close()  # a port in use: one line before Ray starts
+    local = args.ray == "local"
+    ray.init(address=None if local else args.ray, include_dashboard=False, logging_level="WARNING")
+    stop = threading.Event()
+
+    def stopping(signum, frame):  # after ray.init, whose own handler would abort the process
+        if stop.is_set():
+            return
+        stop.set()
+        if not started:
+            raise _Stopped(signum)
+    started = False
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stopping)
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
+        serve.run(_ray_application(args), name=ray_app.APP_NAME, route_prefix="/")
+        started = True
+        scale = ray_autoscale(args)
+        count = f"{scale[0]} to {scale[1]}" if scale else str(args.dp_size)
+        print(f"sgld serve: {count} replicas on Ray ({'this machine' if local else args.ray}) on "
+              f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        stop.wait()
+    except _Stopped:
+        pass  # stopped while it started: taken down below, exit 0 as after the start
+    finally:
+        ray_app.remove(ray_app.APP_NAME)
+        ray.shutdown()
+
+
+class _Stopped(BaseException):
+    """SIGTERM / Ctrl-C while the Ray application starts: unwinds to its removal."""
+
+
+def _ray():
+    """(ray, ray.serve, engine/serve/ray_app.py's application and remove): the [cluster] extra, or a one-line error
+    saying how to install it."""
+    try:
+        import ray
+        from ray import serve
+
+        from ..serve.ray_app import APP_NAME, application, remove
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "ray":
+            raise
+        raise ValueError("--ray needs Ray Serve ('ray' is not installed): pip install 'comfyui-sgldiffusion[cluster]' "
+                         "(from the pack's folder: pip install -e '.[cluster]')") from None
+    return ray, serve, types.SimpleNamespace(APP_NAME=APP_NAME, application=application, remove=remove)
+
+
+def _ray_application(args):
+    """The Serve application of these (checked) flags, Ray connected: each replica's flags and resources (its
+    --num-gpus GPUs with --device cuda, else --threads CPUs, 1 by default), the front's guard."""
+    ray, _, ray_app = _ray()
+    config = engine_config(args)
+    gpus = config.world_size if config.device.startswith("cuda") else 0  # Ray sets each its CUDA_VISIBLE_DEVICES
+    if gpus and not ray.cluster_resources().get("GPU"):
+        raise ValueError(f"--device {config.device}: the Ray cluster has no GPU (--device cpu runs on its CPUs)")
+    threads = 0 if gpus else (args.threads or 1)
+    engine_options = {"ray_actor_options": {"num_cpus": threads, "num_gpus": gpus},
+                      "max_ongoing_requests": args.max_batch, "graceful_shutdown_timeout_s": args.shutdown_grace}
+    front = {"api_key": args.api_key, "max_body_bytes": args.max_body_bytes, "body_timeout": args.body_timeout}
+    flags = replica_argv(args._argv, args, cpu_threads=threads)
+    return ray_app.application(functools.partial(app_from_flags, flags), args.dp_size, engine_options, front,
+                               args.request_timeout + 30.0, ray_autoscale(args), os.getcwd())
+
+
+def ray_application(options: dict):
+    """`serve run engine.cli.serve:ray_application flags='--model ...' replicas=2` (and KubeRay's RayService,
+    docs/serve.md): the application `sgld serve --ray` deploys, its flags checked the same way."""
+    argv = ["serve", *shlex.split(str(options.get("flags", ""))), "--ray",
+            "--dp-size", str(options.get("replicas", 1))]
+    args = _parsed(argv)
+    ray_autoscale(args)
+    check_serve_args(args)
+    return _ray_application(args)
+
+
+def _parsed(argv):
+    """`sgld serve` flags parsed and checked as the command line's (engine/cli/__init__.py's main)."""
+    parser = argparse.ArgumentParser(prog="sgld")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    args._argv = list(argv)
+    check_common_args(args)
+    args.loras = lora_specs(args)
+    return args

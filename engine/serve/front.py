@@ -1,9 +1,11 @@
-"""The front of `sgld serve --dp-size N` (engine/serve/replicas.py): the server's API over N replicas, the same
-routes, guard (API key, body limits) and error shapes as one server's (engine/serve/app.py)."""
+"""The front of `sgld serve --dp-size N` and `--ray`: the server's API over replicas, the same routes, guard (API
+key, body limits) and error shapes as one server's (engine/serve/app.py). Where the replicas are is the backend's:
+``LocalReplicas`` (processes on this machine, engine/serve/replicas.py) or ray_app.py's ``RayReplicas``."""
 from __future__ import annotations
 
 import asyncio
 import http.client
+from typing import AsyncIterator, Callable, List, Optional, Protocol, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -16,6 +18,22 @@ from .replicas import ReplicaGone, Replicas, dumps, fixed_seed, images_of, lora_
 
 RETRY_AFTER_S = 5  # a 503 for want of a live replica: when to ask again (a replacement takes seconds)
 FORWARDED = ("content-type", "authorization")  # the client's headers a replica needs
+GONE = (ReplicaGone, OSError, http.client.HTTPException)  # a local replica's connection failed
+
+Answer = Tuple[int, dict, bytes, int]  # status, passed headers, body, the replica's index
+# status, content type, replica index, ("line", bytes) / ("cut", why) items, called when the stream ends
+Stream = Tuple[int, str, int, AsyncIterator, Callable[[], None]]
+
+
+class Backend(Protocol):
+    """Where the front's requests go. Each returns None when no replica is up to take it (the front's 503)."""
+
+    async def send(self, method: str, path: str, body: Optional[bytes], headers: dict, images: int = 1,
+                   loras: frozenset = frozenset()) -> Optional[Answer]: ...
+    async def open_stream(self, path: str, body: bytes, headers: dict) -> Optional[Stream]: ...
+    async def change(self, path: str, body: bytes, headers: dict) -> Optional[Answer]: ...  # on every replica
+    async def metrics_texts(self) -> List[str]: ...
+    async def describe(self) -> dict: ...  # status, replicas, retried, restarts, last_replacement_s
 
 
 def forwarded(request: Request) -> dict:
@@ -23,40 +41,19 @@ def forwarded(request: Request) -> dict:
     return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
 
 
-def create_front_app(replicas: Replicas, api_key, max_body_bytes: int, body_timeout: float):
+def create_front_app(backend: Backend, api_key, max_body_bytes: int, body_timeout: float):
     app = FastAPI(title="sgld serve (replicas)", docs_url=None, redoc_url=None, openapi_url=None)
-    loop_of = asyncio.get_running_loop
 
-    async def call(r, method, path, body=None, headers=None, timeout=None):
-        return await loop_of().run_in_executor(replicas.pool, lambda: replicas.call(r, method, path, body, headers,
-                                                                                    timeout))
+    def answered(a: Optional[Answer]) -> Response:
+        if a is None:
+            return JSONResponse(error_body("no replica is up to take the request; ask again shortly", "server_error",
+                                           code="no_replica"), status_code=503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        status, headers, data, index = a
+        return Response(data, status_code=status, headers={**headers, "x-sgld-replica": str(index)})
 
-    def answer(r, status, headers, data) -> Response:
-        return Response(data, status_code=status, headers={**headers, "x-sgld-replica": str(r.index)})
-
-    def no_replica() -> JSONResponse:
-        return JSONResponse(error_body("no replica is up to take the request; ask again shortly", "server_error",
-                                       code="no_replica"), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-
-    async def routed(request: Request, path: str, body: bytes, images: int = 1, loras: frozenset = frozenset()):
-        """One request through a chosen replica, sent once more to another if its replica died before answering."""
-        headers = forwarded(request)
-        tried = []
-        for _ in range(2):
-            r = replicas.pick(images, loras, tried)
-            if r is None:
-                break
-            tried.append(r.index)
-            answered = False
-            try:
-                status, passed, data = await call(r, request.method, path, body, headers)
-                answered = status == 200
-                return answer(r, status, passed, data)
-            except (ReplicaGone, OSError, http.client.HTTPException):
-                replicas.retried += 1
-            finally:
-                replicas.done(r, images, loras, answered)
-        return no_replica()
+    async def routed(request: Request, path: str, body=None, images: int = 1, loras: frozenset = frozenset()):
+        return answered(await backend.send(request.method, path, body, forwarded(request), images, loras))
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -71,103 +68,50 @@ def create_front_app(replicas: Replicas, api_key, max_body_bytes: int, body_time
     async def sample(request: Request):
         """The remote KSampler's stream: sent once more if its replica died before the first line; cut after it,
         it ends with a 503 line as a draining server's stream does."""
-        raw = await request.body()
-        headers = forwarded(request)
-        tried = []
-        for _ in range(2):
-            r = replicas.pick(1, frozenset(), tried)
-            if r is None:
-                break
-            tried.append(r.index)
-            lines: asyncio.Queue = asyncio.Queue()
-            work = loop_of().run_in_executor(replicas.pool, replicas.stream, r, "/v1/sample", raw, headers, lines,
-                                             loop_of())
-            first = await lines.get()
-            if first is None:  # gone before the answer began
-                replicas.done(r, 1, frozenset(), False)
-                replicas.retried += 1
-                await asyncio.gather(work, return_exceptions=True)
-                continue
-            _, status, content_type = first
-            return StreamingResponse(_relay(lines, work, lambda r=r: replicas.done(r, 1, frozenset(), True)),
-                                     status_code=status, media_type=content_type,
-                                     headers={"x-sgld-replica": str(r.index)})
-        return no_replica()
+        opened = await backend.open_stream("/v1/sample", await request.body(), forwarded(request))
+        if opened is None:
+            return answered(None)
+        status, content_type, index, items, finished = opened
+        return StreamingResponse(_relay(items, finished), status_code=status, media_type=content_type,
+                                 headers={"x-sgld-replica": str(index)})
 
     @app.get("/v1/models")
     async def models(request: Request):
-        return await routed(request, "/v1/models", None)
+        return await routed(request, "/v1/models")
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
-        return await routed(request, request.url.path, None)
+        return await routed(request, request.url.path)
 
     @app.get("/v1/list_loras")
     async def list_loras(request: Request):
-        return await routed(request, "/v1/list_loras", None)
+        return await routed(request, "/v1/list_loras")
 
     @app.get("/health_generate")
     async def health_generate(request: Request):
-        return await routed(request, "/health_generate", None)
-
-    changing = asyncio.Lock()  # one LoRA change at a time: every replica sees them in the same order
-
-    async def change_loras(request: Request, path: str):
-        """A LoRA change on every replica, the first's answer returned: one it refuses changes none; a replica
-        that fails a change the first made is replaced (its replacement replays every change)."""
-        body = await request.body()
-        headers = forwarded(request)
-        async with changing:
-            live = [r for r in replicas.replicas if r.state == "up"]
-            first = None
-            while live and first is None:
-                try:
-                    first = (live[0], *await call(live[0], "POST", path, body, headers))
-                except (ReplicaGone, OSError, http.client.HTTPException):
-                    live.pop(0)  # gone: the watcher replaces it, with the changes made so far
-            if first is None:
-                return no_replica()
-            r0, status, passed, data = first
-            if status == 200:
-                replicas.record_change(path, body)
-                for r in live[1:]:
-                    try:
-                        other = (await call(r, "POST", path, body, headers))[0]
-                    except (ReplicaGone, OSError, http.client.HTTPException):
-                        other = None
-                    if other != 200 and r.proc is not None:
-                        r.proc.kill()  # the watcher starts it again, with every change replayed
-            return answer(r0, status, passed, data)
+        return await routed(request, "/health_generate")
 
     @app.post("/v1/set_lora")
     async def set_lora(request: Request):
-        return await change_loras(request, "/v1/set_lora")
+        return answered(await backend.change("/v1/set_lora", await request.body(), forwarded(request)))
 
     @app.post("/v1/unset_lora")
     async def unset_lora(request: Request):
-        return await change_loras(request, "/v1/unset_lora")
+        return answered(await backend.change("/v1/unset_lora", await request.body(), forwarded(request)))
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        state = replicas.describe()
+        state = await backend.describe()
         return JSONResponse(state, status_code=200 if state["status"] != "down" else 503)
 
     @app.get("/metrics")
     async def scrape():
-        texts = []
-        for r in [r for r in replicas.replicas if r.state == "up"]:
-            try:
-                status, _, data = await call(r, "GET", "/metrics", timeout=10.0)
-            except (ReplicaGone, OSError, http.client.HTTPException):
-                continue
-            if status == 200:
-                texts.append(data.decode("utf-8"))
-        state = replicas.describe()
+        texts = await backend.metrics_texts()
+        state = await backend.describe()
         own = ["# HELP sgld_replicas_up Replicas answering requests", "# TYPE sgld_replicas_up gauge",
                f"sgld_replicas_up {sum(r['status'] == 'up' for r in state['replicas'])}",
                "# HELP sgld_replica_restarts_total Replicas started again after they died",
-               "# TYPE sgld_replica_restarts_total counter",
-               f"sgld_replica_restarts_total {sum(r['restarts'] for r in state['replicas'])}",
+               "# TYPE sgld_replica_restarts_total counter", f"sgld_replica_restarts_total {state['restarts']}",
                "# HELP sgld_requests_resent_total Requests sent to a second replica after theirs died",
                "# TYPE sgld_requests_resent_total counter", f"sgld_requests_resent_total {state['retried']}"]
         return Response(summed_metrics(texts) + "\n".join(own) + "\n", media_type="text/plain; version=0.0.4")
@@ -180,13 +124,10 @@ def create_front_app(replicas: Replicas, api_key, max_body_bytes: int, body_time
     return Guard(app, api_key, max_body_bytes, OPEN_PATHS, body_timeout)
 
 
-async def _relay(lines: asyncio.Queue, work, finished):
+async def _relay(items: AsyncIterator, finished: Callable[[], None]):
     """The replica's lines as they come; a stream cut by the replica's death ends with a 503 line."""
     try:
-        while True:
-            item = await lines.get()
-            if item is None:
-                break
+        async for item in items:
             if item[0] == "line":
                 yield item[1]
             elif item[0] == "cut":
@@ -194,4 +135,102 @@ async def _relay(lines: asyncio.Queue, work, finished):
                                                        "server_error", code="replica_gone").body()}) + b"\n"
     finally:
         finished()
-        await asyncio.gather(work, return_exceptions=True)
+
+
+class LocalReplicas:
+    """The backend of `--dp-size`: ``Replicas``' processes on this machine, reached over HTTP in its thread pool;
+    the front's own choice of replica (``Replicas.pick``), a request whose replica died sent once more."""
+
+    def __init__(self, replicas: Replicas):
+        self.replicas = replicas
+        self.changing = asyncio.Lock()  # one LoRA change at a time: every replica sees them in the same order
+
+    async def _call(self, r, method, path, body=None, headers=None, timeout=None):
+        pool = self.replicas.pool
+        return await asyncio.get_running_loop().run_in_executor(
+            pool, lambda: self.replicas.call(r, method, path, body, headers, timeout))
+
+    async def send(self, method, path, body, headers, images=1, loras=frozenset()):
+        tried = []
+        for _ in range(2):
+            r = self.replicas.pick(images, loras, tried)
+            if r is None:
+                break
+            tried.append(r.index)
+            ok = False
+            try:
+                status, passed, data = await self._call(r, method, path, body, headers)
+                ok = status == 200
+                return status, passed, data, r.index
+            except GONE:
+                self.replicas.retried += 1
+            finally:
+                self.replicas.done(r, images, loras, ok)
+        return None
+
+    async def open_stream(self, path, body, headers):
+        tried, loop = [], asyncio.get_running_loop()
+        for _ in range(2):
+            r = self.replicas.pick(1, frozenset(), tried)
+            if r is None:
+                break
+            tried.append(r.index)
+            lines: asyncio.Queue = asyncio.Queue()
+            work = loop.run_in_executor(self.replicas.pool, self.replicas.stream, r, path, body, headers, lines, loop)
+            first = await lines.get()
+            if first is None:  # gone before the answer began
+                self.replicas.done(r, 1, frozenset(), False)
+                self.replicas.retried += 1
+                await asyncio.gather(work, return_exceptions=True)
+                continue
+            _, status, content_type = first
+
+            def finished(r=r, work=work):
+                self.replicas.done(r, 1, frozenset(), True)
+                work.add_done_callback(lambda f: f.exception())  # the reader thread ends with the connection
+            return status, content_type, r.index, _drained(lines), finished
+        return None
+
+    async def change(self, path, body, headers):
+        """A LoRA change on every replica, one at a time, the first's answer returned: one it refuses changes none;
+        a replica that fails a change the first made is replaced (its replacement replays every change)."""
+        async with self.changing:
+            live = [r for r in self.replicas.replicas if r.state == "up"]
+            first = None
+            while live and first is None:
+                try:
+                    first = (live[0], *await self._call(live[0], "POST", path, body, headers))
+                except GONE:
+                    live.pop(0)  # gone: the watcher replaces it, with the changes made so far
+            if first is None:
+                return None
+            r0, status, passed, data = first
+            if status == 200:
+                self.replicas.record_change(path, body)
+                for r in live[1:]:
+                    try:
+                        other = (await self._call(r, "POST", path, body, headers))[0]
+                    except GONE:
+                        other = None
+                    if other != 200 and r.proc is not None:
+                        r.proc.kill()  # the watcher starts it again, with every change replayed
+            return status, passed, data, r0.index
+
+    async def metrics_texts(self):
+        texts = []
+        for r in [r for r in self.replicas.replicas if r.state == "up"]:
+            try:
+                status, _, data = await self._call(r, "GET", "/metrics", timeout=10.0)
+            except GONE:
+                continue
+            if status == 200:
+                texts.append(data.decode("utf-8"))
+        return texts
+
+    async def describe(self):
+        return self.replicas.describe()
+
+
+async def _drained(lines: asyncio.Queue):
+    while (item := await lines.get()) is not None:
+        yield item

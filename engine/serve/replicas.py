@@ -182,11 +182,7 @@ class Replicas:
     def record_change(self, path: str, body: bytes) -> None:
         """A LoRA change every replica made, kept for a replacement to replay; switching every LoRA off (an unset
         with no names) makes the changes before it moot."""
-        try:
-            names = json.loads(body or b"{}").get("lora_nickname") if path.endswith("/unset_lora") else "kept"
-        except (ValueError, AttributeError):
-            names = "kept"
-        if names is None:
+        if clears_all(path, body):
             self.lora_changes.clear()
         self.lora_changes.append((path, body))
 
@@ -273,6 +269,7 @@ class Replicas:
             up = sum(r.state == "up" for r in self.replicas)
             return {"status": "ok" if up == len(self.replicas) else ("degraded" if up else "down"),
                     "replicas": [r.describe() for r in self.replicas], "retried": self.retried,
+                    "restarts": sum(r.restarts for r in self.replicas),
                     "last_replacement_s": round(self.replacement_seconds[-1], 3) if self.replacement_seconds else None}
 
 
@@ -283,6 +280,16 @@ def _final(line: bytes) -> bool:
     except ValueError:
         return False
     return isinstance(obj, dict) and ("latent" in obj or "status" in obj)
+
+
+def clears_all(path: str, body: bytes) -> bool:
+    """A LoRA change that switches every LoRA off (an unset naming none): the changes before it are moot."""
+    if not path.endswith("/unset_lora"):
+        return False
+    try:
+        return json.loads(body or b"{}").get("lora_nickname") is None
+    except (ValueError, AttributeError):
+        return False
 
 
 def fixed_seed(body: dict, max_seed: int) -> dict:
