@@ -133,3 +133,26 @@ def test_ray_flags_are_checked_before_anything_starts(sgld_in_process):
     assert code == 2 and "--max-connections" in err and "--ray" in err and len(err.strip().splitlines()) == 1, err
     code, _, err = sgld_in_process("serve", "--ray", "--ray-autoscale", "3:1", "--port", "0")
     assert code == 2 and "--ray-autoscale" in err, err
+
+
+def test_the_kuberay_example_names_this_application_and_flags_it_accepts(tmp_path):
+    """deploy/rayservice.yaml (written, not run here): its import path is the application builder, its flags parse
+    as `sgld serve`'s, and the builder checks them (and the model's files) before anything deploys."""
+    import shlex
+
+    import yaml
+
+    from engine.cli import serve as serve_cli
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy",
+                           "rayservice.yaml")) as f:
+        service = yaml.safe_load(f)
+    assert service["kind"] == "RayService"
+    app = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
+    module, _, name = app["import_path"].partition(":")
+    assert module == "engine.cli.serve" and getattr(serve_cli, name) is serve_cli.ray_application
+    args = serve_cli._parsed(["serve", *shlex.split(app["args"]["flags"]), "--ray",
+                              "--dp-size", app["args"]["replicas"]], devices_here=False)  # a head without GPUs
+    assert args.device == "cuda" and args.dp_size == 2 and args.lora_dir == "/models/loras"
+    with pytest.raises(ValueError, match="ERNIE-Image-Turbo"):  # the weights are not on this machine
+        serve_cli.ray_application(app["args"])

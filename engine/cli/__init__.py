@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     args._argv = argv  # the command line as given (sgld serve --dp-size gives it to its replicas)
     _setup_logging()
     try:
-        check_common_args(args)
+        check_common_args(args, devices_here=getattr(args, "ray", None) is None)  # --ray: the replicas' nodes
     except ValueError as e:
         print(f"sgld {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -99,10 +99,10 @@ def check_image_sides(args) -> None:
                              "largest documented size is 2048x2048)")
 
 
-def check_common_args(args) -> None:
+def check_common_args(args, devices_here: bool = True) -> None:
     """The options every command shares, checked before anything loads: --device names a device this machine
-    has, --threads is 0 (the model's choice) or a count, the engine's counts (degrees, --resident-layers) are
-    at least their declared minimum."""
+    has (``devices_here``; under `sgld serve --ray` the replicas' nodes check it), --threads is 0 (the model's
+    choice) or a count, the engine's counts (degrees, --resident-layers) are at least their declared minimum."""
     for name, opt in options.declared(EngineConfig).items():
         value = getattr(args, options.flag_dest(opt), None) if opt.flag else None
         if opt.kind is int and opt.low is not None and value is not None and value < opt.low:
@@ -115,6 +115,8 @@ def check_common_args(args) -> None:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
         raise ValueError(f"--device '{device}' is not a torch device (cpu, cuda, cuda:N)") from None
+    if not devices_here:
+        return
     if dev.type == "cuda":
         count = device_rt.device_count()
         if count == 0:

@@ -381,18 +381,19 @@ def ray_application(options: dict):
     docs/serve.md): the application `sgld serve --ray` deploys, its flags checked the same way."""
     argv = ["serve", *shlex.split(str(options.get("flags", ""))), "--ray",
             "--dp-size", str(options.get("replicas", 1))]
-    args = _parsed(argv)
+    args = _parsed(argv, devices_here=False)
     ray_autoscale(args)
     check_serve_args(args)
     return _ray_application(args)
 
 
-def _parsed(argv):
-    """`sgld serve` flags parsed and checked as the command line's (engine/cli/__init__.py's main)."""
+def _parsed(argv, devices_here: bool = True):
+    """`sgld serve` flags parsed and checked as the command line's (engine/cli/__init__.py's main); the devices
+    where the replica runs (``devices_here``)."""
     parser = argparse.ArgumentParser(prog="sgld")
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(argv)
     args._argv = list(argv)
-    check_common_args(args)
+    check_common_args(args, devices_here)
     args.loras = lora_specs(args)
     return args
