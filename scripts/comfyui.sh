@@ -9,7 +9,7 @@ uv=$root/.venv/bin/uv  # scripts/setup.sh's; pip where it is absent or fails
 [ -n "${PIP_CERT:-}" ] && export SSL_CERT_FILE=${SSL_CERT_FILE:-$PIP_CERT}
 install() {  # install PYTHON ARGS...
   local py=$1; shift
-  if [ -x "$uv" ] && "$uv" pip install -q --python "$py" "$@"; then return 0; fi
+  if [ -x "$uv" ] && "$uv" pip install -q --compile-bytecode --python "$py" "$@"; then return 0; fi
   "$py" -m pip install -q --disable-pip-version-check "$@"
 }
 if [ ! -x "$root/.cache/venv-cli/bin/comfy" ]; then

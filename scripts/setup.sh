@@ -13,11 +13,13 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/pip install -q --upgrade pip
 fi
 # uv installs the same pinned versions as pip, several times faster (parallel downloads, a shared cache); pip is
-# the fallback where uv cannot be had or fails (the same command again)
+# the fallback where uv cannot be had or fails (the same command again). --compile-bytecode: pip writes the .pyc
+# files at install, uv only when asked, and where PYTHONDONTWRITEBYTECODE is set nothing writes them later (every
+# process would compile torch again: 2 s more per import)
 [ -x .venv/bin/uv ] || .venv/bin/pip install -q --disable-pip-version-check uv >/dev/null 2>&1 || true
 [ -n "${PIP_CERT:-}" ] && export SSL_CERT_FILE=${SSL_CERT_FILE:-$PIP_CERT}  # the machine's CA bundle, as pip's
 pip() {
-  if [ -x .venv/bin/uv ] && .venv/bin/uv pip install -q --python .venv/bin/python "$@"; then return 0; fi
+  if [ -x .venv/bin/uv ] && .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python "$@"; then return 0; fi
   .venv/bin/pip install -q --disable-pip-version-check "$@"
 }
 stamp=.venv/.sgld-setup

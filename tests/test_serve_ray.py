@@ -97,7 +97,7 @@ def test_a_lora_change_reaches_every_replica_and_lora_requests_keep_their_replic
     homes = {"a.safetensors": [], "b.safetensors": []}  # files of --lora-dir
     for name in homes:
         homes[name].append(ask(front, 6, loras=[name])[1])
-    time.sleep(1.0)  # Serve's router learns which replica holds which LoRA set from its controller
+    time.sleep(2.0)  # Serve's router learns which replica holds which LoRA set from its controller
     for name in list(homes) * 3:  # one at a time: nothing in flight, so the LoRAs decide
         homes[name].append(ask(front, 6, loras=[name])[1])
     assert all(len(set(h)) == 1 for h in homes.values()), homes

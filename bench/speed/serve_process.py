@@ -34,7 +34,7 @@ def start(root: str, log_path: str, flags, address_space: int):
         try:
             if requests.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not listening yet, or (--ray) its front not up yet
             time.sleep(0.3)
     stop(proc)
     raise SystemExit(f"no server (log: {log_path})")
