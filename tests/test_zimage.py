@@ -355,3 +355,47 @@ def test_lora_in_its_trainers_layouts(zimage):
         assert not torch.equal(outs["peft"], eng.dit_forward(*x))
     for name in ("ai-toolkit", "musubi-tuner"):
         torch.testing.assert_close(outs[name], outs["peft"], rtol=0, atol=1e-6)
+
+
+def test_lora_in_the_original_fused_layout(zimage):
+    """A LoRA on Z-Image's original names (ComfyUI's repack: ``attention.qkv`` fused, ``attention.out``), as LoRAs
+    trained against that layout write them: the fused update is the to_q / to_k / to_v updates (B's rows, A shared),
+    so the forward equals the PEFT file's in diffusers' names; a LyCORIS on the fused layer is refused by name."""
+    from engine.errors import LoRAError
+
+    eng = zimage["engine"]
+    g = torch.Generator().manual_seed(7)
+    fused, split = {}, {}
+    for i in range(2):
+        a, b = 0.1 * torch.randn(2, 64, generator=g), 0.1 * torch.randn(3 * 64, 2, generator=g)
+        fused |= {f"diffusion_model.layers.{i}.attention.qkv.lora_A.weight": a,
+                  f"diffusion_model.layers.{i}.attention.qkv.lora_B.weight": b}
+        for j, part in enumerate(("to_q", "to_k", "to_v")):
+            split |= {f"transformer.layers.{i}.attention.{part}.lora_A.weight": a,
+                      f"transformer.layers.{i}.attention.{part}.lora_B.weight": b[64 * j: 64 * (j + 1)]}
+        a, b = 0.1 * torch.randn(2, 64, generator=g), 0.1 * torch.randn(64, 2, generator=g)
+        fused |= {f"diffusion_model.layers.{i}.attention.out.lora_A.weight": a,
+                  f"diffusion_model.layers.{i}.attention.out.lora_B.weight": b}
+        split |= {f"transformer.layers.{i}.attention.to_out.0.lora_A.weight": a,
+                  f"transformer.layers.{i}.attention.to_out.0.lora_B.weight": b}
+    x = (torch.randn(1, 16, 6, 4, generator=g), torch.tensor([600.0]), torch.randn(1, 7, 24, generator=g),
+         torch.tensor([7]))
+    outs = {}
+    try:
+        with torch.inference_mode():
+            for name, sd in (("split", split), ("fused", fused)):
+                path = str(zimage["folder"] / f"z_{name}.safetensors")
+                save_file({k: v.clone() for k, v in sd.items()}, path)  # A shared: one copy each
+                assert eng.set_loras([(path, 1.0)]) == [] and eng.lora_report == [], name
+                outs[name] = eng.dit_forward(*x)
+            lokr = str(zimage["folder"] / "z_lokr_qkv.safetensors")
+            save_file({"diffusion_model.layers.0.attention.qkv.lokr_w1": torch.zeros(4, 4),
+                       "diffusion_model.layers.0.attention.qkv.lokr_w2": torch.zeros(48, 16)}, lokr)
+            with pytest.raises(LoRAError, match="LyCORIS adapter on a fused layer"):
+                eng.set_loras([(lokr, 1.0)])
+    finally:
+        with torch.inference_mode():
+            eng.set_loras([])
+    torch.testing.assert_close(outs["fused"], outs["split"], rtol=0, atol=1e-6)
+    with torch.inference_mode():
+        assert not torch.equal(outs["fused"], eng.dit_forward(*x))

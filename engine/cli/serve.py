@@ -311,7 +311,10 @@ def _serve_on_ray(args) -> None:
     ray, serve, ray_app = _ray()
     _listen(args.host, args.port).close()  # a port in use: one line before Ray starts
     local = args.ray == "local"
-    ray.init(address=None if local else args.ray, include_dashboard=False, logging_level="WARNING")
+    try:
+        ray.init(address=None if local else args.ray, include_dashboard=False, logging_level="WARNING")
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise ValueError(f"--ray {args.ray}: no Ray cluster to join there ({_last_line(e)})") from None
     stop = threading.Event()
 
     def stopping(signum, frame):  # after ray.init, whose own handler would abort the process
@@ -334,9 +337,16 @@ def _serve_on_ray(args) -> None:
         stop.wait()
     except _Stopped:
         pass  # stopped while it started: taken down below, exit 0 as after the start
+    except RuntimeError as e:  # a replica that could not start (its node's files, devices): Serve's reason, one line
+        raise ValueError(f"--ray: the application did not start: {_last_line(e)}") from None
     finally:
         ray_app.remove(ray_app.APP_NAME)
         ray.shutdown()
+
+
+def _last_line(error: Exception) -> str:
+    """The last line of a Ray error (its cause; the lines before are a remote traceback)."""
+    return ([ln.strip() for ln in str(error).splitlines() if ln.strip()] or [type(error).__name__])[-1][:500]
 
 
 class _Stopped(BaseException):

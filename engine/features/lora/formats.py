@@ -21,6 +21,7 @@ from ...models.family import family_of
 from ..fuse import RowView, linear_parts
 from ..quant import quant_modules
 from . import lycoris
+from .fused import in_our_names, part_rows, part_shapes
 from .peft import PEFT_FORMATS, peft_alpha, peft_config
 from .shard import cut_entry, full_shape, layer_cut
 
@@ -182,6 +183,14 @@ def key_map(model: nn.Module) -> Dict[str, str]:
     return out
 
 
+def family_layouts(model: nn.Module) -> tuple:
+    """The model's family's other layouts (``Family.layouts``), () for a module of no family."""
+    try:
+        return family_of(model).layouts
+    except TypeError:
+        return ()
+
+
 def _title(model: nn.Module) -> str:
     """The model's family's name for messages ("ERNIE-Image", "Z-Image"), "the DiT" for another module."""
     try:
@@ -274,6 +283,7 @@ def read_lora(source, model: nn.Module, header_only: bool = False) -> LoRAFile:
             groups.setdefault(prefix, {})[part] = k
             if fmt:  # lora_up / lora_down under a module's dotted name: ComfyUI's layout, not kohya's flat one
                 groups[prefix]["fmt"] = "comfyui" if fmt == "kohya" and "." in prefix else fmt
+    groups = in_our_names(path, groups, family_layouts(model), kmap, DOTTED_PREFIXES)
     matched = {p: g for p, g in groups.items() if p in kmap}
     unmatched = sorted(map(user, unknown + [k for p, g in groups.items() if p not in kmap for part, k in g.items() if part != "fmt"]))
     if not matched and any(_split_key(k)[0] in kmap for k, _ in unsupported):
@@ -296,10 +306,10 @@ def read_lora(source, model: nn.Module, header_only: bool = False) -> LoRAFile:
         if set(g) & DELTA_PARTS:
             seen[mod_name] = prefix
         wshape = full_shape(weight_shape(modules[mod_name]), layer_cut(model, mod_name))  # a TP shard: the whole layer's
-        _check_shapes(path, g, mod_name, wshape, f.shape, user)
+        _check_shapes(path, g, mod_name, wshape, part_shapes(g, f.shape), user)
         if set(g) & lycoris.PARTS:
             g["lycoris"] = lycoris.check(path, g, mod_name, wshape, f.shape, user)
-    wanted = [k for g in matched.values() for part, k in g.items() if part not in ("fmt", "lycoris")]
+    wanted = list(dict.fromkeys(k for g in matched.values() for part, k in g.items() if part not in NOT_KEYS))
     try:
         tensors = _header_tensors(f, wanted) if header_only else dict(f.tensors(wanted))
     except CheckpointError as e:
@@ -316,9 +326,9 @@ def read_lora(source, model: nn.Module, header_only: bool = False) -> LoRAFile:
             if not math.isfinite(e.alpha):
                 raise LoRAError(f"{path}: '{user(g['alpha'])}' is {e.alpha}: a LoRA alpha must be a finite number")
         if "diff" in g:  # stored in any shape of the layer's size ([192, 768], flat): as the layer's weight
-            e.diff, e.fmt = tensors[g["diff"]].reshape(wshape), "diff"
+            e.diff, e.fmt = part_rows(tensors[g["diff"]], g.get("rows")).reshape(wshape), "diff"
         if "up" in g:
-            e.up, e.down, e.fmt = tensors[g["up"]], tensors[g["down"]], g.get("fmt", "")
+            e.up, e.down, e.fmt = part_rows(tensors[g["up"]], g.get("rows")), tensors[g["down"]], g.get("fmt", "")
         if "lycoris" in g:
             kind, rank = g["lycoris"]
             parts = {p: tensors[k] for p, k in g.items() if p in lycoris.PARTS}
@@ -349,6 +359,9 @@ def read_lora(source, model: nn.Module, header_only: bool = False) -> LoRAFile:
     for msg in lf.report():
         log.warning("%s", msg)
     return lf
+
+
+NOT_KEYS = ("fmt", "lycoris", "rows")  # a group's entries that are not the file's keys
 
 
 def _check_shapes(path: str, g: Dict[str, str], mod_name: str, wshape: tuple, shape_of, user) -> None:

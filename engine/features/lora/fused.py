@@ -1,0 +1,65 @@
+"""A LoRA written against another layout of the model's family (``Family.layouts``): its layers in our names, and
+a fused layer's update cut into its parts' (engine/features/lora/formats.py reads the file)."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ...errors import LoRAError
+from . import lycoris
+
+
+def in_our_names(path: str, groups: Dict[str, dict], layouts, kmap: Dict[str, str],
+                 prefixes: Sequence[str]) -> Dict[str, dict]:
+    """``groups`` (a layer's name -> its parts' keys) with the layers named in another of the family's ``layouts``
+    (Z-Image's original ``attention.qkv`` / ``attention.out``, under any of ``prefixes``) under our names. A fused
+    layer's group becomes one per part, marked ``rows`` = (i, n): its up (B) and diff are the part's rows, its down
+    (A, the input side) shared, which is the fused update exactly."""
+    out: Dict[str, dict] = {}
+    for prefix, g in groups.items():
+        parts = [] if prefix in kmap else _translated(prefix, layouts, kmap, prefixes)
+        if not parts:
+            out[prefix] = g
+            continue
+        if len(parts) > 1 and set(g) & lycoris.PARTS:
+            raise LoRAError(f"{path}: '{prefix}' is a LyCORIS adapter on a fused layer; this engine splits only LoRA "
+                            "pairs and full differences across the layer's parts")
+        for name, rows in parts:
+            out[name] = {**g, "rows": rows} if rows else dict(g)
+    return out
+
+
+def _translated(prefix: str, layouts, kmap: Dict[str, str],
+                prefixes: Sequence[str]) -> List[Tuple[str, Optional[Tuple[int, int]]]]:
+    """Our names of another layout's layer ``prefix`` (a dotted name under any of ``prefixes``), each with its
+    (part, parts) of a fused layer; [] if no layout names it."""
+    lead = max((p for p in prefixes if prefix.startswith(p)), key=len)
+    bare = prefix[len(lead):]
+    for layout in layouts:
+        parts = [(name[: -len(".weight")], rows) for name, rows in layout.translate(bare + ".weight")]
+        if parts and [n for n, _ in parts] != [bare] and all(n in kmap for n, _ in parts):
+            return parts
+    return []
+
+
+def part_shapes(g: dict, shape_of):
+    """``shape_of`` for a group that is one part of a fused layer: its up (B) and diff have the part's rows."""
+    rows = g.get("rows")
+    if not rows:
+        return shape_of
+
+    def shape(key):
+        s = tuple(shape_of(key))
+        if key in (g.get("up"), g.get("diff")) and s and s[0] % rows[1] == 0:
+            return (s[0] // rows[1], *s[1:])
+        return s
+    return shape
+
+
+def part_rows(t: torch.Tensor, rows: Optional[Tuple[int, int]]) -> torch.Tensor:
+    """Part i of n of a fused layer's tensor along its first dimension (rows of B, of a difference)."""
+    if not rows:
+        return t
+    i, n = rows
+    return t.reshape(n, -1)[i].reshape(t.shape[0] // n, *t.shape[1:])
