@@ -119,14 +119,14 @@ def test_generate_demo_names_words_it_does_not_know(tmp_path):
     assert "does not know 'blurry' in --negative" in r.stderr
 
 
-@pytest.mark.subprocess
-def test_generate_with_cache_preset_and_bad_preset(tmp_path):
-    r = run("generate", "--prompt", "a large red circle on the left, on a blue background", "--steps", "20",
-            "--cache-preset", "fast", "--out", str(tmp_path / "c.png"), "--json")
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+def test_generate_with_cache_preset_and_bad_preset(tmp_path, sgld_in_process):
+    code, out, err = sgld_in_process("generate", "--prompt", "a large red circle on the left, on a blue background",
+                                     "--steps", "20", "--cache-preset", "fast", "--out", tmp_path / "c.png", "--json")
+    assert code == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
     assert res["model_calls"] == 20 and res["calls_computed"] < 20 and len(res["step_mask"]) == 20
-    bad = run("generate", "--prompt", "x", "--cache-preset", "turbo", "--out", str(tmp_path / "d.png"), check=False)
-    assert bad.returncode == 2 and "turbo" in bad.stderr and "balanced" in bad.stderr and "Traceback" not in bad.stderr
+    code, _, err = sgld_in_process("generate", "--prompt", "x", "--cache-preset", "turbo", "--out", tmp_path / "d.png")
+    assert code == 2 and "turbo" in err and "balanced" in err and "Traceback" not in err
 
 
 # What only developers run: never in the wheel or the Comfy Registry pack (tools/: docs/architecture.md).

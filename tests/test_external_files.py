@@ -68,21 +68,16 @@ def ernie_files(tmp_path_factory):
 SGLD = os.path.join(os.path.dirname(sys.executable), "sgld")
 
 
-def run(args):
-    """The real command in its own process (cli.main sets process-wide torch state, e.g. the thread count)."""
-    return subprocess.run([SGLD, "generate", *args], capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.subprocess
-def test_generate_from_ernie_files_writes_png_and_json(ernie_files, tmp_path):
+def test_generate_from_ernie_files_writes_png_and_json(ernie_files, tmp_path, sgld_in_process):
     from PIL import Image
 
     out = tmp_path / "ernie.png"
-    r = run(["--prompt", "a red cat on the mat", "--model", ernie_files["model"], "--text-encoder", ernie_files["te"],
-             "--vae", ernie_files["vae"], "--width", "32", "--height", "48", "--steps", "3", "--cfg", "2.0",
-             "--out", str(out), "--json"])
-    assert r.returncode == 0, r.stderr
-    result = json.loads(r.stdout.strip().splitlines()[-1])
+    code, stdout, err = sgld_in_process(
+        "generate", "--prompt", "a red cat on the mat", "--model", ernie_files["model"], "--text-encoder",
+        ernie_files["te"], "--vae", ernie_files["vae"], "--width", "32", "--height", "48", "--steps", "3", "--cfg",
+        "2.0", "--out", str(out), "--json")
+    assert code == 0, err
+    result = json.loads(stdout.strip().splitlines()[-1])
     assert result["model"] == "dit.safetensors" and result["model_calls"] == 3 and result["calls_computed"] == 3
     assert result["load_seconds"] > 0 and result["sampling_seconds"] > 0
     img = Image.open(out)
@@ -163,8 +158,7 @@ def test_a_size_over_the_limit_is_refused_before_anything_loads(ernie_files, tmp
                            "largest documented size is 2048x2048)")
 
 
-@pytest.mark.subprocess
-def test_a_damaged_model_stops_the_run_with_a_clear_error_and_writes_nothing(ernie_files, tmp_path):
+def test_a_damaged_model_stops_the_run_with_a_clear_error_and_writes_nothing(ernie_files, tmp_path, sgld_in_process):
     """A DiT with one NaN weight used to write a blank picture (exit 0) whose metadata held NaN."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
@@ -175,12 +169,13 @@ def test_a_damaged_model_stops_the_run_with_a_clear_error_and_writes_nothing(ern
     sd["layers.0.self_attention.to_v.weight"][0, 0] = float("nan")
     save_file(sd, str(tmp_path / "nan.safetensors"), metadata=meta)
     out = tmp_path / "x.png"
-    r = run(["--prompt", "a red cat", "--model", str(tmp_path / "nan.safetensors"), "--text-encoder", ernie_files["te"],
-             "--vae", ernie_files["vae"], "--width", "32", "--height", "32", "--steps", "3", "--out", str(out)])
-    assert r.returncode == 2, r.stderr
+    code, _, err = sgld_in_process("generate", "--prompt", "a red cat", "--model", str(tmp_path / "nan.safetensors"),
+                                   "--text-encoder", ernie_files["te"], "--vae", ernie_files["vae"], "--width", "32",
+                                   "--height", "32", "--steps", "3", "--out", str(out))
+    assert code == 2, err
     assert ("sgld generate: error: the model produced NaN/inf at step 1 of 3 (model call 1 of 3): the weights may be "
-            "damaged") in r.stderr
-    assert "Traceback" not in r.stderr and not out.exists()
+            "damaged") in err
+    assert "Traceback" not in err and not out.exists()
 
 
 @pytest.mark.server

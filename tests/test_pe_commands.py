@@ -1,5 +1,5 @@
-"""The article's command spellings and the prompt enhancer through the real commands: `sgld generate` as a
-subprocess and `sgld serve` as a real server process (test_serve's ``Server``) read with the ``openai`` SDK, on a
+"""The article's command spellings and the prompt enhancer through the real commands: `sgld generate` (its main, in
+this process) and `sgld serve` as a real server process (test_serve's ``Server``) read with the ``openai`` SDK, on a
 tiny random release folder (tests/tiny_release.py's diffusers-saved components plus tests/tiny_pe.py's pe/ and
 pe_tokenizer/; built from configs, no downloads)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from engine.prompt_enhancer import MAX_PROMPT_TOKENS, PromptEnhancer
-from tests.test_cli_errors import ENV, SGLD, png_pixels, sgld
+from tests.test_cli_errors import ENV, SGLD, png_pixels
 from tests.test_serve import Server, client
 from tests.tiny_pe import write_tiny_pe
 
@@ -66,50 +66,50 @@ def expected_revision(release, prompt, width, height, seed):
 
 
 @pytest.mark.subprocess
-def test_article_generate_command(release, tmp_path):
+def test_article_generate_command(release, tmp_path, sgld_in_process, monkeypatch):
     """SGLANG_CACHE_DIT_ENABLED=true SGLANG_CACHE_DIT_SCM_PRESET=fast sglang generate --model-path=... --prompt=...
     --save-output, with sgld for sglang: the transformer, text encoder and VAE come from the release folder."""
-    env = {**ENV, "SGLANG_CACHE_DIT_ENABLED": "true", "SGLANG_CACHE_DIT_SCM_PRESET": "fast"}
-    cmd = [SGLD, "generate", f"--model-path={release}", f"--prompt={ARTICLE_PROMPT}", "--save-output", *SMALL,
-           "--steps", "8"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    monkeypatch.setenv("SGLANG_CACHE_DIT_ENABLED", "true")
+    monkeypatch.setenv("SGLANG_CACHE_DIT_SCM_PRESET", "fast")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = sgld_in_process("generate", f"--model-path={release}", f"--prompt={ARTICLE_PROMPT}",
+                                     "--save-output", *SMALL, "--steps", "8")
+    assert code == 0, err
     names = os.listdir(tmp_path / "outputs")  # SGLang's folder and naming: <prompt>_<time>_<settings hash>.png
     assert len(names) == 1 and re.fullmatch(
         r"A_black-and-white_Chinese_rural_dog_running_on_grass_\d{8}-\d{6}_[0-9a-f]{8}\.png", names[0]), names
     pixels, info = png_pixels(tmp_path / "outputs" / names[0])
     assert pixels.shape == (64, 64, 3)
     assert json.loads(info["prompt"])["prompt"] == ARTICLE_PROMPT
-    computed, total = map(int, re.search(r"(\d+)/(\d+) steps computed", done.stdout).groups())
-    assert total == 8 and computed < total, done.stdout  # the environment's Cache-DiT preset ran
+    computed, total = map(int, re.search(r"(\d+)/(\d+) steps computed", out).groups())
+    assert total == 8 and computed < total, out  # the environment's Cache-DiT preset ran
 
     # the same picture as naming the three parts one by one (the same environment's cache on both sides)
-    by_parts = subprocess.run([SGLD, "generate", "--model", os.path.join(release, "transformer"), "--text-encoder",
-                               os.path.join(release, "text_encoder"), "--vae", os.path.join(release, "vae"),
-                               f"--prompt={ARTICLE_PROMPT}", *SMALL, "--steps", "8", "--out", str(tmp_path / "b.png")],
-                              capture_output=True, text=True, timeout=300, env=env)
-    assert by_parts.returncode == 0, by_parts.stderr
+    code, _, err = sgld_in_process("generate", "--model", os.path.join(release, "transformer"), "--text-encoder",
+                                   os.path.join(release, "text_encoder"), "--vae", os.path.join(release, "vae"),
+                                   f"--prompt={ARTICLE_PROMPT}", *SMALL, "--steps", "8", "--out",
+                                   str(tmp_path / "b.png"))
+    assert code == 0, err
     assert (pixels == png_pixels(tmp_path / "b.png")[0]).all()
 
 
-@pytest.mark.slow
-@pytest.mark.subprocess
-def test_generate_with_pe_prints_and_stores_the_revised_prompt(release, tmp_path):
+def test_generate_with_pe_prints_and_stores_the_revised_prompt(release, tmp_path, sgld_in_process):
     out = tmp_path / "pe.png"
-    done = sgld("generate", "--model-path", release, "--pe", "--prompt", "a red cat", *SMALL, "--steps", "2",
-                "--seed", "3", "--out", str(out))
-    assert done.returncode == 0, done.stderr
+    code, stdout, err = sgld_in_process("generate", "--model-path", release, "--pe", "--prompt", "a red cat", *SMALL,
+                                        "--steps", "2", "--seed", "3", "--out", str(out))
+    assert code == 0, err
     revised = expected_revision(release, "a red cat", 64, 64, seed=3)
-    assert f"): {revised}\n" in done.stdout
+    assert f"): {revised}\n" in stdout
     _, info = png_pixels(out)
     assert info["revised_prompt"] == revised  # its own chunk, beside the settings that carry it too
     settings = json.loads(info["prompt"])
     assert settings["prompt"] == "a red cat" and settings["revised_prompt"] == revised
 
-    again = sgld("generate", "--model-path", release, "--pe", os.path.join(release, "pe"), "--prompt", "a red cat",
-                 *SMALL, "--steps", "2", "--seed", "3", "--out", str(tmp_path / "again.png"), "--json")
-    assert again.returncode == 0, again.stderr
-    result = json.loads(again.stdout.strip().splitlines()[-1])
+    code, stdout, err = sgld_in_process("generate", "--model-path", release, "--pe", os.path.join(release, "pe"),
+                                        "--prompt", "a red cat", *SMALL, "--steps", "2", "--seed", "3", "--out",
+                                        str(tmp_path / "again.png"), "--json")
+    assert code == 0, err
+    result = json.loads(stdout.strip().splitlines()[-1])
     assert result["revised_prompt"] == revised  # --pe PATH: the same PE, the same seed
     assert result["pe_seconds"] > 0 and result["pe_new_tokens"] >= 1
 
