@@ -7,36 +7,39 @@ exits 0. The quick tier without ray skips with the reason; CI installs it (requi
 from __future__ import annotations
 
 import os
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import requests
-from PIL import Image
-from test_serve import PROMPTS, Server, client, demo_lora, pixels
+from test_serve import Server
+from test_serve_replicas import (
+    STEPS,  # the killed replica's runs: long enough to be in flight when it dies
+    a_lora_change_reaches_every_replica,
+    answered_through_a_kill,
+    ask,
+    generated,
+    health,
+    lora_folder,
+)
 
 pytest.importorskip("ray", reason="ray is the [cluster] extra (pip install '.[cluster]'); CI installs it")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 pytestmark = [pytest.mark.server]
-STEPS = 100  # the killed replica's runs: long enough to be in flight when it dies (about 1 s each, one thread)
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}
 
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory):
     base = tmp_path_factory.mktemp("ray")
-    (base / "loras").mkdir()
-    demo_lora(base / "loras" / "a.safetensors", scale=0.5)
-    demo_lora(base / "loras" / "b.safetensors", scale=-0.5)
+    loras = lora_folder(base)
     cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
     try:
         cluster.add_node(**NODE)
         cluster.wait_for_nodes()
-        server = Server(base / "front.log", "--ray", cluster.address, "--dp-size", "2",
-                        "--lora-dir", str(base / "loras"))
+        server = Server(base / "front.log", "--ray", cluster.address, "--dp-size", "2", "--lora-dir", loras)
         try:
             deadline = time.monotonic() + 300
             while "sgld serve: 2 replicas on Ray" not in server.log():  # the start line: every replica is up
@@ -52,26 +55,8 @@ def front(tmp_path_factory):
         cluster.shutdown()
 
 
-def health(front) -> dict:
-    front.last_health = requests.get(front.url + "/health", timeout=10).json()
-    return front.last_health
-
-
-def ask(front, seed: int, steps: int = 12, loras=None, prompt: str = PROMPTS[0]):
-    """(picture, the replica that answered) of one request through the SDK."""
-    extra = {"seed": seed, "num_inference_steps": steps}
-    if loras:
-        extra["loras"] = [{"name": n, "strength": 1.0} for n in loras]
-    raw = client(front).images.with_raw_response.generate(model="sgld-demo", prompt=prompt, size="64x64",
-                                                         response_format="b64_json", extra_body=extra)
-    return pixels(raw.parse().data[0].b64_json), int(raw.headers["x-sgld-replica"])
-
-
 def test_both_replicas_on_their_nodes_make_sgld_generates_picture(front, tmp_path, sgld_in_process):
-    code, _, err = sgld_in_process("generate", "--prompt", PROMPTS[0], "--seed", "4", "--steps", "12", "--out",
-                                   tmp_path / "ref.png")
-    assert code == 0, err
-    want = np.asarray(Image.open(tmp_path / "ref.png").convert("RGB"))
+    want = generated(sgld_in_process, tmp_path / "ref.png")
     state = health(front)
     assert state["status"] == "ok" and [r["index"] for r in state["replicas"]] == [0, 1]
     assert len({r["node"] for r in state["replicas"]}) == 2 and len({r["pid"] for r in state["replicas"]}) == 2
@@ -82,18 +67,7 @@ def test_both_replicas_on_their_nodes_make_sgld_generates_picture(front, tmp_pat
 
 
 def test_a_lora_change_reaches_every_replica_and_lora_requests_keep_their_replica(front):
-    plain = ask(front, 5)[0]
-    r = requests.post(front.url + "/v1/set_lora", json={"lora_nickname": "a", "lora_path": "a.safetensors"}, timeout=60)
-    assert r.status_code == 200, r.text
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            both = list(pool.map(lambda _: ask(front, 5), range(4)))
-        assert {replica for _, replica in both} == {0, 1}  # each replica runs with the LoRA on
-        assert all(np.array_equal(p, both[0][0]) for p, _ in both) and not np.array_equal(both[0][0], plain)
-    finally:
-        r = requests.post(front.url + "/v1/unset_lora", json={}, timeout=60)
-        assert r.status_code == 200, r.text
-    assert all(np.array_equal(ask(front, 5)[0], plain) for _ in range(2))
+    a_lora_change_reaches_every_replica(front, 4)  # each replica makes the change before its next request
     homes = {"a.safetensors": [], "b.safetensors": []}  # files of --lora-dir
     for name in homes:
         homes[name].append(ask(front, 6, loras=[name])[1])
@@ -103,20 +77,12 @@ def test_a_lora_change_reaches_every_replica_and_lora_requests_keep_their_replic
     assert all(len(set(h)) == 1 for h in homes.values()), homes
     metrics = requests.get(front.url + "/metrics", timeout=10).text
     images = sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("sgld_images_total "))
-    assert images >= 4 + 4 + 3 + 8 and "sgld_replicas_up 2" in metrics, metrics[-2000:]
+    assert images == 4 + 6 + 8 and "sgld_replicas_up 2" in metrics, metrics[-2000:]  # this module's, summed
 
 
 def test_a_killed_replica_loses_no_request_and_is_replaced(front):
     seeds = list(range(20, 24))
-    with ThreadPoolExecutor(len(seeds)) as pool:
-        futures = [pool.submit(ask, front, s, STEPS) for s in seeds]
-        deadline = time.monotonic() + 60
-        while not all(r["in_flight"] for r in health(front)["replicas"]):
-            assert time.monotonic() < deadline, front.last_health
-            time.sleep(0.05)
-        victim = front.last_health["replicas"][0]["pid"]
-        os.kill(victim, signal.SIGKILL)
-        answers = [f.result(timeout=300) for f in futures]
+    answers, victim = answered_through_a_kill(front, seeds)
     deadline = time.monotonic() + 120
     while len([r for r in health(front)["replicas"] if r["pid"] != victim]) < 2:
         assert time.monotonic() < deadline, front.last_health

@@ -21,13 +21,18 @@ pytestmark = [pytest.mark.server]
 STEPS = 100  # the killed replica's runs: long enough to be in flight when it dies (about 1 s each, one thread)
 
 
-@pytest.fixture(scope="module")
-def front(tmp_path_factory):
-    base = tmp_path_factory.mktemp("replicas")
+def lora_folder(base):
+    """``base``/loras with the demo LoRAs a (0.5) and b (-0.5): the --lora-dir of the replica tests."""
     (base / "loras").mkdir()
     demo_lora(base / "loras" / "a.safetensors", scale=0.5)
     demo_lora(base / "loras" / "b.safetensors", scale=-0.5)
-    server = Server(base / "front.log", "--dp-size", "2", "--lora-dir", str(base / "loras")).wait_ready()
+    return str(base / "loras")
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    base = tmp_path_factory.mktemp("replicas")
+    server = Server(base / "front.log", "--dp-size", "2", "--lora-dir", lora_folder(base)).wait_ready()
     try:
         yield server
     finally:
@@ -60,11 +65,28 @@ def ask(front, seed: int, steps: int = 12, loras=None, prompt: str = PROMPTS[0])
     return pixels(raw.parse().data[0].b64_json), int(raw.headers["x-sgld-replica"])
 
 
-def test_both_replicas_make_sgld_generates_picture(front, tmp_path, sgld_in_process):
-    code, _, err = sgld_in_process("generate", "--prompt", PROMPTS[0], "--seed", "4", "--steps", "12", "--out",
-                                   tmp_path / "ref.png")
+def generated(sgld_in_process, path, seed: int = 4, steps: int = 12):
+    """`sgld generate`'s picture of ``PROMPTS[0]`` (the replicas are to make it)."""
+    code, _, err = sgld_in_process("generate", "--prompt", PROMPTS[0], "--seed", seed, "--steps", steps, "--out", path)
     assert code == 0, err
-    want = np.asarray(Image.open(tmp_path / "ref.png").convert("RGB"))
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def answered_through_a_kill(front, seeds):
+    """(the answers to a long request per seed, the pid of replica 0, SIGKILLed once every replica held work)."""
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        futures = [pool.submit(ask, front, s, STEPS) for s in seeds]
+        deadline = time.monotonic() + 60
+        while not all(r["in_flight"] for r in health(front)["replicas"]):
+            assert time.monotonic() < deadline, front.last_health
+            time.sleep(0.05)
+        victim = front.last_health["replicas"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        return [f.result(timeout=300) for f in futures], victim
+
+
+def test_both_replicas_make_sgld_generates_picture(front, tmp_path, sgld_in_process):
+    want = generated(sgld_in_process, tmp_path / "ref.png")
     state = health(front)
     assert state["status"] == "ok" and [r["status"] for r in state["replicas"]] == ["up", "up"]
     assert len({r["pid"] for r in state["replicas"]}) == 2
@@ -74,18 +96,25 @@ def test_both_replicas_make_sgld_generates_picture(front, tmp_path, sgld_in_proc
     assert all(np.array_equal(picture, want) for picture, _ in answers)
 
 
-def test_a_lora_change_reaches_every_replica_and_lora_requests_keep_their_replica(front):
-    plain = {r: p for p, r in (ask(front, 5) for _ in range(2))}
+def a_lora_change_reaches_every_replica(front, at_once: int) -> None:
+    """/v1/set_lora, then ``at_once`` requests at once: both replicas answer, each with the LoRA's picture; after
+    /v1/unset_lora the plain picture again."""
+    plain = ask(front, 5)[0]
     r = requests.post(front.url + "/v1/set_lora", json={"lora_nickname": "a", "lora_path": "a.safetensors"}, timeout=60)
     assert r.status_code == 200, r.text
     try:
-        with ThreadPoolExecutor(2) as pool:
-            both = list(pool.map(lambda _: ask(front, 5), range(2)))
+        with ThreadPoolExecutor(at_once) as pool:
+            both = list(pool.map(lambda _: ask(front, 5), range(at_once)))
         assert {replica for _, replica in both} == {0, 1}  # each replica runs with the LoRA on
-        assert np.array_equal(both[0][0], both[1][0]) and not np.array_equal(both[0][0], next(iter(plain.values())))
+        assert all(np.array_equal(p, both[0][0]) for p, _ in both) and not np.array_equal(both[0][0], plain)
     finally:
         r = requests.post(front.url + "/v1/unset_lora", json={}, timeout=60)
         assert r.status_code == 200, r.text
+    assert np.array_equal(ask(front, 5)[0], plain)
+
+
+def test_a_lora_change_reaches_every_replica_and_lora_requests_keep_their_replica(front):
+    a_lora_change_reaches_every_replica(front, 2)
     homes = {"a.safetensors": set(), "b.safetensors": set()}  # files of --lora-dir
     for name in list(homes) * 3:  # one at a time: nothing in flight, so the LoRAs decide
         homes[name].add(ask(front, 6, loras=[name])[1])
@@ -97,15 +126,7 @@ def test_a_lora_change_reaches_every_replica_and_lora_requests_keep_their_replic
 
 def test_a_killed_replica_loses_no_request(front):
     seeds = list(range(20, 24))
-    with ThreadPoolExecutor(len(seeds)) as pool:
-        futures = [pool.submit(ask, front, s, STEPS) for s in seeds]
-        deadline = time.monotonic() + 60
-        while not all(r["in_flight"] for r in health(front)["replicas"]):
-            assert time.monotonic() < deadline, front.last_health
-            time.sleep(0.05)
-        victim = front.last_health["replicas"][0]["pid"]
-        os.kill(victim, signal.SIGKILL)
-        answers = [f.result(timeout=300) for f in futures]
+    answers, victim = answered_through_a_kill(front, seeds)
     assert [replica for _, replica in answers].count(1) >= 3  # what replica 0 held was sent again to replica 1
     deadline = time.monotonic() + 120
     while health(front)["replicas"][0]["status"] != "up":

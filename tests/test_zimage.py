@@ -333,26 +333,12 @@ def test_lora_in_its_trainers_layouts(zimage):
         "musubi-tuner": {**{f"lora_unet_{m.replace('.', '_')}.lora_{s}.weight": t for m, (a, b) in pairs.items()
                             for s, t in (("down", a), ("up", b))},
                          **{f"lora_unet_{m.replace('.', '_')}.alpha": torch.tensor(2.0) for m in pairs}}}
-    x = (torch.randn(1, 16, 6, 4, generator=g), torch.tensor([600.0]), torch.randn(1, 7, 24, generator=g),
-         torch.tensor([7]))
-    outs = {}
-    try:
-        with torch.inference_mode():
-            for name, sd in layouts.items():
-                path = str(zimage["folder"] / f"z_{name}.safetensors")
-                save_file({k: v.contiguous() for k, v in sd.items()}, path)
-                assert eng.set_loras([(path, 1.0)]) == [], name
-                outs[name] = eng.dit_forward(*x)
-            other = str(zimage["folder"] / "ernie_lora.safetensors")
-            save_file({"transformer.layers.0.self_attention.to_q.lora_A.weight": torch.zeros(2, 64),
-                       "transformer.layers.0.self_attention.to_q.lora_B.weight": torch.zeros(64, 2)}, other)
-            with pytest.raises(LoRAError, match="not a LoRA for Z-Image"):
-                eng.set_loras([(other, 1.0)])
-    finally:
-        with torch.inference_mode():
-            eng.set_loras([])
-    with torch.inference_mode():
-        assert not torch.equal(outs["peft"], eng.dit_forward(*x))
+    outs = _forwards_with_loras(zimage, layouts, g)
+    other = str(zimage["folder"] / "ernie_lora.safetensors")
+    save_file({"transformer.layers.0.self_attention.to_q.lora_A.weight": torch.zeros(2, 64),
+               "transformer.layers.0.self_attention.to_q.lora_B.weight": torch.zeros(64, 2)}, other)
+    with torch.inference_mode(), pytest.raises(LoRAError, match="not a LoRA for Z-Image"):
+        eng.set_loras([(other, 1.0)])
     for name in ("ai-toolkit", "musubi-tuner"):
         torch.testing.assert_close(outs[name], outs["peft"], rtol=0, atol=1e-6)
 
@@ -378,24 +364,32 @@ def test_lora_in_the_original_fused_layout(zimage):
                   f"diffusion_model.layers.{i}.attention.out.lora_B.weight": b}
         split |= {f"transformer.layers.{i}.attention.to_out.0.lora_A.weight": a,
                   f"transformer.layers.{i}.attention.to_out.0.lora_B.weight": b}
+    outs = _forwards_with_loras(zimage, {"split": split, "fused": fused}, g)
+    torch.testing.assert_close(outs["fused"], outs["split"], rtol=0, atol=1e-6)
+    lokr = str(zimage["folder"] / "z_lokr_qkv.safetensors")
+    save_file({"diffusion_model.layers.0.attention.qkv.lokr_w1": torch.zeros(4, 4),
+               "diffusion_model.layers.0.attention.qkv.lokr_w2": torch.zeros(48, 16)}, lokr)
+    with torch.inference_mode(), pytest.raises(LoRAError, match="LyCORIS adapter on a fused layer"):
+        eng.set_loras([(lokr, 1.0)])
+
+
+def _forwards_with_loras(zimage, files: dict, g):
+    """{name: the DiT's forward with ``files[name]`` (a state dict) saved and set as a LoRA}: each applies with
+    nothing unmatched; removed at the end, the plain forward differs from the first LoRA's."""
+    eng = zimage["engine"]
     x = (torch.randn(1, 16, 6, 4, generator=g), torch.tensor([600.0]), torch.randn(1, 7, 24, generator=g),
          torch.tensor([7]))
     outs = {}
     try:
         with torch.inference_mode():
-            for name, sd in (("split", split), ("fused", fused)):
+            for name, sd in files.items():
                 path = str(zimage["folder"] / f"z_{name}.safetensors")
-                save_file({k: v.clone() for k, v in sd.items()}, path)  # A shared: one copy each
+                save_file({k: v.clone() for k, v in sd.items()}, path)  # a tensor shared by two keys: one copy each
                 assert eng.set_loras([(path, 1.0)]) == [] and eng.lora_report == [], name
                 outs[name] = eng.dit_forward(*x)
-            lokr = str(zimage["folder"] / "z_lokr_qkv.safetensors")
-            save_file({"diffusion_model.layers.0.attention.qkv.lokr_w1": torch.zeros(4, 4),
-                       "diffusion_model.layers.0.attention.qkv.lokr_w2": torch.zeros(48, 16)}, lokr)
-            with pytest.raises(LoRAError, match="LyCORIS adapter on a fused layer"):
-                eng.set_loras([(lokr, 1.0)])
     finally:
         with torch.inference_mode():
             eng.set_loras([])
-    torch.testing.assert_close(outs["fused"], outs["split"], rtol=0, atol=1e-6)
     with torch.inference_mode():
-        assert not torch.equal(outs["fused"], eng.dit_forward(*x))
+        assert not torch.equal(next(iter(outs.values())), eng.dit_forward(*x))
+    return outs
