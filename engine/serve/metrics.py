@@ -92,4 +92,5 @@ class Metrics:
             finally:
                 self.requests.labels(endpoint, str(status[0])).inc()
                 self.latency.labels(endpoint).observe(time.perf_counter() - started)
+        record.metrics = self  # a scrape from within the process (a --ray replica's report) counts no request
         return record

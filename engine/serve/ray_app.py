@@ -225,11 +225,11 @@ class Engine:
         return 503, {"content-type": "application/json", "retry-after": str(RETRY_AFTER_S)}, dumps(err.body())
 
     async def report(self) -> None:
-        _, _, metrics = await asgi_call(self.app, "GET", "/metrics", {})
-        await self.board.report.remote(self.actor, {"rank": self.rank, "pid": os.getpid(),
-                                                    "node": ray.get_runtime_context().get_node_id()[:12],
-                                                    "served": self.served, "loras": sorted(self.loras), "in_flight": self.in_flight,
-                                                    "metrics": metrics.decode("utf-8")})
+        """This replica's state and metrics (the server's own exposition, no request counted) to the board."""
+        metrics = self.app.metrics.render()[0].decode("utf-8")
+        await self.board.report.remote(self.actor, {
+            "rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()[:12],
+            "served": self.served, "loras": sorted(self.loras), "in_flight": self.in_flight, "metrics": metrics})
 
     async def _report_every(self) -> None:
         while True:
