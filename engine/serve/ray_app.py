@@ -149,7 +149,7 @@ class Engine:
             os.chdir(cwd)
         self.app = await asyncio.get_running_loop().run_in_executor(None, make_app)
         self.lifespan = await Lifespan(self.app).start()
-        self.board = board_of(app_name)
+        self.app_name, self.board = app_name, board_of(app_name)
         context = serve.get_replica_context()
         self.rank = context.rank.rank if context.rank is not None else 0
         self.actor = ray.get_runtime_context().get_actor_id()
@@ -225,19 +225,20 @@ class Engine:
         return 503, {"content-type": "application/json", "retry-after": str(RETRY_AFTER_S)}, dumps(err.body())
 
     async def report(self) -> None:
-        """This replica's state and metrics (the server's own exposition, no request counted) to the board."""
+        """This replica's state and metrics (the server's own exposition, no request counted) to the board; a board
+        gone (its node lost) is made again and hears from the next report."""
         metrics = self.app.metrics.render()[0].decode("utf-8")
-        await self.board.report.remote(self.actor, {
-            "rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()[:12],
-            "served": self.served, "loras": sorted(self.loras), "in_flight": self.in_flight, "metrics": metrics})
+        try:
+            await self.board.report.remote(self.actor, {
+                "rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()[:12],
+                "served": self.served, "loras": sorted(self.loras), "in_flight": self.in_flight, "metrics": metrics})
+        except GONE:
+            self.board = board_of(self.app_name)
 
     async def _report_every(self) -> None:
         while True:
             await asyncio.sleep(REPORT_S)
-            try:
-                await self.report()
-            except Exception:  # the board is being replaced: the next report finds the new one
-                self.board = board_of(serve.get_replica_context().app_name)
+            await self.report()
 
     def check_health(self) -> None:
         if self.broken:
