@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 import requests
-from test_serve import Server
+from test_serve import Server, free_port
 from test_serve_replicas import (
     STEPS,  # the killed replica's runs: long enough to be in flight when it dies
     a_lora_change_reaches_every_replica,
@@ -97,6 +97,9 @@ def test_ray_flags_are_checked_before_anything_starts(sgld_in_process):
     assert code == 2 and "--max-connections" in err and "--ray" in err and len(err.strip().splitlines()) == 1, err
     code, _, err = sgld_in_process("serve", "--ray", "--ray-autoscale", "3:1", "--port", "0")
     assert code == 2 and "--ray-autoscale" in err, err
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens: Ray alone would retry for minutes
+    code, _, err = sgld_in_process("serve", "--ray", nowhere, "--port", "0")
+    assert code == 2 and f"--ray {nowhere}: no Ray cluster answers there" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_the_kuberay_example_names_this_application_and_flags_it_accepts(tmp_path):

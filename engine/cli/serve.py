@@ -311,6 +311,7 @@ def _serve_on_ray(args) -> None:
     ray, serve, ray_app = _ray()
     _listen(args.host, args.port).close()  # a port in use: one line before Ray starts
     local = args.ray == "local"
+    _reachable(args.ray)
     try:
         ray.init(address=None if local else args.ray, include_dashboard=False, logging_level="WARNING")
     except (ConnectionError, RuntimeError, ValueError) as e:
@@ -342,6 +343,21 @@ def _serve_on_ray(args) -> None:
     finally:
         ray_app.remove(ray_app.APP_NAME)
         ray.shutdown()
+
+
+def _reachable(address: str) -> None:
+    """A cluster's address (HOST:PORT, ray://HOST:PORT) answers a connection within 5 s, or one line (Ray itself
+    retries an unreachable address for minutes)."""
+    if address in ("local", "auto"):
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"--ray {address}: give the cluster's HOST:PORT (`ray start --head` prints it) or "
+                         "ray://HOST:PORT")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+    except OSError as e:
+        raise ValueError(f"--ray {address}: no Ray cluster answers there ({e.strerror or e})") from None
 
 
 def _last_line(error: Exception) -> str:
