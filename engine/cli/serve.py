@@ -306,7 +306,7 @@ def _serve_on_ray(args) -> None:
     if given:
         raise ValueError(f"{given[0]} bounds this process's HTTP server; under --ray the connections are Ray's HTTP "
                          "proxy's (set them in Ray Serve's http_options)")
-    ray_autoscale(args)
+    scale = ray_autoscale(args)
     check_serve_args(args)
     ray, serve, ray_app = _ray()
     _listen(args.host, args.port).close()  # a port in use: one line before Ray starts
@@ -331,7 +331,6 @@ def _serve_on_ray(args) -> None:
         serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
         serve.run(_ray_application(args), name=ray_app.APP_NAME, route_prefix="/")
         started = True
-        scale = ray_autoscale(args)
         count = f"{scale[0]} to {scale[1]}" if scale else str(args.dp_size)
         print(f"sgld serve: {count} replicas on Ray ({'this machine' if local else args.ray}) on "
               f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
