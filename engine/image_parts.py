@@ -23,6 +23,7 @@ class ImageParts:
     """The protocol; ``default_size``: the picture's side in pixels when a caller gives none."""
 
     default_size: int
+    pictures = True  # it encodes prompts and decodes pictures (False: a DiT served alone, for POST /v1/sample)
 
     def encode(self, prompt: str) -> torch.Tensor:
         """A prompt -> its text features [tokens, C] (float32, CPU)."""
@@ -76,6 +77,29 @@ class DemoParts(ImageParts):
         found = [self.demo.tokenizer.unknown_words_warning(p, where=f" in {name}")
                  for name, texts in (("prompt", prompts), ("negative_prompt", negatives)) for p in dict.fromkeys(texts)]
         return [w for w in found if w]
+
+
+class NoParts(ImageParts):
+    """A DiT served alone (``sgld serve --sample-only``): its clients send text features and latents and decode
+    themselves (the SGLDiffusion Server nodes, in ComfyUI), so nothing is loaded besides the DiT."""
+
+    pictures = False
+    WHY = ("this server samples only (sgld serve --sample-only): it has no text encoder or VAE; send latents and "
+           "text features to POST /v1/sample, or start it with a text encoder and a VAE for pictures")
+
+    def __init__(self, default_size: int):
+        self.default_size = default_size
+
+    def encode(self, prompt: str) -> torch.Tensor:
+        raise InputError(self.WHY)
+
+    def latent_shape(self, width: int, height: int, batch: int = 1) -> Tuple[int, ...]:
+        raise InputError(self.WHY)
+
+    def decode_float(self, latent: torch.Tensor) -> torch.Tensor:
+        raise InputError(self.WHY)
+
+    decode = decode_float
 
 
 class FileParts(ImageParts):

@@ -235,11 +235,12 @@ def resolve_release(source, *, text_encoder=None, tokenizer=None, vae=None, sche
     return replace(release, **changes) if changes else release
 
 
-def dit_family(dit: str):
+def dit_family(dit: str, companions: bool = True):
     """The family of the DiT file or folder ``dit``, which must name the text encoder and VAE it runs with
-    (``Family.companions``): ValueError naming the file otherwise (such a DiT runs in ``sgld bench`` and the engine)."""
+    (``Family.companions``) unless ``companions`` is False: ValueError naming the file otherwise (such a DiT runs in
+    ``sgld bench``, ``sgld serve --sample-only`` and the engine)."""
     family = family_of(check_architecture(open_checkpoint(dit)))
-    if family.companions is None:
+    if companions and family.companions is None:
         raise ValueError(f"{dit} is a {family.title} DiT, whose text encoder and VAE this version does not load: "
                          f"{family.title} runs in sgld bench with random text features and in the Python engine")
     return family

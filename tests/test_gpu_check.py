@@ -164,6 +164,8 @@ def test_cpu_rehearsal_runs_every_row_of_the_gpu_check(tmp_path):
     assert {"apply_s", "switch_s", "remove_s"} <= set(by_name["lora"][0])
     assert [r["clients"] for r in by_name["serve"]] == [1, 4, 8, 8] and all(r["images_per_s"] > 0 for r in by_name["serve"])
     assert by_name["serve"][-1]["loras"] == 8  # 8 clients, each its own LoRA, through the server
+    dp, = by_name["serve-dp"]  # issue 48: two CPU replicas here (one per GPU on a lend), 16 clients, beside serve's 8
+    assert (dp["replicas"], dp["clients"]) == (2, 16) and dp["images_per_s"] > 0 and "of one server" in dp["notes"]
     assert recs[-2].get("footer", "").startswith("rerun (1 row(s) not measured)")  # the dead worker's row
     assert recs[-2]["footer"].endswith("Rows not measured: sage") and recs[-1].get("footer", "").startswith("wall time")
     assert (tmp_path / "out" / "rerun.txt").read_text() == recs[-2]["footer"] + "\n"

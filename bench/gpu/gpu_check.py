@@ -36,9 +36,11 @@ from the measured eager forward.
     fuse-quant     the engine's order (quantize, fuse) and the reverse: same tensors, state_dict works     10
     off-bf16, off-bf16-8buf, off-fp8, off-engine   layer-wise offload (bench/gpu/gpu_check_offload.py)         56
     lora           rank-32 LoRA apply / strength / switch / remove on the 8B model (gpu_check_serve.py)      9
-    serve          the real HTTP server (create_app + uvicorn, POST /v1/sample) on the file, Turbo 1024^2:
+    serve          the real HTTP server (sgld serve --sample-only, POST /v1/sample) on the file, Turbo 1024^2:
                    1 / 4 / 8 concurrent clients vs the same requests one after another, then 8 clients
                    each with its own LoRA (per-request `loras`) in the same batched forwards               57
+    serve-dp       sgld serve --dp-size N, one replica per GPU, N x 8 clients beside serve's 8: a lend of
+                   2 or more GPUs (n/a on one)                                                              0
     comfy          ComfyUI's KSampler on comfy_model vs SGLDiffusion KSampler: n/a (ComfyUI is not carried) 0
     all-on         [subprocess] fp8 + the best attention + compiled, Turbo with all of it (or 1.3x the
                    compiled row's compile time when this run measured it)                                 150
@@ -70,7 +72,7 @@ from gpu_check_offload import OFFLOAD_ROWS, offload_rows  # noqa: E402
 from gpu_check_parts import row_parts  # noqa: E402
 from gpu_check_predicted import beside  # noqa: E402
 from gpu_check_rows import opened, row_build, row_diffusers, row_eager, row_fuse_quant, row_turbo, whole_run  # noqa: E402
-from gpu_check_serve import row_comfy, row_lora, row_serve, serve_estimate  # noqa: E402
+from gpu_check_serve import row_comfy, row_lora, row_serve, row_serve_dp, serve_dp_estimate, serve_estimate  # noqa: E402
 from gpu_check_workers import run_worker, worker_main  # noqa: E402
 
 from engine.features import attention as A  # noqa: E402
@@ -82,7 +84,7 @@ COMFY_ROWS = ("nvfp4", "mxfp8", "int8-tensorwise")  # ComfyUI's formats, compute
 RISKY = ("sage", "compiled", "all-on", "flash")
 ALL_ROWS = ("build", "eager", "diffusers", "turbo", *(f"turbo-{p}" for p in PRESETS), "fp8", "sage", "compiled",
             "base", *(f"base-{p}" for p in PRESETS), "int4", "int8", "gguf", *COMFY_ROWS, "fuse-quant",
-            *OFFLOAD_ROWS, "lora", "serve", "comfy", "parts",
+            *OFFLOAD_ROWS, "lora", "serve", "serve-dp", "comfy", "parts",
             "all-on", "flash")
 WORKER_CAP = {"sage": 120, "compiled": 240, "all-on": 240, "flash": 60}  # seconds a worker may take at most
 
@@ -118,7 +120,8 @@ def plan(ctx):
              ("fuse-quant", lambda: 8 + 4 * c * f(), row_fuse_quant)]
     rows += offload_rows(ctx)
     rows += [("lora", lambda: 4 + load() / 2 + 2 * c * f(), row_lora),
-             ("serve", lambda: serve_estimate(ctx), row_serve), ("comfy", lambda: 0.1, row_comfy),
+             ("serve", lambda: serve_estimate(ctx), row_serve),
+             ("serve-dp", lambda: serve_dp_estimate(ctx), row_serve_dp), ("comfy", lambda: 0.1, row_comfy),
              ("parts", lambda: 40 if ctx.dev.type == "cuda" else 5, row_parts),
              ("all-on", lambda: compile_estimate(ctx), None), ("flash", lambda: 30 if A.package_version("flash_attn")[0] else 0.0, None)]
     return rows

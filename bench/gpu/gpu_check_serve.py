@@ -2,18 +2,16 @@
 the real HTTP server under concurrent clients, the ComfyUI MODEL path, and placeholders for formats not
 built yet.
 
-serve: the server is engine/serve's own app (``create_app`` over a ``Batcher``, under uvicorn, as ``sgld
-serve`` runs it) on the check's random checkpoint, in a process of its own (this file with ``--serve``).
-``sgld serve`` itself needs a text encoder and a VAE besides the DiT, which a random checkpoint does not
-have, so the clients use ``POST /v1/sample`` (latent and text features in, latent out: every request is a
-whole Turbo run on the batcher, the DiT work of an image request without encoding and decoding). Clients are
-threads with raw HTTP (``requests``); the sequential baseline is the same requests one after another."""
-import argparse
+serve: ``sgld serve --sample-only`` (the DiT alone: a random checkpoint has no text encoder or VAE) on the check's
+checkpoint, in a process of its own; the clients use ``POST /v1/sample`` (latent and text features in, latent out:
+every request is a whole Turbo run on the batcher, the DiT work of an image request without encoding and decoding).
+Clients are threads with raw HTTP (``requests``); the sequential baseline is the same requests one after another.
+serve-dp: the same server with ``--dp-size N``, one replica per GPU, N x 8 clients, beside serve's 8 clients."""
 import importlib.util
 import json
 import os
+import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -119,19 +117,14 @@ def row_serve(ctx):
         save_file(lora_state_dict(model, LORA_RANK, 100 + i), os.path.join(loras, f"client{i}.safetensors"))
     del model
     ctx.release()  # the GPU to the server process
-    cmd = [sys.executable, "-u", os.path.abspath(__file__), "--serve", path, "--device", str(ctx.dev),
-           "--max-batch", str(max(CLIENTS)), "--lora-dir", loras]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    proc = _start(ctx, path, "--lora-dir", loras)
     try:
-        url, log = _wait_ready(proc, timeout=max(30.0, ctx.left()))
+        url = _wait_ready(proc, timeout=max(30.0, ctx.left()))
         bodies = [request_body(ctx, i) for i in range(REQUESTS)]
         post_sample(url, bodies[0])  # warm-up: the first forward's allocations and kernels
         results = {}
         for clients in CLIENTS:
-            s = time.perf_counter()
-            with ThreadPoolExecutor(clients) as pool:
-                lat = list(pool.map(lambda b: post_sample(url, b), bodies))
-            wall = time.perf_counter() - s
+            wall, lat = _timed(url, bodies, clients)
             results[clients] = (wall, lat)
             p = sorted(lat)
             seq = results[CLIENTS[0]][0]
@@ -140,15 +133,12 @@ def row_serve(ctx):
                            None, wall / REQUESTS, None, None,
                            f"{REQUESTS / wall:.2f} images/s (**{seq / wall:.2f}x of one after another**); latency p50 "
                            f"{statistics.median(p):.2f} s, p95 {p[min(len(p) - 1, int(0.95 * len(p)))]:.2f} s; "
-                           f"server: engine/serve's app + Batcher(max_batch {max(CLIENTS)}) under uvicorn",
+                           f"server: sgld serve --sample-only --max-batch {max(CLIENTS)}",
                            images_per_s=round(REQUESTS / wall, 3), clients=clients)
         # per-request LoRAs: the same 8 clients, each naming its own LoRA; one batched forward carries them all
         bodies = [request_body(ctx, i, f"client{i}.safetensors") for i in range(REQUESTS)]
         post_sample(url, bodies[0])  # warm-up: reads the first file
-        s = time.perf_counter()
-        with ThreadPoolExecutor(REQUESTS) as pool:
-            list(pool.map(lambda b: post_sample(url, b), bodies))
-        wall = time.perf_counter() - s
+        wall, _ = _timed(url, bodies, REQUESTS)
         plain = results[max(CLIENTS)][0]
         ctx.report.row("serve", "measured", f"POST /v1/sample as above, {REQUESTS} clients each with its own rank-{LORA_RANK} "
                        "LoRA (per-request `loras`)", None, wall / REQUESTS, None, None,
@@ -160,6 +150,68 @@ def row_serve(ctx):
         shutil.rmtree(loras, ignore_errors=True)
 
 
+# -- serve-dp: replicas on several GPUs ----------------------------------------------------------------------------
+def replicas_here(ctx) -> int:
+    """One replica per GPU (two CPU replicas of one thread each in the rehearsal)."""
+    return torch.cuda.device_count() if ctx.dev.type == "cuda" else 2
+
+
+def serve_dp_estimate(ctx) -> float:
+    if replicas_here(ctx) < 2:
+        return 0.0
+    startup = 8 + ctx.model_bytes() / (2e9 if ctx.dev.type == "cuda" else 1e12)  # the replicas load side by side
+    return ctx.checkpoint_estimate("serve") + startup + 10 + 1.2 * 8 * ctx.forward_estimate(REQUESTS) * 2
+
+
+def row_serve_dp(ctx):
+    """`sgld serve --dp-size N` (N replicas, one per GPU): N x 8 clients against the serve row's 8 on one server."""
+    count = replicas_here(ctx)
+    what = f"sgld serve --dp-size {count}: {count} replicas, {REQUESTS} clients each"
+    if count < 2:
+        ctx.report.row("serve-dp", "n/a", what, notes=f"{count} GPU on this machine: replicas need a lend of 2 or more")
+        return
+    missing = missing_for_serve()
+    if missing:
+        ctx.report.row("serve-dp", "n/a", what, notes=f"missing on this machine: {', '.join(missing)}")
+        return
+    path = ctx.checkpoint()
+    ctx.release()
+    proc = _start(ctx, path, "--dp-size", str(count))
+    try:
+        url = _wait_ready(proc, timeout=max(30.0, ctx.left()))
+        bodies = [request_body(ctx, i) for i in range(REQUESTS * count)]
+        _timed(url, bodies[:count], count)  # warm-up: each replica's first forward (least busy first: one each)
+        wall, lat = _timed(url, bodies, len(bodies))
+        one = [r for r in ctx.report.rows_named("serve") if r.get("clients") == max(CLIENTS) and not r.get("loras")]
+        rate = len(bodies) / wall
+        beside_one = (f"**{rate / one[0]['images_per_s']:.2f}x of one server** with {max(CLIENTS)} clients (the serve row)"
+                      if one else "the serve row did not run in this check: no single-server figure beside it")
+        ctx.report.row("serve-dp", "measured", f"{what}: {len(bodies)} POST /v1/sample, Turbo {ctx.args.width}x"
+                       f"{ctx.args.height}, 8 steps", None, wall / len(bodies), None, None,
+                       f"{rate:.2f} images/s, {beside_one}; latency p50 {statistics.median(lat):.2f} s",
+                       images_per_s=round(rate, 3), replicas=count, clients=len(bodies))
+    finally:
+        _stop(proc)
+
+
+def _start(ctx, path, *flags):
+    """`sgld serve --sample-only` on the check's checkpoint, on a free port of 127.0.0.1 (its start line names it)."""
+    cmd = [sys.executable, "-u", "-m", "engine.cli", "serve", "--sample-only", "--model", path, "--device",
+           str(ctx.dev.type), "--dtype", "bf16", "--attention", "sdpa", "--max-batch", str(max(CLIENTS)),
+           "--max-body-bytes", str(256 << 20), "--host", "127.0.0.1", "--port", "0", *flags]
+    if ctx.dev.type == "cpu":
+        cmd += ["--threads", "1"]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+
+def _timed(url, bodies, clients):
+    """(seconds for all ``bodies`` from ``clients`` threads, each request's latency)."""
+    s = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        lat = list(pool.map(lambda b: post_sample(url, b), bodies))
+    return time.perf_counter() - s, lat
+
+
 def _wait_ready(proc, timeout):
     deadline = time.time() + timeout
     lines = []
@@ -168,11 +220,11 @@ def _wait_ready(proc, timeout):
         if not line:
             raise RuntimeError(f"the server exited before it listened: {' / '.join(lines[-3:])[:300]}")
         lines.append(line.strip())
-        if line.startswith("SERVING "):
-            url = line.split()[1]
+        found = re.search(r"^sgld serve: .* on (http://[0-9.]+:[0-9]+)/v1", line)
+        if found:
             threading.Thread(target=_drain, args=(proc,), daemon=True).start()  # a full pipe would block the server
-            _wait_health(url, deadline)
-            return url, lines
+            _wait_health(found.group(1), deadline)
+            return found.group(1)
     raise RuntimeError("the server did not listen in time")
 
 
@@ -204,45 +256,6 @@ def _stop(proc):
             proc.wait(timeout=10)
 
 
-def serve_main(args):
-    """The server process: open the file, serve it on a free port of 127.0.0.1, print ``SERVING url``."""
-    import uvicorn
-
-    from engine.image_parts import ImageParts
-    from engine.router import open_engine
-    from engine.serve import ServedModel, ServeSettings, create_app
-    from engine.serve.batcher import Batcher
-
-    if args.device == "cpu":
-        torch.set_num_threads(1)
-    eng = open_engine(args.serve, EngineConfig(device=args.device, dtype="bf16", attention="sdpa"))
-    cfg = eng.model_config
-
-    class LatentsOnly(ImageParts):
-        """No text encoder, no VAE: clients send latents and text features (POST /v1/sample)."""
-        default_size = 1024
-
-        def encode(self, prompt):
-            raise ValueError("this server has no text encoder: use POST /v1/sample")
-
-        def latent_shape(self, width, height, batch=1):
-            return (batch, cfg.in_channels, height // 16, width // 16)
-
-        decode = encode
-
-    served = ServedModel("gpu-check-random", eng, LatentsOnly(), 8, 1.0, args.serve)
-    batcher = Batcher(eng, max_batch=args.max_batch)
-    app = create_app(served, batcher, ServeSettings(max_batch=args.max_batch, max_body_bytes=256 << 20,
-                                                    lora_dir=args.lora_dir))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)  # connections wait in the backlog until uvicorn accepts them
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    print(f"SERVING http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    server.run(sockets=[sock])
-    return 0
-
-
 # -- ComfyUI (not carried) -------------------------------------------------------------------------------------------
 def row_comfy(ctx):
     ctx.report.row("comfy", "n/a", "ComfyUI KSampler on comfy_model vs SGLDiffusion KSampler, per-step overhead",
@@ -251,11 +264,3 @@ def row_comfy(ctx):
                          "are bench/speed/comfy_model_bench.py's (bench/RESULTS.md)")
 
 
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="the GPU check's server process (bench/gpu/gpu_check_serve.py)")
-    ap.add_argument("--serve", required=True)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--lora-dir", default=None)
-    sys.exit(serve_main(ap.parse_args()))

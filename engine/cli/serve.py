@@ -17,7 +17,10 @@ import torch
 
 from .. import device as device_rt
 from ..features.cache import resolve_config
+from ..image_parts import NoParts
 from ..models import demo as demo_model
+from ..release import dit_family
+from ..router import open_engine
 from ..sampling import DEFAULT_SHIFT
 from ..sampling_options import from_flags
 from .common import (
@@ -33,8 +36,10 @@ from .common import (
     engine_config,
     file_families,
     load_prompt_enhancer,
+    use_threads,
 )
 from .generate import (
+    LoadedModel,
     demo_dit,
     lora_specs,
     make_parts,
@@ -129,6 +134,10 @@ def add_parser(sub) -> None:
                                      "the embedded demo distilled to 8 steps at cfg 1")
     add_text_encoder_arguments(ext, "text encoder folder (HF text_encoder/)")
     ext.add_argument("--vae", help="VAE folder (HF vae/)")
+    ext.add_argument("--sample-only", action="store_true",
+                     help="serve the DiT alone, for POST /v1/sample (the SGLDiffusion Server nodes encode the prompt "
+                          "and decode the picture in ComfyUI): no text encoder or VAE is loaded, image requests are "
+                          "refused")
     add_pe_arguments(s)  # requests ask for it with "enhance_prompt": true
     add_engine_arguments(s)
     add_cache_arguments(s)
@@ -140,9 +149,28 @@ def check_serve_args(args) -> dict:
     engine_config(args)  # the engine's flags and the parallel degrees against each other, before loading
     resolve_config(cache_config(args))  # the --cache* flags, else SGLANG_CACHE_DIT_*: a bad value stops the start
     check_pe_args(args)
-    if uses_files(args):
+    if args.sample_only:
+        given = [flag for flag, on in (("--text-encoder", args.text_encoder), ("--vae", args.vae),
+                                       ("--pe", args.pe is not None),
+                                       ("--text-encoder-device", args.text_encoder_device != "auto")) if on]
+        if given:
+            raise ValueError(f"--sample-only serves the DiT alone (POST /v1/sample): drop {', '.join(given)}")
+        if release_of(args) is not None:
+            release_of(args).require("transformer", why="the DiT")
+        if uses_files(args):
+            dit_family(model_source(args), companions=False)  # the DiT named and read from its header
+    elif uses_files(args):
         model_files(args)  # the DiT, text encoder and VAE files named, the DiT's family read from its header
     return from_flags(args, model_source(args), SAMPLING)
+
+
+def _dit_alone(args) -> LoadedModel:
+    """--sample-only: the DiT the flags name (a release's, a file, the demo's), and no parts around it."""
+    dit = model_source(args)
+    engine = open_engine(dit, engine_config(args, cache=resolve_config(cache_config(args))))
+    use_threads(engine, args)
+    family = dit_family(dit, companions=False)
+    return LoadedModel(engine, NoParts(family.companions.default_size if family.companions else 1024), dit)
 
 
 def served_model(args) -> ServedModel:
@@ -150,7 +178,7 @@ def served_model(args) -> ServedModel:
     defaults = check_serve_args(args)
     release = release_of(args)
     pe = load_prompt_enhancer(args, release)  # resident: a request's enhance_prompt must not wait for a load
-    loaded = make_parts(args)
+    loaded = _dit_alone(args) if args.sample_only else make_parts(args)
     if args.loras:
         loaded.engine.set_loras(args.loras)
     if args.served_model_name or not uses_files(args):

@@ -143,6 +143,8 @@ def parse_loras(value) -> Optional[Tuple[Tuple[str, float], ...]]:
 def parse_generation(body, served) -> Generation:
     """The request checked against the served model (``ServedModel``: its id, sizes and defaults)."""
     req = parse(ImageRequest, body)
+    if not served.parts.pictures:
+        raise ApiError(400, served.parts.WHY, param="prompt", code="sample_only")
     if req.model is not None and req.model != served.id:
         raise ApiError(404, f"The model '{req.model:.80}' does not exist; this server serves '{served.id}' "
                             "(GET /v1/models)", param="model", code="model_not_found")

@@ -317,13 +317,18 @@ class ImageServer:
         return out
 
     async def tiny_generation(self) -> dict:
-        """One image of one step at the default size, through the batcher: the whole path works."""
+        """One image of one step at the default size, through the batcher: the whole path works (a DiT served
+        alone: one token's latent, empty text, nothing decoded)."""
         started = time.perf_counter()
-        cond = await self.encode("")
-        parts = self.served.parts
-        latent = parts.empty_latent(parts.default_size, parts.default_size)
+        parts, mc = self.served.parts, self.served.engine.model_config
+        if parts.pictures:
+            cond = await self.encode("")
+            latent = parts.empty_latent(parts.default_size, parts.default_size)
+        else:  # a DiT alone: the smallest latent, no text
+            cond, latent = torch.zeros(1, mc.text_in_dim), torch.zeros(1, mc.in_channels, mc.patch_size, mc.patch_size)
         (z, _), = await self.sample([Job(latent, cond, None, 0, 1, 1.0)])
-        await asyncio.to_thread(parts.decode, z)
+        if parts.pictures:
+            await asyncio.to_thread(parts.decode, z)
         return {"status": "ok", "inference_time_s": round(time.perf_counter() - started, 4)}
 
     def card(self) -> dict:
