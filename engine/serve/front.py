@@ -150,46 +150,50 @@ class LocalReplicas:
         return await asyncio.get_running_loop().run_in_executor(
             pool, lambda: self.replicas.call(r, method, path, body, headers, timeout))
 
-    async def send(self, method, path, body, headers, images=1, loras=frozenset()):
+    async def _once_more_if_gone(self, images, loras, attempt):
+        """``attempt(replica)`` on the least busy replica (``Replicas.pick``), once more on another when that one was
+        gone (``GONE``); None when no replica is left to ask."""
         tried = []
         for _ in range(2):
             r = self.replicas.pick(images, loras, tried)
             if r is None:
                 break
             tried.append(r.index)
+            try:
+                return await attempt(r)
+            except GONE:
+                self.replicas.retried += 1
+        return None
+
+    async def send(self, method, path, body, headers, images=1, loras=frozenset()):
+        async def attempt(r):
             ok = False
             try:
                 status, passed, data = await self._call(r, method, path, body, headers)
                 ok = status == 200
                 return status, passed, data, r.index
-            except GONE:
-                self.replicas.retried += 1
             finally:
                 self.replicas.done(r, images, loras, ok)
-        return None
+        return await self._once_more_if_gone(images, loras, attempt)
 
     async def open_stream(self, path, body, headers):
-        tried, loop = [], asyncio.get_running_loop()
-        for _ in range(2):
-            r = self.replicas.pick(1, frozenset(), tried)
-            if r is None:
-                break
-            tried.append(r.index)
+        loop = asyncio.get_running_loop()
+
+        async def attempt(r):
             lines: asyncio.Queue = asyncio.Queue()
             work = loop.run_in_executor(self.replicas.pool, self.replicas.stream, r, path, body, headers, lines, loop)
             first = await lines.get()
             if first is None:  # gone before the answer began
                 self.replicas.done(r, 1, frozenset(), False)
-                self.replicas.retried += 1
                 await asyncio.gather(work, return_exceptions=True)
-                continue
+                raise ReplicaGone(r.index)
             _, status, content_type = first
 
-            def finished(r=r, work=work):
+            def finished():
                 self.replicas.done(r, 1, frozenset(), True)
                 work.add_done_callback(lambda f: f.exception())  # the reader thread ends with the connection
             return status, content_type, r.index, _drained(lines), finished
-        return None
+        return await self._once_more_if_gone(1, frozenset(), attempt)
 
     async def change(self, path, body, headers):
         """A LoRA change on every replica, one at a time, the first's answer returned: one it refuses changes none;

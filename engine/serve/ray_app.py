@@ -50,7 +50,7 @@ class Board:
     def report(self, actor: str, info: dict) -> None:
         if actor not in self.replicas and self.deaths:  # a new replica after a death: its replacement
             self.replaced_s.append(time.time() - self.deaths.pop(0))
-        self.replicas[actor] = {**info, "seen": time.time()}
+        self.replicas[actor] = {**self.replicas.get(actor, {}), **info, "seen": time.time()}  # a part keeps the rest
 
     def died(self, actor: Optional[str]) -> None:
         if self.replicas.pop(actor or "", None) is not None or actor is None:
@@ -66,7 +66,7 @@ class Board:
 
     def state(self) -> dict:
         now = time.time()
-        up = {a: r for a, r in self.replicas.items() if now - r["seen"] < FRESH_S}
+        up = {a: r for a, r in self.replicas.items() if now - r["seen"] < FRESH_S and "rank" in r}  # a whole report
         return {"replicas": up, "changes": self.changes, "seq": self.seq,
                 "last_replacement_s": round(self.replaced_s[-1], 3) if self.replaced_s else None,
                 "restarts": len(self.replaced_s)}
@@ -175,7 +175,7 @@ class Engine:
             await self.holding(lora_set)
         self.in_flight += 1
         try:
-            await self.report()
+            await self.report(whole=False)
             if change_seq:
                 async with self.changing:
                     status, passed, data = await asgi_call(self.app, method, path, headers, body)
@@ -224,14 +224,16 @@ class Engine:
         err = ApiError(503, self.broken + "; it is being replaced, ask again", "server_error", code="replica_broken")
         return 503, {"content-type": "application/json", "retry-after": str(RETRY_AFTER_S)}, dumps(err.body())
 
-    async def report(self) -> None:
+    async def report(self, whole: bool = True) -> None:
         """This replica's state and metrics (the server's own exposition, no request counted) to the board; a board
-        gone (its node lost) is made again and hears from the next report."""
-        metrics = self.app.metrics.render()[0].decode("utf-8")
+        gone (its node lost) is made again and hears from the next report. Not ``whole``: the count in flight only
+        (a request's start, which must not wait for the exposition to be written)."""
+        info = {"in_flight": self.in_flight}
+        if whole:
+            info.update(rank=self.rank, pid=os.getpid(), node=ray.get_runtime_context().get_node_id()[:12],
+                        served=self.served, loras=sorted(self.loras), metrics=self.app.metrics.render()[0].decode())
         try:
-            await self.board.report.remote(self.actor, {
-                "rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()[:12],
-                "served": self.served, "loras": sorted(self.loras), "in_flight": self.in_flight, "metrics": metrics})
+            await self.board.report.remote(self.actor, info)
         except GONE:
             self.board = board_of(self.app_name)
 
