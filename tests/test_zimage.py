@@ -345,11 +345,8 @@ def test_lora_in_its_trainers_layouts(zimage):
 
 def test_lora_in_the_original_fused_layout(zimage):
     """A LoRA on Z-Image's original names (ComfyUI's repack: ``attention.qkv`` fused, ``attention.out``), as LoRAs
-    trained against that layout write them: the fused update is the to_q / to_k / to_v updates (B's rows, A shared),
-    so the forward equals the PEFT file's in diffusers' names; a LyCORIS on the fused layer is refused by name."""
-    from engine.errors import LoRAError
-
-    eng = zimage["engine"]
+    trained against that layout write them, dotted or in kohya's flat names: the fused update is the to_q / to_k /
+    to_v updates (B's rows, A shared), so the forward equals the PEFT file's in diffusers' names."""
     g = torch.Generator().manual_seed(7)
     fused, split = {}, {}
     for i in range(2):
@@ -364,13 +361,37 @@ def test_lora_in_the_original_fused_layout(zimage):
                   f"diffusion_model.layers.{i}.attention.out.lora_B.weight": b}
         split |= {f"transformer.layers.{i}.attention.to_out.0.lora_A.weight": a,
                   f"transformer.layers.{i}.attention.to_out.0.lora_B.weight": b}
-    outs = _forwards_with_loras(zimage, {"split": split, "fused": fused}, g)
+    flat = {}  # the same layers under kohya's flat names, as musubi-tuner writes them (down / up, alpha = rank)
+    for k, v in fused.items():
+        layer, _, part = k.removeprefix("diffusion_model.").rpartition(".lora_")
+        flat[f"lora_unet_{layer.replace('.', '_')}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = v
+        flat[f"lora_unet_{layer.replace('.', '_')}.alpha"] = torch.tensor(2.0)
+    outs = _forwards_with_loras(zimage, {"split": split, "fused": fused, "kohya-flat": flat}, g)
     torch.testing.assert_close(outs["fused"], outs["split"], rtol=0, atol=1e-6)
-    lokr = str(zimage["folder"] / "z_lokr_qkv.safetensors")
-    save_file({"diffusion_model.layers.0.attention.qkv.lokr_w1": torch.zeros(4, 4),
-               "diffusion_model.layers.0.attention.qkv.lokr_w2": torch.zeros(48, 16)}, lokr)
-    with torch.inference_mode(), pytest.raises(LoRAError, match="LyCORIS adapter on a fused layer"):
-        eng.set_loras([(lokr, 1.0)])
+    torch.testing.assert_close(outs["kohya-flat"], outs["split"], rtol=0, atol=1e-6)
+
+
+def test_lycoris_on_the_fused_qkv(zimage):
+    """LoKr and LoHa on the fused ``attention.qkv`` (LyCORIS trained against the original layout): each part is the
+    rows of the whole update, so the forward equals full differences of the parts in diffusers' names, the update
+    written here with torch.kron and products of its own. LoKr's blocks on the parts' boundaries (w2 of 64 rows) and
+    across them (48 rows: that part stored whole); LoHa with alpha (scaled alpha / rank)."""
+    g = torch.Generator().manual_seed(8)
+    r = lambda *shape: 0.2 * torch.randn(*shape, generator=g)  # noqa: E731
+    adapters = {"lokr-aligned": ({"lokr_w1": r(3, 4), "lokr_w2": r(64, 16)}, lambda t: torch.kron(t["lokr_w1"], t["lokr_w2"])),
+                "lokr-across": ({"lokr_w1": r(4, 4), "lokr_w2": r(48, 16)}, lambda t: torch.kron(t["lokr_w1"], t["lokr_w2"])),
+                "loha": ({"hada_w1_a": r(192, 2), "hada_w1_b": r(2, 64), "hada_w2_a": r(192, 2), "hada_w2_b": r(2, 64),
+                          "alpha": torch.tensor(1.0)},
+                         lambda t: (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"]) * 0.5)}
+    files = {}
+    for name, (factors, update) in adapters.items():
+        files[name] = {f"diffusion_model.layers.0.attention.qkv.{k}": v for k, v in factors.items()}
+        for j, part in enumerate(update(factors).chunk(3)):
+            files[name + "-as-diff"] = {**files.get(name + "-as-diff", {}),
+                                        f"transformer.layers.0.attention.{('to_q', 'to_k', 'to_v')[j]}.diff": part}
+    outs = _forwards_with_loras(zimage, files, g)
+    for name in adapters:
+        torch.testing.assert_close(outs[name], outs[name + "-as-diff"], rtol=0, atol=1e-5)
 
 
 def _forwards_with_loras(zimage, files: dict, g):

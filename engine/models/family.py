@@ -140,6 +140,17 @@ class Layout:
                 return [(stem + part, (i, len(parts))) for i, part in enumerate(parts)]
         return [(key, None)]
 
+    def their_name(self, key: str) -> str:
+        """``translate``'s inverse: their name of our tensor ``key`` (a part of a fused tensor: the fused one)."""
+        for ending, parts in self.splits.items():
+            part = next((p for p in parts if key.endswith(p)), None)
+            if part is not None:
+                key = key[: -len(part)] + ending
+                break
+        for theirs, ours in reversed(self.renames):
+            key = key.replace(ours, theirs)
+        return key
+
 
 def run_blocks(model: nn.Module, h: torch.Tensor, ctx) -> torch.Tensor:
     """The plain block loop, every block on every row: a model's ``block_runner`` until a feature replaces it

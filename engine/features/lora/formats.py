@@ -21,7 +21,7 @@ from ...models.family import family_of
 from ..fuse import RowView, linear_parts
 from ..quant import quant_modules
 from . import lycoris
-from .fused import in_our_names, part_rows, part_shapes
+from .fused import fused_shape, in_our_names, part_lycoris, part_rows, part_shapes
 from .peft import PEFT_FORMATS, peft_alpha, peft_config
 from .shard import cut_entry, full_shape, layer_cut
 
@@ -283,7 +283,7 @@ def read_lora(source, model: nn.Module, header_only: bool = False) -> LoRAFile:
             groups.setdefault(prefix, {})[part] = k
             if fmt:  # lora_up / lora_down under a module's dotted name: ComfyUI's layout, not kohya's flat one
                 groups[prefix]["fmt"] = "comfyui" if fmt == "kohya" and "." in prefix else fmt
-    groups = in_our_names(path, groups, family_layouts(model), kmap, DOTTED_PREFIXES)
+    groups = in_our_names(groups, family_layouts(model), kmap, DOTTED_PREFIXES, FLAT_PREFIXES)
     matched = {p: g for p, g in groups.items() if p in kmap}
     unmatched = sorted(map(user, unknown + [k for p, g in groups.items() if p not in kmap for part, k in g.items() if part != "fmt"]))
     if not matched and any(_split_key(k)[0] in kmap for k, _ in unsupported):
@@ -307,8 +307,8 @@ def read_lora(source, model: nn.Module, header_only: bool = False) -> LoRAFile:
             seen[mod_name] = prefix
         wshape = full_shape(weight_shape(modules[mod_name]), layer_cut(model, mod_name))  # a TP shard: the whole layer's
         _check_shapes(path, g, mod_name, wshape, part_shapes(g, f.shape), user)
-        if set(g) & lycoris.PARTS:
-            g["lycoris"] = lycoris.check(path, g, mod_name, wshape, f.shape, user)
+        if set(g) & lycoris.PARTS:  # a fused layer's part: the factors fit the whole layer
+            g["lycoris"] = lycoris.check(path, g, mod_name, fused_shape(wshape, g.get("rows")), f.shape, user)
     wanted = list(dict.fromkeys(k for g in matched.values() for part, k in g.items() if part not in NOT_KEYS))
     try:
         tensors = _header_tensors(f, wanted) if header_only else dict(f.tensors(wanted))
@@ -332,7 +332,8 @@ def read_lora(source, model: nn.Module, header_only: bool = False) -> LoRAFile:
         if "lycoris" in g:
             kind, rank = g["lycoris"]
             parts = {p: tensors[k] for p, k in g.items() if p in lycoris.PARTS}
-            e.lycoris, e.fmt = lycoris.build(kind, rank, parts, e.alpha, wshape), kind
+            whole = lycoris.build(kind, rank, parts, e.alpha, fused_shape(wshape, g.get("rows")))
+            e.lycoris, e.fmt = part_lycoris(whole, g.get("rows")), kind
         if e.up is None and e.diff is None and e.lycoris is None:  # an alpha alone
             unmatched.append(user(g["alpha"]))
             continue

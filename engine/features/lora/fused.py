@@ -6,27 +6,40 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...errors import LoRAError
 from . import lycoris
+from .shard import cut_lycoris
 
 
-def in_our_names(path: str, groups: Dict[str, dict], layouts, kmap: Dict[str, str],
-                 prefixes: Sequence[str]) -> Dict[str, dict]:
+def in_our_names(groups: Dict[str, dict], layouts, kmap: Dict[str, str], prefixes: Sequence[str],
+                 flat_prefixes: Sequence[str]) -> Dict[str, dict]:
     """``groups`` (a layer's name -> its parts' keys) with the layers named in another of the family's ``layouts``
-    (Z-Image's original ``attention.qkv`` / ``attention.out``, under any of ``prefixes``) under our names. A fused
+    (Z-Image's original ``attention.qkv`` / ``attention.out``, under any of ``prefixes``, or kohya's flat names
+    under ``flat_prefixes``: ``lora_unet_layers_0_attention_qkv``) under our names. A fused
     layer's group becomes one per part, marked ``rows`` = (i, n): its up (B) and diff are the part's rows, its down
-    (A, the input side) shared, which is the fused update exactly."""
+    (A, the input side) shared, which is the fused update exactly; a LyCORIS adapter is read whole and cut
+    (``part_lycoris``)."""
     out: Dict[str, dict] = {}
+    flat = _flat_names(layouts, kmap, flat_prefixes) if layouts else {}
     for prefix, g in groups.items():
-        parts = [] if prefix in kmap else _translated(prefix, layouts, kmap, prefixes)
+        parts = [] if prefix in kmap else _translated(flat.get(prefix, prefix), layouts, kmap, prefixes)
         if not parts:
             out[prefix] = g
             continue
-        if len(parts) > 1 and set(g) & lycoris.PARTS:
-            raise LoRAError(f"{path}: '{prefix}' is a LyCORIS adapter on a fused layer; this engine splits only LoRA "
-                            "pairs and full differences across the layer's parts")
         for name, rows in parts:
             out[name] = {**g, "rows": rows} if rows else dict(g)
+    return out
+
+
+def _flat_names(layouts, kmap: Dict[str, str], flat_prefixes: Sequence[str]) -> Dict[str, str]:
+    """Kohya's flat name of each of our layers as another layout names it -> that layout's dotted name (a flat name
+    cannot be split back at its underscores, so it is looked up)."""
+    out: Dict[str, str] = {}
+    for name in set(kmap.values()):
+        for layout in layouts:
+            theirs = layout.their_name(name + ".weight")[: -len(".weight")]
+            if theirs != name:
+                for p in flat_prefixes:
+                    out.setdefault(p + theirs.replace(".", "_"), theirs)
     return out
 
 
@@ -55,6 +68,18 @@ def part_shapes(g: dict, shape_of):
             return (s[0] // rows[1], *s[1:])
         return s
     return shape
+
+
+def fused_shape(wshape: tuple, rows: Optional[Tuple[int, int]]) -> tuple:
+    """The whole fused layer's weight shape, from the shape of its part (the layer a LyCORIS adapter's factors fit)."""
+    return (wshape[0] * rows[1], *wshape[1:]) if rows else tuple(wshape)
+
+
+def part_lycoris(ly: lycoris.Lycoris, rows: Optional[Tuple[int, int]]) -> lycoris.Lycoris:
+    """Part i of n of a fused layer's LyCORIS adapter: the rows of its update, cut as tensor parallel cuts a
+    column-parallel layer (engine/features/lora/shard.py: LoHa's w_a rows; a LoKr whose blocks fall on the parts'
+    boundaries keeps its Kronecker form, else its part of dW is stored whole)."""
+    return cut_lycoris(ly, (0, rows[1], rows[0])) if rows else ly
 
 
 def part_rows(t: torch.Tensor, rows: Optional[Tuple[int, int]]) -> torch.Tensor:

@@ -51,13 +51,14 @@ def cut_entry(e, cut: Optional[Cut]):
         d = e.diff.reshape(e.diff.shape[0], -1)
         return dataclasses.replace(e, diff=(d[_part(d.shape[0], cut)] if dim == 0 else d[:, _part(d.shape[1], cut)]).clone())
     if e.lycoris is not None:
-        return dataclasses.replace(e, lycoris=_cut_lycoris(e.lycoris, cut))
+        return dataclasses.replace(e, lycoris=cut_lycoris(e.lycoris, cut))
     if dim == 0:
         return dataclasses.replace(e, up=e.up[_part(e.up.shape[0], cut)].clone())
     return dataclasses.replace(e, down=e.down[:, _part(e.down.shape[1], cut)].clone())
 
 
-def _cut_lycoris(ly: Lycoris, cut: Cut) -> Lycoris:
+def cut_lycoris(ly: Lycoris, cut: Cut) -> Lycoris:
+    """The ``cut`` slice of a LyCORIS adapter's update (also a fused layer's part: engine/features/lora/fused.py)."""
     dim = cut[0]
     rows, cols = (_part(ly.out_features, cut), slice(None)) if dim == 0 else (slice(None), _part(ly.in_flat, cut))
     out = rows.stop - rows.start if dim == 0 else ly.out_features
@@ -71,7 +72,8 @@ def _cut_lycoris(ly: Lycoris, cut: Cut) -> Lycoris:
             else:
                 t[f"hada_w{i}_b"] = b.flatten(1)[:, cols].clone()
         return dataclasses.replace(ly, t=t, out_features=out, in_flat=n_in)
-    w1, w2 = ly._lokr_factors(torch.device("cpu"))
+    dev = torch.device("meta" if any(t.is_meta for t in ly.t.values()) else "cpu")  # a header's: shapes only
+    w1, w2 = ly._lokr_factors(dev)
     a2, c2 = w2.shape
     span = (rows.start, rows.stop) if dim == 0 else (cols.start, cols.stop)
     block = a2 if dim == 0 else c2
@@ -79,6 +81,6 @@ def _cut_lycoris(ly: Lycoris, cut: Cut) -> Lycoris:
         lo, hi = span[0] // block, span[1] // block
         t = {"lokr_w1": (w1[lo:hi] if dim == 0 else w1[:, lo:hi]).contiguous(), "lokr_w2": w2}
     else:
-        dense = ly.rows(torch.device("cpu"))(0, ly.out_features)[rows, cols]
+        dense = ly.rows(dev)(0, ly.out_features)[rows, cols]
         t = {"lokr_w1": torch.ones(1, 1), "lokr_w2": dense.contiguous()}
     return dataclasses.replace(ly, t=t, out_features=out, in_flat=n_in)
