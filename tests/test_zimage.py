@@ -414,3 +414,49 @@ def _forwards_with_loras(zimage, files: dict, g):
     with torch.inference_mode():
         assert not torch.equal(next(iter(outs.values())), eng.dit_forward(*x))
     return outs
+
+
+@pytest.mark.parametrize("style", ["scaled_fp8", "comfy_quant"])
+def test_an_fp8_file_in_the_original_layout(tmp_path, style):
+    """ComfyUI's fp8 files of Z-Image keep the original names: the fused qkv is one e4m3 tensor with one scale (legacy
+    ``scale_weight`` + the ``scaled_fp8`` marker, or ``weight_scale`` + a ``comfy_quant`` tag). Each part takes its
+    rows and the whole scale and tag: the layers load as fp8 and the forward equals our model on the dequantized
+    weights (weight x scale, ComfyUI's own reading)."""
+    import json
+
+    from engine.features import quant as Q
+
+    cfg = ZImageConfig(hidden_size=64, num_layers=2, num_refiner_layers=1, num_attention_heads=4, ffn_hidden_size=128,
+                       text_in_dim=32, rope_axes_dim=(4, 6, 6), time_mid_dim=64)
+    torch.manual_seed(0)
+    ours = ZImageTransformer(cfg).state_dict()
+    stored, dense = {}, {}
+    for k, v in _to_original(ours).items():
+        if k.startswith("layers.") and k.endswith(".weight") and v.dim() == 2:
+            scale = v.abs().amax() / 448.0
+            stored[k] = (v / scale).to(torch.float8_e4m3fn)
+            stem = k[: -len(".weight")]
+            if style == "scaled_fp8":
+                stored[stem + ".scale_weight"] = scale.reshape(())
+            else:
+                stored[stem + ".weight_scale"] = scale.reshape(())
+                stored[stem + ".comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
+                                                             dtype=torch.uint8)
+            dense[k] = stored[k].float() * scale
+        else:
+            stored[k] = dense[k] = v
+    if style == "scaled_fp8":
+        stored["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    path = tmp_path / f"z_image_turbo_fp8_{style}.safetensors"
+    save_file({"model.diffusion_model." + k: v for k, v in stored.items()}, str(path))
+    ref = ZImageTransformer(cfg).eval()
+    ref.load_state_dict({n: dense[k] if p is None else dense[k].chunk(p[1])[p[0]]
+                         for k in dense for n, p in get("z-image").layouts[0].translate(k)})
+    eng = open_engine(str(path), EngineConfig(dtype="fp32"))
+    assert eng.describe()["quant"] == "fp8" and Q.model_quant_format(eng.model) == "fp8"
+    g = torch.Generator().manual_seed(9)
+    x, text = torch.randn(1, 16, 8, 6, generator=g), torch.randn(1, 7, 32, generator=g)
+    with torch.inference_mode():
+        got = eng.dit_forward(x, torch.tensor([400.0]), text, torch.tensor([7]))
+        want = ref(x, torch.tensor([400.0]), text, torch.tensor([7]))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

@@ -1,6 +1,7 @@
 """A weight file in another tool's names read in the family's own (``Family.layouts``, engine/models/family.py): the
 file's reader wrapped so that every caller of the checkpoint (loading, weight formats, header checks) sees our names,
-shapes and tensors. A fused tensor is read once and split into equal parts along dim 0, each part its own buffer."""
+shapes and tensors. A fused tensor is read once and split into equal parts along dim 0, each part its own buffer; its
+module's other tensors are cut the same way when they are row-wise, else each part reads them whole."""
 from __future__ import annotations
 
 from typing import Dict, Iterator, Optional, Tuple
@@ -17,10 +18,13 @@ class LayoutView:
     def __init__(self, file, layout: Layout, prefix: str):
         self.file, self.path, self.metadata, self.layout = file, file.path, file.metadata, layout
         kind = getattr(file, "kind", lambda _: None)
+        self._keys = set(file.keys())
         self._map: Dict[str, Tuple[str, Optional[Tuple[int, int]]]] = {}  # ours -> (theirs, (part, parts) or None)
         for key in file.keys():
             bare = key[len(prefix):] if key.startswith(prefix) else None
             for name, part in (layout.translate(bare) if bare is not None else [(key, None)]):
+                if part is not None and self._whole(key):
+                    part = None  # a companion each part takes whole (a per-tensor scale, ComfyUI's layer tag)
                 if part is not None:
                     self._check_split(key, part[1], kind(key))
                 ours = prefix + name if bare is not None else name
@@ -28,6 +32,16 @@ class LayoutView:
                     raise CheckpointError(f"{file.path}: tensors '{self._map[ours][0]}' and '{key}' are both "
                                           f"'{name}' in {layout.name}")
                 self._map[ours] = (key, part)
+
+    def _whole(self, key: str) -> bool:
+        """A fused module's tensor that is not row-wise: one that is not its weight and whose first dimension is not
+        the weight's rows (a scalar scale, ComfyUI's ``comfy_quant`` tag); a bias or a per-row scale is cut."""
+        head, _, leaf = key.rpartition(".")
+        weight = head + ".weight"
+        if leaf == "weight" or weight not in self._keys:
+            return False
+        shape = self.file.shape(key)
+        return len(shape) == 0 or shape[0] != self.file.shape(weight)[0]
 
     def _check_split(self, key: str, parts: int, kind) -> None:
         """A fused tensor splits along its rows: a float tensor, or one whose stored rows are its rows (GGUF's block

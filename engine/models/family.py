@@ -125,7 +125,8 @@ class Layout:
     signature: Tuple[str, ...]  # tensors (no prefix) that mark a file written in it
     renames: Tuple[Tuple[str, str], ...]  # (their text, ours) replaced in every name, in order
     splits: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)  # a fused tensor's name ending -> the
-    # endings of its equal parts along dim 0 (".attention.qkv.weight" -> to_q, to_k, to_v)
+    # endings of its equal parts along dim 0 (".attention.qkv.weight" -> to_q, to_k, to_v); the fused module's other
+    # tensors (a bias, a quantized weight's scales) go to each part too, cut or whole (engine/io/layouts.py)
     drops: Tuple[str, ...] = ()  # tensors the family's model has no use for
 
     def translate(self, key: str) -> List[Tuple[str, Optional[Tuple[int, int]]]]:
@@ -138,6 +139,11 @@ class Layout:
             if key.endswith(ending):
                 stem = key[: -len(ending)]
                 return [(stem + part, (i, len(parts))) for i, part in enumerate(parts)]
+            head, _, leaf = key.rpartition(".")  # a companion of the fused weight (a scale, a bias): each part's
+            module, weight = ending.rsplit(".", 1)
+            if head.endswith(module) and leaf != weight:
+                stem = head[: -len(module)]
+                return [(stem + part[: -len(weight)] + leaf, (i, len(parts))) for i, part in enumerate(parts)]
         return [(key, None)]
 
     def their_name(self, key: str) -> str:
