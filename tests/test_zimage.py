@@ -147,8 +147,18 @@ def test_quantized_format_and_offload(zimage):
         out = _sample(eng, zimage["inputs"], CacheConfig(enabled=False))
         assert _close(out, zimage["ref"], 5e-2) and not torch.equal(out, zimage["ref"])
         eng = open_engine(zimage["path"], EngineConfig(offload="layerwise", resident_layers=1))
-        assert eng.offload is not None and eng.describe()["offload"]["blocks"] == 2
+        # the refiners stream too (issue 47): 2 main blocks, then a noise and a context refiner, in a forward's order
+        assert eng.offload is not None and eng.describe()["offload"]["blocks"] == 4
         assert torch.equal(_sample(eng, zimage["inputs"], CacheConfig(enabled=False)), zimage["ref"])
+        eng.offload.reset_stats()
+        eng.dit_forward(torch.randn(1, 16, 8, 6), torch.tensor([400.0]), torch.randn(1, 7, 24), torch.tensor([7]))
+        assert list(eng.offload.record) == [2, 3, 0, 1]
+        eng = open_engine(zimage["path"], EngineConfig(offload="layerwise", resident_layers=2))
+        x = (torch.randn(1, 16, 8, 6), torch.tensor([400.0]), torch.randn(1, 7, 24), torch.tensor([7]))
+        eng.dit_forward(*x)
+        eng.offload.reset_stats()
+        eng.dit_forward(*x)  # each list's end prefetches the next list's first block: no block waits for its load
+        assert eng.offload.stats()["stalls"] == 0 and list(eng.offload.record) == [3, 0, 1, 2]  # 2: the next forward's
 
 
 def test_lora_in_diffusers_keys(zimage):

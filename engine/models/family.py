@@ -219,16 +219,24 @@ class Family:
     # dtype is the first the device computes natively (engine/compute_dtype.py); fp16 only where it does not overflow
     compute_dtypes: Tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
     companions: Optional[Companions] = None  # its text encoder and VAE (None: the DiT alone runs, in sgld bench)
+    # every ModuleList of blocks a forward runs, in the order it runs them, ``blocks`` among them (Z-Image's refiners
+    # before its main blocks); () is ``blocks`` alone. Layer-wise offload streams them all; the cache, compile and
+    # parallel wrap ``blocks`` (the others run inside ``embed``)
+    block_lists: Tuple[str, ...] = ()
 
     # -- what the generic layers ask ---------------------------------------------------------------------
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:
         return getattr(model, self.blocks)
 
+    def block_lists_of(self, model: nn.Module) -> List[nn.ModuleList]:
+        """Every list of blocks, in the order a forward runs them (``block_lists``)."""
+        return [getattr(model, name) for name in self.block_lists or (self.blocks,)]
+
     def device_of(self, model: nn.Module) -> torch.device:
         """The compute device: that of the model's parameters outside the blocks (layer-wise offload keeps blocks
         on the host and brings each to this device when it runs)."""
-        prefix = self.blocks + "."
-        return next(p.device for name, p in model.named_parameters() if not name.startswith(prefix))
+        prefixes = tuple(name + "." for name in self.block_lists or (self.blocks,))
+        return next(p.device for name, p in model.named_parameters() if not name.startswith(prefixes))
 
     def block_key(self, index: int, path: str = "") -> str:
         """The state-dict / module name of block ``index`` (and ``path`` inside it)."""

@@ -99,12 +99,17 @@ class LayerwiseOffload(patching.Patch):
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", device_rt.current_index())
         family = family_of(model)
-        n = len(family.blocks_of(model))
+        blocks = _ordered_blocks(model)
+        n = len(blocks)
         self.num_slots = min(resident_layers, n)
         # With more than 2 buffers, all but two hold blocks 0..fixed-1 for good (loaded once: cyclic access
         # would make any eviction policy reload every block), the other two stream the rest. All fit: no streaming.
         self.fixed = n if self.num_slots >= n else max(0, self.num_slots - 2)
         self.prefetch_first = prefetch_first
+        # the block a forward runs after the last of each list (after the last list's: the next forward's first)
+        position = {id(b): i for i, b in enumerate(blocks)}
+        lists = [[position[id(b)] for b in blocks_list] for blocks_list in family.block_lists_of(model)]
+        self.after_list = {ends[-1]: lists[(k + 1) % len(lists)][0] for k, ends in enumerate(lists)}
         _keep_transfers_out_of_graphs()
         self.pin = device_rt.can_pin(self.device) if pin is None else bool(pin)
         self.streams = Streams(self.device)
@@ -116,7 +121,8 @@ class LayerwiseOffload(patching.Patch):
         self._tick = 0
 
         # non-block weights to the device, for good, as normal tensors (see buffers.renew_parameters)
-        nonblock = [model] + [m for name, child in model.named_children() if name != family.blocks for m in child.modules()]
+        lists = {id(lst) for lst in family.block_lists_of(model)}
+        nonblock = [model] + [m for child in model.children() if id(child) not in lists for m in child.modules()]
         dev = self.device
 
         def moved(t):
@@ -131,7 +137,7 @@ class LayerwiseOffload(patching.Patch):
                         m._buffers[name] = nb
         # blocks to (pinned) CPU masters, one block at a time (peak: the model + one block)
         self.stores: List[BlockStore] = []
-        for i, block in enumerate(family.blocks_of(model)):
+        for i, block in enumerate(blocks):
             if list(block.buffers()):
                 raise ValueError(f"block {i} has buffers; layer-wise offload handles parameters only")
             self.stores.append(BlockStore(i, block, self.pin))
@@ -140,10 +146,11 @@ class LayerwiseOffload(patching.Patch):
         self.slot_bytes = max(s.nbytes for s in self.stores)
         self.slots = [Slot(k) for k in range(self.num_slots)]
         self._slot_views: Dict[Tuple[int, tuple], List[torch.Tensor]] = {}
-        for i, block in enumerate(family.blocks_of(model)):
+        for i, block in enumerate(blocks):
             patching.state(block)[FEATURE] = OffloadedBlock(self, i)
             patching.swap_class(block, FEATURE, _offloaded_block)
-        patching.swap_class(family.blocks_of(model), FEATURE, _planned_layers)
+        for blocks_list in family.block_lists_of(model):
+            patching.swap_class(blocks_list, FEATURE, _planned_layers)
         patching.attach(model, self)
         log.info("offload: layer-wise, %d blocks of %.1f MiB in %s CPU memory, %d resident on %s (%.1f MiB), "
                  "non-block weights %.1f MiB on the device", len(self.stores), self.slot_bytes / 2 ** 20,
@@ -214,9 +221,10 @@ class LayerwiseOffload(patching.Patch):
 
     def _upcoming(self) -> List[int]:
         nxt = self._plan[self._cursor:self._cursor + self.num_slots - 1]
-        if self.prefetch_first and len(nxt) < self.num_slots - 1 and self._plan and self._cursor >= len(self._plan) \
-                and self._plan[-1] == len(self.stores) - 1 and 0 not in nxt:
-            nxt.append(0)
+        if self.prefetch_first and len(nxt) < self.num_slots - 1 and self._plan and self._cursor >= len(self._plan):
+            following = self.after_list.get(self._plan[-1])  # a list ran to its end: the next list's first block
+            if following is not None and following not in nxt:
+                nxt.append(following)
         return nxt
 
     # -- slots --------------------------------------------------------------------------------------------------
@@ -366,16 +374,25 @@ class LayerwiseOffload(patching.Patch):
         self.release_buffers()
         model = self.model
         if model is not None and get_offload(model) is self:
-            blocks = family_of(model).blocks_of(model)
-            for store, block in zip(self.stores, blocks._modules.values()):
+            for store, block in zip(self.stores, _ordered_blocks(model)):
                 store.bind_master()
                 store.unpack()  # one block at a time: peak = the masters + one block
                 patching.restore_class(block, FEATURE)
                 patching.clear_state(block, FEATURE)
-            patching.restore_class(blocks, FEATURE)
+            for blocks_list in family_of(model).block_lists_of(model):
+                patching.restore_class(blocks_list, FEATURE)
             patching.patches(model).pop(FEATURE)
         self.stores, self.slots, self._slot_views = [], [], {}
         self._plan, self._cursor = [], 0
+
+
+def _ordered_blocks(model: nn.Module) -> List[nn.Module]:
+    """Every block the offloader streams, by store index: the main blocks first (block ``i`` is store ``i``, as the
+    cache's and the runners' plans name it), then the family's other lists (``Family.block_lists``)."""
+    family = family_of(model)
+    main = family.blocks_of(model)
+    others = [b for blocks_list in family.block_lists_of(model) if blocks_list is not main for b in blocks_list]
+    return list(main._modules.values()) + others
 
 
 def apply_layerwise_offload(model: nn.Module, device, resident_layers: int = 2, pin: Optional[bool] = None,

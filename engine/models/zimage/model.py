@@ -288,4 +288,5 @@ FAMILY = register(Family(
     compute_dtypes=(torch.bfloat16, torch.float32),
     companions=Companions(QwenTextEncoder, FluxVAE, default_size=1024, pipeline_class="ZImagePipeline",
                           guidance_offset=1.0),
+    block_lists=("noise_refiner", "context_refiner", "layers"),
 ))
