@@ -36,7 +36,7 @@ from .io.checkpoint import parse_dtype
 from .models import demo as demo_pkg
 from .models.external import text_encoder_dtype
 from .prompt_enhancer import PromptEnhancer
-from .release import Release, dit_family, resolve_release
+from .release import Release, dit_family, picture_shift, resolve_release
 from .router import open_engine
 from .sampling import DEFAULT_SHIFT, SAMPLERS, SCHEDULERS, time_snr_shift
 from .sampling_options import SamplingOptions, model_defaults, model_kind
@@ -117,7 +117,10 @@ class ErnieImagePipeline:
         self.vae = getattr(parts, "vae", parts)
         self.cache = cache
         self.pe = pe  # a loaded PromptEnhancer, or None (loaded at the first use_pe run when the release has one)
-        self.shift = release.shift() or DEFAULT_SHIFT  # the release's scheduler config, as sgld generate reads it
+        # the release's scheduler config, as sgld generate reads it: its shift at the default size (a dynamic one,
+        # Z-Image's use_dynamic_shifting, is the shift of each call's size)
+        size = parts.default_size
+        self.shift = picture_shift(release, getattr(parts, "family", None), size, size) or DEFAULT_SHIFT
         self._progress = {}
 
     # -- opening ------------------------------------------------------------------------------------------
@@ -317,7 +320,9 @@ class ErnieImagePipeline:
         steps = self.defaults["steps"] if num_inference_steps is None else num_inference_steps
         cfg = self.defaults["cfg"] if guidance_scale is None else guidance_scale + self.guidance_offset
         diffusers_schedule = scheduler is None and self.kind != "demo"
-        shift = self.shift if shift is None else shift  # the release's scheduler config, else ComfyUI's 3.0
+        if shift is None:  # the release's scheduler config (at this size), else ComfyUI's 3.0
+            dynamic = self.release.dynamic_shift()
+            shift = picture_shift(self.release, self.parts.family, width, height) if dynamic else self.shift
         check_sampling_settings(steps=steps, cfg=cfg, shift=shift, names=CALL_NAMES)  # before the PE's seconds
         if generator is None and seed is None:
             seed = secrets.randbelow(2 ** 63)  # reported in the output; the PE is seeded with it too

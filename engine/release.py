@@ -19,6 +19,7 @@ pickle. Nothing here reads a tensor; the loaders (engine/io, engine/models/exter
 from __future__ import annotations
 
 import glob
+import math
 import os
 import re
 from dataclasses import dataclass, fields, replace
@@ -71,22 +72,24 @@ class Release:
         path = os.path.join(self.scheduler, "scheduler_config.json")
         return read_json_file(path) if os.path.isfile(path) else {}
 
-    def shift(self) -> Optional[float]:
+    def shift(self, tokens: Optional[int] = None) -> Optional[float]:
         """The sigma shift the release's scheduler_config.json says (None: it says none, the sampling default
-        applies). The one reading for ``sgld generate --model-path`` and ``ErnieImagePipeline``; CheckpointError
-        naming the file and field for a dynamic shift (ERNIE-Image uses the static one) or a shift out of range."""
+        applies). The one reading for ``sgld generate``, ``sgld serve`` and ``ErnieImagePipeline``. With
+        ``use_dynamic_shifting`` (diffusers' resolution-dependent shift, which Z-Image's pipeline computes) the shift
+        of a picture of ``tokens`` DiT tokens (``picture_shift``); CheckpointError naming the file and field when the
+        caller's family runs a static shift only (``tokens`` None: ERNIE-Image's pipeline) or a value is out of range."""
         config = self.scheduler_config()
         where = os.path.join(self.scheduler or "", "scheduler_config.json")
         if config.get("use_dynamic_shifting"):
-            raise CheckpointError(f"{where}: field 'use_dynamic_shifting' is true; this version runs a release's "
-                                  "static shift only (set it to false)")
-        value = config.get("shift")
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SHIFT:
-            raise CheckpointError(f"{where}: field 'shift' is {value!r}; it must be a number above 0 and at most "
-                                  f"{MAX_SHIFT:g}")
-        return float(value)
+            if tokens is None:
+                raise CheckpointError(f"{where}: field 'use_dynamic_shifting' is true; this family's pipeline runs a "
+                                      "static shift only (set it to false)")
+            return _dynamic_shift(config, tokens, where)
+        return _number(config, "shift", None, where, 0.0, MAX_SHIFT)
+
+    def dynamic_shift(self) -> bool:
+        """Its shift depends on the picture's size (``shift`` needs the token count)."""
+        return bool(self.scheduler_config().get("use_dynamic_shifting"))
 
     def components(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in COMPONENTS}
@@ -233,6 +236,49 @@ def resolve_release(source, *, text_encoder=None, tokenizer=None, vae=None, sche
         elif os.path.isdir(sibling):
             changes["pe_tokenizer"] = sibling
     return replace(release, **changes) if changes else release
+
+
+DYNAMIC_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
+
+
+def _number(config: dict, field: str, default, where: str, low: float, high: float) -> Optional[float]:
+    value = config.get(field, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
+        raise CheckpointError(f"{where}: field '{field}' is {value!r}; it must be a number above {low:g} and at most "
+                              f"{high:g}")
+    return float(value)
+
+
+def _dynamic_shift(config: dict, tokens: int, where: str) -> float:
+    """diffusers' ``calculate_shift`` (mu linear in the token count, from (base_image_seq_len, base_shift) to
+    (max_image_seq_len, max_shift)) and ``time_shift`` at sigma 1: a static shift of exp(mu) ("exponential",
+    the default time_shift_type), or of mu ("linear")."""
+    seq = [_number(config, f, DYNAMIC_DEFAULTS[f], where, 0.0, 1e9) for f in ("base_image_seq_len", "max_image_seq_len")]
+    ends = [_number(config, f, DYNAMIC_DEFAULTS[f], where, -10.0, 10.0) for f in ("base_shift", "max_shift")]
+    if seq[0] == seq[1]:
+        raise CheckpointError(f"{where}: fields 'base_image_seq_len' and 'max_image_seq_len' are both {seq[0]:g}; the "
+                              "shift is a line between them")
+    kind = config.get("time_shift_type", "exponential")
+    if kind not in ("exponential", "linear"):
+        raise CheckpointError(f"{where}: field 'time_shift_type' is {kind!r}; choose 'exponential' or 'linear'")
+    mu = ends[0] + (tokens - seq[0]) * (ends[1] - ends[0]) / (seq[1] - seq[0])
+    shift = math.exp(mu) if kind == "exponential" else mu
+    if not 0 < shift <= MAX_SHIFT:
+        raise CheckpointError(f"{where}: its dynamic shift at {tokens} tokens is {shift:g}; it must be above 0 and at "
+                              f"most {MAX_SHIFT:g}")
+    return shift
+
+
+def picture_shift(release: Optional[Release], family, width: int, height: int) -> Optional[float]:
+    """The shift of a ``width`` x ``height`` picture from ``release`` (None: no release, or it names none): its static
+    one, or its dynamic one where the family's pipeline computes it (``Companions.dynamic_shift``)."""
+    if release is None:
+        return None
+    companions = getattr(family, "companions", None)
+    dynamic = companions is not None and companions.dynamic_shift
+    return release.shift(family.latent.tokens(width, height) if dynamic else None)
 
 
 def dit_family(dit: str, companions: bool = True):

@@ -170,3 +170,54 @@ def test_sgld_serve_answers_the_openai_sdk_with_the_pipelines_picture(release, p
             api.images.generate(model=card.id, prompt="a red cat", size="40x32", response_format="b64_json")
     finally:
         assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def dynamic(release, tmp_path_factory):
+    """The release with diffusers' resolution-dependent shift (``use_dynamic_shifting``, Flux's line of mu)."""
+    import json
+
+    folder = tmp_path_factory.mktemp("zimage_dynamic") / "Z-Image-dynamic"
+    shutil.copytree(release, folder)
+    path = folder / "scheduler" / "scheduler_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "use_dynamic_shifting": True, "base_shift": 0.5,
+                                "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096}))
+    return str(folder)
+
+
+def flux_shift(width: int, height: int) -> float:
+    """exp(mu), mu on the line from (256 tokens, 0.5) to (4096, 1.15); a token is 16 x 16 pixels."""
+    import math
+
+    tokens = (width // 16) * (height // 16)
+    return math.exp(0.5 + (tokens - 256) * (1.15 - 0.5) / (4096 - 256))
+
+
+def test_a_dynamic_shift_is_each_sizes_own(dynamic, tmp_path, sgld_in_process):
+    """Issue 47: the shift of a release with use_dynamic_shifting follows the picture's size as diffusers' ZImagePipeline
+    computes it (its latents at two sizes, within the tolerance of the static release's test); sgld generate and the
+    server take the same shift at each size."""
+    import json
+
+    from engine.cli.serve import _parsed, served_model
+    from engine.serve.protocol import parse_generation
+
+    ref = diffusers.ZImagePipeline.from_pretrained(dynamic)
+    ours = ErnieImagePipeline.from_pretrained(dynamic, cache="off")
+    for p in (ref, ours):
+        p.set_progress_bar_config(disable=True)
+    for height, width in ((64, 48), (128, 96)):
+        a, b = (call(p, height=height, width=width, guidance_scale=0.0, output_type="latent") for p in (ref, ours))
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max(), (height, width)
+    out = tmp_path / "dynamic.png"
+    code, printed, err = sgld_in_process("generate", "--prompt", "a red cat", "--model-path", dynamic, "--width", "48",
+                                         "--height", "32", "--seed", "5", "--out", out, "--json")
+    assert code == 0, err
+    assert json.loads(printed.strip().splitlines()[-1])["shift"] == pytest.approx(flux_shift(48, 32))
+    served = served_model(_parsed(["serve", "--model-path", dynamic]))
+    try:
+        for size in ((48, 32), (128, 96)):
+            gen = parse_generation({"prompt": "a red cat", "size": f"{size[0]}x{size[1]}"}, served)
+            assert gen.options.shift == pytest.approx(flux_shift(*size)), size
+    finally:
+        served.engine.release()

@@ -24,7 +24,7 @@ from ..io.atomic import atomic_write
 from ..io.checkpoint import check_architecture, open_checkpoint
 from ..models import demo as demo_pkg
 from ..options import declared
-from ..release import DEMO, dit_family, resolve_release
+from ..release import DEMO, dit_family, picture_shift, resolve_release
 from ..router import open_engine
 from ..sampling import MAX_IMAGE_SIDE
 from ..sampling_options import SamplingOptions, from_flags
@@ -296,13 +296,24 @@ def model_source(args) -> str:
     return release.transformer if release is not None else args.model or ""
 
 
-def release_shift(args):
-    """The sigma shift of the release the DiT comes from (--model-path, or a --model transformer/ folder inside a
-    release folder: Release.shift, the pipeline's reading), None when there is none."""
+def release_around(args):
+    """The release the DiT comes from (--model-path, or a --model transformer/ folder inside a release folder), or
+    None."""
     release = release_of(args)
     if release is None and args.model and uses_files(args) and os.path.exists(args.model):
         release = resolve_release(args.model)  # its transformer/ folder finds the release around it
-    return release.shift() if release is not None else None
+    return release
+
+
+def release_shift(args, width=None, height=None):
+    """The sigma shift of a ``width`` x ``height`` picture (None: the model's default size) from the release the DiT
+    comes from (Release.shift, the pipeline's reading: a dynamic one at this size), None when there is none."""
+    release = release_around(args)
+    if release is None or not release.dynamic_shift():
+        return release.shift() if release is not None else None
+    family = model_files(args)[1]  # its pipeline decides whether a dynamic shift is computed (or refused)
+    size = family.companions.default_size
+    return picture_shift(release, family, width or size, height or size)
 
 
 def check_generate_args(args) -> tuple:
@@ -318,8 +329,8 @@ def check_generate_args(args) -> tuple:
                 raise ValueError(f"--{name} {value}: the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} "
                                  "pictures only (other sizes need ERNIE-Image files: --model --text-encoder --vae)")
     run = from_flags(args, model_source(args), SAMPLING)
-    shift = release_shift(args)
-    if args.shift is None and shift is not None:
+    shift = release_shift(args, args.width, args.height) if args.shift is None else None
+    if shift is not None:
         run["shift"] = shift  # the release's scheduler config, as the family's diffusers pipeline reads it
     check_pe_args(args)
     if args.out is None:

@@ -19,7 +19,7 @@ from .. import device as device_rt
 from ..features.cache import resolve_config
 from ..image_parts import NoParts
 from ..models import demo as demo_model
-from ..release import dit_family
+from ..release import dit_family, picture_shift
 from ..router import open_engine
 from ..sampling import DEFAULT_SHIFT
 from ..sampling_options import from_flags
@@ -45,6 +45,7 @@ from .generate import (
     make_parts,
     model_files,
     model_source,
+    release_around,
     release_of,
     release_shift,
     uses_files,
@@ -188,8 +189,14 @@ def served_model(args) -> ServedModel:
         name = release.source  # the repo id, as SGLang names it
     else:
         name = os.path.splitext(os.path.basename(os.path.normpath(release.source if release else args.model)))[0]
+    shift, shift_at = DEFAULT_SHIFT, None  # --sample-only: each request's own (its settings' shift, or sigmas)
+    if not args.sample_only:
+        shift = release_shift(args) or DEFAULT_SHIFT
+        release = release_around(args)
+        if release is not None and release.dynamic_shift():  # a shift per picture size (Z-Image's pipeline)
+            shift_at = functools.partial(picture_shift, release, model_files(args)[1])
     return ServedModel(name, loaded.engine, loaded.parts, defaults["steps"], defaults["cfg"], loaded.model_path,
-                       shift=release_shift(args) or DEFAULT_SHIFT,
+                       shift=shift, shift_at=shift_at,
                        enhance=None if pe is None else _enhancer(pe, args.pe_max_new_tokens))
 
 

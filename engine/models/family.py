@@ -115,6 +115,10 @@ class Latent:
         """What each side of a picture must be a multiple of, in pixels."""
         return self.stride * self.cells_per_token
 
+    def tokens(self, width: int, height: int) -> int:
+        """The DiT's image tokens for a picture of ``width`` x ``height`` pixels (diffusers' ``image_seq_len``)."""
+        return (width // self.pixel_multiple) * (height // self.pixel_multiple)
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -179,6 +183,9 @@ class Companions:
     # diffusers' ``guidance_scale`` of that pipeline plus this is the engine's cfg (Z-Image's pipeline guides as
     # cond + g (cond - uncond): cfg g + 1, and Turbo's guidance_scale=0.0 is cfg 1)
     guidance_offset: float = 0.0
+    # its pipeline computes a release's resolution-dependent shift (diffusers' use_dynamic_shifting: ``mu`` from the
+    # token count); False: a release that asks for one is refused by name (its diffusers pipeline passes no ``mu``)
+    dynamic_shift: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from ..errors import InputError
+from ..errors import CheckpointError, InputError
 from ..features.cache import CacheConfig
 from ..inputs import check_sampling_settings, check_seed
 from ..options import declared
@@ -172,7 +172,11 @@ def parse_generation(body, served) -> Generation:
             check()
         except InputError as e:
             raise bad_field(param, str(e)) from None
-    options = SamplingOptions(**{"shift": served.shift, **{k: v for k, v in given.items() if v is not None},
+    try:
+        shift = served.shift_at(width, height) if getattr(served, "shift_at", None) else served.shift
+    except CheckpointError as e:  # a release's dynamic shift out of range at this size
+        raise bad_field("size", f"size {width}x{height}: {e}") from None
+    options = SamplingOptions(**{"shift": shift, **{k: v for k, v in given.items() if v is not None},
                                  "seed": seed, "steps": steps, "cfg": float(cfg)})
     return Generation(req.prompt, req.negative_prompt, req.n, width, height, latent_shape, options,
                       parse_cache(req.cache), req.enhance_prompt, parse_loras(req.loras))

@@ -47,6 +47,7 @@ class ServedModel:
     default_cfg: float
     root: str = ""  # the model's file
     shift: float = DEFAULT_SHIFT  # its images' sigma shift (a --model-path release's scheduler config, Release.shift)
+    shift_at: Optional[Callable[[int, int], float]] = None  # (width, height) -> the shift: a release's dynamic one
     # the prompt enhancer (sgld serve --pe): (prompt, width, height, seed, stop event) -> (revised prompt, seconds),
     # ending early (Cancelled) once the event is set; None: none
     enhance: Optional[Callable[[str, int, int, int, threading.Event], Tuple[str, float]]] = None

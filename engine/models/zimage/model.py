@@ -287,6 +287,6 @@ FAMILY = register(Family(
     sizes=((1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), (1344, 768), (768, 1344)),
     compute_dtypes=(torch.bfloat16, torch.float32),
     companions=Companions(QwenTextEncoder, FluxVAE, default_size=1024, pipeline_class="ZImagePipeline",
-                          guidance_offset=1.0),
+                          guidance_offset=1.0, dynamic_shift=True),
     block_lists=("noise_refiner", "context_refiner", "layers"),
 ))
