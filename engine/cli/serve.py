@@ -11,7 +11,6 @@ import signal
 import socket
 import sys
 import threading
-import types
 
 import torch
 
@@ -50,6 +49,7 @@ from .generate import (
     release_shift,
     uses_files,
 )
+from .ray_cluster import RAY_REFUSED, Stopped, last_line, ray_autoscale, ray_parts, reachable
 
 try:  # the HTTP server's packages are an extra (pip install '.[serve]'): without them the other commands still run
     import uvicorn
@@ -269,7 +269,6 @@ def _run(app, args, sock, what: str) -> None:
 
 
 DP_ONLY = ("--dp-size", "--host", "--port", "--ray", "--ray-autoscale")  # the front's own flags, not its replicas'
-RAY_REFUSED = ("--header-timeout", "--keep-alive-timeout", "--max-connections")  # uvicorn's: Ray's proxy holds them
 
 
 def replica_argv(argv, args, cpu_threads: int = 0) -> list:
@@ -322,18 +321,6 @@ def app_from_flags(flags) -> object:
     return server_app(args)[0]
 
 
-def ray_autoscale(args):
-    """--ray-autoscale MIN:MAX as (min, max), or None."""
-    if args.ray_autoscale is None:
-        return None
-    if args.ray is None:
-        raise ValueError("--ray-autoscale scales a --ray deployment: add --ray")
-    low, _, high = args.ray_autoscale.partition(":")
-    if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
-        raise ValueError(f"--ray-autoscale must be MIN:MAX with 1 <= MIN <= MAX (got {args.ray_autoscale!r})")
-    return int(low), int(high)
-
-
 def _serve_on_ray(args) -> None:
     """`--ray`: the server as a Ray Serve application (engine/serve/ray_app.py). This process deploys it, says where
     it listens and waits; SIGTERM or Ctrl-C deletes it (Serve drains each replica for --shutdown-grace s), exit 0."""
@@ -343,14 +330,14 @@ def _serve_on_ray(args) -> None:
                          "proxy's (set them in Ray Serve's http_options)")
     scale = ray_autoscale(args)
     check_serve_args(args)
-    ray, serve, ray_app = _ray()
+    ray, serve, ray_app = ray_parts()
     _listen(args.host, args.port).close()  # a port in use: one line before Ray starts
     local = args.ray == "local"
-    _reachable(args.ray)
+    reachable(args.ray)
     try:
         ray.init(address=None if local else args.ray, include_dashboard=False, logging_level="WARNING")
     except (ConnectionError, RuntimeError, ValueError) as e:
-        raise ValueError(f"--ray {args.ray}: no Ray cluster to join there ({_last_line(e)})") from None
+        raise ValueError(f"--ray {args.ray}: no Ray cluster to join there ({last_line(e)})") from None
     stop = threading.Event()
 
     def stopping(signum, frame):  # after ray.init, whose own handler would abort the process
@@ -358,7 +345,7 @@ def _serve_on_ray(args) -> None:
             return
         stop.set()
         if not started:
-            raise _Stopped(signum)
+            raise Stopped(signum)
     started = False
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stopping)
@@ -370,59 +357,19 @@ def _serve_on_ray(args) -> None:
         print(f"sgld serve: {count} replicas on Ray ({'this machine' if local else args.ray}) on "
               f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         stop.wait()
-    except _Stopped:
+    except Stopped:
         pass  # stopped while it started: taken down below, exit 0 as after the start
     except RuntimeError as e:  # a replica that could not start (its node's files, devices): Serve's reason, one line
-        raise ValueError(f"--ray: the application did not start: {_last_line(e)}") from None
+        raise ValueError(f"--ray: the application did not start: {last_line(e)}") from None
     finally:
         ray_app.remove(ray_app.APP_NAME)
         ray.shutdown()
 
 
-def _reachable(address: str) -> None:
-    """A cluster's address (HOST:PORT, ray://HOST:PORT) answers a connection within 5 s, or one line (Ray itself
-    retries an unreachable address for minutes)."""
-    if address in ("local", "auto"):
-        return
-    host, _, port = address.split("://", 1)[-1].rpartition(":")
-    if not port.isdigit():
-        raise ValueError(f"--ray {address}: give the cluster's HOST:PORT (`ray start --head` prints it) or "
-                         "ray://HOST:PORT")
-    try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
-    except OSError as e:
-        raise ValueError(f"--ray {address}: no Ray cluster answers there ({e.strerror or e})") from None
-
-
-def _last_line(error: Exception) -> str:
-    """The last line of a Ray error (its cause; the lines before are a remote traceback)."""
-    return ([ln.strip() for ln in str(error).splitlines() if ln.strip()] or [type(error).__name__])[-1][:500]
-
-
-class _Stopped(BaseException):
-    """SIGTERM / Ctrl-C while the Ray application starts: unwinds to its removal."""
-
-
-def _ray():
-    """(ray, ray.serve, engine/serve/ray_app.py's application and remove): the [cluster] extra, or a one-line error
-    saying how to install it."""
-    try:
-        import ray
-        from ray import serve
-
-        from ..serve.ray_app import APP_NAME, application, remove
-    except ImportError as e:
-        if (e.name or "").split(".")[0] != "ray":
-            raise
-        raise ValueError("--ray needs Ray Serve ('ray' is not installed): pip install 'comfyui-sgldiffusion[cluster]' "
-                         "(from the pack's folder: pip install -e '.[cluster]')") from None
-    return ray, serve, types.SimpleNamespace(APP_NAME=APP_NAME, application=application, remove=remove)
-
-
 def _ray_application(args):
     """The Serve application of these (checked) flags, Ray connected: each replica's flags and resources (its
     --num-gpus GPUs with --device cuda, else --threads CPUs, 1 by default), the front's guard."""
-    ray, _, ray_app = _ray()
+    ray, _, ray_app = ray_parts()
     config = engine_config(args)
     gpus = config.world_size if config.device.startswith("cuda") else 0  # Ray sets each its CUDA_VISIBLE_DEVICES
     if gpus and not ray.cluster_resources().get("GPU"):
