@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from engine import EngineConfig, open_engine
 from engine.features.cache import CacheConfig
+from engine.features.quant import format_of
 from engine.inputs import InputError, empty_latent_shape
 from engine.models import detect, get
 from engine.models.zimage import ZImageConfig, ZImageTransformer
@@ -139,6 +140,9 @@ def test_quantized_format_and_offload(zimage):
     with torch.inference_mode():
         eng = open_engine(zimage["path"], EngineConfig(quant="int8-weight"))
         assert eng.describe()["quant"] == "int8-weight"
+        # the refiners' linears too (issue 47): every list of blocks is the family's, not the main one alone
+        for blocks in (eng.model.noise_refiner, eng.model.context_refiner, eng.model.layers):
+            assert format_of(blocks[0].feed_forward.w2).name == "int8-weight", type(blocks[0].feed_forward.w2)
         out = _sample(eng, zimage["inputs"], CacheConfig(enabled=False))
         assert _close(out, zimage["ref"], 5e-2) and not torch.equal(out, zimage["ref"])
         eng = open_engine(zimage["path"], EngineConfig(offload="layerwise", resident_layers=1))

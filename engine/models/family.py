@@ -249,29 +249,30 @@ class Family:
         """The state-dict / module name of block ``index`` (and ``path`` inside it)."""
         return f"{self.blocks}.{index}.{path}" if path else f"{self.blocks}.{index}"
 
-    def split_block_key(self, key: str) -> Optional[Tuple[int, str]]:
-        """(block index, path inside the block) of a module or tensor name, or None outside the blocks."""
+    def split_block_key(self, key: str, lists: Optional[Sequence[str]] = None) -> Optional[Tuple[int, str]]:
+        """(block index, path inside the block) of a module or tensor name in the main blocks (or in any of
+        ``lists``), or None outside them."""
         head, _, rest = key.partition(".")
         index, _, path = rest.partition(".")
-        if head != self.blocks or not index.isdigit():
+        if head not in (lists or (self.blocks,)) or not index.isdigit():
             return None
         return int(index), path
 
     def block_linear_of(self, layer: str) -> Optional[str]:
-        """The block-linear path (``block_linears``) of module name ``layer``, or None if it is not one."""
-        parts = self.split_block_key(layer)
+        """The block-linear path (``block_linears``) of module name ``layer`` in any list of blocks (Z-Image's
+        refiners too), or None if it is not one."""
+        parts = self.split_block_key(layer, self.block_lists or (self.blocks,))
         return parts[1] if parts is not None and parts[1] in self.block_linears else None
 
     def is_block_linear(self, name: str) -> bool:
-        """Is module ``name`` one of the block linears (what weight formats replace and LoRA / TP handle)?"""
+        """Is module ``name`` one of the block linears (what weight formats replace and LoRA handles)?"""
         return self.block_linear_of(name) is not None
 
     def shard_dim(self, key: str) -> Optional[int]:
-        """The dim tensor ``key`` is split along under tensor parallel, or None (kept whole on every rank)."""
-        if not key.endswith(".weight"):
-            return None
-        linear = self.block_linear_of(key[: -len(".weight")])
-        return None if linear is None else self.shard_dims.get(linear)
+        """The dim tensor ``key`` is split along under tensor parallel, or None (kept whole on every rank): the main
+        blocks' linears (the other lists run whole on every rank, inside ``embed``)."""
+        parts = self.split_block_key(key[: -len(".weight")]) if key.endswith(".weight") else None
+        return None if parts is None or parts[1] not in self.block_linears else self.shard_dims.get(parts[1])
 
     def has_signature(self, keys: Iterable[str], prefix: str = "") -> bool:
         keys = keys if isinstance(keys, (set, frozenset, dict)) else set(keys)

@@ -186,8 +186,7 @@ def compute_device(model: nn.Module) -> torch.device:
     off = get_offload(model)
     if off is not None:
         return torch.device(off.device)
-    family = family_of(model)  # else where its weights outside the blocks are
-    return next(p.device for n, p in model.named_parameters() if family.split_block_key(n) is None)
+    return family_of(model).device_of(model)  # else where its weights outside the blocks are
 
 
 def side_terms(model: nn.Module, items, device=None) -> tuple:
