@@ -9,8 +9,8 @@ from typing import List, Optional
 import torch
 
 from .errors import InputError
-from .models import Family, demo, families, family_of
-from .models.demo import codec
+from .models import Family, families, family_of
+from .models.bundle import bundles
 from .sampling import (
     DEFAULT_SHIFT,
     MAX_BATCH,
@@ -113,11 +113,10 @@ def check_sampling_settings(*, steps, cfg, denoise=1.0, shift=DEFAULT_SHIFT, nam
 
 def latent_hint(channels: int) -> str:
     """Which latent a model of ``channels`` latent channels takes (and the ComfyUI node that makes it),
-    for the wrong-latent error: the demo model's 48-channel pixel latent, or a registered family's own."""
-    if channels == codec.LATENT_CHANNELS:  # one size only: a latent of another size is not a way to get one
-        side = demo.IMAGE_SIZE
-        return (f" (the demo model makes {side}x{side} pictures only, from a latent of {codec.LATENT_CHANNELS} channels at "
-                f"{demo.LATENT_SIZE}x{demo.LATENT_SIZE}: use SGLDiffusion Demo Empty Latent)")
+    for the wrong-latent error: a bundled model's (the demo's 48-channel pixel latent), or a registered family's own."""
+    for bundle in bundles():
+        if channels == bundle.latent_channels:  # one size only: a latent of another size is not a way to get one
+            return f" ({bundle.latent_hint})"
     for family in families():
         latent = family.latent
         if channels == latent.channels:

@@ -28,13 +28,12 @@ from typing import Optional
 from .errors import CheckpointError
 from .io.checkpoint import check_architecture, open_checkpoint, read_json_file
 from .io.safetensors import refuse_pickle, refuse_pickles_in
-from .models import demo as demo_model
 from .models import families, family_of
+from .models.bundle import bundle_of_file, bundles, named_file
 from .sampling import MAX_SHIFT
 
 COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler", "pe", "pe_tokenizer")
 WEIGHTS = ("transformer", "text_encoder", "vae", "pe")  # the components that hold weights (safetensors only)
-DEMO = "demo"
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -42,7 +41,7 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 class Release:
     """The paths of one release's parts (None: absent). ``transformer``, ``text_encoder`` and ``vae`` are folders or
     single files; the others are folders. ``source``: what the caller named (folder, repo id, file); ``kind``: "folder",
-    "hub" (a repo id found in the cache), "files" (single files) or "demo"."""
+    "hub" (a repo id found in the cache), "files" (single files) or a bundled model's name ("demo": ``bundled``)."""
 
     source: str
     kind: str
@@ -166,17 +165,13 @@ def _from_folder(root: str, source: str, kind: str) -> Release:
 
 def _from_file(path: str, source: str) -> Release:
     refuse_pickle(path)  # by name and by content
-    if os.path.abspath(path) == os.path.abspath(demo_model.DEMO_WEIGHTS) or demo_model.is_demo_file(path) or \
-            _demo_shaped(path):  # a copy of the demo's DiT in another format runs with the demo's own parts
-        return Release(source, DEMO, path)
-    return Release(source, "files", path)
+    bundle = bundle_of_file(path)  # a copy of a bundled DiT in another format runs with the bundle's own parts
+    return Release(source, bundle.name if bundle is not None else "files", path)
 
 
-def _demo_shaped(path: str) -> bool:
-    try:
-        return demo_model.has_demo_shapes(check_architecture(open_checkpoint(path)))
-    except CheckpointError:
-        return False
+def bundled(release: Optional[Release]) -> bool:
+    """Does ``release`` hold a bundled model (its text encoder and codec in its DiT's file: engine/models/bundle.py)?"""
+    return release is not None and release.kind in {b.name for b in bundles()}
 
 
 def resolve_release(source, *, text_encoder=None, tokenizer=None, vae=None, scheduler=None, pe=None,
@@ -187,8 +182,8 @@ def resolve_release(source, *, text_encoder=None, tokenizer=None, vae=None, sche
     engine/models/external.py reads with their configs). Raises CheckpointError
     naming the file or folder for what cannot be used; loads nothing."""
     source = os.fspath(source)
-    if source in demo_model.NAMED:  # "demo", "demo-turbo"
-        release = Release(source, DEMO, demo_model.NAMED[source])
+    if named_file(source) != source:  # a bundled model's name: "demo", "demo-turbo"
+        release = Release(source, bundle_of_file(named_file(source)).name, named_file(source))
     elif os.path.isfile(source):
         release = _from_file(source, source)
     elif os.path.isdir(source):

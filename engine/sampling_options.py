@@ -17,8 +17,9 @@ import torch
 
 from .errors import CheckpointError
 from .inputs import check_sampler, check_sampling_settings, check_seed
-from .io.checkpoint import Checkpoint, check_architecture
-from .models import demo, families
+from .io.checkpoint import Checkpoint
+from .models import families
+from .models.bundle import Bundle, bundle_of_file, bundles, named_file
 from .options import declared, default_of, flag_dest, from_args, option
 from .sampling import DEFAULT_SHIFT, MAX_CFG, MAX_SEED, MAX_SHIFT, MAX_STEPS, SAMPLERS, SCHEDULERS
 
@@ -27,13 +28,14 @@ from .sampling import DEFAULT_SHIFT, MAX_CFG, MAX_SEED, MAX_SHIFT, MAX_STEPS, SA
 # a file of another family takes its own family's (``model_defaults``).
 MODEL_DEFAULTS = {
     **{kind: dict(values) for kind, values in families()[0].sampling_defaults.items()},
-    "demo": {"steps": demo.DEFAULT_STEPS, "cfg": demo.DEFAULT_CFG},
+    **{bundle.name: dict(bundle.defaults) for bundle in bundles()},
 }
 
 
 def _per_model(key: str, kinds=tuple(MODEL_DEFAULTS)) -> str:
-    """The defaults of ``key`` as the help texts list them: "Base 50, Turbo 8, demo 30"."""
-    return ", ".join(f"{kind if kind == 'demo' else kind.capitalize()} {MODEL_DEFAULTS[kind][key]:g}" for kind in kinds)
+    """The defaults of ``key`` as the help texts list them: "Base 50, Turbo 8, demo 30" (a bundle by its name)."""
+    names = {bundle.name for bundle in bundles()}
+    return ", ".join(f"{kind if kind in names else kind.capitalize()} {MODEL_DEFAULTS[kind][key]:g}" for kind in kinds)
 
 
 # Keys only the released ERNIE-Image-Turbo transformer/config.json has (Base's lacks them)
@@ -132,17 +134,19 @@ DEFAULT_SAMPLER = default_of(SamplingOptions, "sampler")  # RunStats' before a r
 
 
 def model_kind(source: str) -> str:
-    """Which model a file or folder is, for its defaults: "demo" (the demo's metadata), "turbo" (the released
+    """Which model a file or folder is, for its defaults: a bundle's name ("demo": its metadata or its DiT's shapes,
+    engine/models/bundle.py), "turbo" (the released
     Turbo config's own keys, else "turbo" in the file's or folder's name) or "base". Reads headers only; a
     file that cannot be read is judged by its name (its loading says what is wrong)."""
     return _kind(source)[0]
 
 
 def _kind(source: str) -> tuple:
-    """(``model_kind``, the file's family or None): its header read once."""
-    path = os.path.normpath(os.fspath(demo.named(source)))
-    if os.path.isfile(path) and (demo.is_demo_file(path) or _demo_shaped(path)):
-        return "demo", None
+    """(``model_kind``, the file's family, its Bundle, or None): its header read once."""
+    path = os.path.normpath(os.fspath(named_file(source)))
+    bundle = bundle_of_file(path)
+    if bundle is not None:
+        return bundle.name, bundle
     config, family = {}, None
     try:
         checkpoint = Checkpoint(path) if os.path.exists(path) else None
@@ -159,19 +163,12 @@ def _kind(source: str) -> tuple:
     return ("turbo" if "turbo" in name.lower() else "base"), family
 
 
-def _demo_shaped(path: str) -> bool:
-    try:
-        return demo.has_demo_shapes(check_architecture(Checkpoint(path)))
-    except (CheckpointError, OSError, ValueError):
-        return False
-
-
 def model_defaults(source: str) -> dict:
-    """{"steps", "cfg"}: the defaults of the model in ``source`` (``model_kind``; an embedded demo file's own, the
+    """{"steps", "cfg"}: the defaults of the model in ``source`` (``model_kind``; a bundled file's own, the
     demo-turbo's 8 steps at cfg 1; a file of another family, its family's)."""
     kind, family = _kind(source)
-    if kind == "demo":
-        own = demo.file_sampling_defaults(os.fspath(demo.named(source)))
+    if isinstance(family, Bundle):
+        own = family.file_defaults(os.fspath(named_file(source)))
         return {"steps": own["steps"], "cfg": own["cfg"]}
     variants = family.sampling_defaults if family is not None and family is not families()[0] else {}
     if not variants:

@@ -1,6 +1,7 @@
 """CPU threads for a sampling run: one rule for every entry point (``sgld generate`` / ``serve``, the ComfyUI nodes,
-``ErnieImagePipeline``). The demo's DiT (its shapes, any file format) runs on the demo's thread count on a CPU; any
-other model on torch's own default (one per core); ``--threads`` / ``Engine.threads`` overrides (docs/python.md)."""
+``ErnieImagePipeline``). A bundled model's DiT (engine/models/bundle.py: its shapes, any file format) runs on its own
+thread count on a CPU; any other model on torch's own default (one per core); ``--threads`` / ``Engine.threads``
+overrides (docs/python.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,14 +9,13 @@ from typing import Optional
 
 import torch
 
-from .models import demo as demo_model
+from .models.bundle import bundle_of_config
 
 
 def default_threads(model_config, device) -> Optional[int]:
-    """The rule: the demo's thread count for a DiT of the demo's shapes on a CPU; None (torch's choice) otherwise."""
-    if torch.device(device).type == "cpu" and model_config is not None and demo_model.has_demo_shapes(model_config):
-        return demo_model.THREADS
-    return None
+    """The rule: a bundled model's thread count for a DiT of its shapes on a CPU; None (torch's choice) otherwise."""
+    bundle = bundle_of_config(model_config) if torch.device(device).type == "cpu" else None
+    return bundle.threads if bundle is not None else None
 
 
 @contextlib.contextmanager

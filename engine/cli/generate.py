@@ -24,7 +24,7 @@ from ..io.atomic import atomic_write
 from ..io.checkpoint import check_architecture, open_checkpoint
 from ..models import demo as demo_pkg
 from ..options import declared
-from ..release import DEMO, dit_family, picture_shift, resolve_release
+from ..release import bundled, dit_family, picture_shift, resolve_release
 from ..router import open_engine
 from ..sampling import MAX_IMAGE_SIDE
 from ..sampling_options import SamplingOptions, from_flags
@@ -107,19 +107,19 @@ def release_of(args):
     return args._release
 
 
-def demo_dit(args):
+def bundled_dit(args):
     """The DiT file that runs with the demo's own text encoder and codec, or None for ERNIE-Image files: the demo's
     (no model flags, or --model-path demo), or a --model of the demo's shapes given without --text-encoder / --vae
     (a GGUF or quantized copy of the demo: `sgld quantize demo demo-q4k.gguf --format q4_k`). Decided once."""
-    if not hasattr(args, "_demo_dit"):
-        args._demo_dit = _find_demo_dit(args)
-    return args._demo_dit
+    if not hasattr(args, "_bundled_dit"):
+        args._bundled_dit = _find_bundled_dit(args)
+    return args._bundled_dit
 
 
-def _find_demo_dit(args):
+def _find_bundled_dit(args):
     release = release_of(args)
     if release is not None:
-        return release.transformer if release.kind == DEMO else None
+        return release.transformer if bundled(release) else None
     if not args.model:
         return None if args.text_encoder or args.vae else demo_pkg.DEMO_WEIGHTS
     if args.model in demo_pkg.NAMED and not (args.text_encoder or args.vae):  # --model demo-turbo
@@ -142,7 +142,7 @@ def make_parts(args) -> LoadedModel:
 
 
 def _demo_parts(args) -> LoadedModel:
-    dit = demo_dit(args)  # the demo's, the demo-turbo's, or a copy of one (its text encoder: the shipped demo's)
+    dit = bundled_dit(args)  # the demo's, the demo-turbo's, or a copy of one (its text encoder: the shipped demo's)
     demo = demo_pkg.load_demo(dit if demo_pkg.is_demo_file(dit) else None, dtype=args.dtype or torch.float32,
                               cached=False)
     for name in ("prompt", "negative"):  # the prompts given on the command line (sgld serve has none)
@@ -285,13 +285,13 @@ def _save_png(image, path: str, settings: dict, stats: dict) -> None:
 
 
 def uses_files(args) -> bool:
-    return demo_dit(args) is None
+    return bundled_dit(args) is None
 
 
 def model_source(args) -> str:
     """What decides the defaults: the DiT file or folder the flags name (the demo's file for a DiT of its shapes)."""
     if not uses_files(args):
-        return demo_dit(args)  # the demo's, the demo-turbo's (a copy: the embedded file of its shapes decides)
+        return bundled_dit(args)  # the demo's, the demo-turbo's (a copy: the embedded file of its shapes decides)
     release = release_of(args)
     return release.transformer if release is not None else args.model or ""
 

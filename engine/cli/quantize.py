@@ -7,7 +7,7 @@ import os
 import time
 
 from ..features.quant import FILE_WRITERS, describe_formats, writable_formats, writer_for, writer_formats
-from ..models import demo as demo_model
+from ..models.bundle import named_file
 from .common import check_output_path
 
 
@@ -47,7 +47,7 @@ def cmd_quantize(args) -> dict:
     check_output_path("output", args.output, (writer.suffix,))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # as check_output_path promises
     t0 = time.perf_counter()
-    source = demo_model.named(args.input)  # "demo", "demo-turbo": the embedded models, as elsewhere
+    source = named_file(args.input)  # "demo", "demo-turbo": the embedded models, as elsewhere
     summary = writer.write(source, args.output, args.format, dtype=args.dtype)
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     if args.json:

@@ -17,7 +17,7 @@ import torch
 from .. import device as device_rt
 from ..features.cache import resolve_config
 from ..image_parts import NoParts
-from ..models import demo as demo_model
+from ..models.bundle import bundle_of_file, bundles
 from ..release import dit_family, picture_shift
 from ..router import open_engine
 from ..sampling import DEFAULT_SHIFT
@@ -39,7 +39,7 @@ from .common import (
 )
 from .generate import (
     LoadedModel,
-    demo_dit,
+    bundled_dit,
     lora_specs,
     make_parts,
     model_files,
@@ -65,7 +65,7 @@ except ImportError as e:
         raise
     MISSING = e.name
 
-DEMO_ID = "sgld-demo"
+SERVED_PREFIX = "sgld-"  # a bundled model is served as sgld-<its name>: sgld-demo, sgld-demo-turbo
 SAMPLING = ("steps", "cfg")  # the sampling options whose server-wide default a flag sets
 INSTALL_HINT = ("pip install 'comfyui-sgldiffusion[serve]' (from the pack's folder: pip install -e '.[serve]'; "
                 "bash scripts/setup.sh does it)")
@@ -183,8 +183,7 @@ def served_model(args) -> ServedModel:
     if args.loras:
         loaded.engine.set_loras(args.loras)
     if args.served_model_name or not uses_files(args):
-        turbo = demo_dit(args) == demo_model.DEMO_TURBO_WEIGHTS
-        name = args.served_model_name or (DEMO_ID + "-turbo" if turbo else DEMO_ID)
+        name = args.served_model_name or SERVED_PREFIX + _bundled_name(bundled_dit(args))
     elif release is not None and release.kind == "hub":
         name = release.source  # the repo id, as SGLang names it
     else:
@@ -198,6 +197,12 @@ def served_model(args) -> ServedModel:
     return ServedModel(name, loaded.engine, loaded.parts, defaults["steps"], defaults["cfg"], loaded.model_path,
                        shift=shift, shift_at=shift_at,
                        enhance=None if pe is None else _enhancer(pe, args.pe_max_new_tokens))
+
+
+def _bundled_name(dit: str) -> str:
+    """The name a bundled model's file goes by ("demo-turbo"), else its bundle's ("demo": a copy in another format)."""
+    names = {os.path.abspath(f): n for b in bundles() for n, f in b.named.items()}
+    return names.get(os.path.abspath(dit)) or bundle_of_file(dit).name
 
 
 def _enhancer(pe, max_new_tokens):

@@ -26,6 +26,7 @@ import torch
 from ...io.checkpoint import check_architecture, open_checkpoint
 from ...io.load import read_model
 from ...io.readers import open_file
+from ..bundle import Bundle, register_bundle
 from . import codec
 from .text_encoder import DemoTextEncoder, TextEncoderConfig, WordTokenizer
 from .weights_io import DEMO_METADATA_KEY, read_demo_parts
@@ -161,6 +162,13 @@ def _embedded_configs() -> tuple:
     """(file, DiT configuration) of each embedded demo file shipped, from their headers (read once)."""
     return tuple((path, check_architecture(open_checkpoint(path))) for path in NAMED.values() if os.path.isfile(path))
 
+
+BUNDLE = register_bundle(Bundle(
+    name="demo", named=NAMED, owns_config=has_demo_shapes, owns_metadata=is_demo_file,
+    file_defaults=file_sampling_defaults, defaults={"steps": DEFAULT_STEPS, "cfg": DEFAULT_CFG}, threads=THREADS,
+    latent_channels=LATENT_CHANNELS,
+    latent_hint=(f"the demo model makes {IMAGE_SIZE}x{IMAGE_SIZE} pictures only, from a latent of {LATENT_CHANNELS} "
+                 f"channels at {LATENT_SIZE}x{LATENT_SIZE}: use SGLDiffusion Demo Empty Latent")))
 
 _CACHE = {}
 
