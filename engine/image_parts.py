@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from .errors import InputError
-from .models import demo as demo_pkg
 from .sampling import MAX_IMAGE_SIDE
 
 PROMPT_CACHE_BYTES = 256 << 20  # recent prompts' features kept (a 512-token prompt of Ministral 3B: 6 MiB)
@@ -45,38 +44,36 @@ class ImageParts:
         """Latent [B, C, h, w] -> uint8 pictures [B, H, W, 3]."""
         raise NotImplementedError
 
-    def warnings(self, prompts: Sequence[str], negatives: Sequence[str]) -> List[str]:
-        """What the prompts ask that the model cannot draw (none by default)."""
+    def warnings(self, prompts: Sequence[str], negatives: Sequence[str],
+                 names: Sequence[str] = ("prompt", "negative_prompt")) -> List[str]:
+        """What the prompts ask that the model cannot draw (none by default); ``names``: the caller's spelling of
+        the prompt and the negative."""
         return []
 
 
-class DemoParts(ImageParts):
-    """The demo model's text encoder and pixel codec (one file with its DiT: engine/models/demo)."""
+class BundledParts(ImageParts):
+    """A bundled model's text encoder and picture codec (one file with its DiT: engine/models/bundle.py, the demo)."""
 
-    default_size = demo_pkg.IMAGE_SIZE
-
-    def __init__(self, demo):
-        self.demo = demo
+    def __init__(self, model):
+        self.model = model
+        self.default_size = model.image_size
 
     def encode(self, prompt: str) -> torch.Tensor:
-        return self.demo.encode([prompt])[0]
+        return self.model.encode([prompt])[0]
 
     def latent_shape(self, width: int, height: int, batch: int = 1) -> Tuple[int, ...]:
-        if (width, height) != (demo_pkg.IMAGE_SIZE, demo_pkg.IMAGE_SIZE):
-            raise InputError(f"the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} pictures only")
-        return (batch, demo_pkg.LATENT_CHANNELS, demo_pkg.LATENT_SIZE, demo_pkg.LATENT_SIZE)
+        return self.model.latent_shape(width, height, batch)
 
     def decode_float(self, latent: torch.Tensor) -> torch.Tensor:
-        return self.demo.decode_float(latent)
+        return self.model.decode_float(latent)
 
     def decode(self, latent: torch.Tensor) -> np.ndarray:
-        return self.demo.decode(latent)
+        return self.model.decode(latent)
 
-    def warnings(self, prompts: Sequence[str], negatives: Sequence[str]) -> List[str]:
-        """One per prompt that uses what the demo model does not know (WordTokenizer.unknown_words, "top right")."""
-        found = [self.demo.tokenizer.unknown_words_warning(p, where=f" in {name}")
-                 for name, texts in (("prompt", prompts), ("negative_prompt", negatives)) for p in dict.fromkeys(texts)]
-        return [w for w in found if w]
+    def warnings(self, prompts: Sequence[str], negatives: Sequence[str],
+                 names: Sequence[str] = ("prompt", "negative_prompt")) -> List[str]:
+        """What the prompts ask that it cannot draw (the demo: the words it does not know, "top right")."""
+        return self.model.warnings(prompts, negatives, names)
 
 
 class NoParts(ImageParts):

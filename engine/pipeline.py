@@ -30,13 +30,13 @@ from .errors import InputError
 from .features.cache import CacheConfig, resolve_config
 from .features.compile import compile_blocks
 from .features.lora import parse_spec
-from .image_parts import DemoParts, FileParts, ImageParts
+from .image_parts import BundledParts, FileParts, ImageParts
 from .inputs import check_sampling_settings, check_seed
 from .io.checkpoint import parse_dtype
-from .models import demo as demo_pkg
+from .models.bundle import bundle_of_file
 from .models.external import text_encoder_dtype
 from .prompt_enhancer import PromptEnhancer
-from .release import Release, dit_family, picture_shift, resolve_release
+from .release import Release, bundled, dit_family, picture_shift, resolve_release
 from .router import open_engine
 from .sampling import DEFAULT_SHIFT, SAMPLERS, SCHEDULERS, time_snr_shift
 from .sampling_options import SamplingOptions, model_defaults, model_kind
@@ -141,11 +141,11 @@ class ErnieImagePipeline:
         cache = cache_option(cache)
         release = resolve_release(path, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae, pe=pe,
                                   pe_tokenizer=pe_tokenizer)
-        if release.kind == "demo":  # its one file: DiT, text encoder and vocabulary (a copy of its DiT: the shipped's)
-            parts = DemoParts(demo_pkg.load_demo(release.transformer if demo_pkg.is_demo_file(release.transformer)
-                                                 else None))
+        if bundled(release):  # its one file: DiT, text encoder and vocabulary (a copy of its DiT: the shipped's)
+            bundle = bundle_of_file(release.transformer)
+            parts = BundledParts(bundle.load(release.transformer if bundle.owns_metadata(release.transformer) else None))
             engine = open_engine(release.transformer, config)
-            kind = "demo"
+            kind = bundle.name
         else:
             release.require("text_encoder", "vae", why="a single DiT file needs text_encoder= and vae= (folders or files)")
             family = dit_family(release.transformer)
@@ -196,10 +196,15 @@ class ErnieImagePipeline:
         return family.companions.guidance_offset if family is not None else 0.0
 
     @property
+    def bundled(self) -> bool:
+        """A bundled model (the demo): its text encoder and codec come with its DiT's file and stay on the CPU."""
+        return isinstance(self.parts, BundledParts)
+
+    @property
     def defaults(self) -> dict:
         """{"steps", "cfg"}: the model's (engine/sampling_options.py: Base, Turbo; a demo file's own, the demo-turbo's
         8 steps at cfg 1)."""
-        if self.kind == "demo":
+        if self.bundled:
             return model_defaults(self.release.transformer)
         variants = self.parts.family.sampling_defaults  # the kind's, else the family's first (a name says no kind)
         return dict(variants.get(self.kind) or next(iter(variants.values())))
@@ -245,13 +250,13 @@ class ErnieImagePipeline:
         self.engine = open_engine(self.release.transformer, config)
         if loras:
             self.engine.set_loras(loras)
-        if self.kind != "demo" and "device" in changes:  # the demo's text encoder and codec stay on the CPU
+        if not self.bundled and "device" in changes:  # a bundled text encoder and codec stay on the CPU
             self.text_encoder.to(config.device)
             self.vae.vae.to(config.device)
             self.vae.device = torch.device(config.device)
-        if self.kind != "demo" and "dtype" in changes:
+        if not self.bundled and "dtype" in changes:
             self.text_encoder.model.to(parse_dtype(config.dtype) or text_encoder_dtype(self.text_encoder.device))
-        if self.kind != "demo":
+        if not self.bundled:
             self.parts.forget_prompts()
         return self
 
@@ -319,7 +324,7 @@ class ErnieImagePipeline:
             raise InputError(f"height/width {height}x{width}: {e}") from None
         steps = self.defaults["steps"] if num_inference_steps is None else num_inference_steps
         cfg = self.defaults["cfg"] if guidance_scale is None else guidance_scale + self.guidance_offset
-        diffusers_schedule = scheduler is None and self.kind != "demo"
+        diffusers_schedule = scheduler is None and not self.bundled
         if shift is None:  # the release's scheduler config (at this size), else ComfyUI's 3.0
             dynamic = self.release.dynamic_shift()
             shift = picture_shift(self.release, self.parts.family, width, height) if dynamic else self.shift
@@ -332,7 +337,7 @@ class ErnieImagePipeline:
         for message in vocabulary_warnings:  # "top right" would silently draw something else
             warnings.warn(message, UserWarning, stacklevel=2)
         revised = None
-        if use_pe or (use_pe is None and self.release.pe is not None and self.kind != "demo"):
+        if use_pe or (use_pe is None and self.release.pe is not None and not self.bundled):
             revised = self._enhancer().enhance(prompts, width, height, seed=seed, max_new_tokens=max_new_tokens,
                                                greedy=pe_greedy)
             prompts = list(revised)
@@ -343,7 +348,7 @@ class ErnieImagePipeline:
         options = {"seed": 0 if seed is None else seed, "steps": steps, "cfg": cfg, "sampler": sampler, **sampling}
         sigmas = diffusers_sigmas(steps, float(shift)) if diffusers_schedule else None
         if not diffusers_schedule:
-            options.update(scheduler=scheduler or demo_pkg.DEFAULT_SCHEDULER, shift=shift)
+            options.update(scheduler=scheduler or self.parts.model.default_scheduler, shift=shift)
         # diffusers' rule (do_classifier_free_guidance): cfg 1 or below runs the prompts alone
         picture = Picture(prompts, negatives if cfg > 1.0 else None, width, height, SamplingOptions(**options),
                           per_prompt=num_images_per_prompt, sigmas=sigmas, noise=noise,

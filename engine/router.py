@@ -4,8 +4,8 @@ the parallel ranks and the torchrun launch).
 For a file it reads the checkpoint's header once, decides layer-wise offload before loading (an
 offloaded model is loaded into CPU memory, never whole onto the GPU), quantizes while reading, and
 starts worker ranks when the parallel degrees ask for more than one (or uses the ranks a ``transport``
-reaches: torchrun). The embedded demo model is a file like any other (``DEMO_WEIGHTS``), so it takes
-the same path, several ranks included. A model already in memory gets its features attached here too.
+reaches: torchrun). The embedded demo model is a file like any other (its name stands for its file), so it
+takes the same path, several ranks included. A model already in memory gets its features attached here too.
 """
 from __future__ import annotations
 
@@ -18,13 +18,10 @@ from .compute_dtype import with_compute_dtype
 from .config import EngineConfig
 from .engine import Engine
 from .errors import ParallelConfigError
-from .features.cache import from_env
 from .io.checkpoint import open_checkpoint
 from .local import LocalRunner, open_local
-from .models import demo as demo_model
+from .models.bundle import named_file
 from .parallel import open_ranked_runner
-
-DEMO = "demo"  # open_engine("demo"): the embedded demo model's DiT
 
 
 def open_engine(source, config: Optional[EngineConfig] = None, *, label: Optional[str] = None,
@@ -39,7 +36,7 @@ def open_engine(source, config: Optional[EngineConfig] = None, *, label: Optiona
             raise ParallelConfigError(f"a model in memory runs in this process; {config.world_size} ranks load their "
                                       "weights from a file: open the engine on its checkpoint path")
         return Engine(LocalRunner(source, config, offload_decision=offload_decision), config, source=label or "")
-    path = os.fspath(demo_model.named(source))  # "demo", "demo-turbo": the embedded files
+    path = os.fspath(named_file(source))  # "demo", "demo-turbo": the embedded files (engine/models/bundle.py)
     if config.world_size > 1 or transport is not None:  # several ranks: the DiT runs on them (engine/parallel)
         config, why = with_compute_dtype(config, open_checkpoint(path).family)  # the ranks load in the same dtype
         engine = Engine(open_ranked_runner(path, config, transport), config, source=label or path)
@@ -48,14 +45,3 @@ def open_engine(source, config: Optional[EngineConfig] = None, *, label: Optiona
         engine, why = Engine(runner, runner.config, source=label or path), runner.dtype_reason
     engine.dtype_reason = why
     return engine
-
-
-def open_demo(path: Optional[str] = None, cached: bool = True) -> demo_model.DemoModel:
-    """The demo model's parts (text encoder, codec, DiT; the shipped weights unless ``path``; cached per process
-    unless ``cached=False``) with ``demo.engine``, an Engine on its DiT with the default options and the
-    SGLANG_CACHE_DIT_* environment's cache (read here, when the engine is opened: the demo's Python entry). For
-    other options open ``open_engine(DEMO, config)``."""
-    demo = demo_model.load_demo(path, cached=cached)
-    if demo.engine is None:
-        demo.engine = open_engine(demo.dit, EngineConfig(cache=from_env()), label=demo.path)
-    return demo

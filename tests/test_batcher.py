@@ -11,10 +11,9 @@ import threading
 import pytest
 import torch
 
-from engine import EngineConfig, InputError, open_engine
+from engine import EngineConfig, InputError, open_demo, open_engine
 from engine.engine import pad_text
 from engine.features.cache import CacheConfig
-from engine.router import open_demo
 from engine.serve import Batcher, Job
 from engine.serve.forward import Call, joint_velocity
 

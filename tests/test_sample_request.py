@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save
 
 from engine import EngineConfig, InputError, SampleRequest, SamplingOptions, open_engine, sample_wire
-from engine.image_parts import DemoParts
+from engine.image_parts import BundledParts
 from engine.models.demo import load_demo
 from engine.options import declared
 from engine.pipeline import OTHER_OPTIONS
@@ -74,7 +74,7 @@ def test_the_wire_refuses_settings_by_name(settings, param, code):
     assert (e.value.param, e.value.code) == (param, code) and param in str(e.value)
 
 
-class CountingParts(DemoParts):
+class CountingParts(BundledParts):
     """The demo's parts, counting the size checks and recording the latents decoded."""
 
     def __init__(self, demo):

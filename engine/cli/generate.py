@@ -16,13 +16,11 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from tqdm import tqdm
 
-from ..errors import CheckpointError
 from ..features.cache import resolve_config
 from ..features.lora import parse_spec
-from ..image_parts import DemoParts, FileParts, ImageParts
+from ..image_parts import BundledParts, FileParts, ImageParts
 from ..io.atomic import atomic_write
-from ..io.checkpoint import check_architecture, open_checkpoint
-from ..models import demo as demo_pkg
+from ..models.bundle import bundle_of_file, named_file
 from ..options import declared
 from ..release import bundled, dit_family, picture_shift, resolve_release
 from ..router import open_engine
@@ -48,6 +46,7 @@ from .common import (
 
 SAMPLING = tuple(name for name, opt in declared(SamplingOptions).items() if opt.flag)  # the options it has flags for
 DEFAULT_OUT = "out.png"
+DEFAULT_MODEL = "demo"  # what runs without model flags: the embedded demo (a bundle's name)
 SAVE_OUTPUT_DIR = "outputs"  # SGLang's default --output-path
 
 
@@ -108,9 +107,10 @@ def release_of(args):
 
 
 def bundled_dit(args):
-    """The DiT file that runs with the demo's own text encoder and codec, or None for ERNIE-Image files: the demo's
-    (no model flags, or --model-path demo), or a --model of the demo's shapes given without --text-encoder / --vae
-    (a GGUF or quantized copy of the demo: `sgld quantize demo demo-q4k.gguf --format q4_k`). Decided once."""
+    """The DiT file that runs with a bundled model's own text encoder and codec (engine/models/bundle.py), or None for
+    a family's files: the demo's (no model flags, or --model-path demo), or a --model of its shapes given without
+    --text-encoder / --vae (a GGUF or quantized copy of the demo: `sgld quantize demo demo-q4k.gguf --format q4_k`).
+    Decided once."""
     if not hasattr(args, "_bundled_dit"):
         args._bundled_dit = _find_bundled_dit(args)
     return args._bundled_dit
@@ -120,39 +120,37 @@ def _find_bundled_dit(args):
     release = release_of(args)
     if release is not None:
         return release.transformer if bundled(release) else None
+    if args.text_encoder or args.vae:
+        return None  # a family's files
     if not args.model:
-        return None if args.text_encoder or args.vae else demo_pkg.DEMO_WEIGHTS
-    if args.model in demo_pkg.NAMED and not (args.text_encoder or args.vae):  # --model demo-turbo
-        return demo_pkg.NAMED[args.model]
-    if args.text_encoder or args.vae or not os.path.exists(args.model):
-        return None  # a missing or unusable file is named when the model loads (_ernie_parts)
-    try:
-        config = check_architecture(open_checkpoint(args.model))  # the header only
-    except CheckpointError:
-        return None
-    return args.model if demo_pkg.has_demo_shapes(config) else None
+        return named_file(DEFAULT_MODEL)
+    if named_file(args.model) != args.model:  # --model demo-turbo
+        return named_file(args.model)
+    # a copy of a bundled DiT in another format (its header's shapes); a missing or unusable file is named when the
+    # model loads (_file_parts)
+    return args.model if os.path.exists(args.model) and bundle_of_file(args.model) is not None else None
 
 
 def make_parts(args) -> LoadedModel:
-    """The model the flags name: ERNIE-Image files (--model-path, or --model --text-encoder --vae) or the demo (its
-    own DiT, or a copy of it in another format). The engine runs on ``use_threads``' count."""
-    loaded = (_file_parts if uses_files(args) else _demo_parts)(args)
+    """The model the flags name: a family's files (--model-path, or --model --text-encoder --vae) or a bundled model
+    (the demo: its own DiT, or a copy of it in another format). The engine runs on ``use_threads``' count."""
+    loaded = (_file_parts if uses_files(args) else _bundled_parts)(args)
     use_threads(loaded.engine, args)
     return loaded
 
 
-def _demo_parts(args) -> LoadedModel:
-    dit = bundled_dit(args)  # the demo's, the demo-turbo's, or a copy of one (its text encoder: the shipped demo's)
-    demo = demo_pkg.load_demo(dit if demo_pkg.is_demo_file(dit) else None, dtype=args.dtype or torch.float32,
-                              cached=False)
-    for name in ("prompt", "negative"):  # the prompts given on the command line (sgld serve has none)
-        warning = demo.tokenizer.unknown_words_warning(getattr(args, name, ""), where=f" in --{name}")
-        if warning:
-            print(f"sgld: warning: {warning}", file=sys.stderr)
+def _bundled_parts(args) -> LoadedModel:
+    dit = bundled_dit(args)  # the demo's, the demo-turbo's, or a copy of one (its text encoder: the shipped file's)
+    bundle = bundle_of_file(dit)
+    parts = BundledParts(bundle.load(dit if bundle.owns_metadata(dit) else None, dtype=args.dtype or torch.float32,
+                                     cached=False))
+    prompts = [getattr(args, name, "") for name in ("prompt", "negative")]  # the command line's (sgld serve has none)
+    for warning in parts.warnings(prompts[:1], prompts[1:], names=("--prompt", "--negative")):
+        print(f"sgld: warning: {warning}", file=sys.stderr)
     # the DiT through the same router as a family's files: several ranks (--num-gpus, --tp, ...) run it
     # in worker processes, in the compute dtype of every entry point unless --dtype says (engine/compute_dtype.py)
     config = engine_config(args, cache=resolve_config(cache_config(args)))
-    return LoadedModel(open_engine(dit, config), DemoParts(demo), dit)
+    return LoadedModel(open_engine(dit, config), parts, dit)
 
 
 def model_files(args):
@@ -193,7 +191,7 @@ def cmd_generate(args) -> dict:
     """A picture from a prompt (the embedded demo model, or ERNIE-Image files): PNG with ComfyUI-style text metadata."""
     t0 = time.perf_counter()
     run = check_generate_args(args)
-    size = model_files(args)[1].companions.default_size if uses_files(args) else DemoParts.default_size
+    size = model_files(args)[1].companions.default_size if uses_files(args) else bundle_of_file(bundled_dit(args)).image_size
     width, height = args.width or size, args.height or size
     revised, pe_stats = _enhance(args, width, height, run["seed"])  # first: its memory is free before the DiT loads
     loaded = make_parts(args)
@@ -323,11 +321,12 @@ def check_generate_args(args) -> tuple:
     if external:
         check_image_sides(args)
     else:
+        bundle = bundle_of_file(bundled_dit(args))
         for name in ("width", "height"):
-            value = getattr(args, name)
-            if value is not None and value != demo_pkg.IMAGE_SIZE:
-                raise ValueError(f"--{name} {value}: the demo model makes {demo_pkg.IMAGE_SIZE}x{demo_pkg.IMAGE_SIZE} "
-                                 "pictures only (other sizes need ERNIE-Image files: --model --text-encoder --vae)")
+            value, side = getattr(args, name), bundle.image_size
+            if value is not None and value != side:
+                raise ValueError(f"--{name} {value}: {bundle.title} makes {side}x{side} pictures only (other sizes "
+                                 f"need {file_families()} files: --model --text-encoder --vae)")
     run = from_flags(args, model_source(args), SAMPLING)
     shift = release_shift(args, args.width, args.height) if args.shift is None else None
     if shift is not None:

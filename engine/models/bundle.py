@@ -16,7 +16,14 @@ class Bundle:
     """What the generic layers ask of a bundled model (its DiT is of a registered family)."""
 
     name: str  # its id: a Release's kind, ``model_kind``'s answer ("demo")
+    title: str  # for messages: "the demo model"
+    image_size: int  # the one picture side it makes, in pixels
     named: Mapping[str, str]  # names that stand for its files ("demo", "demo-turbo" -> the shipped files)
+    shipped: str  # the file whose text encoder a copy of its DiT in another format runs with
+    # (path or None: the shipped file, dtype=, cached=) -> the model: ``encode(prompts)``, ``decode`` /
+    # ``decode_float(latent)``, ``latent_shape(width, height, batch)``, ``warnings(prompts, negatives)``,
+    # ``image_size``, ``dit`` (engine/image_parts.py's BundledParts wraps it)
+    load: Callable[..., object]
     owns_config: Callable[[object], bool]  # a DiT configuration of its shapes (a GGUF or quantized copy of its DiT)
     owns_metadata: Callable[[str], bool]  # a file carrying its text encoder (its own metadata)
     file_defaults: Callable[[str], dict]  # a file's {"steps", "cfg", "sampler", "scheduler"}

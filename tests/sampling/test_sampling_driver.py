@@ -5,8 +5,8 @@ within tests/test_batcher.py's TOLERANCE batched; measured 0 here)."""
 import pytest
 import torch
 
+from engine import open_demo
 from engine.features.cache import CacheConfig
-from engine.router import open_demo
 from engine.serve import Batcher, Job
 
 TOLERANCE = 1e-5

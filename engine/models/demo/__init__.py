@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ...errors import InputError
 from ...io.checkpoint import check_architecture, open_checkpoint
 from ...io.load import read_model
 from ...io.readers import open_file
@@ -108,6 +109,23 @@ class DemoModel:
     def empty_latent(batch: int = 1) -> torch.Tensor:
         return torch.zeros(batch, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE)
 
+    # -- what a bundled model's image parts ask (engine/image_parts.py's BundledParts) ------------------------
+    image_size = IMAGE_SIZE  # its one picture size, the default of every entry point
+
+    @staticmethod
+    def latent_shape(width: int, height: int, batch: int = 1) -> tuple:
+        if (width, height) != (IMAGE_SIZE, IMAGE_SIZE):
+            raise InputError(f"the demo model makes {IMAGE_SIZE}x{IMAGE_SIZE} pictures only")
+        return (batch, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE)
+
+    def warnings(self, prompts: Sequence[str], negatives: Sequence[str],
+                 names: Sequence[str] = ("prompt", "negative_prompt")) -> List[str]:
+        """One per prompt that uses what the demo model does not know (WordTokenizer.unknown_words, "top right");
+        ``names``: how the caller spells the prompt and the negative."""
+        found = [self.tokenizer.unknown_words_warning(p, where=f" in {name}")
+                 for name, texts in zip(names, (prompts, negatives)) for p in dict.fromkeys(texts)]
+        return [w for w in found if w]
+
     @staticmethod
     def decode(latent: torch.Tensor) -> np.ndarray:
         """latent [B, 48, 16, 16] -> uint8 images [B, 64, 64, 3]."""
@@ -164,7 +182,8 @@ def _embedded_configs() -> tuple:
 
 
 BUNDLE = register_bundle(Bundle(
-    name="demo", named=NAMED, owns_config=has_demo_shapes, owns_metadata=is_demo_file,
+    name="demo", title="the demo model", image_size=IMAGE_SIZE, named=NAMED, shipped=DEMO_WEIGHTS, load=lambda path, **kw: load_demo(path, **kw),
+    owns_config=has_demo_shapes, owns_metadata=is_demo_file,
     file_defaults=file_sampling_defaults, defaults={"steps": DEFAULT_STEPS, "cfg": DEFAULT_CFG}, threads=THREADS,
     latent_channels=LATENT_CHANNELS,
     latent_hint=(f"the demo model makes {IMAGE_SIZE}x{IMAGE_SIZE} pictures only, from a latent of {LATENT_CHANNELS} "
