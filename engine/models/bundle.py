@@ -19,8 +19,8 @@ class Bundle:
     title: str  # for messages: "the demo model"
     image_size: int  # the one picture side it makes, in pixels
     named: Mapping[str, str]  # names that stand for its files ("demo", "demo-turbo" -> the shipped files)
-    shipped: str  # the file whose text encoder a copy of its DiT in another format runs with
-    # (path or None: the shipped file, dtype=, cached=) -> the model: ``encode(prompts)``, ``decode`` /
+    # (path, or None for a copy of its DiT in another format: the shipped file's text encoder; dtype=, cached=) ->
+    # the model: ``encode(prompts)``, ``decode`` /
     # ``decode_float(latent)``, ``latent_shape(width, height, batch)``, ``warnings(prompts, negatives)``,
     # ``image_size``, ``dit`` (engine/image_parts.py's BundledParts wraps it)
     load: Callable[..., object]

@@ -181,14 +181,6 @@ def _embedded_configs() -> tuple:
     return tuple((path, check_architecture(open_checkpoint(path))) for path in NAMED.values() if os.path.isfile(path))
 
 
-BUNDLE = register_bundle(Bundle(
-    name="demo", title="the demo model", image_size=IMAGE_SIZE, named=NAMED, shipped=DEMO_WEIGHTS, load=lambda path, **kw: load_demo(path, **kw),
-    owns_config=has_demo_shapes, owns_metadata=is_demo_file,
-    file_defaults=file_sampling_defaults, defaults={"steps": DEFAULT_STEPS, "cfg": DEFAULT_CFG}, threads=THREADS,
-    latent_channels=LATENT_CHANNELS,
-    latent_hint=(f"the demo model makes {IMAGE_SIZE}x{IMAGE_SIZE} pictures only, from a latent of {LATENT_CHANNELS} "
-                 f"channels at {LATENT_SIZE}x{LATENT_SIZE}: use SGLDiffusion Demo Empty Latent")))
-
 _CACHE = {}
 
 
@@ -209,3 +201,12 @@ def load_demo(path: Optional[str] = None, dtype: Union[str, torch.dtype] = torch
     if cached:
         _CACHE[key] = demo
     return demo
+
+
+BUNDLE = register_bundle(Bundle(
+    name="demo", title="the demo model", image_size=IMAGE_SIZE, named=NAMED, load=load_demo,
+    owns_config=has_demo_shapes, owns_metadata=is_demo_file,
+    file_defaults=file_sampling_defaults, defaults={"steps": DEFAULT_STEPS, "cfg": DEFAULT_CFG}, threads=THREADS,
+    latent_channels=LATENT_CHANNELS,
+    latent_hint=(f"the demo model makes {IMAGE_SIZE}x{IMAGE_SIZE} pictures only, from a latent of {LATENT_CHANNELS} "
+                 f"channels at {LATENT_SIZE}x{LATENT_SIZE}: use SGLDiffusion Demo Empty Latent")))
