@@ -77,3 +77,14 @@ def test_a_dit_without_companions_needs_no_text_encoder_here(dit):
     with pytest.raises(ValueError, match="missing --text-encoder, --vae"):
         check_serve_args(_parsed(["serve", "--model", dit]))
     assert check_serve_args(_parsed(["serve", "--sample-only", "--model", dit]))["steps"] >= 1
+
+
+def test_the_demo_alone_keeps_its_own_size_and_name():
+    """The default model (the demo, a bundle) served alone: its one picture size and its served name, not a family's."""
+    from engine.cli.serve import served_model
+
+    served = served_model(_parsed(["serve", "--sample-only"]))
+    try:
+        assert (served.id, served.default_size, served.parts.pictures) == ("sgld-demo", 64, False)
+    finally:
+        served.engine.release()

@@ -170,8 +170,9 @@ def _dit_alone(args) -> LoadedModel:
     dit = model_source(args)
     engine = open_engine(dit, engine_config(args, cache=resolve_config(cache_config(args))))
     use_threads(engine, args)
-    family = dit_family(dit, companions=False)
-    return LoadedModel(engine, NoParts(family.companions.default_size if family.companions else 1024), dit)
+    bundle, family = bundle_of_file(dit), dit_family(dit, companions=False)
+    size = bundle.image_size if bundle else family.companions.default_size if family.companions else 1024
+    return LoadedModel(engine, NoParts(size), dit)
 
 
 def served_model(args) -> ServedModel:
