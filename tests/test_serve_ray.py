@@ -28,6 +28,7 @@ pytest.importorskip("ray", reason="ray is the [cluster] extra (pip install '.[cl
 from ray.cluster_utils import Cluster  # noqa: E402
 
 pytestmark = [pytest.mark.server]
+ORDER_COST = 100  # seconds on the 2-core machine (a two-node Ray cluster, a deployment, a kill and its replacement): queued early (tests/conftest.py)
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}
 
 

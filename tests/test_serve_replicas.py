@@ -18,6 +18,7 @@ from PIL import Image
 from test_serve import PROMPTS, Server, client, demo_lora, pixels
 
 pytestmark = [pytest.mark.server]
+ORDER_COST = 50  # seconds on the 2-core machine (replica processes, a kill and its replacement): queued early (tests/conftest.py)
 STEPS = 100  # the killed replica's runs: long enough to be in flight when it dies (about 1 s each, one thread)
 
 
