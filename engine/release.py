@@ -18,6 +18,7 @@ pickle. Nothing here reads a tensor; the loaders (engine/io, engine/models/exter
 """
 from __future__ import annotations
 
+import functools
 import glob
 import math
 import os
@@ -65,7 +66,12 @@ class Release:
                                   "(pe/ and pe_tokenizer/ optional)")
 
     def scheduler_config(self) -> dict:
-        """The release's scheduler/scheduler_config.json ({} when it has none)."""
+        """The release's scheduler/scheduler_config.json ({} when it has none), read once: a dynamic shift is asked
+        for at every picture's size (each `sgld serve` request)."""
+        return self._scheduler_config
+
+    @functools.cached_property
+    def _scheduler_config(self) -> dict:
         if self.scheduler is None:
             return {}
         path = os.path.join(self.scheduler, "scheduler_config.json")

@@ -337,7 +337,7 @@ def demo_mentions(path: str, root: str = ROOT) -> List[str]:
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
         ident = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
                  else node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.alias))
-                 else node.asname if isinstance(node, ast.alias) else None)
+                 else None)
         if ident and "demo" in ident.lower():
             found.append(f"{node.lineno}: {ident}")
     return found

@@ -116,6 +116,13 @@ def bundled_dit(args):
     return args._bundled_dit
 
 
+def args_bundle(args):
+    """The Bundle of ``bundled_dit`` (its header read once), or None for a family's files."""
+    if not hasattr(args, "_bundle"):
+        args._bundle = bundle_of_file(bundled_dit(args)) if bundled_dit(args) is not None else None
+    return args._bundle
+
+
 def _find_bundled_dit(args):
     release = release_of(args)
     if release is not None:
@@ -140,8 +147,7 @@ def make_parts(args) -> LoadedModel:
 
 
 def _bundled_parts(args) -> LoadedModel:
-    dit = bundled_dit(args)  # the demo's, the demo-turbo's, or a copy of one (its text encoder: the shipped file's)
-    bundle = bundle_of_file(dit)
+    dit, bundle = bundled_dit(args), args_bundle(args)  # the demo's, the demo-turbo's, or a copy of one
     parts = BundledParts(bundle.load(dit if bundle.owns_metadata(dit) else None, dtype=args.dtype or torch.float32,
                                      cached=False))
     prompts = [getattr(args, name, "") for name in ("prompt", "negative")]  # the command line's (sgld serve has none)
@@ -191,7 +197,7 @@ def cmd_generate(args) -> dict:
     """A picture from a prompt (the embedded demo model, or ERNIE-Image files): PNG with ComfyUI-style text metadata."""
     t0 = time.perf_counter()
     run = check_generate_args(args)
-    size = model_files(args)[1].companions.default_size if uses_files(args) else bundle_of_file(bundled_dit(args)).image_size
+    size = model_files(args)[1].companions.default_size if uses_files(args) else args_bundle(args).image_size
     width, height = args.width or size, args.height or size
     revised, pe_stats = _enhance(args, width, height, run["seed"])  # first: its memory is free before the DiT loads
     loaded = make_parts(args)
@@ -296,11 +302,13 @@ def model_source(args) -> str:
 
 def release_around(args):
     """The release the DiT comes from (--model-path, or a --model transformer/ folder inside a release folder), or
-    None."""
-    release = release_of(args)
-    if release is None and args.model and uses_files(args) and os.path.exists(args.model):
-        release = resolve_release(args.model)  # its transformer/ folder finds the release around it
-    return release
+    None. Decided once."""
+    if not hasattr(args, "_release_around"):
+        release = release_of(args)
+        if release is None and args.model and uses_files(args) and os.path.exists(args.model):
+            release = resolve_release(args.model)  # its transformer/ folder finds the release around it
+        args._release_around = release
+    return args._release_around
 
 
 def release_shift(args, width=None, height=None):
@@ -321,7 +329,7 @@ def check_generate_args(args) -> tuple:
     if external:
         check_image_sides(args)
     else:
-        bundle = bundle_of_file(bundled_dit(args))
+        bundle = args_bundle(args)
         for name in ("width", "height"):
             value, side = getattr(args, name), bundle.image_size
             if value is not None and value != side:

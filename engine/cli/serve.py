@@ -17,7 +17,6 @@ import torch
 from .. import device as device_rt
 from ..features.cache import resolve_config
 from ..image_parts import NoParts
-from ..models.bundle import bundle_of_file, bundles
 from ..release import dit_family, picture_shift
 from ..router import open_engine
 from ..sampling import DEFAULT_SHIFT
@@ -39,6 +38,7 @@ from .common import (
 )
 from .generate import (
     LoadedModel,
+    args_bundle,
     bundled_dit,
     lora_specs,
     make_parts,
@@ -170,7 +170,7 @@ def _dit_alone(args) -> LoadedModel:
     dit = model_source(args)
     engine = open_engine(dit, engine_config(args, cache=resolve_config(cache_config(args))))
     use_threads(engine, args)
-    bundle, family = bundle_of_file(dit), dit_family(dit, companions=False)
+    bundle, family = args_bundle(args), dit_family(dit, companions=False)
     size = bundle.image_size if bundle else family.companions.default_size if family.companions else 1024
     return LoadedModel(engine, NoParts(size), dit)
 
@@ -184,7 +184,7 @@ def served_model(args) -> ServedModel:
     if args.loras:
         loaded.engine.set_loras(args.loras)
     if args.served_model_name or not uses_files(args):
-        name = args.served_model_name or SERVED_PREFIX + _bundled_name(bundled_dit(args))
+        name = args.served_model_name or SERVED_PREFIX + _bundled_name(args)
     elif release is not None and release.kind == "hub":
         name = release.source  # the repo id, as SGLang names it
     else:
@@ -200,10 +200,11 @@ def served_model(args) -> ServedModel:
                        enhance=None if pe is None else _enhancer(pe, args.pe_max_new_tokens))
 
 
-def _bundled_name(dit: str) -> str:
+def _bundled_name(args) -> str:
     """The name a bundled model's file goes by ("demo-turbo"), else its bundle's ("demo": a copy in another format)."""
-    names = {os.path.abspath(f): n for b in bundles() for n, f in b.named.items()}
-    return names.get(os.path.abspath(dit)) or bundle_of_file(dit).name
+    bundle = args_bundle(args)
+    names = {os.path.abspath(f): n for n, f in bundle.named.items()}
+    return names.get(os.path.abspath(bundled_dit(args))) or bundle.name
 
 
 def _enhancer(pe, max_new_tokens):

@@ -235,14 +235,19 @@ class Family:
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:
         return getattr(model, self.blocks)
 
+    @property
+    def list_names(self) -> Tuple[str, ...]:
+        """The attributes of its lists of blocks, in a forward's order (``block_lists``, else ``blocks`` alone)."""
+        return self.block_lists or (self.blocks,)
+
     def block_lists_of(self, model: nn.Module) -> List[nn.ModuleList]:
         """Every list of blocks, in the order a forward runs them (``block_lists``)."""
-        return [getattr(model, name) for name in self.block_lists or (self.blocks,)]
+        return [getattr(model, name) for name in self.list_names]
 
     def device_of(self, model: nn.Module) -> torch.device:
         """The compute device: that of the model's parameters outside the blocks (layer-wise offload keeps blocks
         on the host and brings each to this device when it runs)."""
-        prefixes = tuple(name + "." for name in self.block_lists or (self.blocks,))
+        prefixes = tuple(name + "." for name in self.list_names)
         return next(p.device for name, p in model.named_parameters() if not name.startswith(prefixes))
 
     def block_key(self, index: int, path: str = "") -> str:
@@ -261,7 +266,7 @@ class Family:
     def block_linear_of(self, layer: str) -> Optional[str]:
         """The block-linear path (``block_linears``) of module name ``layer`` in any list of blocks (Z-Image's
         refiners too), or None if it is not one."""
-        parts = self.split_block_key(layer, self.block_lists or (self.blocks,))
+        parts = self.split_block_key(layer, self.list_names)
         return parts[1] if parts is not None and parts[1] in self.block_linears else None
 
     def is_block_linear(self, name: str) -> bool:

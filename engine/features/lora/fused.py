@@ -19,7 +19,8 @@ def in_our_names(groups: Dict[str, dict], layouts, kmap: Dict[str, str], prefixe
     (A, the input side) shared, which is the fused update exactly; a LyCORIS adapter is read whole and cut
     (``part_lycoris``)."""
     out: Dict[str, dict] = {}
-    flat = _flat_names(layouts, kmap, flat_prefixes) if layouts else {}
+    unknown = layouts and any(prefix not in kmap for prefix in groups)  # the usual file names our layers only
+    flat = _flat_names(layouts, kmap, flat_prefixes) if unknown else {}
     for prefix, g in groups.items():
         parts = [] if prefix in kmap else _translated(flat.get(prefix, prefix), layouts, kmap, prefixes)
         if not parts:
