@@ -238,6 +238,28 @@ def test_wrong_key_or_no_server_is_a_one_line_node_error(comfy, sgld):
     succeeded(comfy.run(sample_graph(remote(sgld.url), seed=13, steps=2)))  # ComfyUI keeps working
 
 
+def test_a_sample_only_server_runs_the_graph_and_refuses_generate_in_one_line(comfy, tmp_path):
+    """`sgld serve --sample-only` (the DiT alone, issue 48) behind the Server node: the graph's latent is the local
+    loader's, bit for bit; Server Generate, which needs the server's text encoder and codec, is a one-line node error
+    saying why, and ComfyUI keeps working."""
+    server = Server(tmp_path / "serve.log", "--sample-only", "--api-key", KEY).wait_ready()
+    try:
+        remote_entry = comfy.run(sample_graph(remote(server.url), seed=21, steps=3, prefix="sample-only"))
+        succeeded(remote_entry)
+        local_entry = comfy.run(sample_graph(local(), seed=21, steps=3, prefix="sample-only-local"))
+        succeeded(local_entry)
+        assert torch.equal(saved_latent(comfy, remote_entry), saved_latent(comfy, local_entry))
+        generate = {"1": {"class_type": "SGLDiffusionServerGenerate", "inputs": {
+            "base_url": server.url, "api_key": KEY, "prompt": EXAMPLE_PROMPT, "width": 64, "height": 64, "seed": 1,
+            "steps": 2, "cfg": 3.0}}, "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0],
+                                                                             "filename_prefix": "sample-only"}}}
+        message = failure(comfy.run(generate))
+        assert "400" in message and "--sample-only" in message, message
+        succeeded(comfy.run(sample_graph(remote(server.url), seed=22, steps=2, prefix="sample-only-after")))
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 def test_interrupt_cancels_the_remote_job(comfy, sgld):
     prompt_id = comfy.queue(sample_graph(remote(sgld.url), seed=21, steps=LONG))
     sgld.wait_metric("sgld_running_batch_size", 1)
