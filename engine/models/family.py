@@ -10,7 +10,8 @@ A family's model follows one contract (ERNIE-Image's is the reference, engine/mo
   has the fields of ``CONFIG_FIELDS``, ``head_dim`` and ``to_dict()``;
 * the forward is ``embed(x, timestep, text_bth, text_lens) -> (h, ctx)``, ``model.block_runner(model, h,
   ctx)`` (replaceable from outside: cache, offload, parallel) and ``unembed(h, ctx)``; each block is called
-  as ``block(h, ctx)`` and its attention calls ``ctx.attention(q, k, v, ctx.key_mask)`` ([B, S, H, D]);
+  by its list's pattern (``block_patterns``: ``block(h, ctx) -> h``, or two streams ``block(text, image, ctx) ->
+  (text, image)``) and its attention calls ``ctx.attention(q, k, v, ctx.key_mask)`` ([B, S, H, D]);
   ``model.attention`` is the callable embed puts in the context, ``model.dtype`` the compute dtype;
 * ``ctx`` (``context_class``) has the fields the generic layers read: ``key_mask``, ``attention``,
   ``valid_tokens`` (and, optionally, ``key_mask_host``: the key mask on the host, from which sequence
@@ -162,10 +163,34 @@ class Layout:
         return key
 
 
+# How a list's blocks are called (cache-dit's forward patterns, the two this engine runs)
+SINGLE_STREAM = "single"  # block(h, ctx) -> h: one sequence of image and text tokens (ERNIE-Image, Z-Image)
+TWO_STREAMS = "two_streams"  # block(text, image, ctx) -> (text, image): each stream its own weights (MMDiT)
+PATTERNS = (SINGLE_STREAM, TWO_STREAMS)
+
+
+class TwoStreams:
+    """A two-stream block as the block loop calls every block, ``(h, ctx) -> h``: ``h`` holds the image's tokens,
+    then the text's (a single-stream sequence's order, so the server's padding at the end and sequence parallel's
+    chunks stay the loop's business), and ``ctx.image_tokens`` says where the text starts (in this chunk, under
+    sequence parallel: the family's ``chunk_context`` sets it). The block's joint attention takes its tokens in
+    that order too, so that the key mask and the chunks line up with them."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+
+    def __call__(self, h: torch.Tensor, ctx) -> torch.Tensor:
+        n = ctx.image_tokens
+        text, image = self.block(h[:, n:], h[:, :n], ctx)
+        return torch.cat([image, text], dim=1)
+
+
 def run_blocks(model: nn.Module, h: torch.Tensor, ctx) -> torch.Tensor:
     """The plain block loop, every block on every row: a model's ``block_runner`` until a feature replaces it
     (Cache-DiT's loop, engine/features/cache/loop.py; offload and parallel wrap the blocks or call this)."""
-    for block in family_of(model).blocks_of(model):
+    for block in family_of(model).loop_blocks(model):
         h = block(h, ctx)
     return h
 
@@ -230,10 +255,17 @@ class Family:
     # before its main blocks); () is ``blocks`` alone. Layer-wise offload streams them all; the cache, compile and
     # parallel wrap ``blocks`` (the others run inside ``embed``)
     block_lists: Tuple[str, ...] = ()
+    # list -> how its blocks are called (``PATTERNS``); a list not named is ``SINGLE_STREAM``
+    block_patterns: Mapping[str, str] = field(default_factory=dict)
 
     # -- what the generic layers ask ---------------------------------------------------------------------
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:
         return getattr(model, self.blocks)
+
+    def loop_blocks(self, model: nn.Module) -> Sequence[Callable]:
+        """The main blocks as the block loop calls them, ``(h, ctx) -> h`` whatever their pattern."""
+        blocks = self.blocks_of(model)
+        return [TwoStreams(b) for b in blocks] if self.block_patterns.get(self.blocks) == TWO_STREAMS else blocks
 
     @property
     def list_names(self) -> Tuple[str, ...]:
@@ -320,7 +352,12 @@ _FAMILIES: Dict[str, Family] = {}
 
 
 def register(family: Family) -> Family:
-    """Make ``family`` known to detection and ``family_of``; registering the same name again replaces it."""
+    """Make ``family`` known to detection and ``family_of``; registering the same name again replaces it.
+    ValueError for a pattern of a list it does not have, or a pattern the loop does not know."""
+    for name, pattern in family.block_patterns.items():
+        if name not in family.list_names or pattern not in PATTERNS:
+            raise ValueError(f"family {family.name}: block pattern {name!r}: {pattern!r}; its lists are "
+                             f"{', '.join(family.list_names)}, the patterns {', '.join(PATTERNS)}")
     _FAMILIES[family.name] = family
     return family
 

@@ -116,7 +116,7 @@ def joint_velocity(model, calls: Sequence[Call], device: torch.device) -> List[t
     length = max(h.shape[1] for h, _ in ordered)
     h = torch.cat([_pad_tokens(h, length) for h, _ in ordered])
     if any(r is not None for r in runners):  # each job's own cache decisions, its LoRAs on the rows that run
-        h = cached_blocks(family_of(model).blocks_of(model), h, ordered, runners,
+        h = cached_blocks(family_of(model).loop_blocks(model), h, ordered, runners,
                           lambda active: _joined_context(model, [ordered[q] for q in active], length),
                           lambda active: routed(row_route([(ordered[q][0].shape[0], loras[q]) for q in active],
                                                           device)))

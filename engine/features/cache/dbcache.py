@@ -113,7 +113,7 @@ class DBCacheRunner:
     # -- the block runner ---------------------------------------------------------------------------
     def __call__(self, model, h: torch.Tensor, ctx) -> torch.Tensor:
         """One model call's blocks: the cache loop (loop.py) with this run's rows alone."""
-        return cached_blocks(family_of(model).blocks_of(model), h, [(h, ctx)], [self], lambda active: ctx)
+        return cached_blocks(family_of(model).loop_blocks(model), h, [(h, ctx)], [self], lambda active: ctx)
 
     # The phases of one call, which the loop (loop.py) runs for each job of a forward.
     def start(self, h: torch.Tensor, ctx) -> int:
