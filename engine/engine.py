@@ -308,10 +308,10 @@ class Engine:
     def sample(self, latent: torch.Tensor, cond, uncond=None, *, callback: Optional[Callable] = None,
                **fields) -> torch.Tensor:
         """Sample from ``latent`` (zeros for text-to-image) and return the denoised latent (float32, CPU):
-        ``sample_request`` of ``SampleRequest(latent, cond, uncond, **fields)``. ``fields``: the sampling
+        ``sample_request`` of ``SampleRequest(latent=, cond=, uncond=, **fields)``. ``fields``: the sampling
         options (``SamplingOptions``' fields: seed, steps, cfg, sampler, scheduler, denoise, shift) and the request's
         other inputs (sigmas, noise_mask, batch_index, noise, cache)."""
-        return self.sample_request(SampleRequest(latent, cond, uncond, **fields), callback)
+        return self.sample_request(SampleRequest(latent=latent, cond=cond, uncond=uncond, **fields), callback)
 
     def sample_request(self, request: SampleRequest, callback: Optional[Callable] = None) -> torch.Tensor:
         """Run ``request`` and return the denoised latent (float32, CPU).

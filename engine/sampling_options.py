@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import torch
@@ -94,8 +94,23 @@ class SamplingOptions:
         return cls(**{by_widget[widget]: value for widget, value in values.items()})
 
 
-class _Request:
-    """SampleRequest's methods (its fields are made below from SamplingOptions')."""
+@dataclass(kw_only=True)
+class SampleRequest(SamplingOptions):
+    """One sampling run as every entry point hands it over (``Engine.sample_request``, a batcher ``Job``, the
+    /v1/sample wire): SamplingOptions' fields, inherited (a new option is a field of every request with no change
+    here), and the run's inputs, given by name."""
+
+    latent: Any  # [B, C, h, w] float (zeros for text-to-image); a batcher Job may hold one sample [C, h, w]
+    cond: Any  # per-sample text features [T_i, C] (one entry is used for every sample); a Job: one tensor too
+    uncond: Any = None  # the negative's, as ``cond`` (None, or cfg 1: no CFG)
+    sigmas: Optional[torch.Tensor] = None  # the caller's own schedule (steps + 1 values) instead of scheduler / denoise / shift
+    noise_mask: Optional[torch.Tensor] = None  # a LATENT's (inpainting): 1 repaint, 0 keep, any size
+    batch_index: Optional[List[int]] = None  # a LATENT's (LatentFromBatch): the seed's draw of each sample
+    noise: Optional[torch.Tensor] = None  # the caller's own starting noise instead of the seed's
+    cache: Any = None  # a CacheConfig for this run (None: the engine's)
+    # per-request LoRAs by name, [(name, strength), ...], that sgld serve resolves in its --lora-dir (None: the
+    # engine's own set); a local engine's LoRAs are Engine.set_loras, so Engine.prepare refuses them
+    loras: Any = None
 
     @property
     def options(self) -> SamplingOptions:
@@ -106,28 +121,7 @@ class _Request:
     def from_options(cls, latent, cond, uncond=None, options: Optional[SamplingOptions] = None, **inputs):
         """A request of ``options`` (None: the declared defaults) and the inputs (sigmas=, noise_mask=, ...)."""
         values = {f.name: getattr(options, f.name) for f in dataclasses.fields(SamplingOptions)} if options else {}
-        return cls(latent, cond, uncond, **values, **inputs)
-
-
-# One sampling run as every entry point hands it over (``Engine.sample_request``, a batcher ``Job``, the /v1/sample
-# wire): its inputs around SamplingOptions' fields, which are made from the declaration, so that a new option is a
-# field of every request with no change here. Positional order: latent, cond, uncond, seed, steps, cfg, ...
-SampleRequest = dataclasses.make_dataclass("SampleRequest", [
-    ("latent", Any),  # [B, C, h, w] float (zeros for text-to-image); a batcher Job may hold one sample [C, h, w]
-    ("cond", Any),  # per-sample text features [T_i, C] (one entry is used for every sample); a Job: one tensor too
-    ("uncond", Any, field(default=None)),  # the negative's, as ``cond`` (None, or cfg 1: no CFG)
-    *[(f.name, f.type, field(default=f.default, metadata=f.metadata)) for f in dataclasses.fields(SamplingOptions)],
-    # the caller's own schedule (steps + 1 values) instead of scheduler / denoise / shift
-    ("sigmas", Optional[torch.Tensor], field(default=None)),
-    ("noise_mask", Optional[torch.Tensor], field(default=None)),  # a LATENT's (inpainting): 1 repaint, 0 keep, any size
-    ("batch_index", Optional[List[int]], field(default=None)),  # a LATENT's (LatentFromBatch): the seed's draw of each
-    ("noise", Optional[torch.Tensor], field(default=None)),  # the caller's own starting noise instead of the seed's
-    ("cache", Any, field(default=None)),  # a CacheConfig for this run (None: the engine's)
-    # per-request LoRAs by name, [(name, strength), ...], that sgld serve resolves in its --lora-dir (None: the
-    # engine's own set); a local engine's LoRAs are Engine.set_loras, so Engine.prepare refuses them
-    ("loras", Any, field(default=None)),
-], bases=(_Request,), namespace={"__module__": __name__, "__doc__": "One sampling run: its inputs and its "
-                                 "sampling options (SamplingOptions' fields), as every entry point hands it over."})
+        return cls(latent=latent, cond=cond, uncond=uncond, **values, **inputs)
 
 
 DEFAULT_SAMPLER = default_of(SamplingOptions, "sampler")  # RunStats' before a run (every request carries its own)

@@ -39,7 +39,7 @@ def batcher(eng):
 
 def job(text, i, *, steps=6, cfg=3.0, sampler="euler", size=(16, 16), **kw):
     feats, uncond = text
-    return Job(torch.zeros(48, *size), feats[i], uncond, seed=100 + i, steps=steps, cfg=cfg, sampler=sampler, **kw)
+    return Job(latent=torch.zeros(48, *size), cond=feats[i], uncond=uncond, seed=100 + i, steps=steps, cfg=cfg, sampler=sampler, **kw)
 
 
 def solo(eng, j: Job) -> torch.Tensor:
@@ -201,7 +201,7 @@ def test_failing_jobs_fail_alone_and_the_loop_keeps_serving(eng, text, batcher):
 
     with torch.inference_mode():
         with pytest.raises(InputError, match="positive conditioning #0 holds values up to 3e\\+38"):
-            batcher.submit(Job(torch.zeros(48, 16, 16), torch.full((3, 128), 3e38), text[1], seed=1, steps=5, cfg=3.0))
+            batcher.submit(Job(latent=torch.zeros(48, 16, 16), cond=torch.full((3, 128), 3e38), uncond=text[1], seed=1, steps=5, cfg=3.0))
         jobs = [job(text, 0, steps=5), job(text, 1, steps=5, on_step=boom), job(text, 2, steps=5)]
         futures = batcher.submit_many(jobs)
         with pytest.raises(RuntimeError, match="client went away"):
@@ -315,10 +315,10 @@ def test_several_ranks_run_one_job_at_a_time_equal_to_engine_sample(tiny_checkpo
     b = Batcher(remote, max_batch=8)
     try:
         with torch.inference_mode():
-            jobs = [Job(torch.zeros(cfg.in_channels, 6, 5), torch.randn(7, cfg.text_in_dim, generator=g),
-                        torch.randn(3, cfg.text_in_dim, generator=g), seed=3, steps=8, cfg=3.0,
+            jobs = [Job(latent=torch.zeros(cfg.in_channels, 6, 5), cond=torch.randn(7, cfg.text_in_dim, generator=g),
+                        uncond=torch.randn(3, cfg.text_in_dim, generator=g), seed=3, steps=8, cfg=3.0,
                         cache=CacheConfig(preset="fast")),
-                    Job(torch.zeros(cfg.in_channels, 6, 5), torch.randn(4, cfg.text_in_dim, generator=g), None,
+                    Job(latent=torch.zeros(cfg.in_channels, 6, 5), cond=torch.randn(4, cfg.text_in_dim, generator=g), uncond=None,
                         seed=4, steps=5, cfg=1.0)]
             got = [f.result(JOIN_TIMEOUT) for f in b.submit_many(jobs)]
             for g_, j in zip(got, jobs):

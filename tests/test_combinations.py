@@ -160,10 +160,10 @@ def _sample(eng, combo, inputs):
     req = _request(combo, inputs)
     if "batching" not in combo:
         return eng.sample(req.pop("latent"), req.pop("cond"), req.pop("uncond"), **req)
-    other = Job(inputs["zeros"][0], inputs["cond"][1], inputs["uncond"][0], seed=9, steps=STEPS + 1, cfg=2.0)
+    other = Job(latent=inputs["zeros"][0], cond=inputs["cond"][1], uncond=inputs["uncond"][0], seed=9, steps=STEPS + 1, cfg=2.0)
     batched = req["latent"].shape[0] > 1
-    job = Job(req.pop("latent") if batched else req.pop("latent")[0], req.pop("cond") if batched else req.pop("cond")[0],
-              req.pop("uncond")[0], **req)
+    job = Job(latent=req.pop("latent") if batched else req.pop("latent")[0], cond=req.pop("cond") if batched else req.pop("cond")[0],
+              uncond=req.pop("uncond")[0], **req)
     batcher = Batcher(eng, max_batch=8)
     try:
         futures = batcher.submit_many([job, other])  # joined forwards: the other job's rows ride along

@@ -120,7 +120,7 @@ def test_a_batcher_on_the_demo_runs_its_jobs_on_one_thread():
     seen = []
     batcher = Batcher(open_engine("demo"), max_batch=2)
     try:
-        job = Job(demo.empty_latent(1)[0], demo.encode([PROMPT])[0], None, seed=0, steps=2, cfg=1.0,
+        job = Job(latent=demo.empty_latent(1)[0], cond=demo.encode([PROMPT])[0], uncond=None, seed=0, steps=2, cfg=1.0,
                   on_step=lambda step, total: seen.append(torch.get_num_threads()))
         batcher.submit(job).result(timeout=60)
     finally:

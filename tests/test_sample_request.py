@@ -27,7 +27,7 @@ OTHER = {int: 7, float: 0.5, str: "heun"}
 
 def test_every_sampling_option_is_a_request_field_and_crosses_the_wire():
     given = {name: OTHER[opt.kind] for name, opt in declared(SamplingOptions).items()}
-    request = SampleRequest(torch.zeros(1, 48, 16, 16), torch.ones(3, 128), torch.zeros(2, 128), **given,
+    request = SampleRequest(latent=torch.zeros(1, 48, 16, 16), cond=torch.ones(3, 128), uncond=torch.zeros(2, 128), **given,
                             batch_index=[2], sigmas=torch.tensor([0.5, 0.0]), noise_mask=torch.ones(1, 8, 8))
     assert dataclasses.asdict(request.options) == given
     back = sample_wire.decode(sample_wire.encode(request))
@@ -47,7 +47,7 @@ def test_every_sampling_option_is_a_request_field_and_crosses_the_wire():
 def test_a_requests_loras_cross_the_wire_and_a_local_engine_refuses_them(eng):
     """Per-request LoRAs by name (issue 37): the remote KSampler's chain reaches the route's Job; a local engine takes
     its LoRAs from Engine.set_loras, so Engine.sample refuses names (never drops them)."""
-    request = SampleRequest(torch.zeros(48, 16, 16), torch.ones(3, 128), seed=1, steps=2, cfg=1.0,
+    request = SampleRequest(latent=torch.zeros(48, 16, 16), cond=torch.ones(3, 128), seed=1, steps=2, cfg=1.0,
                             loras=(("style.safetensors", 0.8), ("sub/detail.safetensors", -1.0)))
     assert Job.of(sample_wire.decode(sample_wire.encode(request))).loras == request.loras
     with pytest.raises(InputError, match="loras: .*Engine.set_loras"):

@@ -332,7 +332,7 @@ def test_served_jobs_with_their_own_caches_equal_their_solo_runs(toy):
 
     eng = toy["engine"]
     g = torch.Generator().manual_seed(9)
-    jobs = [Job(torch.zeros(4, 5, 6), torch.randn(tokens, CFG.text_in_dim, generator=g), toy["inputs"]["uncond"][0],
+    jobs = [Job(latent=torch.zeros(4, 5, 6), cond=torch.randn(tokens, CFG.text_in_dim, generator=g), uncond=toy["inputs"]["uncond"][0],
                 seed=10 + i, steps=6, cfg=3.0, cache=cache)
             for i, (tokens, cache) in enumerate(((3, CacheConfig(warmup=1, rdt=0.3)), (9, CacheConfig(enabled=False))))]
     batcher = Batcher(eng, max_batch=4)

@@ -162,7 +162,7 @@ def image_server():
 def test_a_request_that_leaves_while_its_job_is_prepared_has_it_cancelled(image_server):
     """The noise of 256 draws takes a moment (in a thread): the request is cancelled meanwhile, and its job, once
     queued, is cancelled too instead of running its 10000 steps for nobody."""
-    job = Job(torch.zeros(1, 48, 64, 64), torch.zeros(4, 128), None, 0, LONG, 1.0, batch_index=[255])
+    job = Job(latent=torch.zeros(1, 48, 64, 64), cond=torch.zeros(4, 128), uncond=None, seed=0, steps=LONG, cfg=1.0, batch_index=[255])
 
     async def leave_early():
         request = asyncio.ensure_future(image_server.submit([job]))
@@ -179,7 +179,7 @@ def test_a_request_that_leaves_while_its_job_is_prepared_has_it_cancelled(image_
 
 
 def test_only_a_closed_batcher_is_shutting_down(image_server, monkeypatch):
-    job = Job(torch.zeros(48, 16, 16), torch.zeros(4, 128), None, 0, 1, 1.0, noise_mask=torch.ones(3, 1, 8, 8))
+    job = Job(latent=torch.zeros(48, 16, 16), cond=torch.zeros(4, 128), uncond=None, seed=0, steps=1, cfg=1.0, noise_mask=torch.ones(3, 1, 8, 8))
 
     def no_memory(jobs):  # a stub: running the shared machine out of memory is no test
         raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 39321600000 bytes")

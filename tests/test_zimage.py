@@ -195,7 +195,7 @@ def test_served_jobs_equal_their_solo_runs(zimage):
 
     eng = zimage["engine"]
     g = torch.Generator().manual_seed(9)
-    jobs = [Job(torch.zeros(16, 12, 10), torch.randn(tokens, 24, generator=g), zimage["inputs"]["uncond"][0],
+    jobs = [Job(latent=torch.zeros(16, 12, 10), cond=torch.randn(tokens, 24, generator=g), uncond=zimage["inputs"]["uncond"][0],
                 seed=10 + i, steps=6, cfg=3.0, cache=cache)
             for i, (tokens, cache) in enumerate(((9, CacheConfig(warmup=1, rdt=3.0)), (40, CacheConfig(enabled=False))))]
     batcher = Batcher(eng, max_batch=4)

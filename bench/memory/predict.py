@@ -345,7 +345,7 @@ def _serve(eng, jobs: int, latent, cond, uncond, steps: int, base: bool) -> None
 
     batcher = Batcher(eng, max_batch=8)
     try:
-        futures = batcher.submit_many([Job(latent, cond, uncond, seed=i, steps=steps, cfg=BASE_CFG if base else 1.0)
+        futures = batcher.submit_many([Job(latent=latent, cond=cond, uncond=uncond, seed=i, steps=steps, cfg=BASE_CFG if base else 1.0)
                                        for i in range(jobs)])
         for f in futures:
             f.result()

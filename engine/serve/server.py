@@ -327,7 +327,7 @@ class ImageServer:
             latent = parts.empty_latent(parts.default_size, parts.default_size)
         else:  # a DiT alone: the smallest latent, no text
             cond, latent = torch.zeros(1, mc.text_in_dim), torch.zeros(1, mc.in_channels, mc.patch_size, mc.patch_size)
-        (z, _), = await self.sample([Job(latent, cond, None, 0, 1, 1.0)])
+        (z, _), = await self.sample([Job(latent=latent, cond=cond, uncond=None, seed=0, steps=1, cfg=1.0)])
         if parts.pictures:
             await asyncio.to_thread(parts.decode, z)
         return {"status": "ok", "inference_time_s": round(time.perf_counter() - started, 4)}

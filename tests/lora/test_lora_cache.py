@@ -44,7 +44,7 @@ def held_bytes() -> int:
 def plain(i, steps=2, **kw):
     """A job of one row (cfg 1)."""
     g = torch.Generator().manual_seed(i)
-    return Job(torch.zeros(CFG.in_channels, 4, 4), torch.randn(3, CFG.text_in_dim, generator=g), None, seed=i,
+    return Job(latent=torch.zeros(CFG.in_channels, 4, 4), cond=torch.randn(3, CFG.text_in_dim, generator=g), uncond=None, seed=i,
                steps=steps, cfg=1.0, **kw)
 
 

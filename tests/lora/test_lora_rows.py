@@ -32,7 +32,7 @@ def files(tmp_path_factory):
 def job(i, lora_set=None, steps=4, cfg=2.0):
     g = torch.Generator().manual_seed(i)
     cond, uncond = torch.randn(3 + i, CFG.text_in_dim, generator=g), torch.randn(2, CFG.text_in_dim, generator=g)
-    return Job(torch.zeros(CFG.in_channels, 4, 4), cond, uncond, seed=10 + i, steps=steps, cfg=cfg, lora_set=lora_set)
+    return Job(latent=torch.zeros(CFG.in_channels, 4, 4), cond=cond, uncond=uncond, seed=10 + i, steps=steps, cfg=cfg, lora_set=lora_set)
 
 
 def engine(quant=None):

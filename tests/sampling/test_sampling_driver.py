@@ -36,14 +36,14 @@ def jobs_of_every_kind(text):
     mask = torch.zeros(1, 1, 64, 64)
     mask[..., 16:48, 8:40] = 1.0  # repaint a box (a mask at pixel size: scaled to the latent, as ComfyUI does)
     return {
-        "shift": Job(torch.zeros(48, 16, 16), red, empty, seed=1, steps=5, cfg=3.0, shift=1.5),
-        "sigmas": Job(torch.zeros(48, 16, 16), blue, empty, seed=2, steps=4, cfg=2.0, sampler="heun",
+        "shift": Job(latent=torch.zeros(48, 16, 16), cond=red, uncond=empty, seed=1, steps=5, cfg=3.0, shift=1.5),
+        "sigmas": Job(latent=torch.zeros(48, 16, 16), cond=blue, uncond=empty, seed=2, steps=4, cfg=2.0, sampler="heun",
                       sigmas=torch.tensor([1.0, 0.7, 0.4, 0.1, 0.0])),
-        "img2img": Job(start, red, None, seed=3, steps=6, cfg=1.0, denoise=0.6, scheduler="normal"),
-        "inpaint": Job(start, blue, empty, seed=4, steps=5, cfg=3.0, noise_mask=mask, denoise=0.8),
-        "batch": Job(torch.zeros(2, 48, 16, 16), [red, blue], empty, seed=5, steps=4, cfg=3.0, batch_index=[3, 1],
+        "img2img": Job(latent=start, cond=red, uncond=None, seed=3, steps=6, cfg=1.0, denoise=0.6, scheduler="normal"),
+        "inpaint": Job(latent=start, cond=blue, uncond=empty, seed=4, steps=5, cfg=3.0, noise_mask=mask, denoise=0.8),
+        "batch": Job(latent=torch.zeros(2, 48, 16, 16), cond=[red, blue], uncond=empty, seed=5, steps=4, cfg=3.0, batch_index=[3, 1],
                      sampler="dpmpp_2m"),
-        "batch_inpaint_cache": Job(torch.stack([start, -start]), red, empty, seed=6, steps=8, cfg=2.5,
+        "batch_inpaint_cache": Job(latent=torch.stack([start, -start]), cond=red, uncond=empty, seed=6, steps=8, cfg=2.5,
                                    noise_mask=torch.cat([mask, 1 - mask]), cache=CacheConfig(preset="balanced")),
     }
 
@@ -86,7 +86,7 @@ def test_denoise_0_answers_the_latent_unchanged(eng, text):
     b = Batcher(eng, max_batch=8)
     try:
         start = torch.randn(48, 16, 16, generator=torch.Generator().manual_seed(0))
-        j = Job(start, text[0][0], text[1], seed=1, steps=5, cfg=3.0, denoise=0.0)
+        j = Job(latent=start, cond=text[0][0], uncond=text[1], seed=1, steps=5, cfg=3.0, denoise=0.0)
         future = b.submit(j)
         assert torch.equal(future.result(TIMEOUT), start)
         assert future.run_stats == {"model_calls": 0, "calls_computed": 0, "samples_per_forward": 0.0}
