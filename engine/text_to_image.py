@@ -1,8 +1,9 @@
-"""Prompt -> picture, written once: ``sgld generate``, each ``sgld serve`` job and ``ErnieImagePipeline`` describe what
-they want as a ``Picture`` and turn it into the engine's ``SampleRequest`` here (the size checked once, by the model's
-own rule; each distinct prompt encoded once; the negatives only when the guidance reads them), then sample it with
-``generate`` (the server hands the request to its batcher instead). What differs between them stays theirs: the
-pipeline's diffusers schedule and generator noise (``sigmas``, ``noise``), the server's one job per image."""
+"""Prompt -> picture, written once: ``sgld generate``, each ``sgld serve`` job, ``ErnieImagePipeline`` and a bundled
+model's ``generate`` (through ``Engine.pictures``) describe what they want as a ``Picture`` and turn it into the
+engine's ``SampleRequest`` here (the size checked once, by the model's own rule; each distinct prompt encoded once;
+the negatives only when the guidance reads them), then sample it with ``generate`` (the server hands the request to
+its batcher instead). What differs between them stays theirs: the pipeline's diffusers schedule and generator noise
+(``sigmas``, ``noise``), the server's one job per image."""
 from __future__ import annotations
 
 from dataclasses import dataclass

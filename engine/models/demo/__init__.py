@@ -144,15 +144,16 @@ class DemoModel:
     def generate(self, prompts: Union[str, Sequence[str]], seed: int = 0, steps: Optional[int] = None,
                  cfg: Optional[float] = None, sampler: Optional[str] = None, scheduler: Optional[str] = None,
                  negative: str = "", callback=None) -> np.ndarray:
-        """Prompts -> uint8 images [B, 64, 64, 3] through ``self.engine`` (see ``engine.open_demo``); the settings not
-        given are the model's own defaults."""
+        """Prompts -> uint8 images [B, 64, 64, 3] through ``self.engine`` (see ``engine.open_demo``) and the engine's
+        one text-to-image path (``Engine.pictures``); the settings not given are the model's own defaults."""
         if self.engine is None:
             raise RuntimeError("this DemoModel has no engine: open it with engine.open_demo()")
-        cond = self.encode(prompts)
-        latent = self.engine.sample(self.empty_latent(len(cond)), cond, self.encode([negative]), seed=seed,
-                                    steps=steps or self.default_steps, cfg=self.default_cfg if cfg is None else cfg,
-                                    sampler=sampler or self.default_sampler,
-                                    scheduler=scheduler or self.default_scheduler, callback=callback)
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        latent = self.engine.pictures(self, prompts, [negative] * len(prompts), self.image_size,
+                                      self.image_size, callback=callback, seed=seed, steps=steps or self.default_steps,
+                                      cfg=self.default_cfg if cfg is None else cfg,
+                                      sampler=sampler or self.default_sampler,
+                                      scheduler=scheduler or self.default_scheduler)
         return self.decode(latent)
 
 
