@@ -32,11 +32,12 @@ from ..engine.features.cache import CacheConfigError, resolve_config
 from ..engine.inputs import check_latent, check_model_call, check_run_sigmas, check_values
 from ..engine.loading import checkpoint_shapes, estimate_bytes
 from ..engine.models import family_of
-from ..engine.models.demo import codec
-from ..engine.sampling import DEFAULT_SHIFT, MULTIPLIER
+from ..engine.models.bundle import bundle_of_config
+from ..engine.sampling import MULTIPLIER
 from ..engine.threads import torch_threads
 from . import compat
 from .comfy_lora import SOURCES_ATTACHMENT, check_native_keys, comfy_loras, executing_node, source_label
+from .comfy_settings import PaddedText, TextLengths, settings_class
 from .model_cache import SGLDModel, drop_engine, find_engine
 from .run_events import ERROR_CHARS, GRAPH_KEY, graph_fingerprint, run_stats, send_run_event, workflow_id
 
@@ -56,58 +57,6 @@ BRANCHES = {0: "positive", 1: "negative"}  # ComfyUI's cond_or_uncond values
 _runs: Dict[int, "ComfyRun"] = {}  # the runs in progress (transformer_options are copied; ids are not)
 _run_ids = itertools.count(1)
 _runs_lock = threading.Lock()
-
-
-class DemoLatent(comfy.latent_formats.LatentFormat):
-    """The demo model's 48-channel pixel latent (engine/models/demo/codec.py): previews show its pixels."""
-
-    latent_channels = codec.LATENT_CHANNELS
-
-    def __init__(self):
-        self.latent_rgb_factors = codec.preview_rgb_factors()
-        self.latent_rgb_factors_bias = [0.0, 0.0, 0.0]
-
-
-def _config_class(family, demo: bool):
-    native = getattr(comfy.supported_models, family.comfy_model, None) if family.comfy_model else None
-    if native is not None and not demo:
-        return native
-
-    class FamilySettings(comfy.supported_models_base.BASE):
-        """The family's flow settings, for a ComfyUI without its own model of the family (ERNIE-Image: before 0.19)."""
-        unet_config = dict(family.comfy_unet_config)
-        unet_extra_config = {}
-        sampling_settings = {"multiplier": MULTIPLIER, "shift": DEFAULT_SHIFT}
-        latent_format = DemoLatent if demo else getattr(comfy.latent_formats, family.latent.comfy_format)
-        memory_usage_factor = 10.0
-        supported_inference_dtypes = [torch.bfloat16, torch.float16, torch.float32]
-
-    return FamilySettings
-
-
-class PaddedText(comfy.conds.CONDRegular):
-    """Text features [B, T, C] that batch with other lengths by zero-padding; ``text_lens`` tells the DiT which
-    tokens are real, so prompt and negative of different lengths share one call (plain CONDRegular, as ComfyUI
-    0.19+'s native ERNIE-Image uses, runs them as separate calls; docs/comfyui_model.md)."""
-
-    def can_concat(self, other):
-        a, b = self.cond.shape, other.cond.shape
-        return a[0] == b[0] and a[2:] == b[2:] and self.cond.device == other.cond.device
-
-    def concat(self, others):
-        conds = [self.cond] + [o.cond for o in others]
-        longest = max(c.shape[1] for c in conds)
-        return torch.cat([torch.nn.functional.pad(c, (0, 0, 0, longest - c.shape[1])) for c in conds])
-
-
-class TextLengths(comfy.conds.CONDRegular):
-    """The text's real token counts [B], kept on the host: ComfyUI moves every tensor it passes to the diffusion
-    model onto the GPU, and the DiT reads "is anything padded" from the lengths; read from the GPU, that is a
-    device sync every model call. Batched, they reach ``EngineCall`` as a tuple of ints (not a tensor: ComfyUI
-    leaves it where it is)."""
-
-    def concat(self, others):
-        return tuple(int(n) for n in torch.cat([self.cond] + [o.cond for o in others]).tolist())
 
 
 def _model_class(base):
@@ -401,15 +350,15 @@ def comfy_model(handle: SGLDModel, engine):
     """The MODEL for ``handle`` (``engine``: its engine, already open); a ``ComfyModelUnavailable`` where this ComfyUI
     lacks what the family's MODEL needs (SGLD_MODEL works without it)."""
     family = family_of(engine.model_config)
-    demo = engine.model_config.in_channels == codec.LATENT_CHANNELS
+    bundle = bundle_of_config(engine.model_config)  # the demo: its own latent
     latent_format = family.latent.comfy_format
-    if not demo and getattr(comfy.latent_formats, latent_format, None) is None:
+    if bundle is None and getattr(comfy.latent_formats, latent_format, None) is None:
         text = (f"SGLDiffusion Model Loader: its comfy_model output does not work in this ComfyUI, which lacks "
                 f"the {latent_format} latent format (comfy.latent_formats.{latent_format}): update to {compat.UPDATE}. "
                 "Connect the 'model' output to SGLDiffusion KSampler instead.")
         log.warning("%s", text)
         return ComfyModelUnavailable(text)
-    settings = _config_class(family, demo)({**family.comfy_unet_config, "disable_unet_model_creation": True})
+    settings = settings_class(family, bundle)({**family.comfy_unet_config, "disable_unet_model_creation": True})
     call = EngineCall(handle, engine)
     call.multiplier = float(settings.sampling_settings.get("multiplier", MULTIPLIER))  # Z-Image's ComfyUI: 1
     settings.set_inference_dtype(call.dtype, None)

@@ -326,7 +326,7 @@ def test_the_family_scan_catches_internals(tmp_path, source, caught):
 # leaves it.
 DEMO_PENDING: Set[str] = {
     "engine",  # the public API: open_demo and DEMO (docs/python.md)
-    "nodes", "nodes.demo", "nodes.comfy_model"}  # the demo's own ComfyUI nodes and its latent format there
+    "nodes", "nodes.demo"}  # the demo's own ComfyUI nodes
 
 
 def demo_mentions(path: str, root: str = ROOT) -> List[str]:

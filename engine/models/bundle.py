@@ -31,6 +31,8 @@ class Bundle:
     threads: int  # CPU threads its DiT runs on (its matrices are too small to share between cores)
     latent_channels: int  # the latent it denoises, for the wrong-latent message
     latent_hint: str  # that message's words: the one size it makes and the ComfyUI node that makes its latent
+    # [latent_channels][3] weights taking a latent pixel to RGB in [-1, 1]: ComfyUI's previews of its own latent
+    preview_rgb_factors: Callable[[], list] = list
 
 
 _BUNDLES: Dict[str, Bundle] = {}

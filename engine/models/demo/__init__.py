@@ -208,6 +208,6 @@ BUNDLE = register_bundle(Bundle(
     name="demo", title="the demo model", image_size=IMAGE_SIZE, named=NAMED, load=load_demo,
     owns_config=has_demo_shapes, owns_metadata=is_demo_file,
     file_defaults=file_sampling_defaults, defaults={"steps": DEFAULT_STEPS, "cfg": DEFAULT_CFG}, threads=THREADS,
-    latent_channels=LATENT_CHANNELS,
+    latent_channels=LATENT_CHANNELS, preview_rgb_factors=codec.preview_rgb_factors,
     latent_hint=(f"the demo model makes {IMAGE_SIZE}x{IMAGE_SIZE} pictures only, from a latent of {LATENT_CHANNELS} "
                  f"channels at {LATENT_SIZE}x{LATENT_SIZE}: use SGLDiffusion Demo Empty Latent")))
