@@ -112,7 +112,7 @@ def test_no_import_cycles():
 
 
 # The layers of docs/architecture.md, lowest first: a module imports only from its own layer or below.
-LAYERS = [("engine.errors", "engine.options", "engine.sampling", "engine.device", "engine.compute_dtype"), ("engine.models.family", "engine.models.ernie_image_config"), ("engine.io",),
+LAYERS = [("engine.errors", "engine.options", "engine.sampling", "engine.device", "engine.compute_dtype", "engine.models.block_loop"), ("engine.models.family", "engine.models.ernie_image_config"), ("engine.io",),
           ("engine.models",), ("engine.features",), ("engine.config", "engine.loading", "engine.runner"),
           ("engine.inputs", "engine.local", "engine.sampling_options", "engine.threads"),
           ("engine.image_parts", "engine.text_to_image"), ("engine.engine",), ("engine.parallel",), ("engine.router",),

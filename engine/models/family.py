@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .block_loop import block_loop
+
 # The configuration fields every family's config carries (the generic layers read only these).
 CONFIG_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "in_channels",
                  "out_channels", "text_in_dim", "patch_size")
@@ -188,11 +190,9 @@ class TwoStreams:
 
 
 def run_blocks(model: nn.Module, h: torch.Tensor, ctx) -> torch.Tensor:
-    """The plain block loop, every block on every row: a model's ``block_runner`` until a feature replaces it
-    (Cache-DiT's loop, engine/features/cache/loop.py; offload and parallel wrap the blocks or call this)."""
-    for block in family_of(model).loop_blocks(model):
-        h = block(h, ctx)
-    return h
+    """Every block on every row (engine/models/block_loop.py with no runner): a model's ``block_runner`` until a
+    feature replaces it (Cache-DiT's runner; offload and parallel wrap the blocks or call this)."""
+    return block_loop(family_of(model).loop_blocks(model), h, [(h, ctx)], [None], lambda active: ctx)
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..features.cache import DBCacheRunner
-from ..features.cache.loop import cached_blocks
 from ..features.lora import routed, row_route
 from ..models import family_of
+from ..models.block_loop import block_loop
 from ..sampling import to_timestep
 
 
@@ -116,7 +116,7 @@ def joint_velocity(model, calls: Sequence[Call], device: torch.device) -> List[t
     length = max(h.shape[1] for h, _ in ordered)
     h = torch.cat([_pad_tokens(h, length) for h, _ in ordered])
     if any(r is not None for r in runners):  # each job's own cache decisions, its LoRAs on the rows that run
-        h = cached_blocks(family_of(model).loop_blocks(model), h, ordered, runners,
+        h = block_loop(family_of(model).loop_blocks(model), h, ordered, runners,
                           lambda active: _joined_context(model, [ordered[q] for q in active], length),
                           lambda active: routed(row_route([(ordered[q][0].shape[0], loras[q]) for q in active],
                                                           device)))

@@ -26,9 +26,9 @@ from typing import List, Optional
 
 import torch
 
+from ...models.block_loop import block_loop
 from ...models.family import family_of
 from .config import ResolvedCache
-from .loop import cached_blocks
 from .masks import mask_str
 from .taylorseer import TaylorSeer
 
@@ -112,10 +112,10 @@ class DBCacheRunner:
 
     # -- the block runner ---------------------------------------------------------------------------
     def __call__(self, model, h: torch.Tensor, ctx) -> torch.Tensor:
-        """One model call's blocks: the cache loop (loop.py) with this run's rows alone."""
-        return cached_blocks(family_of(model).loop_blocks(model), h, [(h, ctx)], [self], lambda active: ctx)
+        """One model call's blocks: the block loop (engine/models/block_loop.py) with this run's rows alone."""
+        return block_loop(family_of(model).loop_blocks(model), h, [(h, ctx)], [self], lambda active: ctx)
 
-    # The phases of one call, which the loop (loop.py) runs for each job of a forward.
+    # The phases of one call, which the block loop runs for each job of a forward.
     def start(self, h: torch.Tensor, ctx) -> int:
         """Begin a model call on hidden states ``h``; returns its index (a new shape starts the state afresh)."""
         i = self.call

@@ -1,10 +1,12 @@
-"""The block loop under Cache-DiT, written once: a sampling run's (``DBCacheRunner.__call__``: one job, its own
-rows) and a served forward's (engine/serve/forward.py: several jobs' rows joined, each with its own runner or none).
+"""The block loop, written once: a model's plain forward (engine/models/family.py ``run_blocks``: one job, no
+runner), a sampling run under Cache-DiT (engine/features/cache/dbcache.py ``DBCacheRunner.__call__``: one job, its own
+rows) and a served forward (engine/serve/forward.py: several jobs' rows joined, each with its own runner or none).
+Offload wraps the blocks it calls, sequence parallel calls it on a chunk of the tokens, and a family's block pattern
+is in the blocks it is given (``Family.loop_blocks``).
 
 Each job's runner takes its own decision after its first ``fn`` blocks, on its own rows (the shapes it has alone);
 a cached job's rows get its saved residual and skip the middle blocks, which run on the other rows only; every row
-runs the last ``bn`` blocks. The family's plain loop (engine/models/family.py ``run_blocks``) is this loop with no
-runner."""
+runs the last ``bn`` blocks."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -13,13 +15,18 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 
-def cached_blocks(layers, h: torch.Tensor, parts: Sequence[Tuple[torch.Tensor, object]], runners: Sequence,
+def block_loop(layers, h: torch.Tensor, parts: Sequence[Tuple[torch.Tensor, object]], runners: Sequence,
                   context_of: Callable[[Tuple[int, ...]], object],
                   around: Optional[Callable[[Tuple[int, ...]], object]] = None) -> torch.Tensor:
     """``h``: the jobs' rows, in order [rows, tokens, C] (one job: its own hidden states); ``parts``: each job's
     (hidden states, context) as its embed made them; ``runners``: each job's ``DBCacheRunner`` (None: always
     computed); ``context_of(active)``: the block context of the jobs ``active`` (indices into ``parts``) together;
     ``around(active)``: what the blocks run inside for those jobs' rows (a served forward's LoRA routes)."""
+    if around is None and len(parts) == 1 and runners[0] is None:  # a plain forward: every block on every row
+        ctx = context_of((0,))
+        for layer in layers:
+            h = layer(h, ctx)
+        return h
     n = len(layers)
     spans, row = [], 0
     for hi, _ in parts:
