@@ -7,7 +7,7 @@
 The parts come from ``engine.release.resolve_release``; the DiT runs in this project's ``Engine`` (every engine
 option of ``EngineConfig`` is a keyword of ``from_pretrained``), the text encoder and VAE are
 those the DiT's family names (``Family.companions``: transformers' models, diffusers' VAEs), the prompt
-enhancer engine/prompt_enhancer.py's. Sigma schedule, CFG and the mapping to diffusers' scheduler:
+enhancer engine/models/prompt_enhancer.py's. Sigma schedule, CFG and the mapping to diffusers' scheduler:
 docs/python.md.
 """
 from __future__ import annotations
@@ -33,9 +33,9 @@ from .features.lora import parse_spec
 from .image_parts import BundledParts, FileParts, ImageParts
 from .inputs import check_sampling_settings, check_seed
 from .io.checkpoint import parse_dtype
+from .models import family_of
 from .models.bundle import bundle_of_file
 from .models.external import text_encoder_dtype
-from .prompt_enhancer import PromptEnhancer
 from .release import Release, bundled, dit_family, picture_shift, resolve_release
 from .router import open_engine
 from .sampling import DEFAULT_SHIFT, SAMPLERS, SCHEDULERS, time_snr_shift
@@ -270,10 +270,14 @@ class ErnieImagePipeline:
     # -- the prompt enhancer -------------------------------------------------------------------------------------
     def _enhancer(self):
         if self.pe is None:
+            enhancer = family_of(self.engine.model_config).companions.prompt_enhancer
+            if enhancer is None:
+                raise InputError(f"use_pe: a {family_of(self.engine.model_config).title} release has no prompt "
+                                 "enhancer; call with use_pe=False and the prompt written out")
             self.release.require("pe", "pe_tokenizer", why="use_pe=True needs the release's prompt enhancer")
-            self.pe = PromptEnhancer.from_pretrained(self.release.pe, tokenizer=self.release.pe_tokenizer,
-                                                     device=self.engine.config.device,
-                                                     dtype=parse_dtype(self.engine.config.dtype))
+            self.pe = enhancer.from_pretrained(self.release.pe, tokenizer=self.release.pe_tokenizer,
+                                              device=self.engine.config.device,
+                                              dtype=parse_dtype(self.engine.config.dtype))
         return self.pe
 
     # -- running ---------------------------------------------------------------------------------------------------

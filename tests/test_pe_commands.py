@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from engine.prompt_enhancer import MAX_PROMPT_TOKENS, PromptEnhancer
+from engine.models.prompt_enhancer import MAX_PROMPT_TOKENS, PromptEnhancer
 from tests.test_cli_errors import ENV, SGLD, png_pixels
 from tests.test_serve import Server, client
 from tests.tiny_pe import write_tiny_pe

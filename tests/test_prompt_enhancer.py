@@ -1,4 +1,4 @@
-"""engine/prompt_enhancer.py against diffusers' own ``ErnieImagePipeline._enhance_prompt_with_pe`` on the same tiny
+"""engine/models/prompt_enhancer.py against diffusers' own ``ErnieImagePipeline._enhance_prompt_with_pe`` on the same tiny
 random PE (tests/tiny_pe.py: built from configs, no downloads), and its bad inputs."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.errors import Cancelled, CheckpointError, InputError
-from engine.prompt_enhancer import MAX_NEW_TOKENS_CAP, MAX_PROMPT_TOKENS, PromptEnhancer
+from engine.models.prompt_enhancer import MAX_NEW_TOKENS_CAP, MAX_PROMPT_TOKENS, PromptEnhancer
 from tests.tiny_pe import MAX_LENGTH, read_json, write_tiny_pe
 
 pytest.importorskip("transformers")
@@ -224,7 +224,7 @@ ABSURD_CONFIGS = r"""
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # the old code's allocations die here, not on the machine
 from engine.errors import CheckpointError
-from engine.prompt_enhancer import PromptEnhancer
+from engine.models.prompt_enhancer import PromptEnhancer
 from transformers import Ministral3ForCausalLM  # imported before the clock starts
 for folder in sys.argv[2:]:
     t0 = time.perf_counter()

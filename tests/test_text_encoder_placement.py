@@ -177,7 +177,7 @@ def test_the_prompt_enhancer_takes_the_same_rule(tmp_path, monkeypatch):
     resident in a server), an asked --pe-dtype still wins."""
     from tiny_pe import write_tiny_pe
 
-    from engine.prompt_enhancer import PromptEnhancer
+    from engine.models.prompt_enhancer import PromptEnhancer
 
     write_tiny_pe(str(tmp_path))
     pe = str(tmp_path / "pe")
@@ -193,7 +193,7 @@ def test_the_prompt_enhancer_is_on_the_gpu_only_while_it_writes(tmp_path):
     answered by the rehearsal: the trace is of the memory, not of the text.)"""
     from tiny_pe import write_tiny_pe
 
-    from engine.prompt_enhancer import PromptEnhancer
+    from engine.models.prompt_enhancer import PromptEnhancer
 
     write_tiny_pe(str(tmp_path))
     pe = PromptEnhancer.from_pretrained(str(tmp_path / "pe"), device="cuda")

@@ -113,6 +113,16 @@ def test_its_defaults_and_size_rule_are_its_own(pipes):
         ours("a red cat", height=64, width=40)
 
 
+def test_a_prompt_enhancer_is_refused_by_name(release, pipes, tmp_path, sgld_in_process):
+    """Z-Image's release ships no prompt enhancer (its family names none): --pe and use_pe say so, nothing written."""
+    code, _, err = sgld_in_process("generate", "--prompt", "a red cat", "--model-path", release, "--pe", release,
+                                   "--width", "48", "--height", "32", "--out", tmp_path / "pe.png")
+    assert code != 0 and "--pe: a Z-Image model has no prompt enhancer (its release ships none)" in err, err
+    assert not (tmp_path / "pe.png").exists()
+    with pytest.raises(InputError, match="use_pe: a Z-Image release has no prompt enhancer"):
+        pipes[1]("a red cat", height=32, width=48, use_pe=True)
+
+
 @pytest.mark.subprocess
 def test_sgld_generate_on_the_release_and_on_comfyuis_single_files(release, pipes, tmp_path, sgld_in_process):
     from PIL import Image

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.ministral import MINISTRAL_3B, CountOnly  # noqa: E402
 from bench.results_md import write_section  # noqa: E402
 from engine.models.external import Flux2VAE, TextEncoder, move_weights  # noqa: E402
-from engine.prompt_enhancer import DEFAULT_MAX_NEW_TOKENS  # noqa: E402
+from engine.models.prompt_enhancer import DEFAULT_MAX_NEW_TOKENS  # noqa: E402
 
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
 

@@ -15,7 +15,7 @@ from ..errors import CheckpointError
 from ..features.cache import CacheConfig
 from ..models import families
 from ..models.external import PLACEMENTS
-from ..prompt_enhancer import MAX_NEW_TOKENS_CAP, PromptEnhancer
+from ..models.prompt_enhancer import MAX_NEW_TOKENS_CAP
 from ..sampling import MAX_IMAGE_SIDE
 from ..sampling_options import SamplingOptions
 
@@ -153,7 +153,7 @@ def add_text_encoder_arguments(group, folder_help: str) -> None:
 
 
 def add_pe_arguments(p) -> None:
-    """The prompt enhancer's flags (engine/prompt_enhancer.py)."""
+    """The prompt enhancer's flags (engine/models/prompt_enhancer.py)."""
     g = p.add_argument_group("prompt enhancer (ERNIE-Image's PE; costs seconds per prompt)")
     g.add_argument("--pe", nargs="?", const="", default=None, metavar="PATH",
                    help="rewrite the prompt with the PE first: PATH is its folder (the release's pe/) or a "
@@ -180,12 +180,15 @@ def check_pe_args(args) -> None:
                          "enhancer: give --pe [PATH] too")
 
 
-def load_prompt_enhancer(args, release=None):
-    """The PE the flags name (None without --pe): --pe PATH, else the release's pe/ (CheckpointError naming
-    what is missing)."""
+def load_prompt_enhancer(args, family, release=None):
+    """The PE the flags name (None without --pe), of the kind ``family`` (the DiT's) names: --pe PATH, else the
+    release's pe/ (CheckpointError naming what is missing; ValueError for a family whose release ships none)."""
     if getattr(args, "pe", None) is None:
         return None
-
+    enhancer = family.companions.prompt_enhancer if family.companions is not None else None
+    if enhancer is None:
+        raise ValueError(f"--pe: a {family.title} model has no prompt enhancer (its release ships none); run without "
+                         "--pe, with the prompt written out")
     path, tokenizer = args.pe, args.pe_tokenizer
     if not path:
         if release is None or release.pe is None:
@@ -193,5 +196,5 @@ def load_prompt_enhancer(args, release=None):
             raise CheckpointError(f"--pe without a PATH uses the --model-path release's pe/, but {where}; give "
                                   "--pe PATH (the PE folder, or ernie-image-prompt-enhancer.safetensors with its config)")
         path, tokenizer = release.pe, tokenizer or release.pe_tokenizer
-    return PromptEnhancer.from_pretrained(path, tokenizer=tokenizer, device=args.pe_device or args.device,
+    return enhancer.from_pretrained(path, tokenizer=tokenizer, device=args.pe_device or args.device,
                                           dtype=args.pe_dtype)

@@ -179,7 +179,8 @@ def served_model(args) -> ServedModel:
     """The model the flags name, with its defaults and the --lora files active."""
     defaults = check_serve_args(args)
     release = release_of(args)
-    pe = load_prompt_enhancer(args, release)  # resident: a request's enhance_prompt must not wait for a load
+    # resident: a request's enhance_prompt must not wait for a load
+    pe = load_prompt_enhancer(args, dit_family(model_source(args), companions=False), release)
     loaded = _dit_alone(args) if args.sample_only else make_parts(args)
     if args.loras:
         loaded.engine.set_loras(args.loras)

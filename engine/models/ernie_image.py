@@ -24,6 +24,7 @@ from torch import nn
 from .ernie_image_config import ARCHITECTURE, MAX_LAYERS, SIGNATURE_KEYS, ErnieImageConfig
 from .external import Flux2VAE, TextEncoder
 from .family import Companions, Family, Latent, RMSNorm, chunk_rope_context, register, run_blocks, sdpa
+from .prompt_enhancer import PromptEnhancer
 
 
 class Attention(nn.Module):
@@ -304,5 +305,6 @@ FAMILY = register(Family(
     sampling_defaults={"base": {"steps": 50, "cfg": 4.0}, "turbo": {"steps": 8, "cfg": 1.0}},  # the model cards
     sizes=((1024, 1024), (848, 1264), (1264, 848), (768, 1376), (1376, 768), (896, 1200), (1200, 896)),  # model card
     compute_dtypes=(torch.bfloat16, torch.float32),  # trained in bf16; fp16 overflows (its activations pass 65504)
-    companions=Companions(TextEncoder, Flux2VAE, default_size=1024, pipeline_class="ErnieImagePipeline"),
+    companions=Companions(TextEncoder, Flux2VAE, default_size=1024, pipeline_class="ErnieImagePipeline",
+                          prompt_enhancer=PromptEnhancer),
 ))

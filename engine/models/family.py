@@ -208,6 +208,9 @@ class Companions:
     # diffusers' ``guidance_scale`` of that pipeline plus this is the engine's cfg (Z-Image's pipeline guides as
     # cond + g (cond - uncond): cfg g + 1, and Turbo's guidance_scale=0.0 is cfg 1)
     guidance_offset: float = 0.0
+    # its prompt enhancer (``from_pretrained(path, tokenizer=, device=, dtype=)``, engine/models/prompt_enhancer.py), or
+    # None: its release ships none, and ``--pe`` / ``use_pe`` are refused by name
+    prompt_enhancer: Optional[type] = None
     # its pipeline computes a release's resolution-dependent shift (diffusers' use_dynamic_shifting: ``mu`` from the
     # token count); False: a release that asks for one is refused by name (its diffusers pipeline passes no ``mu``)
     dynamic_shift: bool = False

@@ -1,4 +1,5 @@
-"""ERNIE-Image's prompt enhancer (PE): a small causal LM that rewrites a short prompt into a detailed one.
+"""ERNIE-Image's prompt enhancer (PE): a small causal LM that rewrites a short prompt into a detailed one. A family
+names it as its companion (``Companions.prompt_enhancer``); the entry points load it from there.
 
 It runs as diffusers' ``ErnieImagePipeline._enhance_prompt_with_pe`` does (shared/reference/ernie_image.md
 §3.2): the user message is JSON ``{"prompt", "width", "height"}`` (ensure_ascii off), after an optional
@@ -29,12 +30,12 @@ from typing import List, Optional, Union
 
 import torch
 
-from . import device as device_rt
-from .errors import Cancelled, CheckpointError, InputError
-from .io.readers import open_file
-from .io.safetensors import load_json_object, refuse_pickle, refuse_pickles_in
-from .io.shapes import check_counts, check_sizes, on_meta, read_header
-from .models.external import RoomCheck, move_weights, text_encoder_dtype
+from .. import device as device_rt
+from ..errors import Cancelled, CheckpointError, InputError
+from ..io.readers import open_file
+from ..io.safetensors import load_json_object, refuse_pickle, refuse_pickles_in
+from ..io.shapes import check_counts, check_sizes, on_meta, read_header
+from .external import RoomCheck, move_weights, text_encoder_dtype
 
 log = logging.getLogger("sgld.parts")
 
