@@ -155,8 +155,9 @@ class ErnieImagePipeline:
             parts = FileParts(te, family.companions.vae.load(release.vae, device=config.device, config=vae_config),
                               family)
             engine = open_engine(release.transformer, config)
-            kinds = {model_kind(release.transformer)} | ({model_kind(release.source)} if release.kind == "hub" else set())
-            kind = "turbo" if "turbo" in kinds else "base"  # a repo id's name says Turbo too (its snapshot's cannot)
+            kinds = [model_kind(release.transformer)] + ([model_kind(release.source)] if release.kind == "hub" else [])
+            first = next(iter(family.sampling_defaults), "")  # a repo id's name says its variant (its snapshot's cannot)
+            kind = next((k for k in kinds if k != first), kinds[0])
         pipe = cls(engine, parts, release, kind, cache=cache)
         if lora is not None:
             pipe.set_loras(_loras(lora))

@@ -38,10 +38,6 @@ def _per_model(key: str, kinds=tuple(MODEL_DEFAULTS)) -> str:
     return ", ".join(f"{kind if kind in names else kind.capitalize()} {MODEL_DEFAULTS[kind][key]:g}" for kind in kinds)
 
 
-# Keys only the released ERNIE-Image-Turbo transformer/config.json has (Base's lacks them)
-TURBO_CONFIG_KEYS = ("lora_rank", "use_lora")
-
-
 @dataclass
 class SamplingOptions:
     """One run's sampling settings. ``steps`` / ``cfg`` None: the model's (``with_model_defaults``)."""
@@ -129,14 +125,14 @@ DEFAULT_SAMPLER = default_of(SamplingOptions, "sampler")  # RunStats' before a r
 
 def model_kind(source: str) -> str:
     """Which model a file or folder is, for its defaults: a bundle's name ("demo": its metadata or its DiT's shapes,
-    engine/models/bundle.py), "turbo" (the released
-    Turbo config's own keys, else "turbo" in the file's or folder's name) or "base". Reads headers only; a
-    file that cannot be read is judged by its name (its loading says what is wrong)."""
+    engine/models/bundle.py), else its family's variant (``Family.variant_of``: the config keys only that variant's
+    release has, else "turbo" / "base" in the file's or folder's name). Reads headers only; a file that cannot be
+    read is judged by its name, as the first family's (its loading says what is wrong)."""
     return _kind(source)[0]
 
 
 def _kind(source: str) -> tuple:
-    """(``model_kind``, the file's family, its Bundle, or None): its header read once."""
+    """(``model_kind``, the file's family or its Bundle): its header read once."""
     path = os.path.normpath(os.fspath(named_file(source)))
     bundle = bundle_of_file(path)
     if bundle is not None:
@@ -149,12 +145,11 @@ def _kind(source: str) -> tuple:
             family = checkpoint.family
     except (CheckpointError, OSError, ValueError):
         pass  # what was read counts
-    if any(key in config for key in TURBO_CONFIG_KEYS):
-        return "turbo", family
+    family = family or families()[0]
     name = os.path.basename(path)
     if name.lower() == "transformer":  # a diffusers folder's transformer/: the model's folder names it
         name = os.path.basename(os.path.dirname(os.path.abspath(path)))
-    return ("turbo" if "turbo" in name.lower() else "base"), family
+    return family.variant_of(config, name), family
 
 
 def model_defaults(source: str) -> dict:
@@ -164,9 +159,7 @@ def model_defaults(source: str) -> dict:
     if isinstance(family, Bundle):
         own = family.file_defaults(os.fspath(named_file(source)))
         return {"steps": own["steps"], "cfg": own["cfg"]}
-    variants = family.sampling_defaults if family is not None and family is not families()[0] else {}
-    if not variants:
-        return dict(MODEL_DEFAULTS[kind])
+    variants = family.sampling_defaults or families()[0].sampling_defaults
     return dict(variants.get(kind) or next(iter(variants.values())))
 
 

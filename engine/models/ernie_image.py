@@ -303,6 +303,7 @@ FAMILY = register(Family(
     comfy_model="ErnieImage", max_layers=MAX_LAYERS,
     comfy_unet_config={"image_model": "ernie"},
     sampling_defaults={"base": {"steps": 50, "cfg": 4.0}, "turbo": {"steps": 8, "cfg": 1.0}},  # the model cards
+    variant_config_keys={"turbo": ("lora_rank", "use_lora")},  # Turbo's transformer/config.json has them, Base's not
     sizes=((1024, 1024), (848, 1264), (1264, 848), (768, 1376), (1376, 768), (896, 1200), (1200, 896)),  # model card
     compute_dtypes=(torch.bfloat16, torch.float32),  # trained in bf16; fp16 overflows (its activations pass 65504)
     companions=Companions(TextEncoder, Flux2VAE, default_size=1024, pipeline_class="ErnieImagePipeline",

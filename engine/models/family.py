@@ -248,6 +248,8 @@ class Family:
     # variant ("base", "turbo") -> {"steps", "cfg"} its release is run with; the first is a file's when its name
     # and config name no variant of the family
     sampling_defaults: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    # variant -> config keys only its release's transformer config has (ERNIE-Image-Turbo's lora_rank, use_lora)
+    variant_config_keys: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
     sizes: Tuple[Tuple[int, int], ...] = ()  # recommended (width, height) in pixels, for tooltips
     max_layers: int = 512  # a bound on the blocks a file's header can ask for
     # the dtypes it computes in safely, fastest first (ComfyUI's supported_inference_dtypes): the default compute
@@ -278,6 +280,15 @@ class Family:
     def block_lists_of(self, model: nn.Module) -> List[nn.ModuleList]:
         """Every list of blocks, in the order a forward runs them (``block_lists``)."""
         return [getattr(model, name) for name in self.list_names]
+
+    def variant_of(self, config: Mapping[str, object], name: str) -> str:
+        """Which of its variants (``sampling_defaults``) a file is: the one whose own config keys ``config`` has, else
+        the one ``name`` (the file's or its folder's) names, else the first."""
+        for variant, keys in self.variant_config_keys.items():
+            if any(key in config for key in keys):
+                return variant
+        named = [variant for variant in self.sampling_defaults if variant in name.lower()]
+        return named[0] if named else next(iter(self.sampling_defaults), "")
 
     def device_of(self, model: nn.Module) -> torch.device:
         """The compute device: that of the model's parameters outside the blocks (layer-wise offload keeps blocks

@@ -22,6 +22,7 @@ from engine.cli import build_parser
 from engine.cli.bench import run_settings
 from engine.cli.generate import check_generate_args, model_source
 from engine.cli.serve import SAMPLING as SERVE_SAMPLING
+from engine.models import get
 from engine.models.demo import DEMO_WEIGHTS
 from engine.models.random_weights import SIZES, save_random_checkpoint
 from engine.parallel import launch
@@ -114,7 +115,7 @@ def test_every_command_gets_the_same_defaults_for_the_same_file(files, case):
 
 
 def test_a_changed_per_model_default_reaches_every_command(files, monkeypatch):
-    monkeypatch.setitem(MODEL_DEFAULTS, "turbo", {"steps": 6, "cfg": 1.5})
+    monkeypatch.setitem(get("ernie-image").sampling_defaults, "turbo", {"steps": 6, "cfg": 1.5})  # its description
     model = files["turbo_config"]
     assert generate_defaults(model) == bench_defaults(model) == serve_defaults(model) == launch_defaults(model) == {
         "steps": 6, "cfg": 1.5}
