@@ -67,7 +67,7 @@ class ToyContext:
     gate: torch.Tensor  # [B, S, 1] per token: 1 for image tokens, 0.5 for text tokens
     key_mask: Optional[torch.Tensor]
     attention: Callable
-    num_image_tokens: int
+    image_tokens: int
     grid: tuple
     valid_tokens: Optional[int] = None
 
@@ -79,7 +79,7 @@ def _pad(t: torch.Tensor, length: int) -> torch.Tensor:
 def join_contexts(contexts: Sequence[ToyContext], length: int, attention: Callable) -> ToyContext:
     first = contexts[0]
     return ToyContext(torch.cat([c.scale for c in contexts]), torch.cat([_pad(c.gate, length) for c in contexts]),
-                      None, attention, first.num_image_tokens, first.grid)
+                      None, attention, first.image_tokens, first.grid)
 
 
 def chunk_context(ctx: ToyContext, pad: int, chunk: slice, attention: Callable, valid_tokens: int) -> ToyContext:
@@ -148,14 +148,15 @@ def run_stages(model, h, ctx):
 
 
 class ToyDiT(nn.Module):
-    def __init__(self, cfg: ToyConfig):
+    def __init__(self, cfg: ToyConfig, blocks=("stages", ToyStage)):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
         self.patchify = nn.Linear(cfg.in_channels, h)
         self.txt_in = nn.Linear(cfg.text_in_dim, h, bias=False)
         self.time_in = nn.Linear(TIME_DIM, h)
-        self.stages = nn.ModuleList([ToyStage(cfg) for _ in range(cfg.num_layers)])
+        name, block = blocks  # (attribute, block class): tests/test_two_stream_family.py's MMDiT has its own
+        setattr(self, name, nn.ModuleList([block(cfg) for _ in range(cfg.num_layers)]))
         self.head = nn.Linear(h, cfg.out_channels)
         self.attention = sdpa
         self.block_runner = run_stages
@@ -183,7 +184,7 @@ class ToyDiT(nn.Module):
         return h, ToyContext(scale, gate, key_mask, self.attention, n_img, (gh, gw))
 
     def unembed(self, h, ctx: ToyContext):
-        out = self.head(F.layer_norm(h[:, :ctx.num_image_tokens], (h.shape[-1],)))
+        out = self.head(F.layer_norm(h[:, :ctx.image_tokens], (h.shape[-1],)))
         gh, gw = ctx.grid
         return out.transpose(1, 2).reshape(out.shape[0], -1, gh, gw)
 
@@ -210,36 +211,64 @@ LORA_TARGETS = ("attn.wq", "attn.wo", "ffn.w1")
 RANK = 2
 
 
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    """The toy family registered, its checkpoint written (random weights), the inputs and the plain run."""
-    register(TOY)
+def registered(tmp_path_factory, family, model_class, cfg):
+    """A toy family registered, its checkpoint written (random weights), the inputs and the plain run (a module
+    fixture's body: tests/test_two_stream_family.py makes its own family's with it)."""
+    register(family)
     try:
-        folder = tmp_path_factory.mktemp("toy")
+        folder = tmp_path_factory.mktemp(family.name)
         torch.manual_seed(0)
-        model = ToyDiT(CFG)
-        path = str(folder / "toy.safetensors")
+        model = model_class(cfg)
+        path = str(folder / f"{family.name}.safetensors")
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
         g = torch.Generator().manual_seed(1)
-        inputs = dict(latent=torch.zeros(empty_latent_shape(TOY, 48, 40, 1)),  # 6x5 cells: odd sequence with text
-                      cond=[torch.randn(7, CFG.text_in_dim, generator=g)],
-                      uncond=[torch.randn(4, CFG.text_in_dim, generator=g)])
+        inputs = dict(latent=torch.zeros(empty_latent_shape(family, 48, 40, 1)),  # 6x5 cells: odd sequence with text
+                      cond=[torch.randn(7, cfg.text_in_dim, generator=g)],
+                      uncond=[torch.randn(4, cfg.text_in_dim, generator=g)])
         plain = open_engine(path, EngineConfig())
         ref = _sample(plain, inputs, CacheConfig(enabled=False))
-        yield dict(path=path, folder=folder, inputs=inputs, ref=ref, engine=plain, state=model.state_dict())
+        yield dict(path=path, folder=folder, inputs=inputs, ref=ref, engine=plain, model=model,
+                   state=model.state_dict())
     finally:
         from engine.parallel import shutdown_pools
 
         shutdown_pools()
-        unregister(NAME)
+        unregister(family.name)
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    yield from registered(tmp_path_factory, TOY, ToyDiT, CFG)
 
 
 def _sample(eng, inputs, cache, steps=6):
-    return eng.sample(inputs["latent"], inputs["cond"], inputs["uncond"], seed=3, steps=steps, cfg=3.0, cache=cache)
+    with torch.inference_mode():  # as ComfyUI runs a node
+        return eng.sample(inputs["latent"], inputs["cond"], inputs["uncond"], seed=3, steps=steps, cfg=3.0, cache=cache)
 
 
 def _close(out, ref, tol):
     return (out - ref).abs().max().item() <= tol * ref.abs().max().item()
+
+
+def assert_served_jobs_equal_solo_runs(eng, latent, conds, uncond, cached):
+    """The server's batcher joins two jobs of different text lengths (``conds``) in every step through the
+    family's join_contexts, the first with ``cached`` (its own Cache-DiT: its rows skip the middle blocks when it
+    reuses), the second uncached: each equals its run alone."""
+    from engine.serve.batcher import Batcher, Job
+
+    jobs = [Job(latent=latent, cond=cond, uncond=uncond, seed=10 + i, steps=6, cfg=3.0, cache=cache)
+            for i, (cond, cache) in enumerate(zip(conds, (cached, CacheConfig(enabled=False))))]
+    batcher = Batcher(eng, max_batch=4)
+    try:
+        with torch.inference_mode():
+            got = [f.result(60) for f in batcher.submit_many(jobs)]
+            refs = [eng.sample(j.latent[None], [j.cond], [j.uncond], seed=j.seed, steps=j.steps, cfg=j.cfg,
+                               cache=j.cache)[0] for j in jobs]
+    finally:
+        batcher.close()
+    assert False in jobs[0].stats.step_mask and all(jobs[1].stats.step_mask)
+    for out, ref in zip(got, refs):
+        assert _close(out, ref, 1e-5), (out - ref).abs().max()
 
 
 def test_load_and_sample(toy):
@@ -325,27 +354,10 @@ def test_served_batch_joins_the_toys_contexts(toy):
 
 
 def test_served_jobs_with_their_own_caches_equal_their_solo_runs(toy):
-    """The server's batcher: two jobs of different text lengths joined in every step (the family's blocks and
-    join_contexts), one with its own Cache-DiT (its rows skip the middle stages when it reuses), each equal to
-    its run alone."""
-    from engine.serve.batcher import Batcher, Job
-
-    eng = toy["engine"]
     g = torch.Generator().manual_seed(9)
-    jobs = [Job(latent=torch.zeros(4, 5, 6), cond=torch.randn(tokens, CFG.text_in_dim, generator=g), uncond=toy["inputs"]["uncond"][0],
-                seed=10 + i, steps=6, cfg=3.0, cache=cache)
-            for i, (tokens, cache) in enumerate(((3, CacheConfig(warmup=1, rdt=0.3)), (9, CacheConfig(enabled=False))))]
-    batcher = Batcher(eng, max_batch=4)
-    try:
-        with torch.inference_mode():
-            got = [f.result(60) for f in batcher.submit_many(jobs)]
-            refs = [eng.sample(j.latent[None], [j.cond], [j.uncond], seed=j.seed, steps=j.steps, cfg=j.cfg,
-                               cache=j.cache)[0] for j in jobs]
-    finally:
-        batcher.close()
-    assert False in jobs[0].stats.step_mask and all(jobs[1].stats.step_mask)
-    for out, ref in zip(got, refs):
-        assert _close(out, ref, 1e-5), (out - ref).abs().max()
+    assert_served_jobs_equal_solo_runs(toy["engine"], torch.zeros(4, 5, 6),
+                                       [torch.randn(tokens, CFG.text_in_dim, generator=g) for tokens in (3, 9)],
+                                       toy["inputs"]["uncond"][0], CacheConfig(warmup=1, rdt=0.3))
 
 
 def test_a_rank_learns_the_family_from_its_model_classs_module(toy):

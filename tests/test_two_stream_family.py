@@ -6,44 +6,34 @@ batching of jobs with different text lengths, and Ulysses sequence parallel on t
 holds image tokens, text tokens or both). Each against the blocks called as the toy writes them, in float32."""
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from test_second_family import (
+    ToyConfig,
+    ToyDiT,
+    _close,
+    _sample,
+    assert_served_jobs_equal_solo_runs,
+    registered,
+)
 from torch import nn
 
 from engine import EngineConfig, open_engine
 from engine.features.cache import CacheConfig
-from engine.inputs import empty_latent_shape
-from engine.models import Family, Latent, register, unregister
-from engine.models.family import TWO_STREAMS, run_blocks, sdpa
+from engine.models import Family, Latent, register
+from engine.models.family import TWO_STREAMS, run_blocks
 
 NAME = "toy-mmdit"
-TIME_DIM = 16
 HEAD_DIM = 8
 
 
 @dataclass(frozen=True)
-class MMConfig:
-    hidden_size: int = 32
-    num_layers: int = 3
-    num_attention_heads: int = 4
-    ffn_hidden_size: int = 64
-    in_channels: int = 4
-    out_channels: int = 4
-    text_in_dim: int = 24
-    patch_size: int = 1
-
-    @property
-    def head_dim(self) -> int:
-        return HEAD_DIM
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+class MMConfig(ToyConfig):
+    """The toy's shapes, read from the MMDiT's own keys."""
 
     @classmethod
     def from_shapes(cls, shapes, overrides=None, source: str = "config") -> "MMConfig":
@@ -110,53 +100,17 @@ class JointBlock(nn.Module):
         return text + self.txt.w2(F.gelu(self.txt.w1(_norm(text)))), image
 
 
-def _sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(dim // 2, dtype=torch.float32, device=t.device) / (dim // 2))
-    args = t.float()[:, None] * freqs[None]
-    return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)
+class MMDiT(ToyDiT):
+    """The toy DiT's embedding and head around two-stream blocks, run by the engine's loop (``run_blocks``: it calls
+    each block by the family's declared pattern)."""
 
-
-class MMDiT(nn.Module):
     def __init__(self, cfg: MMConfig):
-        super().__init__()
-        self.config = cfg
-        h = cfg.hidden_size
-        self.patchify = nn.Linear(cfg.in_channels, h)
-        self.txt_in = nn.Linear(cfg.text_in_dim, h, bias=False)
-        self.time_in = nn.Linear(TIME_DIM, h)
-        self.joint = nn.ModuleList([JointBlock(cfg) for _ in range(cfg.num_layers)])
-        self.head = nn.Linear(h, cfg.out_channels)
-        self.attention = sdpa
-        self.block_runner = run_blocks  # the engine's loop: it calls each block by the family's declared pattern
-
-    @property
-    def dtype(self):
-        return self.head.weight.dtype
+        super().__init__(cfg, blocks=("joint", JointBlock))
+        self.block_runner = run_blocks
 
     def embed(self, x, timestep, text, text_lens):
-        b, _, gh, gw = x.shape
-        n_img = gh * gw
-        img = self.patchify(x.to(self.dtype).flatten(2).transpose(1, 2))
-        img = img + _sinusoid(torch.arange(n_img, device=img.device), img.shape[-1]).to(img.dtype)
-        txt = self.txt_in(text.to(self.dtype))
-        h = torch.cat([img, txt], dim=1)
-        lens = torch.as_tensor(text_lens, device=h.device).reshape(-1).long().expand(b)
-        timestep = torch.as_tensor(timestep, device=h.device).reshape(-1).expand(b)
-        scale = 1 + torch.tanh(self.time_in(_sinusoid(timestep, TIME_DIM).to(h.dtype))).unsqueeze(1)
-        key_mask = None
-        if bool((lens < txt.shape[1]).any()):
-            key_mask = torch.ones(b, h.shape[1], dtype=torch.bool, device=h.device)
-            key_mask[:, n_img:] = torch.arange(txt.shape[1], device=h.device)[None] < lens[:, None]
-        return h, MMContext(scale, key_mask, self.attention, n_img, (gh, gw))
-
-    def unembed(self, h, ctx: MMContext):
-        out = self.head(_norm(h[:, :ctx.image_tokens]))
-        gh, gw = ctx.grid
-        return out.transpose(1, 2).reshape(out.shape[0], -1, gh, gw)
-
-    def forward(self, x, timestep, text, text_lens):
-        h, ctx = self.embed(x, timestep, text, text_lens)
-        return self.unembed(self.block_runner(self, h, ctx), ctx)
+        h, ctx = super().embed(x, timestep, text, text_lens)
+        return h, MMContext(ctx.scale, ctx.key_mask, self.attention, ctx.image_tokens, ctx.grid)
 
     def reference(self, x, timestep, text, text_lens):
         """The blocks called as this model writes them (two streams through the list), no engine loop."""
@@ -182,35 +136,7 @@ CFG = MMConfig()
 
 @pytest.fixture(scope="module")
 def mm(tmp_path_factory):
-    """The toy MMDiT registered, its checkpoint written (random weights), the inputs and the plain run."""
-    register(MM)
-    try:
-        folder = tmp_path_factory.mktemp("mm")
-        torch.manual_seed(0)
-        model = MMDiT(CFG)
-        path = str(folder / "mm.safetensors")
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
-        g = torch.Generator().manual_seed(1)
-        inputs = dict(latent=torch.zeros(empty_latent_shape(MM, 48, 40, 1)),  # 30 image tokens, 7 or 4 text tokens
-                      cond=[torch.randn(7, CFG.text_in_dim, generator=g)],
-                      uncond=[torch.randn(4, CFG.text_in_dim, generator=g)])
-        plain = open_engine(path, EngineConfig())
-        ref = _sample(plain, inputs, CacheConfig(enabled=False))
-        yield dict(path=path, inputs=inputs, ref=ref, engine=plain, model=model)
-    finally:
-        from engine.parallel import shutdown_pools
-
-        shutdown_pools()
-        unregister(NAME)
-
-
-def _sample(eng, inputs, cache, steps=6):
-    with torch.inference_mode():
-        return eng.sample(inputs["latent"], inputs["cond"], inputs["uncond"], seed=3, steps=steps, cfg=3.0, cache=cache)
-
-
-def _close(out, ref, tol):
-    return (out - ref).abs().max().item() <= tol * ref.abs().max().item()
+    yield from registered(tmp_path_factory, MM, MMDiT, CFG)  # 30 image tokens, 7 or 4 text tokens
 
 
 def test_the_engines_loop_runs_two_stream_blocks_as_written(mm):
@@ -248,26 +174,11 @@ def test_cache_dit_offload_and_a_quantized_format(mm):
 
 
 def test_served_jobs_with_different_text_lengths_equal_their_solo_runs(mm):
-    """The server's batcher joins two jobs' rows in every step (text padded at the end of h, after the image stream),
-    one with its own Cache-DiT: each equals its run alone."""
-    from engine.serve.batcher import Batcher, Job
-
-    eng = mm["engine"]
+    """Text padded at the end of h, after the image stream, one job with its own Cache-DiT."""
     g = torch.Generator().manual_seed(9)
-    jobs = [Job(latent=torch.zeros(4, 5, 6), cond=torch.randn(tokens, CFG.text_in_dim, generator=g),
-                uncond=mm["inputs"]["uncond"][0], seed=10 + i, steps=6, cfg=3.0, cache=cache)
-            for i, (tokens, cache) in enumerate(((3, CacheConfig(warmup=1, rdt=0.3)), (9, CacheConfig(enabled=False))))]
-    batcher = Batcher(eng, max_batch=4)
-    try:
-        with torch.inference_mode():
-            got = [f.result(60) for f in batcher.submit_many(jobs)]
-            refs = [eng.sample(j.latent[None], [j.cond], [j.uncond], seed=j.seed, steps=j.steps, cfg=j.cfg,
-                               cache=j.cache)[0] for j in jobs]
-    finally:
-        batcher.close()
-    assert False in jobs[0].stats.step_mask and all(jobs[1].stats.step_mask)
-    for out, ref in zip(got, refs):
-        assert _close(out, ref, 1e-5), (out - ref).abs().max()
+    assert_served_jobs_equal_solo_runs(mm["engine"], torch.zeros(4, 5, 6),
+                                       [torch.randn(tokens, CFG.text_in_dim, generator=g) for tokens in (3, 9)],
+                                       mm["inputs"]["uncond"][0], CacheConfig(warmup=1, rdt=0.3))
 
 
 @pytest.mark.subprocess

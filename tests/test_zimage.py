@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_second_family import assert_served_jobs_equal_solo_runs
 
 from engine import EngineConfig, open_engine
 from engine.features.cache import CacheConfig
@@ -189,26 +190,11 @@ def test_lora_in_diffusers_keys(zimage):
 
 
 def test_served_jobs_equal_their_solo_runs(zimage):
-    """The server's batcher joins two jobs of different caption runs (9 and 40 tokens: one and two runs of 32) in
-    every step through the family's join_contexts, one with its own Cache-DiT; each equals its run alone."""
-    from engine.serve.batcher import Batcher, Job
-
-    eng = zimage["engine"]
+    """Two jobs of different caption runs (9 and 40 tokens: one and two runs of 32), one with its own Cache-DiT."""
     g = torch.Generator().manual_seed(9)
-    jobs = [Job(latent=torch.zeros(16, 12, 10), cond=torch.randn(tokens, 24, generator=g), uncond=zimage["inputs"]["uncond"][0],
-                seed=10 + i, steps=6, cfg=3.0, cache=cache)
-            for i, (tokens, cache) in enumerate(((9, CacheConfig(warmup=1, rdt=3.0)), (40, CacheConfig(enabled=False))))]
-    batcher = Batcher(eng, max_batch=4)
-    try:
-        with torch.inference_mode():
-            got = [f.result(60) for f in batcher.submit_many(jobs)]
-            refs = [eng.sample(j.latent[None], [j.cond], [j.uncond], seed=j.seed, steps=j.steps, cfg=j.cfg,
-                               cache=j.cache)[0] for j in jobs]
-    finally:
-        batcher.close()
-    assert False in jobs[0].stats.step_mask and all(jobs[1].stats.step_mask)
-    for out, ref in zip(got, refs):
-        assert _close(out, ref, 1e-5), (out - ref).abs().max()
+    assert_served_jobs_equal_solo_runs(zimage["engine"], torch.zeros(16, 12, 10),
+                                       [torch.randn(tokens, 24, generator=g) for tokens in (9, 40)],
+                                       zimage["inputs"]["uncond"][0], CacheConfig(warmup=1, rdt=3.0))
 
 
 @pytest.mark.subprocess
