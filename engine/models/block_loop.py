@@ -15,10 +15,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 
-def block_loop(layers, h: torch.Tensor, parts: Sequence[Tuple[torch.Tensor, object]], runners: Sequence,
-                  context_of: Callable[[Tuple[int, ...]], object],
-                  around: Optional[Callable[[Tuple[int, ...]], object]] = None) -> torch.Tensor:
-    """``h``: the jobs' rows, in order [rows, tokens, C] (one job: its own hidden states); ``parts``: each job's
+def block_loop(layers: Sequence[Callable], h: torch.Tensor, parts: Sequence[Tuple[torch.Tensor, object]],
+               runners: Sequence, context_of: Callable[[Tuple[int, ...]], object],
+               around: Optional[Callable[[Tuple[int, ...]], object]] = None) -> torch.Tensor:
+    """``layers``: the blocks as the loop calls them, ``(h, ctx) -> h`` (``Family.loop_blocks``); ``h``: the jobs' rows, in order [rows, tokens, C] (one job: its own hidden states); ``parts``: each job's
     (hidden states, context) as its embed made them; ``runners``: each job's ``DBCacheRunner`` (None: always
     computed); ``context_of(active)``: the block context of the jobs ``active`` (indices into ``parts``) together;
     ``around(active)``: what the blocks run inside for those jobs' rows (a served forward's LoRA routes)."""
