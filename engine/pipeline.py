@@ -271,10 +271,11 @@ class ErnieImagePipeline:
     # -- the prompt enhancer -------------------------------------------------------------------------------------
     def _enhancer(self):
         if self.pe is None:
-            enhancer = family_of(self.engine.model_config).companions.prompt_enhancer
+            family = family_of(self.engine.model_config)
+            enhancer = family.companions.prompt_enhancer
             if enhancer is None:
-                raise InputError(f"use_pe: a {family_of(self.engine.model_config).title} release has no prompt "
-                                 "enhancer; call with use_pe=False and the prompt written out")
+                raise InputError(f"use_pe: a {family.title} release has no prompt enhancer; call with use_pe=False "
+                                 "and the prompt written out")
             self.release.require("pe", "pe_tokenizer", why="use_pe=True needs the release's prompt enhancer")
             self.pe = enhancer.from_pretrained(self.release.pe, tokenizer=self.release.pe_tokenizer,
                                               device=self.engine.config.device,

@@ -197,4 +197,4 @@ def load_prompt_enhancer(args, family, release=None):
                                   "--pe PATH (the PE folder, or ernie-image-prompt-enhancer.safetensors with its config)")
         path, tokenizer = release.pe, tokenizer or release.pe_tokenizer
     return enhancer.from_pretrained(path, tokenizer=tokenizer, device=args.pe_device or args.device,
-                                          dtype=args.pe_dtype)
+                                    dtype=args.pe_dtype)
