@@ -16,6 +16,7 @@ from ..features.cache import CacheConfig
 from ..models import families
 from ..models.external import PLACEMENTS
 from ..models.prompt_enhancer import MAX_NEW_TOKENS_CAP
+from ..release import dit_family
 from ..sampling import MAX_IMAGE_SIDE
 from ..sampling_options import SamplingOptions
 
@@ -180,11 +181,13 @@ def check_pe_args(args) -> None:
                          "enhancer: give --pe [PATH] too")
 
 
-def load_prompt_enhancer(args, family, release=None):
-    """The PE the flags name (None without --pe), of the kind ``family`` (the DiT's) names: --pe PATH, else the
-    release's pe/ (CheckpointError naming what is missing; ValueError for a family whose release ships none)."""
+def load_prompt_enhancer(args, dit: str, release=None):
+    """The PE the flags name (None without --pe), of the kind the family of ``dit`` (the DiT's file or folder) names:
+    --pe PATH, else the release's pe/ (CheckpointError naming what is missing; ValueError for a family whose release
+    ships none)."""
     if getattr(args, "pe", None) is None:
         return None
+    family = dit_family(dit, companions=False)
     enhancer = family.companions.prompt_enhancer if family.companions is not None else None
     if enhancer is None:
         raise ValueError(f"--pe: a {family.title} model has no prompt enhancer (its release ships none); run without "

@@ -248,7 +248,7 @@ def cmd_generate(args) -> dict:
 
 def _enhance(args, width: int, height: int, seed: int):
     """(the PE's revised prompt, its timings) with --pe, else (None, {}). The PE is freed once it has written."""
-    pe = load_prompt_enhancer(args, dit_family(model_source(args), companions=False), release_of(args))
+    pe = load_prompt_enhancer(args, model_source(args), release_of(args))
     if pe is None:
         return None, {}
     try:

@@ -179,8 +179,7 @@ def served_model(args) -> ServedModel:
     """The model the flags name, with its defaults and the --lora files active."""
     defaults = check_serve_args(args)
     release = release_of(args)
-    # resident: a request's enhance_prompt must not wait for a load
-    pe = load_prompt_enhancer(args, dit_family(model_source(args), companions=False), release)
+    pe = load_prompt_enhancer(args, model_source(args), release)  # resident: enhance_prompt must not wait for a load
     loaded = _dit_alone(args) if args.sample_only else make_parts(args)
     if args.loras:
         loaded.engine.set_loras(args.loras)
