@@ -17,6 +17,7 @@ import torch
 from .. import device as device_rt
 from ..features.cache import resolve_config
 from ..image_parts import NoParts
+from ..models import family_of
 from ..release import dit_family, picture_shift
 from ..router import open_engine
 from ..sampling import DEFAULT_SHIFT
@@ -170,7 +171,7 @@ def _dit_alone(args) -> LoadedModel:
     dit = model_source(args)
     engine = open_engine(dit, engine_config(args, cache=resolve_config(cache_config(args))))
     use_threads(engine, args)
-    bundle, family = args_bundle(args), dit_family(dit, companions=False)
+    bundle, family = args_bundle(args), family_of(engine.model_config)  # the header was read by the check
     size = bundle.image_size if bundle else family.companions.default_size if family.companions else 1024
     return LoadedModel(engine, NoParts(size), dit)
 
