@@ -126,7 +126,9 @@ def test_direct_block_calls_load_on_demand():
 
 def test_cache_dit_skipped_blocks_are_not_transferred():
     """Cache-DiT (F1B1, dynamic threshold): the middle blocks are transferred exactly on the computed
-    calls; the output is bit-equal to the same cached run without offload."""
+    calls; the output is bit-equal to the same cached run without offload. The loop tells the offloader each span
+    of blocks it runs, so they are prefetched: a block waits for its load only at the first call and where a
+    computed call's decision opens the middle blocks (every load waited before the loop announced its spans)."""
     cache = CacheConfig(fn=1, bn=1, rdt=0.9, warmup=1, mc=2, max_cached_steps=-1, taylorseer=False)
     g = torch.Generator().manual_seed(3)
     cond = [torch.randn(7, CFG.text_in_dim, generator=g)]
@@ -148,6 +150,7 @@ def test_cache_dit_skipped_blocks_are_not_transferred():
         assert rec.count(k) == computed  # middle blocks: only when computed
     assert rec.count(n - 1) <= calls and rec.count(0) <= calls
     assert len(rec) <= computed * n + (calls - computed) * 2 + 1
+    assert eng.offload.stalls <= 1 + computed < len(rec), (eng.offload.stalls, computed, len(rec))
 
 
 def test_fp8_blocks_are_offloaded_as_quantized_bytes():

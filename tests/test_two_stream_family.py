@@ -165,9 +165,11 @@ def test_cache_dit_offload_and_a_quantized_format(mm):
     stats = eng.last_run.to_dict()
     assert stats["calls_computed"] < stats["model_calls"] and stats["step_mask"][0] == "x", stats
     assert torch.isfinite(out).all() and not torch.equal(out, mm["ref"])
-    offloaded = open_engine(mm["path"], EngineConfig(offload="layerwise", resident_layers=1))
+    offloaded = open_engine(mm["path"], EngineConfig(offload="layerwise", resident_layers=2))
     assert offloaded.describe()["offload"]["blocks"] == CFG.num_layers
     assert torch.equal(_sample(offloaded, mm["inputs"], CacheConfig(enabled=False)), mm["ref"])
+    # the loop's iteration of the two-stream list announced its blocks: each was prefetched but the very first
+    assert offloaded.offload.stalls == 1 and offloaded.offload.transfers > CFG.num_layers
     quantized = open_engine(mm["path"], EngineConfig(quant="int8-weight"))
     out = _sample(quantized, mm["inputs"], CacheConfig(enabled=False))
     assert _close(out, mm["ref"], 5e-2) and not torch.equal(out, mm["ref"])

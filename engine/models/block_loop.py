@@ -18,16 +18,19 @@ import torch
 def block_loop(layers: Sequence[Callable], h: torch.Tensor, parts: Sequence[Tuple[torch.Tensor, object]],
                runners: Sequence, context_of: Callable[[Tuple[int, ...]], object],
                around: Optional[Callable[[Tuple[int, ...]], object]] = None) -> torch.Tensor:
-    """``layers``: the blocks as the loop calls them, ``(h, ctx) -> h`` (``Family.loop_blocks``); ``h``: the jobs' rows, in order [rows, tokens, C] (one job: its own hidden states); ``parts``: each job's
-    (hidden states, context) as its embed made them; ``runners``: each job's ``DBCacheRunner`` (None: always
-    computed); ``context_of(active)``: the block context of the jobs ``active`` (indices into ``parts``) together;
-    ``around(active)``: what the blocks run inside for those jobs' rows (a served forward's LoRA routes)."""
-    if around is None and len(parts) == 1 and runners[0] is None:  # a plain forward: every block on every row
-        ctx = context_of((0,))
-        for layer in layers:
-            h = layer(h, ctx)
-        return h
+    """``layers``: the blocks as the loop calls them, ``(h, ctx) -> h`` (``Family.loop_blocks``: a sequence whose
+    slices, iterated, announce their blocks to layer-wise offload, which then prefetches them); ``h``: the jobs'
+    rows, in order [rows, tokens, C] (one job: its own hidden states); ``parts``: each job's (hidden states,
+    context) as its embed made them; ``runners``: each job's ``DBCacheRunner`` (None: always computed);
+    ``context_of(active)``: the block context of the jobs ``active`` (indices into ``parts``) together;
+    ``around(active)``: what the blocks run inside for those jobs' rows (a served forward's LoRA routes).
+
+    The blocks run in spans between the runners' events (a decision after ``fn`` blocks, the end of the cached
+    span before the last ``bn``); the blocks known to run from a span on (up to a decision still to take, or a span
+    every job skips) are iterated as one slice, so layer-wise offload prefetches across the spans' ends and never
+    loads a block no job runs."""
     n = len(layers)
+    events = sorted({0, n} | {e for r in runners if r is not None for e in (r.rc.fn, n - r.rc.bn)})
     spans, row = [], 0
     for hi, _ in parts:
         spans.append((row, row + hi.shape[0], hi.shape[1]))
@@ -38,7 +41,18 @@ def block_loop(layers: Sequence[Callable], h: torch.Tensor, parts: Sequence[Tupl
     h_mid: List = [None] * len(parts)
     skipping = [False] * len(parts)
     contexts = {}
-    for j in range(n + 1):
+
+    def running(a: int) -> Tuple[int, ...]:
+        """The jobs whose rows run the span starting at block ``a``, by the decisions taken so far."""
+        return tuple(q for q, r in enumerate(runners) if not (skipping[q] and a < n - r.rc.bn))
+
+    def known_end(j: int) -> int:
+        """Where the blocks known to run from ``j`` end: a decision still to take, or a span no job runs."""
+        limit = min([r.rc.fn for r in runners if r is not None and r.rc.fn > j], default=n)
+        return next((a for a in events if j < a < limit and not running(a)), limit)
+
+    blocks, at, stop = None, None, None  # the announced slice's iterator, the block it yields next, its end
+    for j, end in zip(events, events[1:] + [None]):
         for q, runner in enumerate(runners):
             if runner is None:
                 continue
@@ -56,20 +70,26 @@ def block_loop(layers: Sequence[Callable], h: torch.Tensor, parts: Sequence[Tupl
                 if decisions[q][0]:
                     runner.keep(calls[q], h[r0:r1, :s].contiguous() - h_mid[q], fn_res[q])
                 skipping[q] = False
-        if j == n:
+        if end is None:
             break
-        active = tuple(q for q in range(len(parts)) if not skipping[q])
+        active = running(j)
         if not active:
             continue
+        if at != j or j == stop:  # a plain forward iterates the list itself
+            stop = known_end(j)
+            blocks, at = iter(layers if (j, stop) == (0, n) else layers[j:stop]), j
         ctx = contexts.get(active)
         if ctx is None:
             ctx = contexts[active] = context_of(active)
         with around(active) if around is not None else nullcontext():
             if len(active) == len(parts):
-                h = layers[j](h, ctx)
+                for _ in range(end - j):
+                    h = next(blocks)(h, ctx)
             else:
                 rows = torch.cat([torch.arange(spans[q][0], spans[q][1], device=h.device) for q in active])
-                h = h.index_copy(0, rows, layers[j](h[rows], ctx))
+                for _ in range(end - j):
+                    h = h.index_copy(0, rows, next(blocks)(h[rows], ctx))
+        at = end
     for runner, decision in zip(runners, decisions):
         if runner is not None:
             runner.record(*decision)

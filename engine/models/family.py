@@ -189,6 +189,23 @@ class TwoStreams:
         return torch.cat([image, text], dim=1)
 
 
+class TwoStreamBlocks:
+    """A list of two-stream blocks as the block loop takes it: each block through ``TwoStreams``, and slices that
+    iterate the ModuleList's own (whose iteration tells layer-wise offload which blocks run next)."""
+
+    def __init__(self, blocks: nn.ModuleList):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index):
+        return TwoStreamBlocks(self.blocks[index]) if isinstance(index, slice) else TwoStreams(self.blocks[index])
+
+    def __iter__(self):
+        return (TwoStreams(block) for block in self.blocks)
+
+
 def run_blocks(model: nn.Module, h: torch.Tensor, ctx) -> torch.Tensor:
     """Every block on every row (engine/models/block_loop.py with no runner): a model's ``block_runner`` until a
     feature replaces it (Cache-DiT's runner; offload and parallel wrap the blocks or call this)."""
@@ -268,9 +285,10 @@ class Family:
         return getattr(model, self.blocks)
 
     def loop_blocks(self, model: nn.Module) -> Sequence[Callable]:
-        """The main blocks as the block loop calls them, ``(h, ctx) -> h`` whatever their pattern."""
+        """The main blocks as the block loop calls them, ``(h, ctx) -> h`` whatever their pattern (their slices and
+        iteration announce them to layer-wise offload, as the ModuleList's own do)."""
         blocks = self.blocks_of(model)
-        return [TwoStreams(b) for b in blocks] if self.block_patterns.get(self.blocks) == TWO_STREAMS else blocks
+        return TwoStreamBlocks(blocks) if self.block_patterns.get(self.blocks) == TWO_STREAMS else blocks
 
     @property
     def list_names(self) -> Tuple[str, ...]:
