@@ -201,3 +201,96 @@ def test_ulysses_on_two_gloo_ranks(mm):
         if eng is not None:
             eng.release()
         pool_mod.START_TIMEOUT_S, pool_mod.CALL_TIMEOUT_S, pool_mod.PG_TIMEOUT_S = saved
+
+
+# -- a loop over two lists (Flux: its double-stream blocks, then its single-stream blocks over the joined sequence) --
+class SingleBlock(nn.Module):
+    """A single-stream block over h (image then text tokens), its own weights."""
+
+    def __init__(self, cfg: ToyConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(h, h, bias=False) for _ in range(4))
+        self.w1, self.w2 = nn.Linear(h, cfg.ffn_hidden_size), nn.Linear(cfg.ffn_hidden_size, h)
+        self.heads = cfg.num_attention_heads
+
+    def forward(self, h, ctx: MMContext):
+        b, s, _ = h.shape
+        x = _norm(h) * ctx.scale
+        q, k, v = (lin(x).view(b, s, self.heads, HEAD_DIM) for lin in (self.wq, self.wk, self.wv))
+        h = h + self.wo(ctx.attention(q, k, v, ctx.key_mask).reshape(b, s, -1))
+        return h + self.w2(F.gelu(self.w1(_norm(h))))
+
+
+@dataclass(frozen=True)
+class FluxConfig(ToyConfig):
+    """``num_layers`` counts the loop's blocks: 3 double, then ``single_layers`` single."""
+
+    num_layers: int = 5
+    single_layers: int = 2
+
+    @classmethod
+    def from_shapes(cls, shapes, overrides=None, source: str = "config") -> "FluxConfig":
+        dual, single = ({int(k.split(".")[1]) for k in shapes if k.startswith(p)} for p in ("dual.", "single."))
+        hidden, in_channels = shapes["patchify.weight"]
+        return cls(hidden_size=hidden, num_layers=len(dual) + len(single), single_layers=len(single),
+                   num_attention_heads=hidden // HEAD_DIM, ffn_hidden_size=shapes["single.0.w1.weight"][0],
+                   in_channels=in_channels, out_channels=shapes["head.weight"][0], text_in_dim=shapes["txt_in.weight"][1])
+
+
+class FluxDiT(MMDiT):
+    def __init__(self, cfg: FluxConfig):
+        ToyDiT.__init__(self, cfg, blocks=("dual", JointBlock))
+        self.dual = nn.ModuleList(list(self.dual)[:cfg.num_layers - cfg.single_layers])
+        self.single = nn.ModuleList([SingleBlock(cfg) for _ in range(cfg.single_layers)])
+        self.block_runner = run_blocks
+
+    def reference(self, x, timestep, text, text_lens):
+        """Both lists called as this model writes them, no engine loop."""
+        h, ctx = self.embed(x, timestep, text, text_lens)
+        image, text = h[:, :ctx.image_tokens], h[:, ctx.image_tokens:]
+        for block in self.dual:
+            text, image = block(text, image, ctx)
+        h = torch.cat([image, text], dim=1)
+        for block in self.single:
+            h = block(h, ctx)
+        return self.unembed(h, ctx)
+
+
+FLUX = replace(MM, name="toy-flux", title="Toy-Flux", config_class=FluxConfig, model_class=FluxDiT,
+               signature_keys=("dual.0.img.wq.weight", "single.0.wq.weight"), blocks="dual",
+               block_lists=("dual", "single"), loop_lists=("dual", "single"), block_patterns={"dual": TWO_STREAMS},
+               block_linears=MM.block_linears + ("wq", "wk", "wv", "wo", "w1", "w2"))
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    yield from registered(tmp_path_factory, FLUX, FluxDiT, FluxConfig())
+
+
+def test_a_loop_over_two_lists_runs_them_as_written_through_cache_and_offload(flux):
+    """Cache-DiT's middle (fn 2, bn 1) crosses from the double blocks into the single ones; offload streams both
+    lists and prefetches the single list's first block at the double list's end."""
+    eng, cfg = flux["engine"], FluxConfig()
+    g = torch.Generator().manual_seed(2)
+    x, text = torch.randn(2, 4, 5, 6, generator=g), torch.randn(2, 7, cfg.text_in_dim, generator=g)
+    t, lens = torch.tensor([500.0]), torch.tensor([7, 5])
+    with torch.inference_mode():
+        torch.testing.assert_close(eng.dit_forward(x, t, text, lens), flux["model"].reference(x, t, text, lens),
+                                   rtol=1e-5, atol=1e-5)
+    cache = dict(fn=2, bn=1, warmup=1, taylorseer=False)
+    assert torch.equal(_sample(eng, flux["inputs"], CacheConfig(rdt=0.0, **cache)), flux["ref"])
+    cached = _sample(eng, flux["inputs"], CacheConfig(rdt=0.3, **cache))
+    mask = eng.last_run.step_mask
+    assert not all(mask) and torch.isfinite(cached).all()
+    offloaded = open_engine(flux["path"], EngineConfig(offload="layerwise", resident_layers=2))
+    assert offloaded.describe()["offload"]["blocks"] == cfg.num_layers
+    assert torch.equal(_sample(offloaded, flux["inputs"], CacheConfig(enabled=False)), flux["ref"])
+    assert offloaded.offload.stalls == 1  # every block prefetched but the very first, across the lists' boundary
+    assert torch.equal(_sample(offloaded, flux["inputs"], CacheConfig(rdt=0.3, **cache)), cached)
+    assert offloaded.last_run.step_mask == mask
+
+
+def test_a_loop_list_out_of_place_is_refused_by_name():
+    with pytest.raises(ValueError, match="toy-flux: loop_lists single, dual: .*'dual' .* first"):
+        register(replace(FLUX, loop_lists=("single", "dual")))

@@ -31,8 +31,9 @@ def default_mode(device) -> Optional[str]:
     return GPU_MODE if torch.device(device).type == "cuda" else None
 
 
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    return family_of(model).blocks_of(model)
+def _blocks(model: nn.Module) -> List[nn.Module]:
+    """The blocks the loop runs (``Family.loop_names``: the main list, and the lists a family's loop runs after it)."""
+    return [block for name in family_of(model).loop_names for block in getattr(model, name)]
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -1,18 +1,92 @@
 """The block loop, written once: a model's plain forward (engine/models/family.py ``run_blocks``: one job, no
 runner), a sampling run under Cache-DiT (engine/features/cache/dbcache.py ``DBCacheRunner.__call__``: one job, its own
 rows) and a served forward (engine/serve/forward.py: several jobs' rows joined, each with its own runner or none).
-Offload wraps the blocks it calls, sequence parallel calls it on a chunk of the tokens, and a family's block pattern
-is in the blocks it is given (``Family.loop_blocks``).
+Offload wraps the blocks it calls, sequence parallel calls it on a chunk of the tokens. The blocks it is given
+(``Family.loop_blocks``) are called as ``(h, ctx) -> h`` whatever their list's pattern (``TwoStreams``), and a
+family's loop over several lists is one sequence (``LoopBlocks``).
 
 Each job's runner takes its own decision after its first ``fn`` blocks, on its own rows (the shapes it has alone);
 a cached job's rows get its saved residual and skip the middle blocks, which run on the other rows only; every row
 runs the last ``bn`` blocks."""
 from __future__ import annotations
 
+import itertools
 from contextlib import nullcontext
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
+from torch import nn
+
+# How a list's blocks are called (cache-dit's forward patterns, the two this engine runs)
+SINGLE_STREAM = "single"  # block(h, ctx) -> h: one sequence of image and text tokens (ERNIE-Image, Z-Image)
+TWO_STREAMS = "two_streams"  # block(text, image, ctx) -> (text, image): each stream its own weights (MMDiT)
+PATTERNS = (SINGLE_STREAM, TWO_STREAMS)
+
+
+class TwoStreams:
+    """A two-stream block as the block loop calls every block, ``(h, ctx) -> h``: ``h`` holds the image's tokens,
+    then the text's (a single-stream sequence's order, so the server's padding at the end and sequence parallel's
+    chunks stay the loop's business), and ``ctx.image_tokens`` says where the text starts (in this chunk, under
+    sequence parallel: the family's ``chunk_context`` sets it). The block's joint attention takes its tokens in
+    that order too, so that the key mask and the chunks line up with them."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+
+    def __call__(self, h: torch.Tensor, ctx) -> torch.Tensor:
+        n = ctx.image_tokens
+        text, image = self.block(h[:, n:], h[:, :n], ctx)
+        return torch.cat([image, text], dim=1)
+
+
+class TwoStreamBlocks:
+    """A list of two-stream blocks as the block loop takes it: each block through ``TwoStreams``, and slices that
+    iterate the ModuleList's own (whose iteration tells layer-wise offload which blocks run next)."""
+
+    def __init__(self, blocks: nn.ModuleList):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index):
+        return TwoStreamBlocks(self.blocks[index]) if isinstance(index, slice) else TwoStreams(self.blocks[index])
+
+    def __iter__(self):
+        return (TwoStreams(block) for block in self.blocks)
+
+
+class LoopBlocks:
+    """Several lists the block loop runs one after the other (Flux's double-stream blocks, then its single-stream
+    ones) as one sequence: iterated lazily, each list's iteration announcing its blocks when it starts (layer-wise
+    offload prefetches the next list's first block at the end of one: ``Family.block_lists``' order)."""
+
+    def __init__(self, parts: Sequence):
+        self.parts = list(parts)
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def __iter__(self):
+        return itertools.chain.from_iterable(self.parts)
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice):
+            for part in self.parts:
+                if 0 <= index < len(part):
+                    return part[index]
+                index -= len(part)
+            raise IndexError("block index out of range")
+        start, stop, _ = index.indices(len(self))
+        cut, offset = [], 0
+        for part in self.parts:
+            lo, hi = max(start - offset, 0), min(stop - offset, len(part))
+            if lo < hi:
+                cut.append(part[lo:hi])
+            offset += len(part)
+        return LoopBlocks(cut)
 
 
 def block_loop(layers: Sequence[Callable], h: torch.Tensor, parts: Sequence[Tuple[torch.Tensor, object]],

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .block_loop import block_loop
+from .block_loop import PATTERNS, TWO_STREAMS, LoopBlocks, TwoStreamBlocks, block_loop
 
 # The configuration fields every family's config carries (the generic layers read only these).
 CONFIG_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "in_channels",
@@ -165,47 +165,6 @@ class Layout:
         return key
 
 
-# How a list's blocks are called (cache-dit's forward patterns, the two this engine runs)
-SINGLE_STREAM = "single"  # block(h, ctx) -> h: one sequence of image and text tokens (ERNIE-Image, Z-Image)
-TWO_STREAMS = "two_streams"  # block(text, image, ctx) -> (text, image): each stream its own weights (MMDiT)
-PATTERNS = (SINGLE_STREAM, TWO_STREAMS)
-
-
-class TwoStreams:
-    """A two-stream block as the block loop calls every block, ``(h, ctx) -> h``: ``h`` holds the image's tokens,
-    then the text's (a single-stream sequence's order, so the server's padding at the end and sequence parallel's
-    chunks stay the loop's business), and ``ctx.image_tokens`` says where the text starts (in this chunk, under
-    sequence parallel: the family's ``chunk_context`` sets it). The block's joint attention takes its tokens in
-    that order too, so that the key mask and the chunks line up with them."""
-
-    __slots__ = ("block",)
-
-    def __init__(self, block: nn.Module):
-        self.block = block
-
-    def __call__(self, h: torch.Tensor, ctx) -> torch.Tensor:
-        n = ctx.image_tokens
-        text, image = self.block(h[:, n:], h[:, :n], ctx)
-        return torch.cat([image, text], dim=1)
-
-
-class TwoStreamBlocks:
-    """A list of two-stream blocks as the block loop takes it: each block through ``TwoStreams``, and slices that
-    iterate the ModuleList's own (whose iteration tells layer-wise offload which blocks run next)."""
-
-    def __init__(self, blocks: nn.ModuleList):
-        self.blocks = blocks
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    def __getitem__(self, index):
-        return TwoStreamBlocks(self.blocks[index]) if isinstance(index, slice) else TwoStreams(self.blocks[index])
-
-    def __iter__(self):
-        return (TwoStreams(block) for block in self.blocks)
-
-
 def run_blocks(model: nn.Module, h: torch.Tensor, ctx) -> torch.Tensor:
     """Every block on every row (engine/models/block_loop.py with no runner): a model's ``block_runner`` until a
     feature replaces it (Cache-DiT's runner; offload and parallel wrap the blocks or call this)."""
@@ -279,16 +238,26 @@ class Family:
     block_lists: Tuple[str, ...] = ()
     # list -> how its blocks are called (``PATTERNS``); a list not named is ``SINGLE_STREAM``
     block_patterns: Mapping[str, str] = field(default_factory=dict)
+    # the lists the block loop runs, one after the other, ``blocks`` first (() is ``blocks`` alone): Flux's double
+    # blocks, then its single blocks. The config's ``num_layers`` counts them all (Cache-DiT's fn / bn index the
+    # loop); tensor parallel shards ``blocks`` only (the others run whole on each rank)
+    loop_lists: Tuple[str, ...] = ()
 
     # -- what the generic layers ask ---------------------------------------------------------------------
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:
         return getattr(model, self.blocks)
 
+    @property
+    def loop_names(self) -> Tuple[str, ...]:
+        """The lists the block loop runs, in order (``loop_lists``, else ``blocks`` alone)."""
+        return self.loop_lists or (self.blocks,)
+
     def loop_blocks(self, model: nn.Module) -> Sequence[Callable]:
-        """The main blocks as the block loop calls them, ``(h, ctx) -> h`` whatever their pattern (their slices and
-        iteration announce them to layer-wise offload, as the ModuleList's own do)."""
-        blocks = self.blocks_of(model)
-        return TwoStreamBlocks(blocks) if self.block_patterns.get(self.blocks) == TWO_STREAMS else blocks
+        """The blocks the loop runs, as it calls them, ``(h, ctx) -> h`` whatever their list's pattern (their slices
+        and iteration announce them to layer-wise offload, as a ModuleList's own do)."""
+        parts = [TwoStreamBlocks(getattr(model, name)) if self.block_patterns.get(name) == TWO_STREAMS
+                 else getattr(model, name) for name in self.loop_names]
+        return parts[0] if len(parts) == 1 else LoopBlocks(parts)
 
     @property
     def list_names(self) -> Tuple[str, ...]:
@@ -390,6 +359,10 @@ def register(family: Family) -> Family:
         if name not in family.list_names or pattern not in PATTERNS:
             raise ValueError(f"family {family.name}: block pattern {name!r}: {pattern!r}; its lists are "
                              f"{', '.join(family.list_names)}, the patterns {', '.join(PATTERNS)}")
+    loop = family.loop_names
+    if loop[0] != family.blocks or not set(loop) <= set(family.list_names) or len(set(loop)) < len(loop):
+        raise ValueError(f"family {family.name}: loop_lists {', '.join(loop)}: each of its lists once, "
+                         f"'{family.blocks}' (its blocks) first, the others among {', '.join(family.list_names)}")
     _FAMILIES[family.name] = family
     return family
 
@@ -403,11 +376,12 @@ def families() -> List[Family]:
 
 
 def family_of(model) -> Family:
-    """The family of a model (an instance, its class or its config)."""
-    for fam in _FAMILIES.values():
-        if isinstance(model, (fam.model_class, fam.config_class)) or (
-                isinstance(model, type) and issubclass(model, (fam.model_class, fam.config_class))):
-            return fam
+    """The family of a model (an instance, its class or its config): the family of the nearest class in its MRO (a
+    family whose model subclasses another's is its own)."""
+    for klass in (model if isinstance(model, type) else type(model)).__mro__:
+        for fam in _FAMILIES.values():
+            if klass is fam.model_class or klass is fam.config_class:
+                return fam
     raise TypeError(f"{type(model).__name__} is not a model of a registered DiT family "
                     f"({', '.join(_FAMILIES) or 'none registered'})")
 
