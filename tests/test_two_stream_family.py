@@ -204,14 +204,11 @@ def test_ulysses_on_two_gloo_ranks(mm):
 
 
 # -- a loop over two lists (Flux: its double-stream blocks, then its single-stream blocks over the joined sequence) --
-class SingleBlock(nn.Module):
-    """A single-stream block over h (image then text tokens), its own weights."""
+class SingleBlock(Stream):
+    """A single-stream block over h (image then text tokens): one stream's weights."""
 
     def __init__(self, cfg: ToyConfig):
-        super().__init__()
-        h = cfg.hidden_size
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(h, h, bias=False) for _ in range(4))
-        self.w1, self.w2 = nn.Linear(h, cfg.ffn_hidden_size), nn.Linear(cfg.ffn_hidden_size, h)
+        super().__init__(cfg)
         self.heads = cfg.num_attention_heads
 
     def forward(self, h, ctx: MMContext):
