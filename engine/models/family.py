@@ -175,7 +175,8 @@ def run_blocks(model: nn.Module, h: torch.Tensor, ctx) -> torch.Tensor:
 class Companions:
     """What a prompt-to-picture entry point (``sgld generate`` / ``serve``, the pipeline) loads beside a family's DiT:
     the classes of its text encoder and VAE (each ``load(path, device=..., config=...)``; the text encoder also
-    ``dtype``, ``tokenizer``, ``placement``: engine/models/external.py) and what a picture is by default."""
+    ``dtype``, ``tokenizer``, ``placement``: engine/models/external.py), its prompt enhancer's, and what a picture is
+    by default."""
 
     text_encoder: type
     vae: type
