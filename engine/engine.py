@@ -24,7 +24,7 @@ from .config import EngineConfig
 from .errors import InputError, ModelOutputError
 from .features.cache import CacheConfig, measured_speedup, run_config
 from .features.offload import get_offload
-from .image_parts import BundledParts, ImageParts
+from .image_parts import ImageParts
 from .inputs import check_batch_index, check_conditioning, check_latent, check_noise_mask, check_sigmas
 from .local import LocalRunner
 from .runner import Runner
@@ -315,12 +315,11 @@ class Engine:
         other inputs (sigmas, noise_mask, batch_index, noise, cache)."""
         return self.sample_request(SampleRequest(latent=latent, cond=cond, uncond=uncond, **fields), callback)
 
-    def pictures(self, parts, prompts: Sequence[str], negatives: Optional[Sequence[str]], width: int, height: int,
+    def pictures(self, parts: ImageParts, prompts: Sequence[str], negatives: Optional[Sequence[str]], width: int, height: int,
                  callback: Optional[Callable] = None, **options) -> torch.Tensor:
         """The latent [B, C, h, w] of ``prompts`` through the one text-to-image path (engine/text_to_image.py), for a
-        caller below it (a bundled model's own ``generate``): ``parts`` an ImageParts or a bundled model (its text
-        encoder and codec: BundledParts), ``options`` SamplingOptions' fields (steps and cfg given)."""
-        parts = parts if isinstance(parts, ImageParts) else BundledParts(parts)
+        caller below it (a bundled model's own ``generate``): ``parts`` its ImageParts, ``options`` SamplingOptions'
+        fields (steps and cfg given)."""
         picture = Picture(list(prompts), None if negatives is None else list(negatives), width, height,
                           SamplingOptions(**options))
         return generate(self, parts, picture, callback)

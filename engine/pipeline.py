@@ -13,6 +13,7 @@ docs/python.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import secrets
 import sys
 import warnings
@@ -34,7 +35,7 @@ from .image_parts import BundledParts, FileParts, ImageParts
 from .inputs import check_sampling_settings, check_seed
 from .io.checkpoint import parse_dtype
 from .models import family_of
-from .models.bundle import bundle_of_file
+from .models.bundle import bundle_named
 from .models.external import text_encoder_dtype
 from .release import Release, bundled, dit_family, picture_shift, resolve_release
 from .router import open_engine
@@ -142,10 +143,9 @@ class ErnieImagePipeline:
         release = resolve_release(path, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae, pe=pe,
                                   pe_tokenizer=pe_tokenizer)
         if bundled(release):  # its one file: DiT, text encoder and vocabulary (a copy of its DiT: the shipped's)
-            bundle = bundle_of_file(release.transformer)
-            parts = BundledParts(bundle.load(release.transformer if bundle.owns_metadata(release.transformer) else None))
+            parts = BundledParts(bundle_named(release.kind).model_for(release.transformer))
             engine = open_engine(release.transformer, config)
-            kind = bundle.name
+            kind = release.kind
         else:
             release.require("text_encoder", "vae", why="a single DiT file needs text_encoder= and vae= (folders or files)")
             family = dit_family(release.transformer)
@@ -201,10 +201,10 @@ class ErnieImagePipeline:
         """A bundled model (the demo): its text encoder and codec come with its DiT's file and stay on the CPU."""
         return isinstance(self.parts, BundledParts)
 
-    @property
+    @functools.cached_property
     def defaults(self) -> dict:
         """{"steps", "cfg"}: the model's (engine/sampling_options.py: Base, Turbo; a demo file's own, the demo-turbo's
-        8 steps at cfg 1)."""
+        8 steps at cfg 1), read once (a bundled file's from its header)."""
         if self.bundled:
             return model_defaults(self.release.transformer)
         variants = self.parts.family.sampling_defaults  # the kind's, else the family's first (a name says no kind)

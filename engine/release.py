@@ -30,7 +30,7 @@ from .errors import CheckpointError
 from .io.checkpoint import check_architecture, open_checkpoint, read_json_file
 from .io.safetensors import refuse_pickle, refuse_pickles_in
 from .models import families, family_of
-from .models.bundle import bundle_of_file, bundles, named_file
+from .models.bundle import bundle_named, bundle_of_file
 from .sampling import MAX_SHIFT
 
 COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler", "pe", "pe_tokenizer")
@@ -177,7 +177,7 @@ def _from_file(path: str, source: str) -> Release:
 
 def bundled(release: Optional[Release]) -> bool:
     """Does ``release`` hold a bundled model (its text encoder and codec in its DiT's file: engine/models/bundle.py)?"""
-    return release is not None and release.kind in {b.name for b in bundles()}
+    return release is not None and bundle_named(release.kind) is not None
 
 
 def resolve_release(source, *, text_encoder=None, tokenizer=None, vae=None, scheduler=None, pe=None,
@@ -188,8 +188,9 @@ def resolve_release(source, *, text_encoder=None, tokenizer=None, vae=None, sche
     engine/models/external.py reads with their configs). Raises CheckpointError
     naming the file or folder for what cannot be used; loads nothing."""
     source = os.fspath(source)
-    if named_file(source) != source:  # a bundled model's name: "demo", "demo-turbo"
-        release = Release(source, bundle_of_file(named_file(source)).name, named_file(source))
+    bundle = bundle_named(source)
+    if bundle is not None and source in bundle.named:  # a bundled model's file name: "demo", "demo-turbo"
+        release = Release(source, bundle.name, bundle.named[source])
     elif os.path.isfile(source):
         release = _from_file(source, source)
     elif os.path.isdir(source):

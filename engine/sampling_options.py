@@ -134,18 +134,16 @@ def model_kind(source: str) -> str:
 def _kind(source: str) -> tuple:
     """(``model_kind``, the file's family or its Bundle): its header read once."""
     path = os.path.normpath(os.fspath(named_file(source)))
-    bundle = bundle_of_file(path)
-    if bundle is not None:
-        return bundle.name, bundle
-    config, family = {}, None
+    checkpoint = None
     try:
         checkpoint = Checkpoint(path) if os.path.exists(path) else None
-        if checkpoint is not None:
-            config = checkpoint.config_overrides
-            family = checkpoint.family
     except (CheckpointError, OSError, ValueError):
         pass  # what was read counts
-    family = family or families()[0]
+    bundle = bundle_of_file(path, checkpoint)
+    if bundle is not None:
+        return bundle.name, bundle
+    config = checkpoint.config_overrides if checkpoint is not None else {}
+    family = (checkpoint.family if checkpoint is not None else None) or families()[0]
     name = os.path.basename(path)
     if name.lower() == "transformer":  # a diffusers folder's transformer/: the model's folder names it
         name = os.path.basename(os.path.dirname(os.path.abspath(path)))

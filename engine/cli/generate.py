@@ -20,9 +20,9 @@ from ..features.cache import resolve_config
 from ..features.lora import parse_spec
 from ..image_parts import BundledParts, FileParts, ImageParts
 from ..io.atomic import atomic_write
-from ..models.bundle import bundle_of_file, named_file
+from ..models.bundle import bundle_named, bundle_of_file, named_file
 from ..options import declared
-from ..release import bundled, dit_family, picture_shift, resolve_release
+from ..release import dit_family, picture_shift, resolve_release
 from ..router import open_engine
 from ..sampling import MAX_IMAGE_SIDE
 from ..sampling_options import SamplingOptions, from_flags
@@ -109,33 +109,36 @@ def release_of(args):
 def bundled_dit(args):
     """The DiT file that runs with a bundled model's own text encoder and codec (engine/models/bundle.py), or None for
     a family's files: the demo's (no model flags, or --model-path demo), or a --model of its shapes given without
-    --text-encoder / --vae (a GGUF or quantized copy of the demo: `sgld quantize demo demo-q4k.gguf --format q4_k`).
-    Decided once."""
-    if not hasattr(args, "_bundled_dit"):
-        args._bundled_dit = _find_bundled_dit(args)
-    return args._bundled_dit
+    --text-encoder / --vae (a GGUF or quantized copy of the demo: `sgld quantize demo demo-q4k.gguf --format q4_k`)."""
+    return _bundled(args)[0]
 
 
 def args_bundle(args):
-    """The Bundle of ``bundled_dit`` (its header read once), or None for a family's files."""
-    if not hasattr(args, "_bundle"):
-        args._bundle = bundle_of_file(bundled_dit(args)) if bundled_dit(args) is not None else None
-    return args._bundle
+    """The Bundle of ``bundled_dit``, or None for a family's files."""
+    return _bundled(args)[1]
 
 
-def _find_bundled_dit(args):
+def _bundled(args) -> tuple:
+    """(``bundled_dit``, its Bundle), decided once (a --model's header read once)."""
+    if not hasattr(args, "_bundled"):
+        args._bundled = _find_bundled(args)
+    return args._bundled
+
+
+def _find_bundled(args) -> tuple:
     release = release_of(args)
     if release is not None:
-        return release.transformer if bundled(release) else None
+        bundle = bundle_named(release.kind)  # the release named its bundle when it was resolved
+        return (release.transformer, bundle) if bundle is not None else (None, None)
     if args.text_encoder or args.vae:
-        return None  # a family's files
-    if not args.model:
-        return named_file(DEFAULT_MODEL)
-    if named_file(args.model) != args.model:  # --model demo-turbo
-        return named_file(args.model)
+        return None, None  # a family's files
+    name = args.model or DEFAULT_MODEL
+    if named_file(name) != name:  # no --model: the demo; --model demo-turbo
+        return named_file(name), bundle_named(name)
     # a copy of a bundled DiT in another format (its header's shapes); a missing or unusable file is named when the
     # model loads (_file_parts)
-    return args.model if os.path.exists(args.model) and bundle_of_file(args.model) is not None else None
+    bundle = bundle_of_file(name) if os.path.exists(name) else None
+    return (name, bundle) if bundle is not None else (None, None)
 
 
 def make_parts(args) -> LoadedModel:
@@ -147,9 +150,8 @@ def make_parts(args) -> LoadedModel:
 
 
 def _bundled_parts(args) -> LoadedModel:
-    dit, bundle = bundled_dit(args), args_bundle(args)  # the demo's, the demo-turbo's, or a copy of one
-    parts = BundledParts(bundle.load(dit if bundle.owns_metadata(dit) else None, dtype=args.dtype or torch.float32,
-                                     cached=False))
+    dit, bundle = _bundled(args)  # the demo's, the demo-turbo's, or a copy of one
+    parts = BundledParts(bundle.model_for(dit, dtype=args.dtype or torch.float32, cached=False))
     prompts = [getattr(args, name, "") for name in ("prompt", "negative")]  # the command line's (sgld serve has none)
     for warning in parts.warnings(prompts[:1], prompts[1:], names=("--prompt", "--negative")):
         print(f"sgld: warning: {warning}", file=sys.stderr)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional
 
 from ..errors import CheckpointError
-from ..io.checkpoint import check_architecture, open_checkpoint
+from ..io.checkpoint import Checkpoint, check_architecture, open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,11 @@ class Bundle:
     # [latent_channels][3] weights taking a latent pixel to RGB in [-1, 1]: ComfyUI's previews of its own latent
     preview_rgb_factors: Callable[[], list] = list
 
+    def model_for(self, dit: str, **options):
+        """The bundled model that runs with DiT file ``dit``: that file's own parts when it carries them, else the
+        shipped file's (``dit`` a copy of its DiT in another format); ``options``: ``load``'s (dtype=, cached=)."""
+        return self.load(dit if self.owns_metadata(dit) else None, **options)
+
 
 _BUNDLES: Dict[str, Bundle] = {}
 
@@ -47,12 +52,15 @@ def bundles() -> List[Bundle]:
     return list(_BUNDLES.values())
 
 
+def bundle_named(name) -> Optional[Bundle]:
+    """The bundle ``name`` stands for: its own name ("demo", a Release's kind) or one of its files' ("demo-turbo")."""
+    return next((b for b in _BUNDLES.values() if isinstance(name, str) and (name == b.name or name in b.named)), None)
+
+
 def named_file(source):
-    """``source`` with a bundled model's name ("demo") as its file."""
-    for bundle in _BUNDLES.values():
-        if isinstance(source, str) and source in bundle.named:
-            return bundle.named[source]
-    return source
+    """``source`` with a bundled model's file name ("demo", "demo-turbo") as its file."""
+    bundle = bundle_named(source)
+    return bundle.named[source] if bundle is not None and source in bundle.named else source
 
 
 def bundle_of_config(config) -> Optional[Bundle]:
@@ -60,9 +68,10 @@ def bundle_of_config(config) -> Optional[Bundle]:
     return next((b for b in _BUNDLES.values() if config is not None and b.owns_config(config)), None)
 
 
-def bundle_of_file(path: str) -> Optional[Bundle]:
+def bundle_of_file(path: str, checkpoint: Optional[Checkpoint] = None) -> Optional[Bundle]:
     """The bundle a file belongs to: one carrying its parts, or a copy of its DiT in another format (its header's
-    shapes); None for any other file (an unreadable one too: its loading says what is wrong)."""
+    shapes; ``checkpoint``: the file already opened); None for any other file (an unreadable one too: its loading
+    says what is wrong)."""
     path = os.fspath(path)
     for bundle in _BUNDLES.values():
         if bundle.owns_metadata(path):
@@ -70,6 +79,6 @@ def bundle_of_file(path: str) -> Optional[Bundle]:
     if not os.path.isfile(path):
         return None
     try:
-        return bundle_of_config(check_architecture(open_checkpoint(path)))
+        return bundle_of_config(check_architecture(checkpoint or open_checkpoint(path)))
     except (CheckpointError, OSError, ValueError):
         return None

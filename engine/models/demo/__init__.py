@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ...errors import InputError
+from ...image_parts import BundledParts
 from ...io.checkpoint import check_architecture, open_checkpoint
 from ...io.load import read_model
 from ...io.readers import open_file
@@ -149,7 +150,7 @@ class DemoModel:
         if self.engine is None:
             raise RuntimeError("this DemoModel has no engine: open it with engine.open_demo()")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        latent = self.engine.pictures(self, prompts, [negative] * len(prompts), self.image_size,
+        latent = self.engine.pictures(BundledParts(self), prompts, [negative] * len(prompts), self.image_size,
                                       self.image_size, callback=callback, seed=seed, steps=steps or self.default_steps,
                                       cfg=self.default_cfg if cfg is None else cfg,
                                       sampler=sampler or self.default_sampler,
